@@ -1,0 +1,34 @@
+"""Error types whose messages are one line: what, where, what to do.
+
+Every user-facing failure in hyfi-imaging is raised as a :class:`HyfiError`
+(or a subclass) built with :func:`problem`, so that command-line tools can print
+``str(err)`` as the single line a user reads, and manifests can store it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "HyfiError", "SlideError", "problem"]
+
+
+def problem(where: str, what: str, fix: str) -> str:
+    """Format the one-line message ``"<where>: <what>; <fix>"``."""
+    where = str(where).replace("\n", " ")
+    return f"{where}: {what.rstrip('.')}; {fix.rstrip('.')}."
+
+
+class HyfiError(Exception):
+    """Base of all hyfi-imaging errors; ``str(err)`` is one line for the user."""
+
+    def __init__(self, where: str, what: str, fix: str) -> None:
+        self.where = str(where)
+        self.what = what
+        self.fix = fix
+        super().__init__(problem(where, what, fix))
+
+
+class SlideError(HyfiError):
+    """A slide or image file cannot be opened, read or used."""
+
+
+class ConfigError(HyfiError):
+    """A command-line option, layout or configuration value is invalid."""

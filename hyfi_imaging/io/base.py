@@ -1,0 +1,164 @@
+"""The one protocol every slide reader implements, plus an in-memory reader.
+
+Why a protocol and not a base class: the readers wrap very different libraries
+(OpenSlide, tifffile's zarr view, zarr itself, Pillow) and share no state; what
+they share is a vocabulary. Coordinates are ``(y, x)`` and sizes ``(h, w)``
+everywhere; ``read_region`` takes coordinates *in the pixels of the level it
+reads*. Reads outside the image are filled with :attr:`background` so that a
+tile plus halo at the border of an image never needs special cases upstream.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "BACKGROUND",
+    "ArrayReader",
+    "SlideReader",
+    "clip_region",
+    "paste_region",
+    "thumbnail",
+]
+
+#: Background value of bright-field slides (white glass).
+BACKGROUND = 255
+
+
+@runtime_checkable
+class SlideReader(Protocol):
+    """What hyfi-imaging needs from an image source.
+
+    Attributes:
+        path: the file or store this reader opened.
+        format: what the content is, e.g. ``"aperio"``, ``"generic-tiff"``,
+            ``"ome-tiff"``, ``"ome-zarr"``, ``"png"``.
+        level_dimensions: ``(h, w)`` of every pyramid level, level 0 first.
+        level_downsamples: level-0 pixels per level pixel, per level.
+        mpp: microns per level-0 pixel, or ``None`` when the file does not say.
+        mpp_source: where ``mpp`` came from: ``"vendor"``, ``"tiff-resolution"``,
+            ``"ome"``, ``"override"`` or ``"none"``.
+        channels: number of channels ``read_region`` returns (3 for RGB slides).
+        background: fill value used outside the image.
+    """
+
+    path: str
+    format: str
+    level_dimensions: tuple[tuple[int, int], ...]
+    level_downsamples: tuple[float, ...]
+    mpp: float | None
+    mpp_source: str
+    channels: int
+    background: int
+
+    @property
+    def level_count(self) -> int: ...
+
+    def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
+        """Read ``[y, y+h) x [x, x+w)`` of ``level`` as uint8 ``(C, h, w)``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def clip_region(
+    y: int, x: int, h: int, w: int, height: int, width: int
+) -> tuple[int, int, int, int] | None:
+    """Intersect a region with ``[0, height) x [0, width)``.
+
+    Returns ``(y0, x0, y1, x1)`` of the intersection in image coordinates, or
+    ``None`` when the region lies wholly outside the image.
+    """
+    y0, x0 = max(y, 0), max(x, 0)
+    y1, x1 = min(y + h, height), min(x + w, width)
+    if y0 >= y1 or x0 >= x1:
+        return None
+    return y0, x0, y1, x1
+
+
+def paste_region(
+    inside: np.ndarray, y: int, x: int, h: int, w: int, box: tuple[int, int, int, int], fill: int
+) -> np.ndarray:
+    """Place ``inside`` (the clipped read of ``box``) into a ``(C, h, w)`` canvas of ``fill``."""
+    y0, x0, y1, x1 = box
+    if inside.shape[1:] == (h, w):
+        return np.ascontiguousarray(inside, dtype=np.uint8)
+    out = np.full((inside.shape[0], h, w), fill, dtype=np.uint8)
+    out[:, y0 - y : y1 - y, x0 - x : x1 - x] = inside
+    return out
+
+
+class ArrayReader:
+    """A single-level reader over an in-memory ``(C, H, W)`` uint8 array.
+
+    Used for small images (PNG/JPEG), for tests, and wherever a decoded image
+    must be served through the same protocol as a slide.
+    """
+
+    def __init__(
+        self,
+        array: np.ndarray,
+        *,
+        path: str = "<array>",
+        format: str = "array",
+        mpp: float | None = None,
+        mpp_source: str = "none",
+        background: int = BACKGROUND,
+    ) -> None:
+        if array.ndim != 3 or array.dtype != np.uint8:
+            raise ValueError(f"ArrayReader needs a uint8 (C, H, W) array, got {array.dtype} {array.shape}")
+        self.array = array
+        self.path = path
+        self.format = format
+        self.level_dimensions = ((int(array.shape[1]), int(array.shape[2])),)
+        self.level_downsamples = (1.0,)
+        self.mpp = mpp
+        self.mpp_source = mpp_source if mpp is not None else "none"
+        self.channels = int(array.shape[0])
+        self.background = background
+
+    @property
+    def level_count(self) -> int:
+        return 1
+
+    def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
+        if level != 0:
+            raise IndexError(f"{self.path}: level {level} does not exist; this image has 1 level")
+        height, width = self.level_dimensions[0]
+        box = clip_region(y, x, h, w, height, width)
+        if box is None:
+            return np.full((self.channels, h, w), self.background, dtype=np.uint8)
+        y0, x0, y1, x1 = box
+        return paste_region(self.array[:, y0:y1, x0:x1], y, x, h, w, box, self.background)
+
+    def close(self) -> None:
+        pass
+
+
+def thumbnail(reader: SlideReader, max_size: int) -> tuple[np.ndarray, float]:
+    """A ``(C, h, w)`` thumbnail whose longer side is at most ``max_size``.
+
+    Reads the smallest pyramid level that is still at least as large as the
+    thumbnail, then resizes it with area averaging. Returns the thumbnail and
+    its downsample relative to level 0 (level-0 pixels per thumbnail pixel).
+    """
+    from PIL import Image
+
+    h0, w0 = reader.level_dimensions[0]
+    scale = max(h0, w0) / max_size
+    level = 0
+    for i, ds in enumerate(reader.level_downsamples):
+        if ds <= scale:
+            level = i
+    lh, lw = reader.level_dimensions[level]
+    region = reader.read_region(level, 0, 0, lh, lw)
+    th, tw = max(1, round(h0 / max(scale, 1.0))), max(1, round(w0 / max(scale, 1.0)))
+    if (th, tw) == (lh, lw):
+        return region, h0 / th
+    img = Image.fromarray(np.moveaxis(region, 0, -1).squeeze(-1) if region.shape[0] == 1 else np.moveaxis(region, 0, -1))
+    img = img.resize((tw, th), Image.Resampling.BOX)
+    arr = np.asarray(img)
+    arr = arr[None] if arr.ndim == 2 else np.moveaxis(arr, -1, 0)
+    return np.ascontiguousarray(arr), h0 / th
