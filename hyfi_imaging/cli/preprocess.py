@@ -1,0 +1,137 @@
+"""``hyfi-preprocess``: whole-slide images -> training-ready OME-Zarr + manifest + QC."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from hyfi_imaging.errors import HyfiError
+
+__all__ = ["build_parser", "main", "parse_size"]
+
+EXAMPLES = """\
+examples:
+  # every slide in a folder, 2 microns per pixel, on an 8192 x 8192 canvas, 2 workers
+  hyfi-preprocess slides/ --out data/cohort --mpp 2.0 --size 8192 --workers 2
+
+  # with labels (PANDA train.csv, CAMELYON16 reference.csv or slide_id,label all work)
+  hyfi-preprocess slides/ --out data/panda --mpp 1.0 --size 16384 --labels train.csv
+
+  # a slide without resolution metadata: say what it is
+  hyfi-preprocess scan.tif --out data/one --mpp 2.0 --mpp-override 0.25
+
+  # take pyramid level 2 as it is, centre-crop tissue that does not fit
+  hyfi-preprocess slides/ --out data/l2 --level 2 --size 4096 --fit crop
+
+Re-running the same command resumes: finished slides (same source, same
+options) are skipped. Exit status: 0 all slides converted, 1 some slides
+failed (see manifest.csv and preprocess.log), 2 the run could not start.
+"""
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``"8192"`` -> (8192, 8192); ``"8192x6144"`` -> (8192, 6144) as (h, w)."""
+    parts = text.lower().split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
+    if len(values) not in (1, 2) or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"size must be N or HxW with positive numbers, got {text!r}")
+    return (values[0], values[-1])
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hyfi-preprocess",
+        description="Convert whole-slide images (SVS, NDPI, MRXS, SCN, (OME-)TIFF, PNG/JPEG) into "
+        "chunked, sharded OME-Zarr v3 images at a chosen resolution, with tissue masks, a "
+        "manifest and QC pictures.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("inputs", nargs="+", type=Path, metavar="SLIDE_OR_DIR")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    res = p.add_mutually_exclusive_group()
+    res.add_argument("--mpp", type=_positive_float, help="target microns per pixel (resample)")
+    res.add_argument("--level", type=int, help="use this pyramid level as it is (default: 0)")
+    p.add_argument("--size", type=parse_size, default=(8192, 8192), help="canvas N or HxW (default: 8192)")
+    p.add_argument(
+        "--fit", choices=("fit", "crop"), default="fit",
+        help="tissue larger than the canvas: 'fit' downscales it to fit (the recorded mpp "
+        "changes), 'crop' keeps the resolution and centre-crops (default: fit)",
+    )
+    p.add_argument("--margin-um", type=float, default=100.0, help="margin around tissue in microns (default: 100)")
+    p.add_argument("--mpp-override", type=_positive_float, help="level-0 microns per pixel of the inputs, overriding metadata")
+    p.add_argument("--labels", type=Path, help="CSV/TSV of slide ids and labels")
+    p.add_argument("--id-column", help="column of slide ids in --labels (default: detected)")
+    p.add_argument("--label-column", help="column of labels in --labels (default: detected)")
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
+    p.add_argument("--recursive", action="store_true", help="search directories recursively")
+    p.add_argument("--chunk", type=int, default=512, help="zarr chunk side (default: 512)")
+    p.add_argument("--shard", type=int, default=4096, help="zarr shard side, a multiple of --chunk (default: 4096)")
+    p.add_argument("--no-qc", action="store_true", help="skip QC pictures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, warnings and errors only")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``hyfi-preprocess``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.shard % args.chunk:
+        parser.error(f"--shard {args.shard} is not a multiple of --chunk {args.chunk}")
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+    log = logging.getLogger("hyfi_imaging")
+    log.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING if args.quiet else logging.ERROR)
+    console.setFormatter(logging.Formatter("hyfi-preprocess: %(message)s"))
+    log.addHandler(console)
+    options = PreprocessOptions(
+        mpp=args.mpp, level=args.level, size=args.size, fit=args.fit, margin_um=args.margin_um,
+        mpp_override=args.mpp_override, chunk=args.chunk, shard=args.shard,
+    )
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        logfile = logging.FileHandler(args.out / "preprocess.log")
+        logfile.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(logfile)
+    except OSError:
+        pass  # run_preprocess reports the unwritable directory in one line
+    try:
+        summary = run_preprocess(
+            args.inputs, args.out, options, labels_path=args.labels, id_column=args.id_column,
+            label_column=args.label_column, workers=args.workers, recursive=args.recursive,
+            qc=not args.no_qc, progress=not args.quiet,
+        )
+    except HyfiError as err:
+        print(f"hyfi-preprocess: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        for h in list(log.handlers):
+            log.removeHandler(h)
+            h.close()
+    print(f"hyfi-preprocess: {summary.line()}")
+    print(f"  manifest:      {summary.manifest}")
+    if summary.contact_sheet:
+        print(f"  contact sheet: {summary.contact_sheet}")
+    for res in summary.failed:
+        print(f"  FAILED {res.error}")
+    return 1 if summary.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

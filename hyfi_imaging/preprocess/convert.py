@@ -1,0 +1,332 @@
+"""One slide in, one training-ready OME-Zarr image out.
+
+The steps are the ones a pathologist would do by hand: find the tissue on a
+thumbnail, crop to it with a margin, bring it to the training resolution, and
+place it on a fixed-size canvas. What makes this module more than a script:
+
+* **Provenance.** ``source_box`` (level-0 source pixels) and ``placement``
+  (canvas pixels) are stored with the image, so any prediction on the canvas maps
+  back onto the slide: canvas ``(py + u, px + v)`` is source
+  ``(sy + u * sh / ph, sx + v * sw / pw)``.
+* **Bounded memory.** The crop is resampled in bands of output rows, reading
+  from the finest pyramid level that is not coarser than the target, so a
+  16K canvas from a 40x slide never holds the 40x crop in memory.
+* **Atomic, resumable output.** The store is written under a temporary name and
+  renamed into place; an existing store is only replaced once the new one is
+  complete. A store counts as done only when its recorded parameters and
+  source fingerprint equal the current ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+from hyfi_imaging.errors import HyfiError, SlideError
+from hyfi_imaging.io import open_slide, thumbnail
+from hyfi_imaging.io.base import SlideReader
+from hyfi_imaging.io.zarr_store import read_hyfi_attrs, write_ome_zarr
+from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
+
+__all__ = [
+    "ConvertResult",
+    "PreprocessOptions",
+    "convert_slide",
+    "is_done",
+    "plan_crop",
+    "source_fingerprint",
+    "store_path",
+]
+
+FitPolicy = Literal["fit", "crop"]
+_BAND_ROWS = 1024
+_TMP_MARK = ".tmp-"
+
+
+@dataclass(frozen=True)
+class PreprocessOptions:
+    """Everything that determines the output of a slide (recorded in its metadata).
+
+    Exactly one of ``mpp`` (resample to this resolution) or ``level`` (take a
+    pyramid level as it is) is used; with neither, level 0 is used.
+    """
+
+    mpp: float | None = None
+    level: int | None = None
+    size: tuple[int, int] = (8192, 8192)
+    fit: FitPolicy = "fit"
+    margin_um: float = 100.0
+    mpp_override: float | None = None
+    thumbnail_size: int = 1024
+    chunk: int = 512
+    shard: int = 4096
+    pyramid_levels: int = 3
+
+    def record(self) -> dict[str, Any]:
+        """The JSON-able form stored under ``hyfi.params``."""
+        d = asdict(self)
+        d["size"] = list(self.size)
+        return d
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What happened to one slide (a row of the manifest, before labels)."""
+
+    slide_id: str
+    source: str
+    store: str
+    status: Literal["ok", "skipped", "failed"]
+    height: int = 0
+    width: int = 0
+    mpp: float | None = None
+    error: str = ""
+    qc: str = ""
+    megapixels: float = 0.0
+
+
+@dataclass(frozen=True)
+class CropPlan:
+    """Where the crop comes from and where it goes."""
+
+    source_box: tuple[int, int, int, int]  # y, x, h, w in level-0 source pixels
+    placement: tuple[int, int, int, int]  # y, x, h, w in canvas pixels
+    read_level: int
+    mpp: float | None
+    tissue_box: tuple[int, int, int, int]
+
+
+def store_path(out_dir: Path, slide_id: str) -> Path:
+    """Where the store of ``slide_id`` lives."""
+    return out_dir / f"{slide_id}.zarr"
+
+
+def source_fingerprint(path: Path) -> dict[str, Any]:
+    """Size and modification time of the source: a changed file is converted again."""
+    st = path.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def is_done(store: Path, source: Path, options: PreprocessOptions) -> bool:
+    """True when ``store`` is a finished conversion of ``source`` with ``options``."""
+    from hyfi_imaging import __version__
+
+    attrs = read_hyfi_attrs(store)
+    if not attrs:
+        return False
+    try:
+        same_source = attrs.get("fingerprint") == source_fingerprint(source)
+    except OSError:
+        return False
+    return (
+        same_source
+        and attrs.get("params") == options.record()
+        and attrs.get("version") == __version__
+        and attrs.get("source") == str(source.resolve())
+    )
+
+
+def _resolution(reader: SlideReader, options: PreprocessOptions) -> tuple[float, int, float | None]:
+    """Output pixels per level-0 pixel, the level to read from, and the output mpp."""
+    where = reader.path
+    if options.mpp is not None:
+        if reader.mpp is None:
+            raise SlideError(
+                where,
+                "the slide does not record its resolution (no mpp in vendor metadata or TIFF tags)",
+                "pass --mpp-override MICRONS_PER_PIXEL, or --level N to use a pyramid level as it is",
+            )
+        scale = reader.mpp / options.mpp
+        level = 0
+        for i, ds in enumerate(reader.level_downsamples):
+            if ds <= 1.0 / scale + 1e-6:
+                level = i
+        return scale, level, options.mpp
+    level = options.level or 0
+    if level >= reader.level_count:
+        raise SlideError(
+            where,
+            f"level {level} requested but the slide has {reader.level_count} levels",
+            f"use --level between 0 and {reader.level_count - 1}",
+        )
+    ds = reader.level_downsamples[level]
+    return 1.0 / ds, level, None if reader.mpp is None else reader.mpp * ds
+
+
+def plan_crop(reader: SlideReader, options: PreprocessOptions) -> tuple[CropPlan, np.ndarray, float]:
+    """Find the tissue and decide the source box, canvas placement and read level.
+
+    Returns the plan, the tissue mask and the mask's downsample (for QC pictures).
+    """
+    thumb, thumb_ds = thumbnail(reader, options.thumbnail_size)
+    mask = tissue_mask(thumb)
+    scale, level, mpp = _resolution(reader, options)
+    h0, w0 = reader.level_dimensions[0]
+    margin = 0 if reader.mpp is None else round(options.margin_um / reader.mpp)
+    box = tissue_box(mask, thumb_ds, (h0, w0), margin=margin)
+    if box is None:
+        raise SlideError(
+            reader.path,
+            "no tissue found on the thumbnail (the slide looks blank)",
+            "check the slide, or leave it out of the run",
+        )
+    sy, sx, sh, sw = box
+    canvas_h, canvas_w = options.size
+    ph, pw = round(sh * scale), round(sw * scale)
+    if ph > canvas_h or pw > canvas_w:
+        if options.fit == "fit":
+            shrink = min(canvas_h / ph, canvas_w / pw)
+            scale *= shrink
+            if mpp is not None:
+                mpp /= shrink
+            level = max(
+                (i for i, ds in enumerate(reader.level_downsamples) if ds <= 1.0 / scale + 1e-6),
+                default=0,
+            )
+            ph, pw = min(canvas_h, round(sh * scale)), min(canvas_w, round(sw * scale))
+        else:  # centre-crop the tissue box to what the canvas holds at this resolution
+            keep_h, keep_w = min(sh, math.floor(canvas_h / scale)), min(sw, math.floor(canvas_w / scale))
+            sy, sx = sy + (sh - keep_h) // 2, sx + (sw - keep_w) // 2
+            sh, sw = keep_h, keep_w
+            ph, pw = min(canvas_h, round(sh * scale)), min(canvas_w, round(sw * scale))
+    ph, pw = max(ph, 1), max(pw, 1)
+    placement = ((canvas_h - ph) // 2, (canvas_w - pw) // 2, ph, pw)
+    return CropPlan((sy, sx, sh, sw), placement, level, mpp, box), mask, thumb_ds
+
+
+def render_crop(reader: SlideReader, plan: CropPlan) -> np.ndarray:
+    """Resample ``plan.source_box`` to ``plan.placement``'s size, in bands of output rows."""
+    sy, sx, sh, sw = plan.source_box
+    _, _, ph, pw = plan.placement
+    ds = reader.level_downsamples[plan.read_level]
+    out = np.empty((reader.channels, ph, pw), dtype=np.uint8)
+    # Source level coordinates of the crop.
+    ly0, lx0, lh, lw = sy / ds, sx / ds, sh / ds, sw / ds
+    per_row = lh / ph
+    x_read0 = math.floor(lx0)
+    x_read1 = math.ceil(lx0 + lw)
+    for r0 in range(0, ph, _BAND_ROWS):
+        r1 = min(ph, r0 + _BAND_ROWS)
+        top, bottom = ly0 + r0 * per_row, ly0 + r1 * per_row
+        y_read0, y_read1 = math.floor(top), math.ceil(bottom)
+        block = reader.read_region(
+            plan.read_level, y_read0, x_read0, y_read1 - y_read0, x_read1 - x_read0
+        )
+        box = (lx0 - x_read0, top - y_read0, lx0 - x_read0 + lw, bottom - y_read0)
+        out[:, r0:r1] = _resample(block, box, (r1 - r0, pw))
+    return out
+
+
+def _resample(
+    block: np.ndarray, box: tuple[float, float, float, float], out_hw: tuple[int, int]
+) -> np.ndarray:
+    """Area-resample the ``box`` (x0, y0, x1, y1) of a ``(C, h, w)`` block to ``out_hw``."""
+    h, w = out_hw
+    if box == (0, 0, block.shape[2], block.shape[1]) and block.shape[1:] == (h, w):
+        return block
+    channels = [Image.fromarray(np.ascontiguousarray(c)) for c in block]
+    downscale = (box[2] - box[0]) >= w
+    resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
+    return np.stack([np.asarray(c.resize((w, h), resample, box=box)) for c in channels])
+
+
+def _atomic_replace(tmp: Path, final: Path) -> None:
+    """Move a finished ``tmp`` store to ``final``; an old ``final`` goes only afterwards."""
+    trash: Path | None = None
+    if final.exists():
+        trash = final.with_name(f"{final.name}{_TMP_MARK}old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Delete temporary stores a killed run left behind; returns what was removed."""
+    removed = []
+    for p in out_dir.glob(f"*.zarr{_TMP_MARK}*"):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def convert_slide(
+    source: Path, out_dir: Path, slide_id: str, options: PreprocessOptions, *, qc_dir: Path | None
+) -> ConvertResult:
+    """Convert one slide; never raises for a bad slide, returns a ``failed`` result instead."""
+    from hyfi_imaging import __version__
+    from hyfi_imaging.preprocess.qc import write_slide_qc
+
+    final = store_path(out_dir, slide_id)
+    tmp = final.with_name(f"{final.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+    try:
+        if is_done(final, source, options):
+            attrs = read_hyfi_attrs(final) or {}
+            h, w = attrs.get("size", [0, 0])
+            qc = qc_dir / f"{slide_id}.png" if qc_dir else None
+            return ConvertResult(
+                slide_id, str(source), str(final), "skipped", h, w, attrs.get("mpp"),
+                qc=str(qc) if qc and qc.exists() else "",
+            )
+        with open_slide(source, mpp_override=options.mpp_override) as reader:
+            plan, mask, mask_ds = plan_crop(reader, options)
+            crop = render_crop(reader, plan)
+            canvas_h, canvas_w = options.size
+            canvas = np.full((reader.channels, canvas_h, canvas_w), reader.background, np.uint8)
+            py, px, ph, pw = plan.placement
+            canvas[:, py : py + ph, px : px + pw] = crop
+            attrs = {
+                "source": str(source.resolve()),
+                "source_format": reader.format,
+                "source_mpp": reader.mpp,
+                "source_mpp_from": reader.mpp_source,
+                "source_level": plan.read_level,
+                "mpp": plan.mpp,
+                "source_box": list(plan.source_box),
+                "placement": list(plan.placement),
+                "tissue_box": list(plan.tissue_box),
+                "size": [canvas_h, canvas_w],
+                "background": reader.background,
+                "slide_id": slide_id,
+                "version": __version__,
+                "params": options.record(),
+                "fingerprint": source_fingerprint(source),
+            }
+            write_ome_zarr(
+                tmp,
+                canvas,
+                mpp=plan.mpp,
+                hyfi_attrs=attrs,
+                chunk=options.chunk,
+                shard=options.shard,
+                pyramid_levels=options.pyramid_levels,
+                name=slide_id,
+            )
+            qc = ""
+            if qc_dir is not None:
+                qc = str(write_slide_qc(qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, canvas))
+        _atomic_replace(tmp, final)
+        return ConvertResult(
+            slide_id, str(source), str(final), "ok", canvas_h, canvas_w, plan.mpp, qc=qc,
+            megapixels=canvas_h * canvas_w / 1e6,
+        )
+    except HyfiError as err:
+        return ConvertResult(slide_id, str(source), "", "failed", error=str(err))
+    except Exception as err:  # one bad slide must never stop the others
+        what = f"{type(err).__name__}: {err}".replace("\n", " ")
+        return ConvertResult(
+            slide_id, str(source), "", "failed",
+            error=f"{source}: could not be converted ({what}); check the file, or report a bug "
+            "with this line if the file opens in other tools.",
+        )
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,140 @@
+"""Label files in, manifest out.
+
+Label files come as the data sets ship them: PANDA's ``train.csv``
+(``image_id,data_provider,isup_grade,gleason_score``), CAMELYON16's headerless
+``reference.csv`` (``test_001,Tumor,Macro,...``), or a plain
+``slide_id,label``. We detect a header, find the id and label columns by their
+usual names (or take the user's ``--id-column``/``--label-column``), and match
+ids to slide file names without their extension.
+
+The manifest is the hand-over to training: one row per input slide, finished
+or not, written atomically so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hyfi_imaging.errors import ConfigError
+
+__all__ = ["MANIFEST_COLUMNS", "ManifestRow", "read_labels", "read_manifest", "slide_id_of", "write_manifest"]
+
+MANIFEST_COLUMNS = ("slide_id", "path", "label", "height", "width", "mpp", "status", "error", "source")
+
+_ID_NAMES = ("slide_id", "image_id", "slide", "image", "id", "filename", "file", "name", "case_id")
+_LABEL_NAMES = ("label", "isup_grade", "class", "target", "diagnosis", "y", "grade", "category")
+_SLIDE_SUFFIXES = (".ome.tiff", ".ome.tif", ".ome.zarr")
+
+
+def slide_id_of(path: Path | str) -> str:
+    """The slide id of a file: its name without the (double) extension."""
+    name = Path(path).name
+    for suffix in _SLIDE_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return Path(name).stem if "." in name else name
+
+
+def _pick(header: list[str], wanted: str | None, names: tuple[str, ...], path: Path, what: str) -> int:
+    lower = [h.strip().lower() for h in header]
+    if wanted is not None:
+        if wanted.lower() not in lower:
+            raise ConfigError(
+                path, f"no column named {wanted!r} (columns: {', '.join(header)})",
+                f"pass --{what}-column with one of those names",
+            )
+        return lower.index(wanted.lower())
+    for name in names:
+        if name in lower:
+            return lower.index(name)
+    raise ConfigError(
+        path, f"cannot tell which column holds the {what} (columns: {', '.join(header)})",
+        f"pass --{what}-column NAME",
+    )
+
+
+def read_labels(
+    path: Path, *, id_column: str | None = None, label_column: str | None = None
+) -> dict[str, str]:
+    """Map slide id -> label from a CSV/TSV label file, header or not."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(path, f"cannot read the labels file ({err})", "check the path") from err
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise ConfigError(path, "the labels file is empty", "give a CSV with slide ids and labels")
+    try:
+        dialect: type[csv.Dialect] | csv.Dialect = csv.Sniffer().sniff(lines[0], delimiters=",;\t")
+    except csv.Error:
+        dialect = csv.excel
+    rows = list(csv.reader(lines, dialect))
+    first = [c.strip().lower() for c in rows[0]]
+    has_header = bool(set(first) & set(_ID_NAMES + _LABEL_NAMES)) or id_column is not None
+    if has_header:
+        header, body = rows[0], rows[1:]
+        id_col = _pick(header, id_column, _ID_NAMES, path, "id")
+        label_col = _pick(header, label_column, _LABEL_NAMES, path, "label")
+    else:  # headerless (CAMELYON16 reference.csv): id, label, ...
+        body, id_col, label_col = rows, 0, 1
+    labels: dict[str, str] = {}
+    for lineno, row in enumerate(body, start=2 if has_header else 1):
+        if len(row) <= max(id_col, label_col):
+            raise ConfigError(
+                f"{path}:{lineno}", f"row has {len(row)} fields, expected at least "
+                f"{max(id_col, label_col) + 1}", "fix or remove that row",
+            )
+        sid, label = slide_id_of(row[id_col].strip()), row[label_col].strip()
+        if sid in labels and labels[sid] != label:
+            raise ConfigError(
+                f"{path}:{lineno}", f"slide {sid!r} has two labels ({labels[sid]!r}, {label!r})",
+                "keep one row per slide",
+            )
+        labels[sid] = label
+    return labels
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    """One line of ``manifest.csv``."""
+
+    slide_id: str
+    path: str
+    label: str
+    height: int
+    width: int
+    mpp: float | None
+    status: str
+    error: str
+    source: str
+
+
+def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
+    """Write the manifest atomically (temporary file, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(MANIFEST_COLUMNS)
+        for r in rows:
+            writer.writerow(
+                [r.slide_id, r.path, r.label, r.height, r.width,
+                 "" if r.mpp is None else f"{r.mpp:.6g}", r.status, r.error, r.source]
+            )
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(path: Path) -> list[ManifestRow]:
+    """Read a manifest written by :func:`write_manifest`."""
+    with path.open(newline="", encoding="utf-8") as f:
+        return [
+            ManifestRow(
+                d["slide_id"], d["path"], d["label"], int(d["height"] or 0), int(d["width"] or 0),
+                float(d["mpp"]) if d["mpp"] else None, d["status"], d["error"], d["source"],
+            )
+            for d in csv.DictReader(f)
+        ]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install hyfi-imaging with everything it needs.
+# Needs only python3 (>= 3.10) and pip. torch is pinned: an unpinned torch pulls
+# gigabytes of CUDA packages on a CPU machine. On a GPU cluster, install the
+# torch build that matches your CUDA first, then `pip install -e .` and use the
+# site's MPI (see docs/user-guide.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.hyfi-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[dev,mpich]"
+  touch "$stamp"
+fi
