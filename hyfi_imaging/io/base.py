@@ -62,6 +62,10 @@ class SlideReader(Protocol):
 
     def close(self) -> None: ...
 
+    def __enter__(self) -> SlideReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 def clip_region(
     y: int, x: int, h: int, w: int, height: int, width: int
@@ -108,12 +112,16 @@ class ArrayReader:
         background: int = BACKGROUND,
     ) -> None:
         if array.ndim != 3 or array.dtype != np.uint8:
-            raise ValueError(f"ArrayReader needs a uint8 (C, H, W) array, got {array.dtype} {array.shape}")
+            raise ValueError(
+                f"ArrayReader needs a uint8 (C, H, W) array, got {array.dtype} {array.shape}"
+            )
         self.array = array
         self.path = path
         self.format = format
-        self.level_dimensions = ((int(array.shape[1]), int(array.shape[2])),)
-        self.level_downsamples = (1.0,)
+        self.level_dimensions: tuple[tuple[int, int], ...] = (
+            (int(array.shape[1]), int(array.shape[2])),
+        )
+        self.level_downsamples: tuple[float, ...] = (1.0,)
         self.mpp = mpp
         self.mpp_source = mpp_source if mpp is not None else "none"
         self.channels = int(array.shape[0])
@@ -136,6 +144,12 @@ class ArrayReader:
     def close(self) -> None:
         pass
 
+    def __enter__(self) -> ArrayReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def thumbnail(reader: SlideReader, max_size: int) -> tuple[np.ndarray, float]:
     """A ``(C, h, w)`` thumbnail whose longer side is at most ``max_size``.
@@ -157,7 +171,11 @@ def thumbnail(reader: SlideReader, max_size: int) -> tuple[np.ndarray, float]:
     th, tw = max(1, round(h0 / max(scale, 1.0))), max(1, round(w0 / max(scale, 1.0)))
     if (th, tw) == (lh, lw):
         return region, h0 / th
-    img = Image.fromarray(np.moveaxis(region, 0, -1).squeeze(-1) if region.shape[0] == 1 else np.moveaxis(region, 0, -1))
+    img = Image.fromarray(
+        np.moveaxis(region, 0, -1).squeeze(-1)
+        if region.shape[0] == 1
+        else np.moveaxis(region, 0, -1)
+    )
     img = img.resize((tw, th), Image.Resampling.BOX)
     arr = np.asarray(img)
     arr = arr[None] if arr.ndim == 2 else np.moveaxis(arr, -1, 0)

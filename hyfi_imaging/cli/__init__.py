@@ -1,0 +1,1 @@
+"""Thin command-line entry points; the work is done in the library."""

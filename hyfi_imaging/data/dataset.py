@@ -1,0 +1,331 @@
+"""A torch Dataset that gives one spatial rank its tile (plus halo) of each sample.
+
+Why per rank: an 8K-16K image never exists whole in one process. Every
+spatial rank builds its own :class:`TileDataset` with its ``rank`` in the grid
+and reads only the source pixels its tile plus halo shows — through the
+augmentation's rectangle map (:mod:`hyfi_imaging.data.augment`), with
+parameters drawn from ``(seed, epoch, index)`` so that all ranks (and all
+DataLoader workers) augment the same sample identically without talking.
+Stitching every rank's tile gives exactly the augmented whole image.
+
+Why everything is known before a store is opened: the manifest written by
+``hyfi-preprocess`` records each image's size, so the grid, the halo, the
+output size and the label mapping are validated at construction — a
+configuration error surfaces before any worker starts or any rank allocates.
+Stores themselves are opened lazily, inside the process that reads them, and
+dropped when the dataset is pickled: zarr 3 runs an event-loop thread, so a
+reader must never cross a fork, and workers should be started with
+``multiprocessing_context="spawn"`` or ``"forkserver"``.
+
+The epoch lives in the dataset (:meth:`TileDataset.set_epoch`). DataLoader
+pickles the dataset into its workers when an epoch's iterator is created, so
+call ``set_epoch`` *before* iterating, and do not use ``persistent_workers``
+(persistent workers keep the epoch they started with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hyfi_imaging.data.augment import (
+    AugmentConfig,
+    AugmentParams,
+    apply_colour,
+    draw_augment,
+    output_size,
+    read_augmented,
+)
+from hyfi_imaging.data.tiles import Halo, TileRegion, normalize_halo, tile_region
+from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.io.base import BACKGROUND, SlideReader
+
+__all__ = ["UNLABELLED", "Sample", "TileDataset", "load_samples"]
+
+#: Label of a manifest row whose label is empty (an unlabelled slide).
+UNLABELLED = -1
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One usable manifest row: where the store is and what it shows.
+
+    Attributes:
+        slide_id: the slide's id.
+        path: absolute path of the OME-Zarr store.
+        label: class index, or ``-1`` for an unlabelled slide.
+        image_hw: ``(H, W)`` of the store at level 0.
+    """
+
+    slide_id: str
+    path: str
+    label: int
+    image_hw: tuple[int, int]
+
+
+def _label_of(text: str, classes: Sequence[str] | None, where: str) -> int:
+    text = text.strip()
+    if not text:
+        return UNLABELLED
+    if classes is not None:
+        if text not in classes:
+            raise ConfigError(
+                where,
+                f"label {text!r} is not one of the classes {list(classes)}",
+                "fix the label or the class list",
+            )
+        return list(classes).index(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            where,
+            f"label {text!r} is not an integer",
+            "pass classes=[...] to map class names to indices",
+        ) from None
+
+
+def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) -> list[Sample]:
+    """The usable rows (``status == "ok"``) of a ``manifest.csv`` (or its directory).
+
+    Store paths are resolved relative to the manifest's directory. Labels are
+    mapped through ``classes`` when given, else read as integers.
+
+    Raises:
+        ConfigError: missing or unreadable manifest, missing columns, bad
+            sizes or labels, or no usable row at all.
+    """
+    # Imported here: the preprocess package pulls in image libraries a worker never needs.
+    from hyfi_imaging.preprocess.manifest import read_manifest
+
+    path = Path(manifest)
+    if path.is_dir():
+        path = path / "manifest.csv"
+    try:
+        rows = read_manifest(path)
+    except OSError as err:
+        raise ConfigError(
+            str(path), f"cannot read the manifest ({err})", "run hyfi-preprocess first"
+        ) from err
+    except (KeyError, ValueError, TypeError) as err:
+        raise ConfigError(
+            str(path),
+            f"not a hyfi-preprocess manifest ({type(err).__name__}: {err})",
+            "rewrite it with hyfi-preprocess",
+        ) from err
+    samples = []
+    for line, row in enumerate(rows, start=2):
+        if row.status != "ok":
+            continue
+        where = f"{path}:{line}"
+        if min(row.height, row.width) < 1 or not row.path:
+            raise ConfigError(
+                where, f"row {row.slide_id!r} has no store or no size", "rerun hyfi-preprocess"
+            )
+        store = Path(row.path)
+        store = store if store.is_absolute() else path.parent / store
+        samples.append(
+            Sample(
+                row.slide_id,
+                str(store),
+                _label_of(row.label, classes, where),
+                (row.height, row.width),
+            )
+        )
+    if not samples:
+        raise ConfigError(
+            str(path), "the manifest lists no slide with status ok", "check its error column"
+        )
+    return samples
+
+
+def _open_slide(path: str) -> SlideReader:
+    from hyfi_imaging.io.detect import open_slide
+
+    return open_slide(path)
+
+
+class TileDataset(Dataset[dict[str, Any]]):
+    """Spatial rank ``rank``'s tile plus halo of each (augmented) image of a manifest.
+
+    Args:
+        manifest: ``manifest.csv`` written by ``hyfi-preprocess``, or its directory.
+        grid: spatial grid ``(gy, gx)``.
+        rank: this rank's ``(i, j)`` in the grid.
+        halo: pixels read around the tile (see :func:`~hyfi_imaging.data.tiles.normalize_halo`).
+        align: the model's total stride; tile offsets are multiples of it.
+        augment: the augmentation; ``None`` reads the stored image unchanged.
+        seed: augmentation seed, the same on every rank.
+        level: pyramid level to read (level ``l`` of a hyfi store is ``ceil(H / 2**l)``).
+        classes: class names, mapped to their index; else labels are integers.
+        fill: value of pixels outside the image (halo past the border, padding).
+        opener: ``path -> SlideReader``; a module-level function (workers
+            unpickle it). Default: :func:`hyfi_imaging.io.open_slide`.
+        max_open: readers kept open per process (least recently used are closed).
+
+    Items are dicts: ``image`` float32 ``(C, h, w)`` in ``[0, 1]`` (tile plus
+    halo, augmented), ``label`` int64, ``index`` int, ``slide_id`` str,
+    ``read`` int64 ``(y, x, h, w)`` of the read box in output-image pixels,
+    ``inside`` int64 ``(y, x, h, w)``: the part of the box within the output
+    image, in box-local pixels (the rest is ``fill``, and global padding).
+
+    With a grid larger than 1x1 all output images must have one size (set
+    ``augment.out_size`` or give images of one size); else :class:`ConfigError`.
+    """
+
+    def __init__(
+        self,
+        manifest: str | Path,
+        *,
+        grid: tuple[int, int] = (1, 1),
+        rank: tuple[int, int] = (0, 0),
+        halo: Halo = 0,
+        align: int = 1,
+        augment: AugmentConfig | None = None,
+        seed: int = 0,
+        level: int = 0,
+        classes: Sequence[str] | None = None,
+        fill: int = BACKGROUND,
+        opener: Callable[[str], SlideReader] | None = None,
+        max_open: int = 16,
+    ) -> None:
+        if level < 0 or seed < 0 or max_open < 1 or not 0 <= fill <= 255:
+            raise ConfigError(
+                f"TileDataset(level={level}, seed={seed}, max_open={max_open}, fill={fill})",
+                "level and seed must be >= 0, max_open >= 1, fill in 0..255",
+                "fix the argument",
+            )
+        self.samples = load_samples(manifest, classes=classes)
+        self.grid = (int(grid[0]), int(grid[1]))
+        self.rank = (int(rank[0]), int(rank[1]))
+        self.halo = normalize_halo(halo)
+        self.align = int(align)
+        self.augment = augment if augment is not None else AugmentConfig()
+        self.seed = int(seed)
+        self.level = int(level)
+        self.fill = int(fill)
+        self.epoch = 0
+        self._opener = opener if opener is not None else _open_slide
+        self._max_open = int(max_open)
+        self._readers: OrderedDict[str, SlideReader] = OrderedDict()
+        self._region = self._fixed_region()
+        if self._region is None:
+            self.region(0)  # validates rank and align before any worker starts
+
+    def _level_hw(self, sample: Sample) -> tuple[int, int]:
+        f = 2**self.level
+        return -(-sample.image_hw[0] // f), -(-sample.image_hw[1] // f)
+
+    def _fixed_region(self) -> TileRegion | None:
+        """The one tile region all samples share, or ``None`` (1x1 grid, sizes vary)."""
+        sizes: set[tuple[int, int]] = set()
+        for sample in self.samples:
+            try:
+                sizes.add(output_size(self.augment, self._level_hw(sample)))
+            except ConfigError:
+                if self.grid != (1, 1):
+                    raise
+                return None
+        if len(sizes) > 1:
+            if self.grid != (1, 1):
+                raise ConfigError(
+                    f"TileDataset grid {self.grid}",
+                    f"the images have {len(sizes)} output sizes (e.g. {sorted(sizes)[:3]})",
+                    "set augment=AugmentConfig(out_size=(h, w)) or preprocess to one size",
+                )
+            return None
+        (out_hw,) = sizes
+        return tile_region(out_hw, self.grid, self.rank, halo=self.halo, align=self.align)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s augmentation draws from now on (call before iterating)."""
+        if epoch < 0:
+            raise ConfigError(
+                f"set_epoch({epoch})", "the epoch must be >= 0", "count epochs from 0"
+            )
+        self.epoch = int(epoch)
+
+    def params(self, index: int) -> AugmentParams:
+        """The augmentation of sample ``index`` in the current epoch (no store is opened)."""
+        sample = self.samples[index]
+        return draw_augment(
+            self.augment, self._level_hw(sample), seed=self.seed, epoch=self.epoch, index=index
+        )
+
+    def region(self, index: int) -> TileRegion:
+        """This rank's :class:`TileRegion` of sample ``index``, in output-image pixels."""
+        if self._region is not None:
+            return self._region
+        return tile_region(
+            self.params(index).out_hw, self.grid, self.rank, halo=self.halo, align=self.align
+        )
+
+    def _reader(self, sample: Sample) -> SlideReader:
+        reader = self._readers.get(sample.path)
+        if reader is not None:
+            self._readers.move_to_end(sample.path)
+            return reader
+        reader = self._opener(sample.path)
+        expected = self._level_hw(sample)
+        dims = (
+            tuple(int(v) for v in reader.level_dimensions[self.level])
+            if self.level < reader.level_count
+            else None
+        )
+        if dims != expected:
+            reader.close()
+            raise SlideError(
+                sample.path,
+                f"level {self.level} is {dims} but the manifest says {expected[0]}x{expected[1]}",
+                "rerun hyfi-preprocess for this slide (or choose a level the store has)",
+            )
+        self._readers[sample.path] = reader
+        while len(self._readers) > self._max_open:
+            _, old = self._readers.popitem(last=False)
+            old.close()
+        return reader
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self.samples):
+            raise IndexError(f"index {index} out of range for {len(self.samples)} samples")
+        sample = self.samples[index]
+        params = self.params(index)
+        region = self.region(index)
+        tile = read_augmented(
+            self._reader(sample), params, region.read, level=self.level, fill=self.fill
+        )
+        return {
+            "image": torch.from_numpy(apply_colour(tile, params)),
+            "label": torch.tensor(sample.label, dtype=torch.int64),
+            "index": index,
+            "slide_id": sample.slide_id,
+            "read": torch.tensor(region.read, dtype=torch.int64),
+            "inside": torch.tensor(region.inside, dtype=torch.int64),
+        }
+
+    def close(self) -> None:
+        """Close every reader this process opened."""
+        while self._readers:
+            _, reader = self._readers.popitem()
+            reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Readers hold zarr handles (and an event loop behind them): never ship them to a worker.
+        state = self.__dict__.copy()
+        state["_readers"] = OrderedDict()
+        return state
+
+    def __del__(self) -> None:
+        # Best effort: interpreter shutdown may already have torn the readers down.
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,264 @@
+"""Generic and OME-TIFF pyramids through tifffile's zarr view.
+
+Why tifffile and not OpenSlide for these: OpenSlide follows only the main IFD
+chain, so the SubIFD pyramid of an OME-TIFF shows up as a single level; and
+tifffile's zarr store decodes only the tiles a region touches (measured
+faster than OpenSlide on the same JPEG-tiled file). Decoding a whole level per
+read, as some toolkits do, is never done here.
+
+Pyramid choice: the largest image series that is not a thumbnail, label or
+macro; its ``levels`` (SubIFDs, or reduced pages tifffile groups) are the
+pyramid. If tifffile reports the reduced pages of a plain multi-page pyramid
+as separate series instead, those whose shape is a 2^k-ish reduction of the
+base are appended as levels.
+
+Channels: RGB (``YXS``) and planar (``CYX``) layouts both come out as
+``(C, h, w)``. Grayscale is replicated to 3 channels, because every
+downstream step (tissue mask, models) expects RGB bright-field input; RGBA
+is composited over the background; uint16 is scaled to uint8.
+
+MPP, in order: the override; OME ``PhysicalSizeX/Y`` (source ``"ome"``);
+Aperio ``MPP`` in an SVS description (``"vendor"``); ``XResolution`` with
+``ResolutionUnit`` inch or centimeter (``"tiff-resolution"``); else unknown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import xml.etree.ElementTree as ET
+from typing import Any
+
+import numpy as np
+
+from hyfi_imaging.errors import SlideError
+from hyfi_imaging.io.base import BACKGROUND, clip_region, paste_region
+from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
+
+__all__ = ["TiffReader", "ome_mpp"]
+
+_SVS_MPP = re.compile(r"\|\s*MPP\s*=\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)")
+_ASSOCIATED = {"thumbnail", "label", "macro", "overview"}
+_OME_UNIT_UM = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e6, "Å": 1e-4}
+
+
+def ome_mpp(ome_xml: str | None) -> float | None:
+    """Microns per pixel from the first image's OME ``PhysicalSizeX/Y``, or ``None``."""
+    if not ome_xml:
+        return None
+    try:
+        root = ET.fromstring(ome_xml)
+    except ET.ParseError:
+        return None
+    pixels = next(
+        (el for el in root.iter() if el.tag.endswith("}Pixels") or el.tag == "Pixels"), None
+    )
+    if pixels is None:
+        return None
+    values = []
+    for axis in ("X", "Y"):
+        size = pixels.get(f"PhysicalSize{axis}")
+        scale = _OME_UNIT_UM.get(pixels.get(f"PhysicalSize{axis}Unit", "µm"))
+        if size is not None and scale is not None:
+            with contextlib.suppress(ValueError):
+                values.append(float(size) * scale)
+    values = [v for v in values if MPP_PLAUSIBLE[0] <= v <= MPP_PLAUSIBLE[1]]
+    return sum(values) / len(values) if values else None
+
+
+def _yx_shape(series: Any) -> tuple[int, int]:
+    axes, shape = series.axes, series.shape
+    return int(shape[axes.index("Y")]), int(shape[axes.index("X")])
+
+
+class TiffReader:
+    """A :class:`~hyfi_imaging.io.base.SlideReader` over a tiled (OME-)TIFF pyramid.
+
+    Args:
+        path: a TIFF or BigTIFF file.
+        mpp_override: microns per level-0 pixel that win over the metadata.
+
+    Raises:
+        SlideError: not a readable TIFF, no image series, unsupported layout.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mpp_override: float | None = None) -> None:
+        import tifffile
+        import zarr
+
+        self.path = str(path)
+        self.background = BACKGROUND
+        try:
+            self._tif = tifffile.TiffFile(self.path)
+        except Exception as err:
+            raise SlideError(
+                self.path,
+                f"tifffile cannot open the file ({type(err).__name__}: {err})",
+                "check that the file is a complete TIFF",
+            ) from err
+        try:
+            levels = self._pick_pyramid()
+            base = levels[0]
+            self._axes = base.axes
+            if "Y" not in self._axes or "X" not in self._axes:
+                raise ValueError(f"series axes {self._axes!r} have no Y and X")
+            dtype = np.dtype(base.dtype)
+            if dtype not in (np.uint8, np.uint16):
+                raise ValueError(f"pixel type {dtype} (only uint8 and uint16 are read)")
+            self._check_complete(levels)
+            self._arrays = [
+                zarr.open_array(self._tif.aszarr(series=s, level=lv), mode="r")
+                for s, lv in self._level_keys
+            ]
+            self.level_dimensions = tuple(_yx_shape(lv) for lv in levels)
+        except SlideError:
+            self._tif.close()
+            raise
+        except Exception as err:
+            self._tif.close()
+            raise SlideError(
+                self.path,
+                f"unsupported or damaged TIFF ({type(err).__name__}: {err})",
+                "convert it to a tiled RGB TIFF or OME-Zarr",
+            ) from err
+        h0, w0 = self.level_dimensions[0]
+        self.level_downsamples = tuple((h0 / h + w0 / w) / 2 for h, w in self.level_dimensions)
+        self._channel_axis = "S" if "S" in self._axes else ("C" if "C" in self._axes else None)
+        self._source_channels = (
+            int(base.shape[self._axes.index(self._channel_axis)]) if self._channel_axis else 1
+        )
+        self.channels = 3 if self._source_channels in (1, 3, 4) else self._source_channels
+        self.format = (
+            "ome-tiff" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
+        )
+        self.mpp, self.mpp_source = self._mpp(mpp_override)
+
+    def _pick_pyramid(self) -> list[Any]:
+        series = [
+            s
+            for s in self._tif.series
+            if s.name.lower() not in _ASSOCIATED and "Y" in s.axes and "X" in s.axes
+        ]
+        if not series:
+            raise SlideError(self.path, "TIFF holds no image series", "check the file")
+        index = max(range(len(series)), key=lambda i: int(np.prod(_yx_shape(series[i]))))
+        base = series[index]
+        full = self._tif.series.index(base)
+        levels = list(base.levels)
+        self._level_keys = [(full, i) for i in range(len(levels))]
+        if len(levels) == 1:
+            # Plain page pyramid split into series: keep proportional reductions.
+            h0, w0 = _yx_shape(base)
+            for s in series:
+                h, w = _yx_shape(s)
+                if (h, w) == (h0, w0) or s.axes != base.axes or len(s.levels) != 1:
+                    continue
+                if s.keyframe.is_tiled and abs(h - h0 * w / w0) <= 1.0:  # same aspect ratio
+                    levels.append(s)
+                    self._level_keys.append((self._tif.series.index(s), 0))
+            order = sorted(range(len(levels)), key=lambda i: -int(np.prod(_yx_shape(levels[i]))))
+            levels = [levels[i] for i in order]
+            self._level_keys = [self._level_keys[i] for i in order]
+        return levels
+
+    def _check_complete(self, levels: list[Any]) -> None:
+        """Fail at open, not mid-training, when tile data lies beyond the end of the file."""
+        size = self._tif.filehandle.size
+        for i, level in enumerate(levels):
+            for page in level.pages:
+                if page is None:
+                    continue
+                ends = [
+                    o + n for o, n in zip(page.dataoffsets, page.databytecounts, strict=True) if n
+                ]
+                if ends and max(ends) > size:
+                    raise SlideError(
+                        self.path,
+                        f"file is truncated (level {i} tiles end at byte {max(ends)}, "
+                        f"file has {size})",
+                        "re-copy or re-export the file",
+                    )
+
+    def _mpp(self, override: float | None) -> tuple[float | None, str]:
+        if override is not None:
+            return float(override), "override"
+        mpp = ome_mpp(self._tif.ome_metadata) if self._tif.is_ome else None
+        if mpp is not None:
+            return mpp, "ome"
+        page = self._tif.pages.first
+        if self._tif.is_svs:
+            found = _SVS_MPP.search(page.description or "")
+            mpp = float(found.group(1)) if found else None
+            if mpp is not None and MPP_PLAUSIBLE[0] <= mpp <= MPP_PLAUSIBLE[1]:
+                return mpp, "vendor"
+        res, unit = page.tags.get("XResolution"), page.tags.get("ResolutionUnit")
+        if res is not None and unit is not None:
+            num, den = res.value
+            unit_name = {2: "inch", 3: "centimeter"}.get(int(unit.value))
+            mpp = mpp_from_resolution(num / den if den else None, unit_name)
+            if mpp is not None:
+                return mpp, "tiff-resolution"
+        return None, "none"
+
+    @property
+    def level_count(self) -> int:
+        return len(self._arrays)
+
+    def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
+        """Read ``[y, y+h) x [x, x+w)`` of ``level`` as uint8 ``(C, h, w)``, touching only its tiles."""
+        if not 0 <= level < self.level_count:
+            raise IndexError(
+                f"{self.path}: level {level} does not exist; this image has {self.level_count}"
+            )
+        height, width = self.level_dimensions[level]
+        box = clip_region(y, x, h, w, height, width)
+        if box is None:
+            return np.full((self.channels, h, w), self.background, dtype=np.uint8)
+        y0, x0, y1, x1 = box
+        sel = tuple(
+            slice(y0, y1)
+            if a == "Y"
+            else slice(x0, x1)
+            if a == "X"
+            else slice(None)
+            if a == self._channel_axis
+            else 0
+            for a in self._axes
+        )
+        try:
+            data = np.asarray(self._arrays[level][sel])
+        except Exception as err:
+            raise SlideError(
+                self.path,
+                f"cannot read level {level} region y={y} x={x} h={h} w={w} "
+                f"({type(err).__name__}: {err})",
+                "the file may be truncated or corrupt; re-copy or re-export it",
+            ) from err
+        kept = [a for a in self._axes if a in ("Y", "X") or a == self._channel_axis]
+        order = [kept.index(a) for a in (self._channel_axis, "Y", "X") if a is not None]
+        data = data.transpose(order) if self._channel_axis else data[None]
+        return paste_region(self._to_rgb(data), y, x, h, w, box, self.background)
+
+    def _to_rgb(self, data: np.ndarray) -> np.ndarray:
+        """``(C, h, w)`` of the source dtype -> uint8 RGB (gray replicated, alpha composited)."""
+        if data.dtype == np.uint16:
+            data = ((data.astype(np.uint32) + 128) // 257).astype(np.uint8)
+        if data.shape[0] == 1:
+            return np.repeat(data, 3, axis=0)
+        if data.shape[0] == 4:  # unassociated alpha: composite over the background
+            alpha = data[3:4].astype(np.uint16)
+            rgb = data[:3].astype(np.uint16) * alpha + self.background * (255 - alpha)
+            return ((rgb + 127) // 255).astype(np.uint8)
+        return data
+
+    def close(self) -> None:
+        """Close the TIFF file handle."""
+        self._arrays = []
+        self._tif.close()
+
+    def __enter__(self) -> TiffReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

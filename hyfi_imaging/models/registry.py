@@ -1,0 +1,260 @@
+"""Model registry and the contract every registered model honours.
+
+Why a registry: recipes, model cards and the command line name a model by a
+string (``"resnet50"``, ``"amoebanet-d-18-256"``), and variants of one family
+are *data* (block type, depth, filters) registered under a name, as in timm --
+not subclasses. :func:`create_model` is the one way to build a model from a
+name; a mistyped name fails with the close matches, an unknown option with the
+options the family accepts, both before any memory is allocated.
+
+Why a shared base class (:class:`ChainModel`): the parallel code downstream
+needs two properties of every model, and they are cheapest to guarantee once:
+
+* **pipeline cuts** are made from the model's ordered top-level children, so
+  ``forward`` is *literally* those children run in order, each on the previous
+  child's output (a tensor, or a tuple for multi-input cells). Cutting the list
+  anywhere gives stages whose composition is the model, bit for bit;
+* **spatialization** swaps pixel-mixing leaf modules (Conv2d, pools, BatchNorm2d)
+  for halo-exchanging twins, so models use module instances for every
+  pixel-mixing op and only pointwise tensor code (add, cat) between them.
+
+Why checkpointing lives in the blocks (:class:`CheckpointedBlock`) and not in
+``forward_features``: a pipeline stage runs a slice of the children directly,
+so activation checkpointing must travel with the blocks themselves. The
+recomputation in backward runs BatchNorm a second time; the recompute context
+restores BatchNorm's running statistics afterwards, so a checkpointed step
+leaves exactly the same model state as a plain one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyfi_imaging.errors import ConfigError
+
+__all__ = [
+    "ChainModel",
+    "CheckpointedBlock",
+    "ModelEntry",
+    "check_positive",
+    "create_model",
+    "get_model_entry",
+    "list_models",
+    "register_model",
+]
+
+F = TypeVar("F", bound=Callable[..., nn.Module])
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered variant: a builder and the keyword defaults that make the variant."""
+
+    name: str
+    builder: Callable[..., nn.Module]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+
+
+def register_model(
+    name: str, builder: Callable[..., nn.Module] | None = None, /, **defaults: Any
+) -> Any:
+    """Register a model builder under ``name``.
+
+    Two forms, both storing ``builder`` and ``defaults``:
+
+    - table form: ``register_model("resnet50", ResNet, block=Bottleneck, layers=(3, 4, 6, 3))``;
+    - decorator form: ``@register_model("my-net")`` above a function or class.
+
+    ``create_model(name, **kw)`` later calls ``builder(**{**defaults, **kw})``.
+    Registering a name twice is a programming error (``ValueError``).
+    """
+
+    def add(fn: F) -> F:
+        if name in _REGISTRY:
+            raise ValueError(f"model name {name!r} is already registered")
+        _REGISTRY[name] = ModelEntry(name, fn, dict(defaults))
+        return fn
+
+    if builder is None:
+        return add
+    return add(builder)
+
+
+def list_models(pattern: str | None = None) -> list[str]:
+    """Sorted registered names, optionally filtered by a shell pattern (``"resnet*"``)."""
+    names = sorted(_REGISTRY)
+    if pattern is not None:
+        names = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return names
+
+
+def get_model_entry(name: str) -> ModelEntry:
+    """The registry entry for ``name``; an unknown name raises ConfigError with close matches."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}?" if close else "no close match"
+        raise ConfigError(
+            f"model {name!r}",
+            "unknown model name",
+            f"{hint} (registered: {', '.join(list_models())})",
+        ) from None
+
+
+def _accepted_kwargs(builder: Callable[..., nn.Module]) -> set[str] | None:
+    """Keyword names ``builder`` accepts; None when it takes ``**kwargs``."""
+    params = inspect.signature(builder).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def create_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build the registered model ``name``; ``kwargs`` override the variant's defaults.
+
+    OK: ``create_model("resnet50", num_classes=2, in_chans=1)``.
+    Error: ``create_model("resnet5")`` raises ConfigError naming ``resnet50`` and the others;
+    ``create_model("resnet50", widht=2)`` raises ConfigError listing the accepted options.
+    """
+    entry = get_model_entry(name)
+    accepted = _accepted_kwargs(entry.builder)
+    if accepted is not None:
+        unknown = sorted(set(kwargs) - accepted)
+        if unknown:
+            raise ConfigError(
+                f"model {name!r}",
+                f"unknown option {', '.join(unknown)}",
+                f"use one of: {', '.join(sorted(accepted - set(entry.defaults)))}",
+            )
+    return entry.builder(**{**entry.defaults, **kwargs})
+
+
+def check_positive(where: str, **values: float) -> None:
+    """Raise ConfigError unless every named value is > 0 (used by the model constructors)."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ConfigError(where, f"{key}={value!r} must be positive", f"pass {key} > 0")
+
+
+class _RestoreBatchNormStats(contextlib.AbstractContextManager[None]):
+    """Snapshot BatchNorm buffers on entry, put them back on exit.
+
+    Used as the *recompute* context of activation checkpointing: the second
+    forward of a block during backward would otherwise update running_mean,
+    running_var and num_batches_tracked a second time.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+        self.saved: list[list[torch.Tensor | None]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [
+            [None if b is None else b.detach().clone() for b in self._buffers(m)]
+            for m in self.norms
+        ]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for m, saved in zip(self.norms, self.saved, strict=True):
+                for buf, old in zip(self._buffers(m), saved, strict=True):
+                    if buf is not None and old is not None:
+                        buf.copy_(old)
+
+    @staticmethod
+    def _buffers(m: nn.Module) -> list[torch.Tensor | None]:
+        return [m.running_mean, m.running_var, m.num_batches_tracked]  # type: ignore[list-item]
+
+
+class CheckpointedBlock(nn.Module):
+    """A block that can recompute its activations in backward instead of storing them.
+
+    Subclasses implement :meth:`forward_block`; ``forward`` wraps it in
+    :func:`torch.utils.checkpoint.checkpoint` (non-reentrant) when
+    ``grad_checkpointing`` is set and autograd is recording. Values and
+    gradients are unchanged; BatchNorm running statistics are updated once.
+    """
+
+    grad_checkpointing: bool = False
+
+    def forward_block(self, x: Any) -> Any:
+        """The block's computation; implemented by subclasses."""
+        raise NotImplementedError
+
+    def forward(self, x: Any) -> Any:
+        """Run :meth:`forward_block`, checkpointed when enabled."""
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(
+                self.forward_block,
+                x,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), _RestoreBatchNormStats(self)),
+            )
+        return self.forward_block(x)
+
+
+class ChainModel(nn.Module):
+    """Base of every registered model: ``forward`` is the top-level children in order.
+
+    Attributes set by subclasses:
+
+    - ``num_classes``, ``in_chans``: as passed to the constructor;
+    - ``num_features``: channels of the :meth:`forward_features` output;
+    - ``total_stride``: input pixels per feature-map pixel; spatial tiles are aligned
+      to it so that every strided layer sees tile offsets that divide its stride;
+    - ``head_start``: index of the first top-level child that belongs to the head.
+    """
+
+    num_classes: int
+    in_chans: int
+    num_features: int
+    total_stride: int
+    head_start: int
+
+    def _run(self, x: Any, start: int, stop: int | None) -> Any:
+        for module in list(self.children())[start:stop]:
+            x = module(x)
+        return x
+
+    def forward_features(self, x: torch.Tensor) -> Any:
+        """The feature map before global pooling (the children before the head)."""
+        return self._run(x, 0, self.head_start)
+
+    def forward_head(self, feats: Any) -> torch.Tensor:
+        """Logits from :meth:`forward_features` output (the head's children)."""
+        out: torch.Tensor = self._run(feats, self.head_start, None)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits: the top-level children run in order, each on the previous output."""
+        out: torch.Tensor = self._run(x, 0, None)
+        return out
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute every block's activations in backward (saves memory, same results)."""
+        for block in self.blocks():
+            block.grad_checkpointing = enable
+
+    def blocks(self) -> Iterator[CheckpointedBlock]:
+        """All checkpointable blocks, in module order."""
+        for m in self.modules():
+            if isinstance(m, CheckpointedBlock):
+                yield m

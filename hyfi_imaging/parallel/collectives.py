@@ -1,0 +1,58 @@
+"""All-reduces as autograd functions, with the two backward rules spatial layers need.
+
+Which backward is right depends on who uses the reduced value:
+
+* :func:`all_reduce_partial` — BatchNorm statistics. Every rank uses the
+  global mean to normalise *its own* tile, so each rank's backward holds only
+  its share of the gradient; the true gradient is their **sum**.
+* :func:`all_reduce_replicated` — global average pooling. Everything after
+  the pool (the head, the loss) is computed identically on every rank, so each
+  rank already holds the **whole** gradient; summing again would multiply it
+  by the number of tiles (the double count REFERENCE.md warns about).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_partial", "all_reduce_replicated"]
+
+
+def _sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    out = t.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _AllReducePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _sum(grad, ctx.group), None
+
+
+class _AllReduceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def all_reduce_partial(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ``group``; backward sums the gradient over ``group`` too."""
+    return _AllReducePartial.apply(x, group)  # type: ignore[no-any-return]
+
+
+def all_reduce_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ``group``; backward passes the (already complete) gradient through."""
+    return _AllReduceReplicated.apply(x, group)  # type: ignore[no-any-return]

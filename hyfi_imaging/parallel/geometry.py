@@ -1,0 +1,735 @@
+"""Pure geometry of a spatial decomposition: who owns which pixels, which halo each tile needs.
+
+Why pure: the exact halo exchange, the spatial layers and the tile loader all
+ask the same questions (which input rows does this tile need, who holds them,
+which are global padding). Answering them here, with integers only and no
+``torch.distributed``, lets every answer be checked exhaustively against brute
+force in milliseconds, and keeps communication code free of index arithmetic.
+
+Why per dimension: a conv or pool window is a box, so every 2-D answer is the
+product of two 1-D answers. :func:`decompose` solves one axis for all ranks;
+:func:`plan_layer` multiplies the two axes of a ``(gy, gx)`` grid into a
+:class:`TilePlan` per rank (row-major ``rank = i * gx + j``).
+
+Conventions:
+
+- Ranges are half-open ``[start, stop)`` :class:`Span` values in *global*
+  indices; :meth:`Span.slice` and :meth:`Box.slices` turn them into local slices.
+- The image is ``[0, n)``. :func:`split` gives equal tiles over a padded length
+  so that every rank has the same tensor shape (pipelining needs static
+  shapes); the part of a tile beyond ``n`` is *not data*: it is never sent, and
+  a rank that needs it fills it as global padding. Garbage that a layer writes
+  there is therefore overwritten by the next layer for free.
+- ``need`` is the contiguous hull of the inputs a tile's outputs read (with
+  dilation and a stride larger than the window, a few inside it are unread):
+  one box per neighbour is cheaper than many small messages.
+- Output ownership rule: output ``j`` belongs to the rank owning input
+  ``jump * j`` (the last rank also takes any outputs past the end that a large
+  padding creates). For tiles aligned to the jump this is simply
+  ``output tile = input tile / jump``; unaligned tiles get uneven outputs.
+
+Why :class:`ChainGeom` looks like a layer: a chain of layers reads, from the
+input, the window ``[J*j - P, J*j - P + R)`` for output ``j`` (REFERENCE.md:
+``J, P, R``), so one deep exchange for a chain uses the same code as one layer.
+A deep halo is exact only if each intermediate activation is re-masked outside
+the image (0 for conv, -inf before max-pool); that is the spatial layers' job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from hyfi_imaging.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "Box",
+    "ChainGeom",
+    "Decomp1D",
+    "Footprint",
+    "GridPlan",
+    "Halo1D",
+    "LayerGeom",
+    "Span",
+    "TilePlan",
+    "decompose",
+    "halo_1d",
+    "layer_geom",
+    "out_length",
+    "owned_outputs",
+    "plan_chain",
+    "plan_layer",
+    "split",
+    "split_balanced",
+]
+
+
+class Span(NamedTuple):
+    """Half-open index range ``[start, stop)``; empty when ``stop <= start``."""
+
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        """Number of indices in the span (0 when empty)."""
+        return max(0, self.stop - self.start)
+
+    @property
+    def empty(self) -> bool:
+        """True when the span holds no index."""
+        return self.stop <= self.start
+
+    def intersect(self, other: tuple[int, int]) -> Span:
+        """Indices in both spans; an empty result is returned as ``(a, a)``."""
+        start, stop = max(self.start, other[0]), min(self.stop, other[1])
+        return Span(start, max(start, stop))
+
+    def slice(self, origin: int = 0) -> slice:
+        """Local slice of this span in an array whose index 0 is global ``origin``."""
+        return slice(self.start - origin, self.stop - origin)
+
+
+class Box(NamedTuple):
+    """2-D box ``y x x`` of two spans, in global ``(y, x)`` coordinates."""
+
+    y: Span
+    x: Span
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(h, w)`` of the box."""
+        return (self.y.size, self.x.size)
+
+    @property
+    def empty(self) -> bool:
+        """True when the box holds no pixel."""
+        return self.y.empty or self.x.empty
+
+    def intersect(self, other: Box) -> Box:
+        """Pixels in both boxes."""
+        return Box(self.y.intersect(other.y), self.x.intersect(other.x))
+
+    def slices(self, origin: tuple[int, int] = (0, 0)) -> tuple[slice, slice]:
+        """Local ``(y, x)`` slices in an array whose pixel ``(0, 0)`` is global ``origin``."""
+        return (self.y.slice(origin[0]), self.x.slice(origin[1]))
+
+
+class Footprint(Protocol):
+    """What the decomposition needs to know of a layer (or a chain of layers) on one axis."""
+
+    @property
+    def jump(self) -> int:
+        """Input pixels per output pixel (the stride, or a chain's total stride)."""
+        ...
+
+    def out_length(self, n: int) -> int:
+        """Output length for an input of length ``n``; ConfigError when it would be <= 0."""
+        ...
+
+    def need(self, out: tuple[int, int]) -> Span:
+        """Hull of the input indices (padding included) that outputs ``out`` read."""
+        ...
+
+
+def _check_int(where: str, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(where, f"{name} is {value!r}", f"use an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class LayerGeom:
+    """One axis of a conv/pool window: ``kernel``, ``stride``, ``padding``, ``dilation``.
+
+    ``padding`` pads the start of the axis and ``padding_end`` its end
+    (default: the same); they differ only for ``padding='same'`` convs with an
+    even window, where PyTorch puts the extra pixel at the end.
+
+    OK: ``LayerGeom(3, stride=2, padding=1)``.  Error: ``LayerGeom(0)`` ->
+    ConfigError (kernel must be >= 1).
+    """
+
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    padding_end: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"layer geometry {self!r}"
+        _check_int(where, "kernel", self.kernel, 1)
+        _check_int(where, "stride", self.stride, 1)
+        _check_int(where, "padding", self.padding, 0)
+        _check_int(where, "dilation", self.dilation, 1)
+        if self.padding_end is None:
+            # Normalised so that equal windows compare equal however they were written.
+            object.__setattr__(self, "padding_end", self.padding)
+        _check_int(where, "padding_end", self.padding_end, 0)
+
+    def __str__(self) -> str:
+        pad = (
+            f"{self.padding}" if self.pad_end == self.padding else f"{self.padding}+{self.pad_end}"
+        )
+        dil = f"/d{self.dilation}" if self.dilation != 1 else ""
+        return f"k{self.kernel}/s{self.stride}/p{pad}{dil}"
+
+    @property
+    def pad_end(self) -> int:
+        """Padding at the end of the axis (``padding_end`` as an int)."""
+        return self.padding if self.padding_end is None else self.padding_end
+
+    @property
+    def extent(self) -> int:
+        """Span of one window in input pixels, ``K = d(k-1) + 1``."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    @property
+    def jump(self) -> int:
+        """Input pixels per output pixel: the stride."""
+        return self.stride
+
+    def out_length(self, n: int) -> int:
+        """``floor((n + p + p_end - K) / s) + 1``; ConfigError when it would be <= 0."""
+        m = (n + self.padding + self.pad_end - self.extent) // self.stride + 1
+        if m <= 0:
+            raise ConfigError(
+                f"layer {self}",
+                f"an input of length {n} is shorter than the window extent {self.extent} "
+                f"minus the padding {self.padding + self.pad_end}",
+                f"use an input of at least {self.extent - self.padding - self.pad_end} pixels",
+            )
+        return m
+
+    def reads(self, j: int) -> range:
+        """Exact input indices (padding included) that output ``j`` reads."""
+        first = self.stride * j - self.padding
+        return range(first, first + self.extent, self.dilation)
+
+    def need(self, out: tuple[int, int]) -> Span:
+        """Hull ``[s*j0 - p, s*(j1-1) - p + K)`` of the inputs that outputs ``[j0, j1)`` read."""
+        j0, j1 = out
+        if j1 <= j0:
+            return Span(self.stride * j0 - self.padding, self.stride * j0 - self.padding)
+        return Span(
+            self.stride * j0 - self.padding, self.stride * (j1 - 1) - self.padding + self.extent
+        )
+
+
+@dataclass(frozen=True)
+class ChainGeom:
+    """A chain of layers on one axis, seen from its input: total stride, padding, extent.
+
+    ``J_l = J_{l-1} s_l``, ``P_l = P_{l-1} + p_l J_{l-1}``,
+    ``R_l = R_{l-1} + d_l (k_l - 1) J_{l-1}`` with ``J_0 = 1, P_0 = 0, R_0 = 1``.
+    For tiles aligned to ``J`` the deep halo is :attr:`halo` ``= (P, R - P - J)``.
+    """
+
+    layers: tuple[LayerGeom, ...]
+    jump: int = field(init=False)
+    padding: int = field(init=False)
+    extent: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError("layer chain", "the chain has no layer", "give at least one layer")
+        jump, pad, ext = 1, 0, 1
+        for geom in self.layers:
+            pad += geom.padding * jump
+            ext += geom.dilation * (geom.kernel - 1) * jump
+            jump *= geom.stride
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "jump", jump)
+        object.__setattr__(self, "padding", pad)
+        object.__setattr__(self, "extent", ext)
+
+    def __str__(self) -> str:
+        return " > ".join(str(g) for g in self.layers)
+
+    @property
+    def halo(self) -> tuple[int, int]:
+        """Deep halo ``(P, R - P - J)`` of a tile aligned to :attr:`jump` (negative = surplus)."""
+        return (self.padding, self.extent - self.padding - self.jump)
+
+    def out_length(self, n: int) -> int:
+        """Output length of the whole chain; ConfigError names the layer that runs out."""
+        for index, geom in enumerate(self.layers):
+            try:
+                n = geom.out_length(n)
+            except ConfigError as err:
+                raise ConfigError(
+                    f"layer {index} ({geom}) of chain {self}", err.what, err.fix
+                ) from None
+        return n
+
+    def need(self, out: tuple[int, int]) -> Span:
+        """Hull ``[J*j0 - P, J*(j1-1) - P + R)`` of chain inputs read by outputs ``[j0, j1)``."""
+        j0, j1 = out
+        start = self.jump * j0 - self.padding
+        if j1 <= j0:
+            return Span(start, start)
+        return Span(start, self.jump * (j1 - 1) - self.padding + self.extent)
+
+
+def out_length(n: int, geom: Footprint) -> int:
+    """Output length of ``geom`` (a layer or a chain) for an input of length ``n``."""
+    return geom.out_length(n)
+
+
+def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    return (int(value[0]), int(value[1]))
+
+
+def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
+    """``(y, x)`` window geometry of a ``Conv2d``, ``MaxPool2d`` or ``AvgPool2d``.
+
+    Conv ``padding='valid'`` is 0 and ``'same'`` is ``d(k-1)`` split as PyTorch
+    does (the odd pixel at the end). Refused with ConfigError: other modules,
+    non-zero conv ``padding_mode`` (a tile border has no reflection to copy)
+    and ``ceil_mode=True`` (its last window depends on the image length).
+    """
+    from torch import nn
+
+    # Spatial layers call this on every forward: the repr is built only for an error.
+    def where() -> str:
+        return repr(module).replace("\n", " ")
+
+    if isinstance(module, nn.Conv2d):
+        if module.padding_mode != "zeros":
+            raise ConfigError(
+                where(),
+                f"padding_mode={module.padding_mode!r} is not supported by spatial tiling",
+                "use padding_mode='zeros'",
+            )
+        kernel, stride, dilation = (
+            _pair(module.kernel_size),
+            _pair(module.stride),
+            _pair(module.dilation),
+        )
+        if module.padding == "valid":
+            pads = [(0, 0), (0, 0)]
+        elif module.padding == "same":
+            total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+            pads = [(t // 2, t - t // 2) for t in total]
+        else:
+            pads = [(p, p) for p in _pair(module.padding)]  # type: ignore[arg-type]
+    elif isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
+        if module.ceil_mode:
+            raise ConfigError(
+                where(), "ceil_mode=True is not supported by spatial tiling", "use ceil_mode=False"
+            )
+        kernel, stride = _pair(module.kernel_size), _pair(module.stride)
+        pads = [(p, p) for p in _pair(module.padding)]
+        dilation = _pair(module.dilation) if isinstance(module, nn.MaxPool2d) else (1, 1)
+    else:
+        raise ConfigError(
+            where(),
+            f"{type(module).__name__} has no window geometry",
+            "pass a Conv2d, MaxPool2d or AvgPool2d",
+        )
+    y, x = (
+        LayerGeom(kernel[a], stride[a], pads[a][0], dilation[a], padding_end=pads[a][1])
+        for a in (0, 1)
+    )
+    return (y, x)
+
+
+def split(n: int, parts: int, *, align: int = 1, axis: str = "axis") -> tuple[Span, ...]:
+    """Equal tiles ``[r*t, (r+1)*t)``, ``t = ceil(n / (parts*align)) * align``.
+
+    The tiles cover the padded length ``parts * t >= n``; the last tiles may own
+    indices past ``n`` (not data, see the module docstring). ConfigError when a
+    tile would hold nothing of the image.
+
+    OK: ``split(10, 3, align=2)`` -> ``[0,4) [4,8) [8,12)``.
+    Error: ``split(8, 3, align=4)`` -> tile 2 would start at 8 >= 8.
+    """
+    where = f"split of {axis} (length {n}) into {parts} tiles aligned to {align}"
+    _check_int(where, "length", n, 1)
+    _check_int(where, "parts", parts, 1)
+    _check_int(where, "align", align, 1)
+    tile = -(-n // (parts * align)) * align
+    if (parts - 1) * tile >= n:
+        most = max(p for p in range(1, parts) if (p - 1) * (-(-n // (p * align)) * align) < n)
+        raise ConfigError(
+            where,
+            f"tiles of {tile} leave tile {parts - 1} with nothing of the image "
+            f"(it would start at {(parts - 1) * tile} >= {n})",
+            f"use at most {most} tiles along {axis}, or a {axis} length of at least "
+            f"{(parts - 1) * align + 1}",
+        )
+    return tuple(Span(r * tile, (r + 1) * tile) for r in range(parts))
+
+
+def split_balanced(n: int, parts: int, *, axis: str = "axis") -> tuple[Span, ...]:
+    """Tiles covering exactly ``[0, n)`` whose sizes differ by at most one (larger first)."""
+    where = f"balanced split of {axis} (length {n}) into {parts} tiles"
+    _check_int(where, "length", n, 1)
+    _check_int(where, "parts", parts, 1)
+    if parts > n:
+        raise ConfigError(
+            where,
+            f"{parts} tiles cannot each own one of {n} indices",
+            f"use at most {n} tiles along {axis}",
+        )
+    size, extra = divmod(n, parts)
+    starts = [r * size + min(r, extra) for r in range(parts + 1)]
+    return tuple(Span(a, b) for a, b in pairwise(starts))
+
+
+def _check_partition(spans: Sequence[tuple[int, int]], n: int, where: str) -> tuple[Span, ...]:
+    """Contiguous, non-empty spans from 0 whose every tile holds something of ``[0, n)``."""
+    result = tuple(Span(int(a), int(b)) for a, b in spans)
+    if not result:
+        raise ConfigError(where, "no tile was given", "give one span per rank")
+    expect = 0
+    for rank, span in enumerate(result):
+        if span.start != expect or span.empty:
+            raise ConfigError(
+                where,
+                f"rank {rank} owns {tuple(span)} but the tiles must be non-empty and "
+                f"contiguous from 0 (expected a start of {expect})",
+                "give spans [0, a), [a, b), ... as split() returns",
+            )
+        if span.start >= n:
+            raise ConfigError(
+                where,
+                f"rank {rank} would own {tuple(span)}, nothing of the {n} real indices",
+                "use fewer tiles along this axis or a larger image",
+            )
+        expect = span.stop
+    if expect < n:
+        raise ConfigError(where, f"the tiles end at {expect} < {n}", "cover the whole axis")
+    return result
+
+
+def owned_outputs(
+    owned_in: Sequence[tuple[int, int]], geom: Footprint, m: int, *, axis: str = "axis"
+) -> tuple[Span, ...]:
+    """Output tiles by the ownership rule: output ``j`` goes to the owner of input ``jump*j``.
+
+    ``m`` is the real output length; the last rank's tile also reaches past the
+    end so that every output in ``[0, m)`` has exactly one owner. ConfigError
+    when a rank would own no real output (grid too fine for this layer).
+    """
+    jump = geom.jump
+    starts = [-(-int(a) // jump) for a, _ in owned_in]
+    stops = [*starts[1:], max(-(-int(owned_in[-1][1]) // jump), m)]
+    for rank, (a, b) in enumerate(zip(starts, stops, strict=True)):
+        if a >= b or a >= m:
+            raise ConfigError(
+                f"outputs of {geom} along {axis} ({m} outputs, {len(starts)} tiles)",
+                f"rank {rank} with input tile {tuple(owned_in[rank])} would own no output "
+                f"(outputs [{a}, {min(b, m)}))",
+                f"use fewer tiles along {axis} (each must own one of the {m} outputs) "
+                f"with input tiles aligned to the stride {jump}",
+            )
+    return tuple(Span(a, b) for a, b in zip(starts, stops, strict=True))
+
+
+@dataclass(frozen=True)
+class Halo1D:
+    """One rank on one axis for one layer (or chain), in global input/output indices.
+
+    ``halo``: pixels of the image beyond the owned data that the rank must
+    receive, ``(left, right)``; negative = surplus owned data to slice away.
+    ``pad``: needed indices outside ``[0, n)``, made as global padding.
+    ``surplus``: ``max(0, -halo)`` per side.
+    """
+
+    n: int
+    out: Span
+    owned: Span
+    need: Span
+    halo: tuple[int, int]
+    pad: tuple[int, int]
+    surplus: tuple[int, int]
+
+    @property
+    def data(self) -> Span:
+        """Owned indices that are image data: ``owned`` clipped to ``[0, n)``."""
+        return self.owned.intersect((0, self.n))
+
+    @property
+    def own(self) -> Span:
+        """Needed indices the rank already holds: ``need`` and ``data`` both."""
+        return self.need.intersect(self.data)
+
+
+def halo_1d(n: int, geom: Footprint, out: tuple[int, int], owned: tuple[int, int]) -> Halo1D:
+    """Halo, global padding and surplus of a tile owning inputs ``owned`` and outputs ``out``.
+
+    Identity: ``need.size == sum(pad) + sum(halo) + data.size``.
+    """
+    out_span, owned_span = Span(*out), Span(*owned)
+    need = geom.need(out_span)
+    data = owned_span.intersect((0, n))
+    # Image indices needed beyond the data, minus owned data not needed, per side.
+    # Counting both (rather than subtracting ends) keeps the meaning when the
+    # need and the data do not overlap, which a large padding can cause.
+    before = max(0, min(need.stop, data.start) - max(need.start, 0))
+    after = max(0, min(need.stop, n) - max(need.start, data.stop))
+    surplus = (
+        max(0, min(need.start, data.stop) - data.start),
+        max(0, data.stop - max(need.stop, data.start)),
+    )
+    halo = (before - surplus[0], after - surplus[1])
+    pad = (min(need.size, max(0, -need.start)), min(need.size, max(0, need.stop - n)))
+    return Halo1D(n, out_span, owned_span, need, halo, pad, surplus)
+
+
+@dataclass(frozen=True)
+class Decomp1D:
+    """All ranks of one axis through one layer: tiles, halos, and who sends what to whom."""
+
+    n: int
+    m: int
+    geom: Footprint
+    tiles: tuple[Halo1D, ...]
+
+    @property
+    def parts(self) -> int:
+        """Number of tiles (ranks) on this axis."""
+        return len(self.tiles)
+
+    @property
+    def owned_in(self) -> tuple[Span, ...]:
+        """Input tile of each rank."""
+        return tuple(t.owned for t in self.tiles)
+
+    @property
+    def owned_out(self) -> tuple[Span, ...]:
+        """Output tile of each rank."""
+        return tuple(t.out for t in self.tiles)
+
+    def recv(self, rank: int, peer: int) -> Span:
+        """What ``rank`` needs of ``peer``'s data (``peer == rank``: what it holds itself)."""
+        return self.tiles[rank].need.intersect(self.tiles[peer].data)
+
+    def recvs(self, rank: int) -> tuple[tuple[int, Span], ...]:
+        """Non-empty ``(peer, span)`` that ``rank`` receives, any peer (not only neighbours)."""
+        spans = ((q, self.recv(rank, q)) for q in range(self.parts) if q != rank)
+        return tuple((q, s) for q, s in spans if not s.empty)
+
+    def sends(self, rank: int) -> tuple[tuple[int, Span], ...]:
+        """Non-empty ``(peer, span)`` that ``rank`` sends: the transpose of :meth:`recvs`."""
+        spans = ((q, self.recv(q, rank)) for q in range(self.parts) if q != rank)
+        return tuple((q, s) for q, s in spans if not s.empty)
+
+
+def decompose(
+    n: int,
+    geom: Footprint,
+    parts: int | None = None,
+    *,
+    align: int = 1,
+    owned_in: Sequence[tuple[int, int]] | None = None,
+    owned_out: Sequence[tuple[int, int]] | None = None,
+    axis: str = "axis",
+) -> Decomp1D:
+    """Decompose one axis of length ``n`` through ``geom`` for all ranks.
+
+    Input tiles: ``owned_in`` if given, else ``split(n, parts, align=align)``.
+    Output tiles: ``owned_out`` if given (any partition of the outputs, e.g. from
+    :func:`split_balanced`), else :func:`owned_outputs` (the ownership rule).
+    """
+    if owned_in is None:
+        if parts is None:
+            raise ConfigError(
+                f"decomposition of {axis}",
+                "neither parts nor owned_in given",
+                "give the number of tiles or the input tiles",
+            )
+        spans_in = split(n, parts, align=align, axis=axis)
+    else:
+        spans_in = _check_partition(owned_in, n, f"input tiles along {axis} (length {n})")
+    m = geom.out_length(n)
+    if owned_out is None:
+        spans_out = owned_outputs(spans_in, geom, m, axis=axis)
+    else:
+        spans_out = _check_partition(owned_out, m, f"output tiles along {axis} (length {m})")
+        if len(spans_out) != len(spans_in):
+            raise ConfigError(
+                f"decomposition of {axis}",
+                f"{len(spans_in)} input tiles but {len(spans_out)} output tiles",
+                "give one output tile per input tile",
+            )
+    tiles = tuple(halo_1d(n, geom, o, i) for i, o in zip(spans_in, spans_out, strict=True))
+    return Decomp1D(n, m, geom, tiles)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Rank ``(i, j)`` of a ``(gy, gx)`` grid through one layer (or chain), in global pixels.
+
+    The rank builds its extended input of shape ``need.shape`` as: global padding
+    everywhere, then ``own`` copied from its tile, then each ``recvs`` box from
+    its peer. Those boxes tile ``need`` clipped to the image with no overlap.
+    ``halo``, ``pad`` and ``surplus`` are ``(top, bottom, left, right)``.
+    """
+
+    rank: int
+    coord: tuple[int, int]
+    owned_in: Box
+    data_in: Box
+    owned_out: Box
+    data_out: Box
+    need: Box
+    own: Box
+    halo: tuple[int, int, int, int]
+    pad: tuple[int, int, int, int]
+    surplus: tuple[int, int, int, int]
+    recvs: tuple[tuple[int, Box], ...]
+    sends: tuple[tuple[int, Box], ...]
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """Every rank of a ``(gy, gx)`` grid through one layer; ``tiles[rank]``, row-major."""
+
+    grid: tuple[int, int]
+    size: tuple[int, int]
+    out_size: tuple[int, int]
+    y: Decomp1D
+    x: Decomp1D
+    tiles: tuple[TilePlan, ...]
+
+    def rank(self, i: int, j: int) -> int:
+        """Row-major rank of grid cell ``(i, j)``."""
+        return i * self.grid[1] + j
+
+    def tile(self, rank: int) -> TilePlan:
+        """Plan of ``rank``."""
+        return self.tiles[rank]
+
+
+def _tile_plan(y: Decomp1D, x: Decomp1D, i: int, j: int) -> TilePlan:
+    gx = x.parts
+    ty, tx = y.tiles[i], x.tiles[j]
+    recvs: list[tuple[int, Box]] = []
+    sends: list[tuple[int, Box]] = []
+    # The product of the 1-D partitions reaches any rank, corners and ranks
+    # beyond the nearest ones included, so halos wider than a tile need no case.
+    for a in range(y.parts):
+        recv_y, send_y = y.recv(i, a), y.recv(a, i)
+        for b in range(gx):
+            if (a, b) == (i, j):
+                continue
+            recv, send = Box(recv_y, x.recv(j, b)), Box(send_y, x.recv(b, j))
+            if not recv.empty:
+                recvs.append((a * gx + b, recv))
+            if not send.empty:
+                sends.append((a * gx + b, send))
+    return TilePlan(
+        rank=i * gx + j,
+        coord=(i, j),
+        owned_in=Box(ty.owned, tx.owned),
+        data_in=Box(ty.data, tx.data),
+        owned_out=Box(ty.out, tx.out),
+        data_out=Box(ty.out.intersect((0, y.m)), tx.out.intersect((0, x.m))),
+        need=Box(ty.need, tx.need),
+        own=Box(ty.own, tx.own),
+        halo=(*ty.halo, *tx.halo),
+        pad=(*ty.pad, *tx.pad),
+        surplus=(*ty.surplus, *tx.surplus),
+        recvs=tuple(recvs),
+        sends=tuple(sends),
+    )
+
+
+def _per_axis(value: object, what: str) -> tuple[object, object]:
+    if isinstance(value, tuple) and len(value) == 2:
+        return (value[0], value[1])
+    if isinstance(value, tuple | list):
+        raise ConfigError(what, f"{value!r} has {len(value)} entries", "give one value or (y, x)")
+    return (value, value)
+
+
+def plan_layer(
+    size: tuple[int, int],
+    grid: tuple[int, int],
+    layer: Footprint | tuple[Footprint, Footprint],
+    *,
+    align: int | tuple[int, int] = 1,
+    owned_in: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] | None = None,
+    owned_out: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] | None = None,
+) -> GridPlan:
+    """Plan one layer (or one deep chain) for an ``(h, w)`` image on a ``(gy, gx)`` grid.
+
+    ``layer`` is ``(y_geom, x_geom)`` (see :func:`layer_geom`) or one geometry
+    for both axes. Input tiles come from ``owned_in`` or :func:`split` with
+    ``align``; output tiles from ``owned_out`` or the ownership rule.
+
+    OK: ``plan_layer((22, 22), (2, 2), LayerGeom(3, 2, 1), align=2)``.
+    Error: ``plan_layer((8, 8), (1, 8), LayerGeom(3, 2, 1))`` -> rank 1 of x owns no output.
+    """
+    for name, value in (("grid", grid), ("image size", size)):
+        if not isinstance(value, tuple | list) or len(value) != 2:
+            raise ConfigError(f"spatial plan {name}", f"{value!r} is not (y, x)", "give two values")
+        for v in value:
+            _check_int(f"spatial plan {name} {value!r}", name, v, 1)
+    geoms = _per_axis(layer, "layer geometry")
+    aligns = _per_axis(align, "tile alignment")
+    ins = (None, None) if owned_in is None else owned_in
+    outs = (None, None) if owned_out is None else owned_out
+    y, x = (
+        decompose(
+            size[a],
+            geoms[a],  # type: ignore[arg-type]
+            grid[a],
+            align=aligns[a],  # type: ignore[arg-type]
+            owned_in=ins[a],
+            owned_out=outs[a],
+            axis="yx"[a],
+        )
+        for a in (0, 1)
+    )
+    if (y.parts, x.parts) != tuple(grid):
+        raise ConfigError(
+            "spatial plan",
+            f"owned tiles give a {y.parts}x{x.parts} grid, not {grid[0]}x{grid[1]}",
+            "give one tile per grid row and column",
+        )
+    tiles = tuple(_tile_plan(y, x, i, j) for i in range(grid[0]) for j in range(grid[1]))
+    return GridPlan((grid[0], grid[1]), (size[0], size[1]), (y.m, x.m), y, x, tiles)
+
+
+def plan_chain(
+    size: tuple[int, int],
+    grid: tuple[int, int],
+    layers: Sequence[Footprint | tuple[Footprint, Footprint]],
+    *,
+    align: int | tuple[int, int] | None = None,
+) -> tuple[GridPlan, ...]:
+    """Plan a chain layer by layer: each layer's input tiles are the previous output tiles.
+
+    ``align`` defaults to the total stride of the chain on each axis, so that
+    every layer sees tiles aligned to its stride and equal output tiles follow.
+    """
+    if not layers:
+        raise ConfigError("spatial chain plan", "the chain has no layer", "give at least one layer")
+    pairs = [_per_axis(layer, "layer geometry") for layer in layers]
+    if align is None:
+        jumps = [1, 1]
+        for pair in pairs:
+            for a in (0, 1):
+                jumps[a] *= pair[a].jump  # type: ignore[attr-defined]
+        align = (jumps[0], jumps[1])
+    plans = [plan_layer(size, grid, pairs[0], align=align)]  # type: ignore[arg-type]
+    for pair in pairs[1:]:
+        prev = plans[-1]
+        plans.append(
+            plan_layer(
+                prev.out_size,
+                grid,
+                pair,  # type: ignore[arg-type]
+                owned_in=(prev.y.owned_out, prev.x.owned_out),
+            )
+        )
+    return tuple(plans)

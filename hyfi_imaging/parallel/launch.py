@@ -1,0 +1,170 @@
+"""One bootstrap for ``mpirun``, ``torchrun`` and a plain process.
+
+Why MPI only for the bootstrap: PyTorch's MPI backend needs a source build,
+while NCCL and Gloo come with every wheel. Under ``mpirun`` we read rank, size
+and local rank from mpi4py, let rank 0 choose a free TCP port and broadcast the
+address, and then start an ordinary NCCL (CUDA) or Gloo (CPU) process group.
+Under ``torchrun`` the environment already says everything. A plain process
+gets a world of one with an in-memory store, so the same code runs everywhere.
+
+Every collective gets a timeout: a dead rank must end the job with a clear
+message, never a hang. :func:`fail_fast` turns an exception on any rank into a
+one-line message and a non-zero exit without waiting for the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
+
+__all__ = ["ParallelContext", "detect_launcher", "fail_fast", "init_parallel", "shutdown"]
+
+Launcher = Literal["mpi", "torchrun", "single"]
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+T = TypeVar("T")
+
+
+def detect_launcher() -> Launcher:
+    """Which launcher started this process, judged from its environment."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return "torchrun"
+    if any(v in os.environ for v in _MPI_RANK_VARS):
+        return "mpi"
+    return "single"
+
+
+@dataclass
+class ParallelContext:
+    """The process groups of one rank, taken from a named mesh."""
+
+    layout: Layout
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: Launcher
+    backend: str
+    device: torch.device
+    mesh: DeviceMesh
+    groups: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def coords(self) -> tuple[int, int, int, int]:
+        """(dp, pp, sy, sx) of this rank."""
+        return self.layout.coords(self.rank)
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        """(row, column) of this rank's tile in the spatial grid."""
+        return self.coords[2], self.coords[3]
+
+    def group(self, name: str) -> Any:
+        """Process group of a mesh axis (``dp``, ``pp``, ``sy``, ``sx``) or ``sp`` (both tile axes)."""
+        return self.groups[name]
+
+    def peer(self, *, dy: int = 0, dx: int = 0) -> int | None:
+        """Global rank of the tile ``(dy, dx)`` away in the same grid, or None past the edge."""
+        dp, pp, sy, sx = self.coords
+        gy, gx = self.layout.sp
+        ny, nx = sy + dy, sx + dx
+        if not (0 <= ny < gy and 0 <= nx < gx):
+            return None
+        return int(self.mesh.mesh[dp, pp, ny, nx].item())
+
+
+def _mpi_environment() -> tuple[int, int, int]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        addr_port = None
+        if rank == 0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            host = socket.gethostname()
+            try:
+                addr = socket.gethostbyname(host) if size > 1 else "127.0.0.1"
+            except OSError:
+                addr = "127.0.0.1"
+            addr_port = (addr, port)
+        addr, port = comm.bcast(addr_port, root=0)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    return rank, size, local_rank
+
+
+def init_parallel(
+    layout: Layout, *, backend: str | None = None, timeout_s: float = 60.0
+) -> ParallelContext:
+    """Start (or join) the process group for ``layout`` and build its mesh.
+
+    The layout is checked against the world size before any group exists.
+    """
+    launcher = detect_launcher()
+    if launcher == "torchrun":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    elif launcher == "mpi":
+        rank, world, local_rank = _mpi_environment()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    else:
+        rank, world, local_rank = 0, 1, 0
+    layout.check_world(world)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if launcher == "single":
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
+    mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=MESH_DIMS)
+    groups: dict[str, Any] = {name: mesh.get_group(name) for name in MESH_DIMS}
+    groups["sp"] = mesh["sy", "sx"]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
+    return ParallelContext(layout, rank, world, local_rank, launcher, backend, device, mesh, groups)
+
+
+def shutdown() -> None:
+    """Destroy the process group if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
+    """Run ``fn``; on any exception print one line (plus the trace to stderr) and exit 1 at once.
+
+    ``os._exit`` skips interpreter teardown, which could otherwise block in a
+    collective or in MPI_Finalize waiting for a rank that is already gone.
+    """
+    try:
+        return fn()
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - every failure must end the job
+        rank = os.environ.get("RANK", "?")
+        traceback.print_exc(file=sys.stderr)
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"{prog}: rank {rank}: error: {msg}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

@@ -1,0 +1,458 @@
+"""Spatial layers and ``spatialize()``: one image, cut into tiles, computed exactly.
+
+Design, and why:
+
+* **Equal tiles, padded once.** The image is padded at its bottom/right to a
+  multiple of ``grid * total_stride`` so that every rank holds a tile of the same
+  shape at every layer and every stride divides every tile. The padding is
+  *outside the image*: each spatial layer re-masks it in its input (0 before a
+  convolution, -inf before a max-pool) and excludes it from statistics, so the
+  result equals the single-process run on the unpadded image for any size.
+* **Global sizes from a shape trace.** Which rows of a tile lie outside the
+  image at a given layer depends on the chain of kernels and paddings before it.
+  We run the unmodified model once on the ``meta`` device and record every
+  layer's true input size, per image size. No arithmetic is duplicated and any
+  architecture built from the supported layers works.
+* **Class swap, same parameters.** A layer becomes spatial by changing its class
+  to a subclass (``nn.Conv2d`` -> :class:`SpatialConv2d`), so parameter names,
+  state dicts, optimizers and hooks are untouched: a checkpoint moves freely
+  between layouts.
+* **Same graph on every rank.** Collectives inside backward are issued in the
+  order autograd visits nodes; every rank therefore builds the same graph
+  (masking is one node everywhere, see :class:`_MaskTail`), or ranks would pair
+  up different messages of equal size.
+* **Gradient rule** (DESIGN.md invariant 5): parameters used before the global
+  pool see only their tile and are *summed* over the spatial group; the head
+  after the pool is replicated and already holds the whole gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.collectives import all_reduce_partial, all_reduce_replicated
+from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
+from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
+
+__all__ = [
+    "SpatialAvgPool2d",
+    "SpatialBatchNorm2d",
+    "SpatialContext",
+    "SpatialConv2d",
+    "SpatialGlobalAvgPool2d",
+    "SpatialMaxPool2d",
+    "reduce_spatial_grads",
+    "spatialize",
+]
+
+# Modules that mix pixels but have no spatial form: refused by name.
+_UNSUPPORTED = (
+    nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.AdaptiveMaxPool2d, nn.LPPool2d, nn.FractionalMaxPool2d, nn.Upsample,
+    nn.GroupNorm, nn.InstanceNorm2d, nn.LayerNorm, nn.LocalResponseNorm, nn.PixelShuffle,
+    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d,
+    nn.ReplicationPad2d, nn.MultiheadAttention, nn.MaxUnpool2d,
+)  # fmt: skip
+# Leaf modules known to act pointwise (or on pooled features): left alone.
+_POINTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
+    nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Identity, nn.Flatten,
+    nn.Linear, nn.Dropout, nn.Softmax, nn.LogSoftmax,
+)  # fmt: skip
+
+
+class SpatialContext:
+    """What the spatial layers of one model share: the grid, neighbours, groups, sizes.
+
+    Call :meth:`set_image_size` with the *unpadded* image size before a forward
+    pass; :meth:`padded_size` and :meth:`tile_slice` tell how to cut an image.
+    """
+
+    def __init__(
+        self,
+        grid: tuple[int, int],
+        tile: tuple[int, int],
+        neighbours: Neighbours,
+        group: Any,
+        *,
+        align: int,
+    ) -> None:
+        self.grid, self.tile, self.neighbours, self.group, self.align = (
+            grid, tile, neighbours, group, align,
+        )  # fmt: skip
+        self.image_hw: tuple[int, int] | None = None
+        self.sizes: dict[str, tuple[int, int]] = {}
+        self.tile_param_names: set[str] = set()
+        self._reference: nn.Module | None = None
+        self._in_chans = 3
+        self._cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+
+    def padded_size(self, image_hw: tuple[int, int]) -> tuple[int, int]:
+        """Image size rounded up to a multiple of ``grid * align`` on each axis."""
+        return tuple(  # type: ignore[return-value]
+            math.ceil(n / (g * self.align)) * g * self.align
+            for n, g in zip(image_hw, self.grid, strict=True)
+        )
+
+    def tile_slice(self, image_hw: tuple[int, int]) -> tuple[slice, slice]:
+        """Rows and columns of the padded image that this rank owns."""
+        hp, wp = self.padded_size(image_hw)
+        th, tw = hp // self.grid[0], wp // self.grid[1]
+        i, j = self.tile
+        return slice(i * th, (i + 1) * th), slice(j * tw, (j + 1) * tw)
+
+    def set_image_size(self, image_hw: tuple[int, int]) -> None:
+        """Prepare the layers for images of ``image_hw`` (traced once per size)."""
+        image_hw = (int(image_hw[0]), int(image_hw[1]))
+        if image_hw not in self._cache:
+            self._cache[image_hw] = self._trace(image_hw)
+        self.sizes = self._cache[image_hw]
+        self.image_hw = image_hw
+
+    def _trace(self, image_hw: tuple[int, int]) -> dict[str, tuple[int, int]]:
+        if self._reference is None:
+            raise RuntimeError("SpatialContext has no reference model; use spatialize()")
+        hp, wp = self.padded_size(image_hw)
+        gy, gx = self.grid
+        for axis, n, g, p in (("height", image_hw[0], gy, hp), ("width", image_hw[1], gx, wp)):
+            if (g - 1) * (p // g) >= n:
+                raise ConfigError(
+                    f"image {image_hw[0]}x{image_hw[1]} on a {gy}x{gx} grid",
+                    f"the last tile along the {axis} would hold no image pixels (tiles of {p // g} "
+                    f"px, aligned to the model's total stride {self.align})",
+                    f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
+                )
+        sizes = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+        for name, (h, w) in sizes.items():
+            if h > hp or w > wp:
+                pass  # checked per layer against its tile grid in _check_layer
+        return sizes
+
+    def size_of(self, path: str) -> tuple[int, int]:
+        try:
+            return self.sizes[path]
+        except KeyError:
+            raise RuntimeError(
+                f"spatial layer {path!r} has no traced size; call set_image_size() before forward"
+            ) from None
+
+
+def _trace_sizes(model: nn.Module, shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    """Input (h, w) of every module, from one forward pass on the meta device."""
+    sizes: dict[str, tuple[int, int]] = {}
+    handles = []
+    for name, mod in model.named_modules():
+        if not (isinstance(mod, tuple(_SWAP)) or _is_global_pool(mod)):
+            continue
+
+        def hook(m: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.dim() == 4:
+                hw = (int(x.shape[-2]), int(x.shape[-1]))
+                if sizes.setdefault(name, hw) != hw:
+                    raise ConfigError(
+                        name, "the module is called on inputs of different sizes",
+                        "give each call site its own module",
+                    )
+
+        handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(torch.empty(shape, device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    return sizes
+
+
+class _MaskTail(torch.autograd.Function):
+    """Fill rows ``>= valid_h`` and columns ``>= valid_w`` of a tile; zero their gradient.
+
+    One autograd node on *every* rank, tail or not. Backward collectives (halo
+    exchange, BatchNorm, pooling) are issued in the order the autograd engine
+    visits nodes, which follows the graph's shape; were the graphs to differ
+    between ranks (a masking node only where a tail exists), ranks would pair
+    up different messages of the same size and silently exchange garbage.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, valid_h: int, valid_w: int, fill: float) -> torch.Tensor:  # type: ignore[override]
+        th, tw = x.shape[-2:]
+        ctx.valid = (valid_h, valid_w)
+        if valid_h >= th and valid_w >= tw:
+            return x.view_as(x)
+        out = x.clone()
+        out[..., max(valid_h, 0) :, :] = fill
+        out[..., :, max(valid_w, 0) :] = fill
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        valid_h, valid_w = ctx.valid
+        th, tw = grad.shape[-2:]
+        if valid_h < th or valid_w < tw:
+            grad = grad.clone()
+            grad[..., max(valid_h, 0) :, :] = 0
+            grad[..., :, max(valid_w, 0) :] = 0
+        return grad, None, None, None
+
+
+class _SpatialMixin:
+    """Shared by the spatial layers: where they are, their context, input masking."""
+
+    hyfi_path: str
+    hyfi_ctx: SpatialContext
+
+    def _mask(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """Set the part of the tile outside the (true) input image to ``fill``."""
+        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
+        th, tw = x.shape[-2:]
+        i, j = self.hyfi_ctx.tile
+        return _MaskTail.apply(x, mh - i * th, mw - j * tw, fill)  # type: ignore[no-any-return]
+
+    def _exchange(self, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom], fill: float) -> torch.Tensor:
+        """Tile plus the halo this window needs; surplus rows/columns sliced away."""
+        gy, gx = geoms
+        th, tw = x.shape[-2:]
+        halo = []
+        for g, t, axis in ((gy, th, "height"), (gx, tw, "width")):
+            if t % g.stride:
+                raise ConfigError(
+                    self.hyfi_path, f"the tile {axis} {t} is not a multiple of the stride {g.stride}",
+                    "align tiles to the model's total stride (SpatialContext.align)",
+                )
+            before, after = g.padding, g.extent - g.padding - g.stride
+            if max(before, after) > t:
+                raise ConfigError(
+                    self.hyfi_path,
+                    f"needs a halo of {max(before, after)} px but tiles are only {t} px along the {axis}",
+                    "use fewer tiles along that axis or a larger image",
+                )
+            halo += [before, after]
+        top, bottom, left, right = halo
+        # A negative halo (surplus) needs no data; the window op then yields extra
+        # outputs past the tile, which _trim() drops.
+        return halo_exchange(
+            x, (top, max(bottom, 0), left, max(right, 0)), self.hyfi_ctx.neighbours, fill=fill
+        )
+
+    @staticmethod
+    def _trim(y: torch.Tensor, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom]) -> torch.Tensor:
+        """Keep the outputs this tile owns: its input tile divided by the stride."""
+        h, w = x.shape[-2] // geoms[0].stride, x.shape[-1] // geoms[1].stride
+        return y if y.shape[-2:] == (h, w) else y[..., :h, :w]
+
+
+class SpatialConv2d(_SpatialMixin, nn.Conv2d):
+    """``nn.Conv2d`` on a tile: mask, exchange halo, convolve without padding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        geoms = layer_geom(self)
+        xp = self._exchange(self._mask(x, 0.0), geoms, 0.0)
+        y = F.conv2d(xp, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return self._trim(y, x, geoms)
+
+
+class SpatialMaxPool2d(_SpatialMixin, nn.MaxPool2d):
+    """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        geoms = layer_geom(self)
+        xp = self._exchange(self._mask(x, -math.inf), geoms, -math.inf)
+        return self._trim(F.max_pool2d(xp, self.kernel_size, self.stride, 0, self.dilation), x, geoms)
+
+
+class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
+    """``nn.AvgPool2d`` on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        geoms = layer_geom(self)
+        xp = self._exchange(self._mask(x, 0.0), geoms, 0.0)
+        if self.count_include_pad or self.divisor_override or not any(g.padding for g in geoms):
+            y = F.avg_pool2d(xp, self.kernel_size, self.stride, 0, False, True, self.divisor_override)
+            return self._trim(y, x, geoms)
+        # Divide by the number of window pixels inside the image, as PyTorch does.
+        inside = self._exchange(self._mask(torch.ones_like(x[:1, :1]), 0.0), geoms, 0.0)
+        total = F.avg_pool2d(xp, self.kernel_size, self.stride, 0, False, True, 1)
+        count = F.avg_pool2d(inside, self.kernel_size, self.stride, 0, False, True, 1)
+        return self._trim(total / count, x, geoms)
+
+
+class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
+    """BatchNorm with statistics over the whole image: all tiles, the whole batch.
+
+    Two-pass (mean, then centred squares) for accuracy on badly scaled data.
+    Normalises with the biased variance and stores the unbiased one, exactly as
+    ``nn.BatchNorm2d``; running statistics equal the single-process ones.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use_batch = self.training or self.running_mean is None
+        if not use_batch:
+            return F.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
+        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
+        n = x.shape[0] * mh * mw
+        group = self.hyfi_ctx.group
+        xm = self._mask(x, 0.0)
+        mean = all_reduce_partial(xm.sum(dim=(0, 2, 3)), group) / n
+        centred = x - mean.view(1, -1, 1, 1)
+        sq = self._mask(centred, 0.0).square().sum(dim=(0, 2, 3))
+        var = all_reduce_partial(sq, group) / n
+        if self.training and self.track_running_stats and self.running_mean is not None:
+            assert self.running_var is not None and self.num_batches_tracked is not None
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = (
+                    1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                )
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), factor)
+                unbiased = var.detach() * (n / max(n - 1, 1))
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        y = centred * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
+        if self.affine:
+            y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        return y
+
+
+class SpatialGlobalAvgPool2d(_SpatialMixin, nn.AdaptiveAvgPool2d):
+    """Global average pooling: local sums, all-reduced; backward does not double-count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
+        local = self._mask(x, 0.0).sum(dim=(-2, -1), keepdim=True)
+        return all_reduce_replicated(local, self.hyfi_ctx.group) / (mh * mw)
+
+
+_SWAP: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Conv2d: SpatialConv2d,
+    nn.MaxPool2d: SpatialMaxPool2d,
+    nn.AvgPool2d: SpatialAvgPool2d,
+    nn.BatchNorm2d: SpatialBatchNorm2d,
+}
+
+
+def _is_global_pool(m: nn.Module) -> bool:
+    return isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1), [1, 1])
+
+
+def _check(name: str, m: nn.Module) -> None:
+    where = f"module {name!r} ({type(m).__name__})"
+    if isinstance(m, _UNSUPPORTED):
+        raise ConfigError(
+            where, "mixes pixels and has no spatial (tiled) form",
+            "replace it with Conv2d/MaxPool2d/AvgPool2d/BatchNorm2d/global average pooling, "
+            "or run without spatial parallelism",
+        )
+    if isinstance(m, nn.AdaptiveAvgPool2d) and not _is_global_pool(m):
+        raise ConfigError(
+            where, f"adaptive pooling to {m.output_size} depends on the whole image's size",
+            "use global pooling (output size 1)",
+        )
+    if isinstance(m, nn.MaxPool2d) and m.return_indices:
+        raise ConfigError(where, "return_indices=True is not supported", "use return_indices=False")
+    if isinstance(m, nn.BatchNorm2d) and type(m) is not nn.BatchNorm2d:
+        raise ConfigError(where, "is a BatchNorm2d subclass", "use plain nn.BatchNorm2d")
+    if isinstance(m, tuple(_SWAP)) and type(m) not in _SWAP:
+        raise ConfigError(where, "subclasses a pixel-mixing layer", "use the plain torch.nn layer")
+    if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+        layer_geom(m)  # refuses padding_mode != zeros and ceil_mode=True with a clear message
+    known = isinstance(m, (*_POINTWISE, *_SWAP, nn.Sequential)) or _is_global_pool(m)
+    if not known and not list(m.children()) and type(m).forward is not nn.Module.forward:
+        raise ConfigError(
+            where, "is a leaf module hyfi-imaging does not know; it may mix pixels",
+            "build the model from torch.nn layers that spatialize() supports",
+        )
+
+
+def _call_order(model: nn.Module, shape: tuple[int, ...]) -> list[str]:
+    order: list[str] = []
+    handles = [
+        mod.register_forward_pre_hook(lambda m, a, name=name: order.append(name))
+        for name, mod in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.empty(shape, device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def spatialize(
+    model: nn.Module,
+    *,
+    grid: tuple[int, int],
+    tile: tuple[int, int],
+    neighbours: Neighbours,
+    group: Any,
+    in_chans: int | None = None,
+    align: int | None = None,
+) -> SpatialContext:
+    """Turn ``model`` (in place) into its spatial form for tile ``tile`` of ``grid``.
+
+    Returns the :class:`SpatialContext`; call its ``set_image_size`` before the
+    forward pass and feed each rank ``image[..., ctx.tile_slice(hw)]`` of the
+    image padded to ``ctx.padded_size(hw)``. Raises ConfigError naming the module
+    path of any layer that mixes pixels and has no spatial form.
+    """
+    for name, m in model.named_modules():
+        _check(name or type(model).__name__, m)
+    in_chans = in_chans or int(getattr(model, "in_chans", 3))
+    align = align or int(getattr(model, "total_stride", 0)) or _total_stride(model)
+    ctx = SpatialContext(grid, tile, neighbours, group, align=align)
+    ctx._reference = copy.deepcopy(model).to("meta")
+    ctx._in_chans = in_chans
+    order = _call_order(ctx._reference, (1, in_chans, 64 * align, 64 * align))
+    modules = dict(model.named_modules())
+    pools = [i for i, n in enumerate(order) if _is_global_pool(modules[n])]
+    before_pool = set(order[: pools[0]] if pools else order)
+    for name, m in modules.items():
+        if name in before_pool:
+            ctx.tile_param_names.update(
+                f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)
+            )
+        cls = _SWAP.get(type(m)) or (SpatialGlobalAvgPool2d if _is_global_pool(m) else None)
+        if cls is not None:
+            m.__class__ = cls
+            m.hyfi_path, m.hyfi_ctx = name, ctx  # type: ignore[assignment]
+    return ctx
+
+
+def _total_stride(model: nn.Module) -> int:
+    """Least common multiple of the cumulative strides, measured by tracing a large input."""
+    probe = 4096
+    ref = copy.deepcopy(model).to("meta")
+    sizes = _trace_sizes(ref, (1, int(getattr(model, "in_chans", 3)), probe, probe))
+    align = 1
+    for name, m in ref.named_modules():
+        if name in sizes and isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+            jump = max(1, round(probe / sizes[name][0]))
+            align = math.lcm(align, jump * layer_geom(m)[0].stride, jump * layer_geom(m)[1].stride)
+    return align
+
+
+def reduce_spatial_grads(model: nn.Module, ctx: SpatialContext) -> None:
+    """Sum the gradients of tile-derived parameters over the spatial group (one bucket)."""
+    import torch.distributed as dist
+
+    grads = [
+        p.grad for n, p in model.named_parameters() if n in ctx.tile_param_names and p.grad is not None
+    ]
+    if not grads or ctx.grid == (1, 1):
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
