@@ -159,6 +159,7 @@ class LayerGeom:
     padding: int = 0
     dilation: int = 1
     padding_end: int | None = None
+    ceil_mode: bool = False
 
     def __post_init__(self) -> None:
         where = f"layer geometry {self!r}"
@@ -195,7 +196,10 @@ class LayerGeom:
 
     def out_length(self, n: int) -> int:
         """``floor((n + p + p_end - K) / s) + 1``; ConfigError when it would be <= 0."""
-        m = (n + self.padding + self.pad_end - self.extent) // self.stride + 1
+        span = n + self.padding + self.pad_end - self.extent
+        m = (-(-span // self.stride) if self.ceil_mode else span // self.stride) + 1
+        if self.ceil_mode and span >= 0 and (m - 1) * self.stride >= n + self.padding:
+            m -= 1  # PyTorch: the last window must start inside the input or its left padding
         if m <= 0:
             raise ConfigError(
                 f"layer {self}",
@@ -292,7 +296,7 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
     Conv ``padding='valid'`` is 0 and ``'same'`` is ``d(k-1)`` split as PyTorch
     does (the odd pixel at the end). Refused with ConfigError: other modules,
     non-zero conv ``padding_mode`` (a tile border has no reflection to copy)
-    and ``ceil_mode=True`` (its last window depends on the image length).
+    and ``ceil_mode=True`` on avg-pools (the divisor of an overhanging window has no tiled form).
     """
     from torch import nn
 
@@ -320,9 +324,12 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
         else:
             pads = [(p, p) for p in _pair(module.padding)]  # type: ignore[arg-type]
     elif isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
-        if module.ceil_mode:
+        # Max-pool's ceil_mode only adds windows that overhang the end, which see
+        # -inf there like any padding; avg-pool's divisor for them has no tiled form.
+        if module.ceil_mode and isinstance(module, nn.AvgPool2d):
             raise ConfigError(
-                where(), "ceil_mode=True is not supported by spatial tiling", "use ceil_mode=False"
+                where, "AvgPool2d with ceil_mode=True is not supported by spatial tiling",
+                "use ceil_mode=False",
             )
         kernel, stride = _pair(module.kernel_size), _pair(module.stride)
         pads = [(p, p) for p in _pair(module.padding)]
@@ -333,8 +340,9 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
             f"{type(module).__name__} has no window geometry",
             "pass a Conv2d, MaxPool2d or AvgPool2d",
         )
+    ceil = bool(getattr(module, "ceil_mode", False))
     y, x = (
-        LayerGeom(kernel[a], stride[a], pads[a][0], dilation[a], padding_end=pads[a][1])
+        LayerGeom(kernel[a], stride[a], pads[a][0], dilation[a], padding_end=pads[a][1], ceil_mode=ceil)
         for a in (0, 1)
     )
     return (y, x)

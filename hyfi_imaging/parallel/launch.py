@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hyfi_imaging.errors import HyfiError
 from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
 
 __all__ = ["ParallelContext", "detect_launcher", "fail_fast", "init_parallel", "shutdown"]
@@ -161,6 +162,9 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
         return fn()
     except SystemExit:
         raise
+    except HyfiError as err:  # a user error: one line, no trace
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        os._exit(2)
     except BaseException as err:  # noqa: BLE001 - every failure must end the job
         rank = os.environ.get("RANK", "?")
         traceback.print_exc(file=sys.stderr)

@@ -5,7 +5,7 @@ K steps on the whole image in one process, from the same initial weights and
 data. Compared: outputs, input gradients (tiles gathered and stitched), every
 parameter gradient (after the spatial reduction), BatchNorm running statistics
 and the weights after K steps. ``max_rel_error`` is, over all compared tensors,
-``max|a - b| / max|b|``; ``ok`` means every tensor is within
+``max|a - b| / max(max|b|, atol)``; ``ok`` means every tensor is within
 ``rtol``/``atol`` elementwise (``torch.allclose``).
 """
 
@@ -27,7 +27,7 @@ from hyfi_imaging.parallel.spatial import SpatialContext, reduce_spatial_grads, 
 
 __all__ = ["Comparison", "VerifyReport", "gather_tile_grid", "run_verify", "spatial_context_for"]
 
-TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-9, 1e-11)}
+TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-9)}
 
 
 @dataclass
@@ -57,7 +57,9 @@ class VerifyReport:
             return
         diff = float((got - want).abs().max()) if got.numel() else 0.0
         scale = float(want.abs().max()) if want.numel() else 0.0
-        rel = diff / scale if scale > 0 else diff
+        # A tensor that is zero up to rounding (a bias before BatchNorm) is measured
+        # against the absolute tolerance, not against its own noise.
+        rel = diff / max(scale, atol)
         ok = bool(torch.allclose(got, want, rtol=rtol, atol=atol))
         self.comparisons.append(Comparison(name, diff, rel, ok))
         self.ok &= ok
