@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageDraw
+from scipy import ndimage
 from skimage import morphology
 
 from hyfi_imaging.io.base import SlideReader, thumbnail
@@ -47,7 +48,8 @@ def write_slide_qc(
     # Tissue outline: mask boundary, resized to this thumbnail.
     mask_img = Image.fromarray(mask.astype(np.uint8) * 255).resize(left.size, Image.Resampling.NEAREST)
     m = np.asarray(mask_img) > 0
-    edge = m & ~morphology.binary_erosion(m, morphology.disk(1))
+    edge = m & ~ndimage.binary_erosion(m, structure=morphology.disk(1))
+    edge = ndimage.binary_dilation(edge, iterations=1)  # visible at contact-sheet scale
     arr = np.asarray(left).copy()
     arr[edge] = (0, 200, 0)
     left = Image.fromarray(arr)

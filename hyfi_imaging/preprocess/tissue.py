@@ -12,6 +12,7 @@ not dust.
 from __future__ import annotations
 
 import numpy as np
+from scipy import ndimage
 from skimage import filters, morphology
 
 __all__ = ["TISSUE_MIN_FRACTION", "tissue_box", "tissue_mask"]
@@ -37,7 +38,7 @@ def tissue_mask(rgb: np.ndarray, *, min_object_fraction: float = 0.0005) -> np.n
     t_grey = min(float(filters.threshold_otsu(grey)), _GLASS_GREY)
     t_sat = max(float(filters.threshold_otsu(saturation)), _GLASS_SATURATION)
     mask = (grey < t_grey) | (saturation > t_sat)
-    mask = morphology.binary_opening(mask, morphology.disk(1))
+    mask = ndimage.binary_opening(mask, structure=morphology.disk(1))
     mask = morphology.remove_small_objects(
         mask, max_size=max(1, int(min_object_fraction * mask.size))
     )
