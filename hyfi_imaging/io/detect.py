@@ -77,6 +77,23 @@ def _openslide_vendor(path: Path) -> str | None:
     return vendor
 
 
+def _check_tiff_complete(path: Path) -> None:
+    import tifffile
+
+    from hyfi_imaging.io.tiff_reader import check_complete
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            check_complete(tif, str(path))
+    except SlideError:
+        raise
+    except Exception as err:
+        raise SlideError(
+            str(path), f"the TIFF structure cannot be read ({type(err).__name__}: {err})",
+            "the file may be truncated or corrupt; re-copy or re-export it",
+        ) from err
+
+
 def open_slide(path: str | os.PathLike[str], *, mpp_override: float | None = None) -> SlideReader:
     """Open a slide, image or OME-Zarr store with the reader its content calls for.
 
@@ -115,6 +132,9 @@ def open_slide(path: str | os.PathLike[str], *, mpp_override: float | None = Non
         return TiffReader(p, mpp_override=mpp_override)
     if vendor is not None:
         from hyfi_imaging.io.openslide_reader import OpenSlideReader
+
+        if kind == "tiff":
+            _check_tiff_complete(p)
 
         return OpenSlideReader(p, mpp_override=mpp_override)
     raise SlideError(

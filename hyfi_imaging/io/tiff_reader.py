@@ -36,7 +36,8 @@ from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.base import BACKGROUND, clip_region, paste_region
 from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
 
-__all__ = ["TiffReader", "ome_mpp"]
+__all__ = [
+    "check_complete","TiffReader", "ome_mpp"]
 
 _SVS_MPP = re.compile(r"\|\s*MPP\s*=\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)")
 _ASSOCIATED = {"thumbnail", "label", "macro", "overview"}
@@ -70,6 +71,25 @@ def ome_mpp(ome_xml: str | None) -> float | None:
 def _yx_shape(series: Any) -> tuple[int, int]:
     axes, shape = series.axes, series.shape
     return int(shape[axes.index("Y")]), int(shape[axes.index("X")])
+
+
+def check_complete(tif: Any, path: str, pages: Any = None) -> None:
+    """Raise SlideError when any tile or strip of ``pages`` (default: all) ends past the file's end.
+
+    OpenSlide reads such files without complaint and returns blank tiles, so
+    truncation must be caught here, at open, for every TIFF-based format.
+    """
+    size = tif.filehandle.size
+    for i, page in enumerate(tif.pages if pages is None else pages):
+        if page is None or not hasattr(page, "dataoffsets"):
+            continue
+        ends = [o + n for o, n in zip(page.dataoffsets, page.databytecounts, strict=True) if n]
+        if ends and max(ends) > size:
+            raise SlideError(
+                path,
+                f"file is truncated (page {i} data ends at byte {max(ends)}, file has {size})",
+                "re-copy or re-export the file",
+            )
 
 
 class TiffReader:
@@ -164,21 +184,7 @@ class TiffReader:
 
     def _check_complete(self, levels: list[Any]) -> None:
         """Fail at open, not mid-training, when tile data lies beyond the end of the file."""
-        size = self._tif.filehandle.size
-        for i, level in enumerate(levels):
-            for page in level.pages:
-                if page is None:
-                    continue
-                ends = [
-                    o + n for o, n in zip(page.dataoffsets, page.databytecounts, strict=True) if n
-                ]
-                if ends and max(ends) > size:
-                    raise SlideError(
-                        self.path,
-                        f"file is truncated (level {i} tiles end at byte {max(ends)}, "
-                        f"file has {size})",
-                        "re-copy or re-export the file",
-                    )
+        check_complete(self._tif, self.path, [p for level in levels for p in level.pages])
 
     def _mpp(self, override: float | None) -> tuple[float | None, str]:
         if override is not None:

@@ -9,11 +9,13 @@ so an interrupted run still leaves an accurate (atomic) picture behind.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import multiprocessing as mp
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,42 @@ def run_preprocess(
     concerns one slide is recorded in its result and the manifest.
     """
     _check_writable(out_dir)
+    with _exclusive(out_dir):
+        return _run_locked(
+            inputs, out_dir, options, labels_path=labels_path, id_column=id_column,
+            label_column=label_column, workers=workers, recursive=recursive, qc=qc,
+            progress=progress, on_result=on_result,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """Hold a lock on ``out_dir``: two runs would remove each other's temporary stores."""
+    with (out_dir / ".hyfi-preprocess.lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError(
+                out_dir, "another hyfi-preprocess run is writing to this directory",
+                "wait for it to finish, or choose another --out",
+            ) from None
+        yield
+
+
+def _run_locked(
+    inputs: Sequence[Path],
+    out_dir: Path,
+    options: PreprocessOptions,
+    *,
+    labels_path: Path | None,
+    id_column: str | None,
+    label_column: str | None,
+    workers: int,
+    recursive: bool,
+    qc: bool,
+    progress: bool,
+    on_result: Callable[[ConvertResult], None] | None,
+) -> PreprocessSummary:
     for stale in remove_stale_temporaries(out_dir):
         log.info("removed an unfinished store from an interrupted run: %s", stale)
     labels = (

@@ -1,0 +1,251 @@
+"""hyfi-preprocess on real synthetic slides: pixels, provenance, bad input, resume, kill -9."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from hyfi_imaging.cli.preprocess import main as preprocess_main
+from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
+from hyfi_imaging.io import open_slide
+from hyfi_imaging.io.zarr_store import read_hyfi_attrs
+from hyfi_imaging.preprocess import PreprocessOptions, read_labels, read_manifest, run_preprocess
+from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
+
+SIZE = (1024, 1280)
+
+
+@pytest.fixture(scope="module")
+def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three lossless slides of different kinds plus a labels file."""
+    root = tmp_path_factory.mktemp("slides")
+    write_synthetic_slide(root / "a.svs", seed=1, label=0, size=SIZE, kind="aperio", compression="zlib")
+    write_synthetic_slide(root / "b.svs", seed=2, label=1, size=SIZE, kind="aperio", compression="zlib")
+    write_synthetic_slide(
+        root / "c.ome.tiff", seed=3, label=1, size=SIZE, mpp=0.5, kind="ome-tiff", compression="zlib"
+    )
+    (root / "labels.csv").write_text("slide_id,label\na,0\nb,1\nc,1\n")
+    return root
+
+
+def _store(out: Path, sid: str) -> tuple[np.ndarray, dict]:
+    group = zarr.open_group(out / f"{sid}.zarr", mode="r")
+    return np.asarray(group["0"][:]), dict(group.attrs["hyfi"])
+
+
+def test_converts_cohort_with_manifest_metadata_and_qc(cohort: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = preprocess_main(
+        [str(cohort), "--out", str(out), "--mpp", "2.0", "--size", "512",
+         "--labels", str(cohort / "labels.csv"), "--quiet"]
+    )  # fmt: skip
+    assert code == 0
+    rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    assert set(rows) == {"a", "b", "c"}
+    for sid, row in rows.items():
+        assert row.status == "ok" and row.error == ""
+        assert (row.height, row.width, row.mpp) == (512, 512, 2.0)
+        image, attrs = _store(out, sid)
+        assert image.shape == (3, 512, 512) and image.dtype == np.uint8
+        assert attrs["mpp"] == 2.0 and attrs["source_mpp"] == 0.5
+        assert attrs["source"] == str((cohort / Path(row.source).name).resolve())
+        py, px, ph, pw = attrs["placement"]
+        sy, sx, sh, sw = attrs["source_box"]
+        assert abs(ph - sh / 4) <= 1 and abs(pw - sw / 4) <= 1  # 0.5 -> 2.0 um/px
+        # Outside the placement: background; inside: tissue somewhere.
+        assert (image[:, :py] == 255).all() and (image[:, py + ph :] == 255).all()
+        assert image[:, py : py + ph, px : px + pw].min() < 200
+        assert (out / "qc" / f"{sid}.png").stat().st_size > 1000
+    assert rows["b"].label == "1" and rows["a"].label == "0"
+    assert (out / "contact_sheet.png").exists() and (out / "preprocess.log").exists()
+    ome = zarr.open_group(out / "a.zarr", mode="r").attrs["ome"]
+    assert ome["version"] == "0.5"
+    assert [a["name"] for a in ome["multiscales"][0]["axes"]] == ["c", "y", "x"]
+
+
+def test_level_zero_output_is_the_source_pixels_at_the_recorded_place(
+    cohort: Path, tmp_path: Path
+) -> None:
+    """Without resampling, canvas[placement] must equal source[source_box] exactly."""
+    out = tmp_path / "out"
+    summary = run_preprocess(
+        [cohort / "b.svs"], out, PreprocessOptions(level=0, size=(1400, 1400)), progress=False
+    )
+    assert not summary.failed
+    image, attrs = _store(out, "b")
+    py, px, ph, pw = attrs["placement"]
+    sy, sx, sh, sw = attrs["source_box"]
+    assert (ph, pw) == (sh, sw)
+    truth = np.moveaxis(render_synthetic(seed=2, label=1, size=SIZE).image, -1, 0)
+    np.testing.assert_array_equal(image[:, py : py + ph, px : px + pw], truth[:, sy : sy + sh, sx : sx + sw])
+    # The crop holds all of the tissue the mask finds.
+    mask = tissue_mask(truth[:, ::8, ::8])
+    ty, tx, th, tw = tissue_box(mask, 8.0, SIZE) or (0, 0, 0, 0)
+    assert sy <= ty and sx <= tx and sy + sh >= ty + th and sx + sw >= tx + tw
+
+
+def test_fit_and_crop_policies(cohort: Path, tmp_path: Path) -> None:
+    fit = run_preprocess(
+        [cohort / "a.svs"], tmp_path / "fit", PreprocessOptions(mpp=0.5, size=(256, 256)), progress=False
+    )
+    _, attrs = _store(tmp_path / "fit", "a")
+    assert not fit.failed and attrs["mpp"] > 0.5  # downscaled to fit, recorded honestly
+    assert max(attrs["placement"][2:]) == 256
+    crop = run_preprocess(
+        [cohort / "a.svs"], tmp_path / "crop",
+        PreprocessOptions(mpp=0.5, size=(256, 256), fit="crop"), progress=False,
+    )  # fmt: skip
+    _, attrs = _store(tmp_path / "crop", "a")
+    assert not crop.failed and attrs["mpp"] == 0.5
+    assert attrs["placement"] == [0, 0, 256, 256] and attrs["source_box"][2:] == [256, 256]
+
+
+def _bad_inputs(root: Path) -> dict[str, Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    good = write_synthetic_slide(root / "good.svs", seed=4, label=0, size=(768, 768), compression="zlib")
+    truncated = root / "truncated.svs"
+    data = good.path.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = root / "garbage.svs"
+    garbage.write_bytes(b"this is not a slide" * 100)
+    text = root / "notes.txt"
+    text.write_text("hello")
+    blank = root / "blank.tiff"
+    import tifffile
+
+    tifffile.imwrite(blank, np.full((512, 512, 3), 250, np.uint8), tile=(256, 256), resolution=(20000, 20000), resolutionunit="CENTIMETER")
+    nompp = write_synthetic_slide(
+        root / "nompp.tiff", seed=5, label=0, size=(768, 768), mpp=None, kind="generic-tiff", compression="zlib"
+    ).path
+    unlabelled = write_synthetic_slide(root / "unlabelled.svs", seed=6, label=0, size=(768, 768), compression="zlib").path
+    return {
+        "good": good.path, "truncated": truncated, "garbage": garbage, "text": text, "blank": blank,
+        "nompp": nompp, "unlabelled": unlabelled,
+    }  # fmt: skip
+
+
+def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = _bad_inputs(tmp_path / "in")
+    labels = tmp_path / "labels.csv"
+    ids = [p.name.split(".")[0] for k, p in files.items() if k != "unlabelled"]
+    labels.write_text("slide_id,label\n" + "".join(f"{sid},0\n" for sid in ids))
+    out = tmp_path / "out"
+    args = [str(p) for p in files.values()]
+    code = preprocess_main(args + ["--out", str(out), "--mpp", "2", "--size", "256", "--labels", str(labels), "--quiet"])
+    assert code == 1
+    rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    assert rows["good"].status == "ok"
+    expect = {
+        "truncated": "truncated", "garbage": "unsupported", "notes": "unsupported", "blank": "no tissue",
+        "nompp": "--mpp-override", "unlabelled": "not in the labels file",
+    }  # fmt: skip
+    for sid, words in expect.items():
+        row = rows[sid]
+        assert row.status == "failed", sid
+        assert "\n" not in row.error and row.source in row.error
+        assert words.lower() in row.error.lower(), (sid, row.error)
+    printed = capsys.readouterr().out
+    assert "1 converted" in printed and "6 failed" in printed
+    assert sum(line.startswith("  FAILED") for line in printed.splitlines()) == 6
+    # Nothing half-written is left behind.
+    assert sorted(p.name for p in out.glob("*.zarr*")) == ["good.zarr"]
+
+
+def test_unwritable_output_and_missing_input_stop_before_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    slide = write_synthetic_slide(tmp_path / "s.svs", seed=1, label=0, size=(512, 512)).path
+    assert preprocess_main([str(slide), "--out", str(blocker / "sub"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not writable" in err
+    assert preprocess_main([str(tmp_path / "missing.svs"), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_resume_skips_finished_slides_by_metadata(cohort: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(cohort, src)
+    out = tmp_path / "out"
+    opts = PreprocessOptions(mpp=2.0, size=(512, 512))
+    first = run_preprocess([src], out, opts, progress=False)
+    assert first.count("ok") == 3
+    again = run_preprocess([src], out, opts, progress=False)
+    assert again.count("skipped") == 3
+    # Changed options or a changed source file: converted again, the rest skipped.
+    os.utime(src / "a.svs", ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = run_preprocess([src], out, opts, progress=False)
+    assert {r.slide_id: r.status for r in third.results} == {"a": "ok", "b": "skipped", "c": "skipped"}
+    fourth = run_preprocess([src], out, PreprocessOptions(mpp=2.0, size=(640, 640)), progress=False)
+    assert fourth.count("ok") == 3
+    # A finished store whose source later breaks is kept, not destroyed.
+    (src / "b.svs").write_bytes(b"broken")
+    fifth = run_preprocess([src], out, PreprocessOptions(mpp=2.0, size=(640, 640)), progress=False)
+    assert [r.slide_id for r in fifth.failed] == ["b"]
+    assert read_hyfi_attrs(out / "b.zarr") is not None
+
+
+def test_labels_files_as_they_come(tmp_path: Path) -> None:
+    panda = tmp_path / "train.csv"
+    panda.write_text("image_id,data_provider,isup_grade,gleason_score\nabc,karolinska,3,4+3\ndef,radboud,0,0+0\n")
+    assert read_labels(panda) == {"abc": "3", "def": "0"}
+    camelyon = tmp_path / "reference.csv"
+    camelyon.write_text("test_001,Tumor,Macro,Metastasis\ntest_002,Normal,,\n")
+    assert read_labels(camelyon) == {"test_001": "Tumor", "test_002": "Normal"}
+    tsv = tmp_path / "labels.tsv"
+    tsv.write_text("filename\tdiagnosis\nx.svs\tbenign\n")
+    assert read_labels(tsv) == {"x": "benign"}
+    assert read_labels(panda, label_column="gleason_score")["abc"] == "4+3"
+
+
+def _cli(src: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "hyfi_imaging.cli.preprocess", str(src), "--out", str(out),
+            "--mpp", "1.0", "--size", "768", "--quiet"]  # fmt: skip
+
+
+def test_kill_minus_nine_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        write_synthetic_slide(src / f"s{i}.svs", seed=20 + i, label=i % 2, size=(1024, 1024))
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = subprocess.Popen(_cli(src, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(killed.glob("*.zarr")):
+        time.sleep(0.02)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Whatever is there under a final name is complete; temporaries are not mistaken for slides.
+    for store in killed.glob("*.zarr"):
+        assert read_hyfi_attrs(store) is not None
+    assert subprocess.run(_cli(src, killed), check=False).returncode == 0
+    assert subprocess.run(_cli(src, clean), check=False).returncode == 0
+    assert not list(killed.glob("*tmp*"))
+    for i in range(4):
+        a, attrs_a = _store(killed, f"s{i}")
+        b, attrs_b = _store(clean, f"s{i}")
+        np.testing.assert_array_equal(a, b)
+        assert attrs_a == attrs_b
+    assert (killed / "manifest.csv").read_text() == (clean / "manifest.csv").read_text()
+
+
+def test_a_second_run_on_the_same_directory_is_refused(cohort: Path, tmp_path: Path) -> None:
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with (out / ".hyfi-preprocess.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code = preprocess_main([str(cohort / "a.svs"), "--out", str(out), "--quiet"])
+    assert code == 2
