@@ -1,24 +1,29 @@
 """One rank of a spatial-parallelism benchmark run (started by ``bench_spatial.py``).
 
-Why a separate per-rank script: peak memory is a per-process quantity that only
-grows, so every (layout, image size) measurement runs in fresh processes, and
-the grid runs must be real ranks under ``mpiexec`` -- the same code path as
-training. The driver starts this script, reads the one ``RESULT {json}`` line
-that rank 0 prints, and does all the arithmetic and printing.
+Why a separate per-rank script: peak memory is a per-process quantity, so each
+measurement runs in fresh processes, and the grid runs must be real ranks under
+``mpiexec`` -- the code path training takes. The driver starts this script,
+reads the one ``RESULT {json}`` line that rank 0 prints, and does all the
+arithmetic and printing. Every rank uses one thread (``torch.set_num_threads(1)``).
 
-What one run does, with one thread per rank (``torch.set_num_threads(1)``):
+What one run does:
 
-* builds ResNet-50 (``--grid 1x1``: the plain model in one process, no
-  process group; otherwise spatialized for this rank's tile),
-* ``--mode mem``: resets the kernel's peak-RSS counter (``/proc/self/clear_refs``,
-  value 5) and reads ``VmRSS`` before and ``VmHWM`` after each of ``--steps``
-  training steps (forward, backward, spatial gradient reduction, SGD step);
-  optionally counts the bytes of tensors saved for backward, by module class;
-* ``--mode time``: ``--warmup`` steps, then ``--steps`` timed steps, each
-  started after a barrier; the step time is the slowest rank's;
+* builds the model (``--grid 1x1``: the plain model in one process, no process
+  group; otherwise spatialized for this rank's tile), and SGD with momentum;
+* for each size in ``--images``: ``--mem-steps`` training steps (forward,
+  backward, spatial gradient reduction, SGD step). Before each step it reads
+  ``VmRSS`` and resets the kernel's peak-RSS counter (``/proc/self/clear_refs``,
+  value 5); after it, it reads ``VmHWM``. The first step of the first size is
+  the one of a fresh process;
+* ``--time-image N``: ``--warmup`` then ``--time-steps`` timed steps at N, each
+  started after a barrier, with wall and CPU time of forward, backward,
+  gradient reduction and optimizer step;
 * ``--count-halo``: wraps :func:`hyfi_imaging.parallel.halo._exchange` (the one
-  function every halo message goes through) to count the bytes this rank sends,
-  split into forward and backward.
+  function every halo message goes through) to count the bytes and messages
+  this rank sends, per image size and per phase (forward/backward);
+* ``--saved``: after everything else, one forward at the first size under
+  ``saved_tensors_hooks``, counting the distinct storages autograd keeps for
+  backward, by the class of the module that saved them (parameters apart).
 """
 
 from __future__ import annotations
@@ -26,18 +31,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import re
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 __all__ = ["main"]
 
-_PHASE = {"name": "idle"}
+_PHASE = {"name": "other"}
 _SENT: dict[str, int] = defaultdict(int)
 _MESSAGES: dict[str, int] = defaultdict(int)
 
@@ -57,7 +61,7 @@ def _reset_peak() -> None:
 
 
 def _install_halo_counter() -> None:
-    """Count the bytes each halo message sends, per phase (forward/backward)."""
+    """Count the bytes and messages each rank sends through the halo exchange, per phase."""
     from hyfi_imaging.parallel import halo
 
     real = halo._exchange
@@ -71,6 +75,13 @@ def _install_halo_counter() -> None:
     halo._exchange = counting
 
 
+def _take_halo_counts() -> dict[str, dict[str, int]]:
+    out = {"bytes": dict(_SENT), "messages": dict(_MESSAGES)}
+    _SENT.clear()
+    _MESSAGES.clear()
+    return out
+
+
 @contextmanager
 def _phase(name: str) -> Iterator[None]:
     old = _PHASE["name"]
@@ -81,57 +92,65 @@ def _phase(name: str) -> Iterator[None]:
         _PHASE["name"] = old
 
 
-def _saved_bytes_by_class(model: Any, step: Any) -> dict[str, int]:
-    """Bytes of distinct storages autograd saves for backward during ``step()``, by module class."""
+def _saved_bytes_by_class(model: Any, forward: Callable[[], Any]) -> dict[str, int]:
+    """Bytes of distinct storages autograd saves during ``forward()``, by module class."""
     import torch
 
-    current = ["(outside modules)"]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    current = ["(between modules)"]
     seen: set[int] = set()
     by_class: dict[str, int] = defaultdict(int)
-    handles = []
+    handles: list[Any] = []
+
+    def enter(m: Any, args: Any) -> None:
+        current.append(type(m).__name__)
+
+    def leave(m: Any, args: Any, out: Any) -> None:  # must return None: keeps the output
+        current.pop()
+
     for mod in model.modules():
-        if list(mod.children()):
-            continue
-
-        def pre(m: Any, args: Any) -> None:
-            current.append(type(m).__name__)
-
-        def post(m: Any, args: Any, out: Any) -> None:
-            current.pop()
-
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post))
+        if not list(mod.children()):
+            handles += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
 
     def pack(t: Any) -> Any:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in seen and storage.nbytes() > 0:
             seen.add(key)
-            by_class[current[-1]] += storage.nbytes()
+            by_class["(parameters)" if key in params else current[-1]] += storage.nbytes()
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            step()
+            loss = forward()
+        del loss
     finally:
         for h in handles:
             h.remove()
     return dict(by_class)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("mem", "time"), required=True)
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--grid", default="1x1", help="tile grid GYxGX; 1x1 = plain model, one process")
-    p.add_argument("--image", type=int, required=True, help="square image side in pixels")
+    p.add_argument("--images", default="", help="comma-separated square sizes for memory steps")
+    p.add_argument("--mem-steps", type=int, default=2, help="measured steps per memory size")
+    p.add_argument(
+        "--time-image", type=int, default=0, help="square size for timed steps (0: none)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
+    p.add_argument("--time-steps", type=int, default=3)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--count-halo", action="store_true")
-    p.add_argument("--saved", action="store_true", help="also count tensors saved for backward")
-    args = p.parse_args(argv)
+    p.add_argument("--saved", action="store_true", help="count tensors saved for backward")
+    return p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
@@ -147,85 +166,110 @@ def main(argv: list[str] | None = None) -> int:
 
     grid = Layout.parse_grid(args.grid)
     spatial = grid != (1, 1)
-    hw = (args.image, args.image)
     torch.manual_seed(0)
     model = create_model(args.model, num_classes=2)
     model.train()
-    rank, world = 0, 1
-    ctx = None
+    rank, world, ctx = 0, 1, None
     if spatial:
         pc = init_parallel(Layout(sp=grid))
         rank, world = pc.rank, pc.world_size
         ctx = spatial_context_for(model, pc)
-        ctx.set_image_size(hw)
         if args.count_halo:
             _install_halo_counter()
-    gen = torch.Generator().manual_seed(1)
-    image = torch.randn(args.batch, 3, *hw, generator=gen)
-    labels = torch.randint(0, 2, (args.batch,), generator=gen)
-    if ctx is not None:
-        rows, cols = ctx.tile_slice(hw)
-        x = pad_image(image, ctx.padded_size(hw))[..., rows, cols].clone()
-    else:
-        x = image.clone()
-    del image
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with _phase("forward"):
-            loss = F.cross_entropy(model(x), labels)
-        with _phase("backward"):
-            loss.backward()
-        if ctx is not None:
-            reduce_spatial_grads(model, ctx)
-        opt.step()
+    def make_input(side: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hw = (side, side)
+        image = torch.randn(args.batch, 3, *hw, generator=gen)
+        labels = torch.randint(0, 2, (args.batch,), generator=gen)
+        if ctx is None:
+            return image, labels
+        ctx.set_image_size(hw)
+        rows, cols = ctx.tile_slice(hw)
+        return pad_image(image, ctx.padded_size(hw))[..., rows, cols].clone(), labels
 
     def barrier() -> None:
         if spatial:
             dist.barrier()
 
-    result: dict[str, Any] = {"rank": rank, "tile": list(x.shape[-2:])}
-    n_params = sum(p.numel() for p in model.parameters())
-    result["param_bytes"] = n_params * 4
-    if args.mode == "mem":
+    def step(x: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """One training step; wall and CPU seconds of its parts."""
+        marks = [(time.perf_counter(), time.process_time())]
+        opt.zero_grad(set_to_none=True)
+        with _phase("forward"):
+            loss = F.cross_entropy(model(x), labels)
+        marks.append((time.perf_counter(), time.process_time()))
+        with _phase("backward"):
+            loss.backward()
+        marks.append((time.perf_counter(), time.process_time()))
+        if ctx is not None:
+            reduce_spatial_grads(model, ctx)
+        marks.append((time.perf_counter(), time.process_time()))
+        opt.step()
+        marks.append((time.perf_counter(), time.process_time()))
+        parts = ("forward", "backward", "grad_reduce", "optimizer")
+        out = {f"{p}_s": marks[i + 1][0] - marks[i][0] for i, p in enumerate(parts)}
+        out["wall_s"] = marks[-1][0] - marks[0][0]
+        out["cpu_s"] = marks[-1][1] - marks[0][1]
+        return out
+
+    result: dict[str, Any] = {
+        "rank": rank,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "mem": {},
+    }
+    sizes = [int(s) for s in args.images.split(",") if s.strip()]
+    for side in sizes:
+        x, labels = make_input(side)
         steps = []
-        for _ in range(args.steps):
+        for _ in range(args.mem_steps):
             gc.collect()
             barrier()
             before = _status_kib("VmRSS")
             _reset_peak()
-            step()
+            step(x, labels)
             steps.append({"rss_before_kib": before, "peak_kib": _status_kib("VmHWM")})
-            barrier()
-        result["steps"] = steps
-        result["halo_sent"], result["halo_messages"] = dict(_SENT), dict(_MESSAGES)
-        if args.saved:
-            result["saved_bytes"] = _saved_bytes_by_class(
-                model, lambda: F.cross_entropy(model(x), labels)
-            )
-    else:
+        barrier()
+        result["mem"][str(side)] = {
+            "tile": list(x.shape[-2:]),
+            "steps": steps,
+            "halo": _take_halo_counts(),
+            "halo_steps": args.mem_steps,
+        }
+        del x
+    if args.time_image:
+        x, labels = make_input(args.time_image)
         times = []
-        for i in range(args.warmup + args.steps):
+        for i in range(args.warmup + args.time_steps):
             barrier()
-            t0 = time.perf_counter()
-            step()
+            parts = step(x, labels)
             barrier()
             if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        result["times"] = times
-        result["halo_sent"], result["halo_messages"] = dict(_SENT), dict(_MESSAGES)
+                times.append(parts)
+        result["time"] = {
+            "image": args.time_image,
+            "tile": list(x.shape[-2:]),
+            "steps": times,
+            "halo": _take_halo_counts(),
+            "halo_steps": args.warmup + args.time_steps,
+        }
+        del x
+    if args.saved and sizes:
+        x, labels = make_input(sizes[0])
+        result["saved_bytes"] = _saved_bytes_by_class(
+            model, lambda: F.cross_entropy(model(x), labels)
+        )
     if spatial:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
-            print("RESULT " + json.dumps({"ranks": gathered}), flush=True)
+            print("RESULT " + json.dumps({"grid": list(grid), "ranks": gathered}), flush=True)
         shutdown()
     else:
-        print("RESULT " + json.dumps({"ranks": [result]}), flush=True)
+        print("RESULT " + json.dumps({"grid": [1, 1], "ranks": [result]}), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())

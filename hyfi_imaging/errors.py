@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = ["ConfigError", "HyfiError", "SlideError", "problem"]
 
 
-def problem(where: str, what: str, fix: str) -> str:
+def problem(where: object, what: str, fix: str) -> str:
     """Format the one-line message ``"<where>: <what>; <fix>"``."""
     where = str(where).replace("\n", " ")
     return f"{where}: {what.rstrip('.')}; {fix.rstrip('.')}."
@@ -19,7 +19,7 @@ def problem(where: str, what: str, fix: str) -> str:
 class HyfiError(Exception):
     """Base of all hyfi-imaging errors; ``str(err)`` is one line for the user."""
 
-    def __init__(self, where: str, what: str, fix: str) -> None:
+    def __init__(self, where: object, what: str, fix: str) -> None:
         self.where = str(where)
         self.what = what
         self.fix = fix

@@ -8,8 +8,27 @@ from hyfi_imaging.cli.demo import main
 
 
 def test_demo_small(tmp_path: Path, capsys: object) -> None:
-    code = main(["--out", str(tmp_path), "--slides", "2", "--slide-size", "1024", "--size", "512", "--workers", "1", "--no-verify"])
+    code = main(
+        [
+            "--out",
+            str(tmp_path),
+            "--slides",
+            "2",
+            "--slide-size",
+            "1024",
+            "--size",
+            "512",
+            "--workers",
+            "1",
+            "--no-verify",
+        ]
+    )
     assert code == 0
-    for name in ("data/manifest.csv", "data/contact_sheet.png", "tile_grid.png", "data/synth_000.zarr"):
+    for name in (
+        "data/manifest.csv",
+        "data/contact_sheet.png",
+        "tile_grid.png",
+        "data/synth_000.zarr",
+    ):
         assert (tmp_path / name).exists(), name
     assert (tmp_path / "tile_grid.png").stat().st_size > 10_000

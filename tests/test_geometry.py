@@ -629,5 +629,13 @@ def test_module_errors() -> None:
         layer_geom(nn.ReLU())
     with pytest.raises(ConfigError, match="padding_mode='reflect'"):
         layer_geom(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
-    with pytest.raises(ConfigError, match=r"^MaxPool2d\(kernel_size=3.*ceil_mode=True is not"):
-        layer_geom(nn.MaxPool2d(3, 2, ceil_mode=True))
+    with pytest.raises(ConfigError, match=r"^AvgPool2d\(kernel_size=3.*ceil_mode=True is not supported"):
+        layer_geom(nn.AvgPool2d(3, 2, ceil_mode=True))
+
+
+def test_ceil_mode_max_pool_lengths_match_pytorch() -> None:
+    for k, s, p in [(2, 2, 0), (3, 2, 1), (3, 2, 0), (3, 3, 1), (5, 4, 2)]:
+        module = nn.MaxPool2d(k, s, p, ceil_mode=True)
+        geom = layer_geom(module)[0]
+        for n in range(max(k - 2 * p, 1), 40):
+            assert geom.out_length(n) == module(torch.zeros(1, 1, n, n)).shape[-1], (k, s, p, n)

@@ -16,7 +16,6 @@ import zarr
 
 from hyfi_imaging.cli.preprocess import main as preprocess_main
 from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
-from hyfi_imaging.io import open_slide
 from hyfi_imaging.io.zarr_store import read_hyfi_attrs
 from hyfi_imaging.preprocess import PreprocessOptions, read_labels, read_manifest, run_preprocess
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
@@ -28,10 +27,20 @@ SIZE = (1024, 1280)
 def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three lossless slides of different kinds plus a labels file."""
     root = tmp_path_factory.mktemp("slides")
-    write_synthetic_slide(root / "a.svs", seed=1, label=0, size=SIZE, kind="aperio", compression="zlib")
-    write_synthetic_slide(root / "b.svs", seed=2, label=1, size=SIZE, kind="aperio", compression="zlib")
     write_synthetic_slide(
-        root / "c.ome.tiff", seed=3, label=1, size=SIZE, mpp=0.5, kind="ome-tiff", compression="zlib"
+        root / "a.svs", seed=1, label=0, size=SIZE, kind="aperio", compression="zlib"
+    )
+    write_synthetic_slide(
+        root / "b.svs", seed=2, label=1, size=SIZE, kind="aperio", compression="zlib"
+    )
+    write_synthetic_slide(
+        root / "c.ome.tiff",
+        seed=3,
+        label=1,
+        size=SIZE,
+        mpp=0.5,
+        kind="ome-tiff",
+        compression="zlib",
     )
     (root / "labels.csv").write_text("slide_id,label\na,0\nb,1\nc,1\n")
     return root
@@ -59,7 +68,7 @@ def test_converts_cohort_with_manifest_metadata_and_qc(cohort: Path, tmp_path: P
         assert attrs["mpp"] == 2.0 and attrs["source_mpp"] == 0.5
         assert attrs["source"] == str((cohort / Path(row.source).name).resolve())
         py, px, ph, pw = attrs["placement"]
-        sy, sx, sh, sw = attrs["source_box"]
+        _sy, _sx, sh, sw = attrs["source_box"]
         assert abs(ph - sh / 4) <= 1 and abs(pw - sw / 4) <= 1  # 0.5 -> 2.0 um/px
         # Outside the placement: background; inside: tissue somewhere.
         assert (image[:, :py] == 255).all() and (image[:, py + ph :] == 255).all()
@@ -86,7 +95,9 @@ def test_level_zero_output_is_the_source_pixels_at_the_recorded_place(
     sy, sx, sh, sw = attrs["source_box"]
     assert (ph, pw) == (sh, sw)
     truth = np.moveaxis(render_synthetic(seed=2, label=1, size=SIZE).image, -1, 0)
-    np.testing.assert_array_equal(image[:, py : py + ph, px : px + pw], truth[:, sy : sy + sh, sx : sx + sw])
+    np.testing.assert_array_equal(
+        image[:, py : py + ph, px : px + pw], truth[:, sy : sy + sh, sx : sx + sw]
+    )
     # The crop holds all of the tissue the mask finds.
     mask = tissue_mask(truth[:, ::8, ::8])
     ty, tx, th, tw = tissue_box(mask, 8.0, SIZE) or (0, 0, 0, 0)
@@ -95,7 +106,10 @@ def test_level_zero_output_is_the_source_pixels_at_the_recorded_place(
 
 def test_fit_and_crop_policies(cohort: Path, tmp_path: Path) -> None:
     fit = run_preprocess(
-        [cohort / "a.svs"], tmp_path / "fit", PreprocessOptions(mpp=0.5, size=(256, 256)), progress=False
+        [cohort / "a.svs"],
+        tmp_path / "fit",
+        PreprocessOptions(mpp=0.5, size=(256, 256)),
+        progress=False,
     )
     _, attrs = _store(tmp_path / "fit", "a")
     assert not fit.failed and attrs["mpp"] > 0.5  # downscaled to fit, recorded honestly
@@ -111,7 +125,9 @@ def test_fit_and_crop_policies(cohort: Path, tmp_path: Path) -> None:
 
 def _bad_inputs(root: Path) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
-    good = write_synthetic_slide(root / "good.svs", seed=4, label=0, size=(768, 768), compression="zlib")
+    good = write_synthetic_slide(
+        root / "good.svs", seed=4, label=0, size=(768, 768), compression="zlib"
+    )
     truncated = root / "truncated.svs"
     data = good.path.read_bytes()
     truncated.write_bytes(data[: len(data) // 2])
@@ -122,11 +138,25 @@ def _bad_inputs(root: Path) -> dict[str, Path]:
     blank = root / "blank.tiff"
     import tifffile
 
-    tifffile.imwrite(blank, np.full((512, 512, 3), 250, np.uint8), tile=(256, 256), resolution=(20000, 20000), resolutionunit="CENTIMETER")
+    tifffile.imwrite(
+        blank,
+        np.full((512, 512, 3), 250, np.uint8),
+        tile=(256, 256),
+        resolution=(20000, 20000),
+        resolutionunit="CENTIMETER",
+    )
     nompp = write_synthetic_slide(
-        root / "nompp.tiff", seed=5, label=0, size=(768, 768), mpp=None, kind="generic-tiff", compression="zlib"
+        root / "nompp.tiff",
+        seed=5,
+        label=0,
+        size=(768, 768),
+        mpp=None,
+        kind="generic-tiff",
+        compression="zlib",
     ).path
-    unlabelled = write_synthetic_slide(root / "unlabelled.svs", seed=6, label=0, size=(768, 768), compression="zlib").path
+    unlabelled = write_synthetic_slide(
+        root / "unlabelled.svs", seed=6, label=0, size=(768, 768), compression="zlib"
+    ).path
     return {
         "good": good.path, "truncated": truncated, "garbage": garbage, "text": text, "blank": blank,
         "nompp": nompp, "unlabelled": unlabelled,
@@ -142,7 +172,20 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
     labels.write_text("slide_id,label\n" + "".join(f"{sid},0\n" for sid in ids))
     out = tmp_path / "out"
     args = [str(p) for p in files.values()]
-    code = preprocess_main(args + ["--out", str(out), "--mpp", "2", "--size", "256", "--labels", str(labels), "--quiet"])
+    code = preprocess_main(
+        [
+            *args,
+            "--out",
+            str(out),
+            "--mpp",
+            "2",
+            "--size",
+            "256",
+            "--labels",
+            str(labels),
+            "--quiet",
+        ]
+    )
     assert code == 1
     rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
     assert rows["good"].status == "ok"
@@ -162,14 +205,19 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
     assert sorted(p.name for p in out.glob("*.zarr*")) == ["good.zarr"]
 
 
-def test_unwritable_output_and_missing_input_stop_before_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unwritable_output_and_missing_input_stop_before_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     slide = write_synthetic_slide(tmp_path / "s.svs", seed=1, label=0, size=(512, 512)).path
     assert preprocess_main([str(slide), "--out", str(blocker / "sub"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not writable" in err
-    assert preprocess_main([str(tmp_path / "missing.svs"), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert (
+        preprocess_main([str(tmp_path / "missing.svs"), "--out", str(tmp_path / "o"), "--quiet"])
+        == 2
+    )
     assert "no such file" in capsys.readouterr().err
 
 
@@ -185,7 +233,11 @@ def test_resume_skips_finished_slides_by_metadata(cohort: Path, tmp_path: Path) 
     # Changed options or a changed source file: converted again, the rest skipped.
     os.utime(src / "a.svs", ns=(time.time_ns(), time.time_ns() + 10**9))
     third = run_preprocess([src], out, opts, progress=False)
-    assert {r.slide_id: r.status for r in third.results} == {"a": "ok", "b": "skipped", "c": "skipped"}
+    assert {r.slide_id: r.status for r in third.results} == {
+        "a": "ok",
+        "b": "skipped",
+        "c": "skipped",
+    }
     fourth = run_preprocess([src], out, PreprocessOptions(mpp=2.0, size=(640, 640)), progress=False)
     assert fourth.count("ok") == 3
     # A finished store whose source later breaks is kept, not destroyed.
@@ -197,7 +249,9 @@ def test_resume_skips_finished_slides_by_metadata(cohort: Path, tmp_path: Path) 
 
 def test_labels_files_as_they_come(tmp_path: Path) -> None:
     panda = tmp_path / "train.csv"
-    panda.write_text("image_id,data_provider,isup_grade,gleason_score\nabc,karolinska,3,4+3\ndef,radboud,0,0+0\n")
+    panda.write_text(
+        "image_id,data_provider,isup_grade,gleason_score\nabc,karolinska,3,4+3\ndef,radboud,0,0+0\n"
+    )
     assert read_labels(panda) == {"abc": "3", "def": "0"}
     camelyon = tmp_path / "reference.csv"
     camelyon.write_text("test_001,Tumor,Macro,Metastasis\ntest_002,Normal,,\n")

@@ -34,7 +34,9 @@ def _print_manifest(path: Path) -> None:
     for r in rows:
         size = f"{r.height}x{r.width}"
         mpp = "" if r.mpp is None else f"{r.mpp:g}"
-        print(f"  {r.slide_id:<12}{r.label:>6}{size:>12}{mpp:>6}  {r.status:<6}  {r.path or r.error}")
+        print(
+            f"  {r.slide_id:<12}{r.label:>6}{size:>12}{mpp:>6}  {r.status:<6}  {r.path or r.error}"
+        )
 
 
 def _tile_grid_figure(manifest: Path, out: Path) -> Path:
@@ -61,11 +63,15 @@ def _verify(out: Path) -> int:
         return 0
     cmd = [mpiexec, "-n", "4", sys.executable, "-m", "hyfi_imaging.cli.verify", "--model", "resnet18",
            "--width", "0.25", "--image-size", "200x168", "--spatial", "2x2", "--steps", "2"]  # fmt: skip
-    print("  $ mpiexec -n 4 hyfi-verify --model resnet18 --width 0.25 --image-size 200x168 --spatial 2x2")
+    print(
+        "  $ mpiexec -n 4 hyfi-verify --model resnet18 --width 0.25 --image-size 200x168 --spatial 2x2"
+    )
     env = {"OMP_NUM_THREADS": "1"}
     import os
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=False)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, **env}, check=False
+    )
     for line in proc.stdout.splitlines()[:4]:
         print("  " + line)
     (out / "verify.txt").write_text(proc.stdout + proc.stderr)
@@ -78,9 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="hyfi-demo", description=__doc__, epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (default: demo_out)")
-    p.add_argument("--slides", type=int, default=8, help="synthetic slides to generate (default: 8)")
-    p.add_argument("--slide-size", type=int, default=4096, help="slide side in pixels (default: 4096)")
+    p.add_argument(
+        "--out", type=Path, default=Path("demo_out"), help="output directory (default: demo_out)"
+    )
+    p.add_argument(
+        "--slides", type=int, default=8, help="synthetic slides to generate (default: 8)"
+    )
+    p.add_argument(
+        "--slide-size", type=int, default=4096, help="slide side in pixels (default: 4096)"
+    )
     p.add_argument("--size", type=int, default=2048, help="training canvas side (default: 2048)")
     p.add_argument("--workers", type=int, default=2, help="preprocess workers (default: 2)")
     p.add_argument("--no-verify", action="store_true", help="skip the 4-rank exactness check")

@@ -39,7 +39,9 @@ def parse_size(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
     if len(values) not in (1, 2) or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"size must be N or HxW with positive numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"size must be N or HxW with positive numbers, got {text!r}"
+        )
     return (values[0], values[-1])
 
 
@@ -64,21 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
     res = p.add_mutually_exclusive_group()
     res.add_argument("--mpp", type=_positive_float, help="target microns per pixel (resample)")
     res.add_argument("--level", type=int, help="use this pyramid level as it is (default: 0)")
-    p.add_argument("--size", type=parse_size, default=(8192, 8192), help="canvas N or HxW (default: 8192)")
     p.add_argument(
-        "--fit", choices=("fit", "crop"), default="fit",
+        "--size", type=parse_size, default=(8192, 8192), help="canvas N or HxW (default: 8192)"
+    )
+    p.add_argument(
+        "--fit",
+        choices=("fit", "crop"),
+        default="fit",
         help="tissue larger than the canvas: 'fit' downscales it to fit (the recorded mpp "
         "changes), 'crop' keeps the resolution and centre-crops (default: fit)",
     )
-    p.add_argument("--margin-um", type=float, default=100.0, help="margin around tissue in microns (default: 100)")
-    p.add_argument("--mpp-override", type=_positive_float, help="level-0 microns per pixel of the inputs, overriding metadata")
+    p.add_argument(
+        "--margin-um",
+        type=float,
+        default=100.0,
+        help="margin around tissue in microns (default: 100)",
+    )
+    p.add_argument(
+        "--mpp-override",
+        type=_positive_float,
+        help="level-0 microns per pixel of the inputs, overriding metadata",
+    )
     p.add_argument("--labels", type=Path, help="CSV/TSV of slide ids and labels")
     p.add_argument("--id-column", help="column of slide ids in --labels (default: detected)")
     p.add_argument("--label-column", help="column of labels in --labels (default: detected)")
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
     p.add_argument("--recursive", action="store_true", help="search directories recursively")
     p.add_argument("--chunk", type=int, default=512, help="zarr chunk side (default: 512)")
-    p.add_argument("--shard", type=int, default=4096, help="zarr shard side, a multiple of --chunk (default: 4096)")
+    p.add_argument(
+        "--shard",
+        type=int,
+        default=4096,
+        help="zarr shard side, a multiple of --chunk (default: 4096)",
+    )
     p.add_argument("--no-qc", action="store_true", help="skip QC pictures")
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings and errors only")
     return p
@@ -101,8 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     console.setFormatter(logging.Formatter("hyfi-preprocess: %(message)s"))
     log.addHandler(console)
     options = PreprocessOptions(
-        mpp=args.mpp, level=args.level, size=args.size, fit=args.fit, margin_um=args.margin_um,
-        mpp_override=args.mpp_override, chunk=args.chunk, shard=args.shard,
+        mpp=args.mpp,
+        level=args.level,
+        size=args.size,
+        fit=args.fit,
+        margin_um=args.margin_um,
+        mpp_override=args.mpp_override,
+        chunk=args.chunk,
+        shard=args.shard,
     )
     try:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -113,9 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         pass  # run_preprocess reports the unwritable directory in one line
     try:
         summary = run_preprocess(
-            args.inputs, args.out, options, labels_path=args.labels, id_column=args.id_column,
-            label_column=args.label_column, workers=args.workers, recursive=args.recursive,
-            qc=not args.no_qc, progress=not args.quiet,
+            args.inputs,
+            args.out,
+            options,
+            labels_path=args.labels,
+            id_column=args.id_column,
+            label_column=args.label_column,
+            workers=args.workers,
+            recursive=args.recursive,
+            qc=not args.no_qc,
+            progress=not args.quiet,
         )
     except HyfiError as err:
         print(f"hyfi-preprocess: error: {err}", file=sys.stderr)

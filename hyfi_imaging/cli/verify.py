@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=3)
     p.add_argument("--width", type=float, help="width multiplier for the model (if it has one)")
     p.add_argument(
-        "--dtype", choices=("float32", "float64"), default="float64",
+        "--dtype",
+        choices=("float32", "float64"),
+        default="float64",
         help="float64 (default) separates logic errors from rounding; in float32 a value "
         "that rounds across a ReLU kink legitimately changes gradients on large images",
     )
@@ -62,7 +64,7 @@ def _sabotage(kind: str) -> None:
     from hyfi_imaging.parallel import halo
 
     if kind == "halo-backward":
-        halo._reduce = lambda g, before, after, lo, hi, dim: g.narrow(  # type: ignore[assignment]
+        halo._reduce = lambda g, before, after, lo, hi, dim: g.narrow(
             dim, before, g.shape[dim] - before - after
         ).clone()
 
@@ -85,9 +87,13 @@ def _run(args: argparse.Namespace) -> int:
         _sabotage(args.sabotage)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size)))
     report = run_verify(
-        lambda: create_model(args.model, **kwargs), pc, image_hw=args.image_size,
-        batch=args.batch, steps=args.steps,
-        dtype=torch.float64 if args.dtype == "float64" else torch.float32, seed=args.seed,
+        lambda: create_model(args.model, **kwargs),
+        pc,
+        image_hw=args.image_size,
+        batch=args.batch,
+        steps=args.steps,
+        dtype=torch.float64 if args.dtype == "float64" else torch.float32,
+        seed=args.seed,
     )
     if pc.rank == 0:
         if args.json:

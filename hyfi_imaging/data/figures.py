@@ -18,7 +18,16 @@ from hyfi_imaging.data.tiles import TileRegion
 
 __all__ = ["plot_tile_grid"]
 
-_COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:cyan", "tab:olive", "tab:brown")
+_COLOURS = (
+    "tab:red",
+    "tab:blue",
+    "tab:green",
+    "tab:orange",
+    "tab:purple",
+    "tab:cyan",
+    "tab:olive",
+    "tab:brown",
+)
 
 
 def plot_tile_grid(
@@ -69,7 +78,9 @@ def plot_tile_grid(
         sub.imshow(np.moveaxis(read_tile(reader, reg), 0, -1))
         t, b, left, right = reg.halo
         c = _COLOURS[n % len(_COLOURS)]
-        sub.add_patch(Rectangle((left - 0.5, t - 0.5), reg.owned[3], reg.owned[2], fill=False, ec=c, lw=1.5))
+        sub.add_patch(
+            Rectangle((left - 0.5, t - 0.5), reg.owned[3], reg.owned[2], fill=False, ec=c, lw=1.5)
+        )
         sub.set_title(f"rank {reg.rank[0]},{reg.rank[1]} reads {h}x{w}", fontsize=8, color=c)
         sub.axis("off")
     fig.tight_layout()

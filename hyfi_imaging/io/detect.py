@@ -89,7 +89,8 @@ def _check_tiff_complete(path: Path) -> None:
         raise
     except Exception as err:
         raise SlideError(
-            str(path), f"the TIFF structure cannot be read ({type(err).__name__}: {err})",
+            str(path),
+            f"the TIFF structure cannot be read ({type(err).__name__}: {err})",
             "the file may be truncated or corrupt; re-copy or re-export it",
         ) from err
 

@@ -36,8 +36,7 @@ from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.base import BACKGROUND, clip_region, paste_region
 from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
 
-__all__ = [
-    "check_complete","TiffReader", "ome_mpp"]
+__all__ = ["check_complete", "TiffReader", "ome_mpp"]
 
 _SVS_MPP = re.compile(r"\|\s*MPP\s*=\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)")
 _ASSOCIATED = {"thumbnail", "label", "macro", "overview"}

@@ -73,19 +73,22 @@ def _shard_blocks(h: int, w: int, sh: int, sw: int) -> Iterator[tuple[int, int, 
             yield y0, x0, min(y0 + sh, h), min(x0 + sw, w)
 
 
-def _multiscales(name: str, mpp: float, n_levels: int) -> dict[str, Any]:
+def _multiscales(name: str, mpp: float | None, n_levels: int) -> dict[str, Any]:
+    # Unknown resolution: pixel units (no "unit"), scale 1 per level-0 pixel.
+    unit = {"unit": "micrometer"} if mpp is not None else {}
+    step = 1.0 if mpp is None else mpp
     return {
         "name": name,
         "axes": [
             {"name": "c", "type": "channel"},
-            {"name": "y", "type": "space", "unit": "micrometer"},
-            {"name": "x", "type": "space", "unit": "micrometer"},
+            {"name": "y", "type": "space", **unit},
+            {"name": "x", "type": "space", **unit},
         ],
         "datasets": [
             {
                 "path": str(level),
                 "coordinateTransformations": [
-                    {"type": "scale", "scale": [1.0, mpp * 2**level, mpp * 2**level]}
+                    {"type": "scale", "scale": [1.0, step * 2**level, step * 2**level]}
                 ],
             }
             for level in range(n_levels)
@@ -100,7 +103,7 @@ def write_ome_zarr(
     path: str | os.PathLike[str],
     image: np.ndarray,
     *,
-    mpp: float,
+    mpp: float | None,
     hyfi_attrs: dict[str, Any],
     chunk: int = 512,
     shard: int = 4096,
@@ -113,7 +116,7 @@ def write_ome_zarr(
         path: the group to create; must not exist (write to a temporary path
             and rename it for atomicity).
         image: uint8 ``(C, H, W)`` level-0 pixels.
-        mpp: microns per level-0 pixel.
+        mpp: microns per level-0 pixel, or None when unknown (axes then carry no unit).
         hyfi_attrs: JSON-able provenance stored as ``attributes["hyfi"]``.
         chunk: inner chunk side (the unit of decoding).
         shard: shard side, a multiple of ``chunk``; clamped to the image
@@ -134,8 +137,8 @@ def write_ome_zarr(
         raise ValueError(f"write_ome_zarr needs uint8 (C, H, W), got {image.dtype} {image.shape}")
     if chunk <= 0 or shard <= 0 or shard % chunk:
         raise ValueError(f"shard ({shard}) must be a positive multiple of chunk ({chunk})")
-    if not mpp > 0:
-        raise ValueError(f"mpp must be positive, got {mpp}")
+    if mpp is not None and not mpp > 0:
+        raise ValueError(f"mpp must be positive or None, got {mpp}")
     if pyramid_levels < 1:
         raise ValueError(f"pyramid_levels must be >= 1, got {pyramid_levels}")
     json.dumps(hyfi_attrs)  # fail before writing anything if not JSON-able
@@ -269,8 +272,9 @@ class ZarrReader:
         self.level_downsamples = tuple(float(s[-1] / scales[0][-1]) for s in scales)
         hyfi = attrs.get("hyfi")
         self.attrs: dict[str, Any] = hyfi if isinstance(hyfi, dict) else {}
-        self.mpp: float | None = float(scales[0][-1])
-        self.mpp_source = "ome"
+        has_unit = all(not isinstance(a, dict) or "unit" in a for a in multiscale["axes"][-2:])
+        self.mpp: float | None = float(scales[0][-1]) if has_unit else None
+        self.mpp_source = "ome" if has_unit else "none"
         if mpp_override is not None:
             self.mpp, self.mpp_source = float(mpp_override), "override"
         self.background = int(self.attrs.get("background", BACKGROUND))

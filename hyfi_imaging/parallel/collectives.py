@@ -29,30 +29,30 @@ def _sum(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _AllReducePartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return _sum(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _sum(grad, ctx.group), None
 
 
 class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         return _sum(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
 def all_reduce_partial(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum over ``group``; backward sums the gradient over ``group`` too."""
-    return _AllReducePartial.apply(x, group)  # type: ignore[no-any-return]
+    return _AllReducePartial.apply(x, group)
 
 
 def all_reduce_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum over ``group``; backward passes the (already complete) gradient through."""
-    return _AllReduceReplicated.apply(x, group)  # type: ignore[no-any-return]
+    return _AllReduceReplicated.apply(x, group)

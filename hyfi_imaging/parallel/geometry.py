@@ -328,7 +328,8 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
         # -inf there like any padding; avg-pool's divisor for them has no tiled form.
         if module.ceil_mode and isinstance(module, nn.AvgPool2d):
             raise ConfigError(
-                where, "AvgPool2d with ceil_mode=True is not supported by spatial tiling",
+                where(),
+                "AvgPool2d with ceil_mode=True is not supported by spatial tiling",
                 "use ceil_mode=False",
             )
         kernel, stride = _pair(module.kernel_size), _pair(module.stride)
@@ -342,7 +343,9 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
         )
     ceil = bool(getattr(module, "ceil_mode", False))
     y, x = (
-        LayerGeom(kernel[a], stride[a], pads[a][0], dilation[a], padding_end=pads[a][1], ceil_mode=ceil)
+        LayerGeom(
+            kernel[a], stride[a], pads[a][0], dilation[a], padding_end=pads[a][1], ceil_mode=ceil
+        )
         for a in (0, 1)
     )
     return (y, x)

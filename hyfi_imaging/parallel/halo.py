@@ -56,7 +56,9 @@ def _buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
-def _extend(x: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int, fill: float) -> torch.Tensor:
+def _extend(
+    x: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int, fill: float
+) -> torch.Tensor:
     """Grow ``x`` along ``dim`` by ``before``/``after`` slices from peers ``lo``/``hi`` (or ``fill``)."""
     if before == 0 and after == 0:
         return x
@@ -81,7 +83,9 @@ def _extend(x: torch.Tensor, before: int, after: int, lo: int | None, hi: int | 
     return torch.cat([head, x, tail], dim=dim)
 
 
-def _reduce(g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int) -> torch.Tensor:
+def _reduce(
+    g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int
+) -> torch.Tensor:
     """Adjoint of :func:`_extend`: send halo gradients to their owners, add what comes back."""
     if before == 0 and after == 0:
         return g
@@ -111,7 +115,7 @@ def _reduce(g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | 
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, halo: tuple[int, int, int, int], fill: float, nb: Neighbours
     ) -> torch.Tensor:
         top, bottom, left, right = halo
@@ -120,7 +124,7 @@ class _HaloExchange(torch.autograd.Function):
         return _extend(rows, left, right, nb.left, nb.right, x.dim() - 1, fill)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         top, bottom, left, right = ctx.halo
         nb: Neighbours = ctx.nb
         g = _reduce(grad.contiguous(), left, right, nb.left, nb.right, grad.dim() - 1)
@@ -138,4 +142,4 @@ def halo_exchange(
     """
     if any(v < 0 for v in halo):
         raise ValueError(f"halo sizes must be >= 0, got {halo}")
-    return _HaloExchange.apply(x, halo, fill, neighbours)  # type: ignore[no-any-return]
+    return _HaloExchange.apply(x, halo, fill, neighbours)

@@ -137,12 +137,18 @@ def init_parallel(
             )
         else:
             dist.init_process_group(
-                backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
+                backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
     mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=MESH_DIMS)
     groups: dict[str, Any] = {name: mesh.get_group(name) for name in MESH_DIMS}
-    groups["sp"] = mesh["sy", "sx"]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
+    groups["sp"] = (
+        mesh["sy", "sx"]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
+    )
     return ParallelContext(layout, rank, world, local_rank, launcher, backend, device, mesh, groups)
 
 
@@ -165,7 +171,7 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
     except HyfiError as err:  # a user error: one line, no trace
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         os._exit(2)
-    except BaseException as err:  # noqa: BLE001 - every failure must end the job
+    except BaseException as err:
         rank = os.environ.get("RANK", "?")
         traceback.print_exc(file=sys.stderr)
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -130,7 +130,7 @@ class SpatialContext:
                     f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
                 )
         sizes = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
-        for name, (h, w) in sizes.items():
+        for _name, (h, w) in sizes.items():
             if h > hp or w > wp:
                 pass  # checked per layer against its tile grid in _check_layer
         return sizes
@@ -158,7 +158,8 @@ def _trace_sizes(model: nn.Module, shape: tuple[int, ...]) -> dict[str, tuple[in
                 hw = (int(x.shape[-2]), int(x.shape[-1]))
                 if sizes.setdefault(name, hw) != hw:
                     raise ConfigError(
-                        name, "the module is called on inputs of different sizes",
+                        name,
+                        "the module is called on inputs of different sizes",
                         "give each call site its own module",
                     )
 
@@ -183,7 +184,7 @@ class _MaskTail(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, valid_h: int, valid_w: int, fill: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, valid_h: int, valid_w: int, fill: float) -> torch.Tensor:
         th, tw = x.shape[-2:]
         ctx.valid = (valid_h, valid_w)
         if valid_h >= th and valid_w >= tw:
@@ -194,7 +195,7 @@ class _MaskTail(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         valid_h, valid_w = ctx.valid
         th, tw = grad.shape[-2:]
         if valid_h < th or valid_w < tw:
@@ -209,15 +210,18 @@ class _SpatialMixin:
 
     hyfi_path: str
     hyfi_ctx: SpatialContext
+    hyfi_geoms: tuple[LayerGeom, LayerGeom]  # window geometry (conv/pool), fixed at spatialize()
 
     def _mask(self, x: torch.Tensor, fill: float) -> torch.Tensor:
         """Set the part of the tile outside the (true) input image to ``fill``."""
         mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
         th, tw = x.shape[-2:]
         i, j = self.hyfi_ctx.tile
-        return _MaskTail.apply(x, mh - i * th, mw - j * tw, fill)  # type: ignore[no-any-return]
+        return _MaskTail.apply(x, mh - i * th, mw - j * tw, fill)
 
-    def _exchange(self, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom], fill: float) -> torch.Tensor:
+    def _exchange(
+        self, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom], fill: float
+    ) -> torch.Tensor:
         """Tile plus the halo this window needs; surplus rows/columns sliced away."""
         gy, gx = geoms
         th, tw = x.shape[-2:]
@@ -225,7 +229,8 @@ class _SpatialMixin:
         for g, t, axis in ((gy, th, "height"), (gx, tw, "width")):
             if t % g.stride:
                 raise ConfigError(
-                    self.hyfi_path, f"the tile {axis} {t} is not a multiple of the stride {g.stride}",
+                    self.hyfi_path,
+                    f"the tile {axis} {t} is not a multiple of the stride {g.stride}",
                     "align tiles to the model's total stride (SpatialContext.align)",
                 )
             before, after = g.padding, g.extent - g.padding - g.stride
@@ -254,7 +259,7 @@ class SpatialConv2d(_SpatialMixin, nn.Conv2d):
     """``nn.Conv2d`` on a tile: mask, exchange halo, convolve without padding."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geoms = layer_geom(self)
+        geoms = self.hyfi_geoms
         xp = self._exchange(self._mask(x, 0.0), geoms, 0.0)
         y = F.conv2d(xp, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
         return self._trim(y, x, geoms)
@@ -264,19 +269,23 @@ class SpatialMaxPool2d(_SpatialMixin, nn.MaxPool2d):
     """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geoms = layer_geom(self)
+        geoms = self.hyfi_geoms
         xp = self._exchange(self._mask(x, -math.inf), geoms, -math.inf)
-        return self._trim(F.max_pool2d(xp, self.kernel_size, self.stride, 0, self.dilation), x, geoms)
+        return self._trim(
+            F.max_pool2d(xp, self.kernel_size, self.stride, 0, self.dilation), x, geoms
+        )
 
 
 class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geoms = layer_geom(self)
+        geoms = self.hyfi_geoms
         xp = self._exchange(self._mask(x, 0.0), geoms, 0.0)
         if self.count_include_pad or self.divisor_override or not any(g.padding for g in geoms):
-            y = F.avg_pool2d(xp, self.kernel_size, self.stride, 0, False, True, self.divisor_override)
+            y = F.avg_pool2d(
+                xp, self.kernel_size, self.stride, 0, False, True, self.divisor_override
+            )
             return self._trim(y, x, geoms)
         # Divide by the number of window pixels inside the image, as PyTorch does.
         inside = self._exchange(self._mask(torch.ones_like(x[:1, :1]), 0.0), geoms, 0.0)
@@ -312,7 +321,9 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 factor = (
-                    1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                    1.0 / float(self.num_batches_tracked)
+                    if self.momentum is None
+                    else self.momentum
                 )
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), factor)
                 unbiased = var.detach() * (n / max(n - 1, 1))
@@ -348,13 +359,15 @@ def _check(name: str, m: nn.Module) -> None:
     where = f"module {name!r} ({type(m).__name__})"
     if isinstance(m, _UNSUPPORTED):
         raise ConfigError(
-            where, "mixes pixels and has no spatial (tiled) form",
+            where,
+            "mixes pixels and has no spatial (tiled) form",
             "replace it with Conv2d/MaxPool2d/AvgPool2d/BatchNorm2d/global average pooling, "
             "or run without spatial parallelism",
         )
     if isinstance(m, nn.AdaptiveAvgPool2d) and not _is_global_pool(m):
         raise ConfigError(
-            where, f"adaptive pooling to {m.output_size} depends on the whole image's size",
+            where,
+            f"adaptive pooling to {m.output_size} depends on the whole image's size",
             "use global pooling (output size 1)",
         )
     if isinstance(m, nn.MaxPool2d) and m.return_indices:
@@ -368,7 +381,8 @@ def _check(name: str, m: nn.Module) -> None:
     known = isinstance(m, (*_POINTWISE, *_SWAP, nn.Sequential)) or _is_global_pool(m)
     if not known and not list(m.children()) and type(m).forward is not nn.Module.forward:
         raise ConfigError(
-            where, "is a leaf module hyfi-imaging does not know; it may mix pixels",
+            where,
+            "is a leaf module hyfi-imaging does not know; it may mix pixels",
             "build the model from torch.nn layers that spatialize() supports",
         )
 
@@ -424,7 +438,9 @@ def spatialize(
         cls = _SWAP.get(type(m)) or (SpatialGlobalAvgPool2d if _is_global_pool(m) else None)
         if cls is not None:
             m.__class__ = cls
-            m.hyfi_path, m.hyfi_ctx = name, ctx  # type: ignore[assignment]
+            m.hyfi_path, m.hyfi_ctx = name, ctx
+            if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+                m.hyfi_geoms = layer_geom(m)  # type: ignore[assignment]
     return ctx
 
 
@@ -446,7 +462,9 @@ def reduce_spatial_grads(model: nn.Module, ctx: SpatialContext) -> None:
     import torch.distributed as dist
 
     grads = [
-        p.grad for n, p in model.named_parameters() if n in ctx.tile_param_names and p.grad is not None
+        p.grad
+        for n, p in model.named_parameters()
+        if n in ctx.tile_param_names and p.grad is not None
     ]
     if not grads or ctx.grid == (1, 1):
         return

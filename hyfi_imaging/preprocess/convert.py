@@ -161,7 +161,9 @@ def _resolution(reader: SlideReader, options: PreprocessOptions) -> tuple[float,
     return 1.0 / ds, level, None if reader.mpp is None else reader.mpp * ds
 
 
-def plan_crop(reader: SlideReader, options: PreprocessOptions) -> tuple[CropPlan, np.ndarray, float]:
+def plan_crop(
+    reader: SlideReader, options: PreprocessOptions
+) -> tuple[CropPlan, np.ndarray, float]:
     """Find the tissue and decide the source box, canvas placement and read level.
 
     Returns the plan, the tissue mask and the mask's downsample (for QC pictures).
@@ -193,7 +195,10 @@ def plan_crop(reader: SlideReader, options: PreprocessOptions) -> tuple[CropPlan
             )
             ph, pw = min(canvas_h, round(sh * scale)), min(canvas_w, round(sw * scale))
         else:  # centre-crop the tissue box to what the canvas holds at this resolution
-            keep_h, keep_w = min(sh, math.floor(canvas_h / scale)), min(sw, math.floor(canvas_w / scale))
+            keep_h, keep_w = (
+                min(sh, math.floor(canvas_h / scale)),
+                min(sw, math.floor(canvas_w / scale)),
+            )
             sy, sx = sy + (sh - keep_h) // 2, sx + (sw - keep_w) // 2
             sh, sw = keep_h, keep_w
             ph, pw = min(canvas_h, round(sh * scale)), min(canvas_w, round(sw * scale))
@@ -273,7 +278,13 @@ def convert_slide(
             h, w = attrs.get("size", [0, 0])
             qc = qc_dir / f"{slide_id}.png" if qc_dir else None
             return ConvertResult(
-                slide_id, str(source), str(final), "skipped", h, w, attrs.get("mpp"),
+                slide_id,
+                str(source),
+                str(final),
+                "skipped",
+                h,
+                w,
+                attrs.get("mpp"),
                 qc=str(qc) if qc and qc.exists() else "",
             )
         with open_slide(source, mpp_override=options.mpp_override) as reader:
@@ -310,12 +321,21 @@ def convert_slide(
                 pyramid_levels=options.pyramid_levels,
                 name=slide_id,
             )
-            qc = ""
+            qc_path = ""
             if qc_dir is not None:
-                qc = str(write_slide_qc(qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, canvas))
+                qc_path = str(
+                    write_slide_qc(qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, canvas)
+                )
         _atomic_replace(tmp, final)
         return ConvertResult(
-            slide_id, str(source), str(final), "ok", canvas_h, canvas_w, plan.mpp, qc=qc,
+            slide_id,
+            str(source),
+            str(final),
+            "ok",
+            canvas_h,
+            canvas_w,
+            plan.mpp,
+            qc=qc_path,
             megapixels=canvas_h * canvas_w / 1e6,
         )
     except HyfiError as err:
@@ -323,7 +343,10 @@ def convert_slide(
     except Exception as err:  # one bad slide must never stop the others
         what = f"{type(err).__name__}: {err}".replace("\n", " ")
         return ConvertResult(
-            slide_id, str(source), "", "failed",
+            slide_id,
+            str(source),
+            "",
+            "failed",
             error=f"{source}: could not be converted ({what}); check the file, or report a bug "
             "with this line if the file opens in other tools.",
         )

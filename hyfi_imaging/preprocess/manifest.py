@@ -21,9 +21,26 @@ from pathlib import Path
 
 from hyfi_imaging.errors import ConfigError
 
-__all__ = ["MANIFEST_COLUMNS", "ManifestRow", "read_labels", "read_manifest", "slide_id_of", "write_manifest"]
+__all__ = [
+    "MANIFEST_COLUMNS",
+    "ManifestRow",
+    "read_labels",
+    "read_manifest",
+    "slide_id_of",
+    "write_manifest",
+]
 
-MANIFEST_COLUMNS = ("slide_id", "path", "label", "height", "width", "mpp", "status", "error", "source")
+MANIFEST_COLUMNS = (
+    "slide_id",
+    "path",
+    "label",
+    "height",
+    "width",
+    "mpp",
+    "status",
+    "error",
+    "source",
+)
 
 _ID_NAMES = ("slide_id", "image_id", "slide", "image", "id", "filename", "file", "name", "case_id")
 _LABEL_NAMES = ("label", "isup_grade", "class", "target", "diagnosis", "y", "grade", "category")
@@ -39,12 +56,15 @@ def slide_id_of(path: Path | str) -> str:
     return Path(name).stem if "." in name else name
 
 
-def _pick(header: list[str], wanted: str | None, names: tuple[str, ...], path: Path, what: str) -> int:
+def _pick(
+    header: list[str], wanted: str | None, names: tuple[str, ...], path: Path, what: str
+) -> int:
     lower = [h.strip().lower() for h in header]
     if wanted is not None:
         if wanted.lower() not in lower:
             raise ConfigError(
-                path, f"no column named {wanted!r} (columns: {', '.join(header)})",
+                path,
+                f"no column named {wanted!r} (columns: {', '.join(header)})",
                 f"pass --{what}-column with one of those names",
             )
         return lower.index(wanted.lower())
@@ -52,7 +72,8 @@ def _pick(header: list[str], wanted: str | None, names: tuple[str, ...], path: P
         if name in lower:
             return lower.index(name)
     raise ConfigError(
-        path, f"cannot tell which column holds the {what} (columns: {', '.join(header)})",
+        path,
+        f"cannot tell which column holds the {what} (columns: {', '.join(header)})",
         f"pass --{what}-column NAME",
     )
 
@@ -85,13 +106,15 @@ def read_labels(
     for lineno, row in enumerate(body, start=2 if has_header else 1):
         if len(row) <= max(id_col, label_col):
             raise ConfigError(
-                f"{path}:{lineno}", f"row has {len(row)} fields, expected at least "
-                f"{max(id_col, label_col) + 1}", "fix or remove that row",
+                f"{path}:{lineno}",
+                f"row has {len(row)} fields, expected at least {max(id_col, label_col) + 1}",
+                "fix or remove that row",
             )
         sid, label = slide_id_of(row[id_col].strip()), row[label_col].strip()
         if sid in labels and labels[sid] != label:
             raise ConfigError(
-                f"{path}:{lineno}", f"slide {sid!r} has two labels ({labels[sid]!r}, {label!r})",
+                f"{path}:{lineno}",
+                f"slide {sid!r} has two labels ({labels[sid]!r}, {label!r})",
                 "keep one row per slide",
             )
         labels[sid] = label
@@ -121,8 +144,17 @@ def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
         writer.writerow(MANIFEST_COLUMNS)
         for r in rows:
             writer.writerow(
-                [r.slide_id, r.path, r.label, r.height, r.width,
-                 "" if r.mpp is None else f"{r.mpp:.6g}", r.status, r.error, r.source]
+                [
+                    r.slide_id,
+                    r.path,
+                    r.label,
+                    r.height,
+                    r.width,
+                    "" if r.mpp is None else f"{r.mpp:.6g}",
+                    r.status,
+                    r.error,
+                    r.source,
+                ]
             )
     os.replace(tmp, path)
     return path
@@ -133,8 +165,15 @@ def read_manifest(path: Path) -> list[ManifestRow]:
     with path.open(newline="", encoding="utf-8") as f:
         return [
             ManifestRow(
-                d["slide_id"], d["path"], d["label"], int(d["height"] or 0), int(d["width"] or 0),
-                float(d["mpp"]) if d["mpp"] else None, d["status"], d["error"], d["source"],
+                d["slide_id"],
+                d["path"],
+                d["label"],
+                int(d["height"] or 0),
+                int(d["width"] or 0),
+                float(d["mpp"]) if d["mpp"] else None,
+                d["status"],
+                d["error"],
+                d["source"],
             )
             for d in csv.DictReader(f)
         ]

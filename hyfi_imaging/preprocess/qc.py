@@ -46,7 +46,9 @@ def write_slide_qc(
     thumb, ds = thumbnail(reader, _QC_SIZE)
     left = _to_pil(thumb)
     # Tissue outline: mask boundary, resized to this thumbnail.
-    mask_img = Image.fromarray(mask.astype(np.uint8) * 255).resize(left.size, Image.Resampling.NEAREST)
+    mask_img = Image.fromarray(mask.astype(np.uint8) * 255).resize(
+        left.size, Image.Resampling.NEAREST
+    )
     m = np.asarray(mask_img) > 0
     edge = m & ~ndimage.binary_erosion(m, structure=morphology.disk(1))
     edge = ndimage.binary_dilation(edge, iterations=1)  # visible at contact-sheet scale
@@ -95,8 +97,14 @@ def write_contact_sheet(
         else:
             ax.set_title(title + "  FAILED", fontsize=9, color="red")
             ax.text(
-                0.5, 0.5, textwrap.fill(res.error or "failed", 48), ha="center", va="center",
-                fontsize=7, color="red", transform=ax.transAxes,
+                0.5,
+                0.5,
+                textwrap.fill(res.error or "failed", 48),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="red",
+                transform=ax.transAxes,
             )
     fig.suptitle("hyfi-preprocess QC: tissue outline (green), crop box (red) | output canvas")
     fig.tight_layout()

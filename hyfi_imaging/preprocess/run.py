@@ -38,8 +38,20 @@ log = logging.getLogger("hyfi_imaging.preprocess")
 
 #: File name endings picked up when a directory is given (files named explicitly are always tried).
 SLIDE_SUFFIXES = (
-    ".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
-    ".btf", ".png", ".jpg", ".jpeg",
+    ".svs",
+    ".tif",
+    ".tiff",
+    ".ndpi",
+    ".mrxs",
+    ".scn",
+    ".vms",
+    ".vmu",
+    ".bif",
+    ".svslide",
+    ".btf",
+    ".png",
+    ".jpg",
+    ".jpeg",
 )
 
 
@@ -72,7 +84,8 @@ def discover_slides(inputs: Sequence[Path], *, recursive: bool = False) -> list[
         if item.is_dir() and not (item / "zarr.json").exists():
             pattern = "**/*" if recursive else "*"
             found.extend(
-                p for p in sorted(item.glob(pattern))
+                p
+                for p in sorted(item.glob(pattern))
                 if p.is_file() and p.name.lower().endswith(SLIDE_SUFFIXES)
             )
         elif item.exists():
@@ -89,7 +102,8 @@ def _check_writable(out_dir: Path) -> None:
             pass
     except OSError as err:
         raise ConfigError(
-            out_dir, f"output directory is not writable ({err.strerror or err})",
+            out_dir,
+            f"output directory is not writable ({err.strerror or err})",
             "choose another --out or fix its permissions",
         ) from err
 
@@ -135,7 +149,8 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise ConfigError(
-                out_dir, "another hyfi-preprocess run is writing to this directory",
+                out_dir,
+                "another hyfi-preprocess run is writing to this directory",
                 "wait for it to finish, or choose another --out",
             ) from None
         yield
@@ -159,12 +174,14 @@ def _run_locked(
         log.info("removed an unfinished store from an interrupted run: %s", stale)
     labels = (
         read_labels(labels_path, id_column=id_column, label_column=label_column)
-        if labels_path else {}
+        if labels_path
+        else {}
     )
     slides = discover_slides(inputs, recursive=recursive)
     if not slides:
         raise ConfigError(
-            ", ".join(map(str, inputs)), "no slide files found",
+            ", ".join(map(str, inputs)),
+            "no slide files found",
             f"name slide files, or directories holding files ending in {', '.join(SLIDE_SUFFIXES)}",
         )
     qc_dir = out_dir / "qc" if qc else None
@@ -174,12 +191,16 @@ def _run_locked(
         sid = slide_id_of(source)
         if sid in results or any(sid == s for s, _ in todo):
             results[f"{sid}#{source}"] = _failed(
-                sid, source, f"slide id {sid!r} is used by another input file",
+                sid,
+                source,
+                f"slide id {sid!r} is used by another input file",
                 "rename one of the files so that slide ids are unique",
             )
         elif labels_path is not None and sid not in labels:
             results[sid] = _failed(
-                sid, source, f"slide {sid!r} is not in the labels file {labels_path}",
+                sid,
+                source,
+                f"slide {sid!r} is not in the labels file {labels_path}",
                 "add a row for it, or leave the slide out",
             )
         else:
@@ -207,7 +228,10 @@ def _run_locked(
             ctx = mp.get_context("spawn")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 futures: dict[Future[ConvertResult], tuple[str, Path]] = {
-                    pool.submit(convert_slide, source, out_dir, sid, options, qc_dir=qc_dir): (sid, source)
+                    pool.submit(convert_slide, source, out_dir, sid, options, qc_dir=qc_dir): (
+                        sid,
+                        source,
+                    )
                     for sid, source in todo
                 }
                 for fut in as_completed(futures):
@@ -216,7 +240,9 @@ def _run_locked(
                         res = fut.result()
                     except Exception as err:  # a worker died (e.g. out of memory)
                         res = _failed(
-                            sid, source, f"the worker process died ({type(err).__name__}: {err})",
+                            sid,
+                            source,
+                            f"the worker process died ({type(err).__name__}: {err})",
                             "re-run with fewer --workers or a smaller --size",
                         )
                     record(res)
@@ -239,8 +265,15 @@ def _rows(
         status = "ok" if res.status in ("ok", "skipped") else res.status
         rows.append(
             ManifestRow(
-                res.slide_id, path, labels.get(res.slide_id, ""), res.height, res.width, res.mpp,
-                status, res.error, res.source,
+                res.slide_id,
+                path,
+                labels.get(res.slide_id, ""),
+                res.height,
+                res.width,
+                res.mpp,
+                status,
+                res.error,
+                res.source,
             )
         )
     return rows

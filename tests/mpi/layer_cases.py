@@ -1,0 +1,249 @@
+"""One-layer (and tiny-chain) sweeps: spatial vs one process, on every rank of a grid.
+
+Why one layer at a time: a whole-model mismatch says *that* something is
+wrong; a one-layer mismatch says *which* window geometry is. Each case builds a
+tiny ``nn.Sequential``, copies it, spatializes the copy for this rank's tile
+(alignment detected by ``spatialize``), runs both on the same float64 batch and
+pulls back the same random upstream gradient, then compares: the gathered
+output, the gathered input gradient, every parameter gradient after
+``reduce_spatial_grads`` and every buffer (BatchNorm running statistics).
+Image sizes are odd and not powers of two, so the last tiles hang over the
+image and every masking path runs.
+
+Usage: ``mpiexec -n 4 python tests/mpi/layer_cases.py 2x2`` prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _worker import Case, combine, compare, emit, merge_ranks, parse_grid, run_cases, start
+
+__all__ = ["API", "LAYERS", "SIZES", "LayerSpec", "case_names", "cases", "main"]
+
+#: Image sizes (h, w): odd, not powers of two, each axis a different remainder.
+SIZES: list[tuple[int, int]] = [(37, 29), (45, 52)]
+#: float64 tolerance on ``max|a-b| / max|b|``: rounding only (sums in another order).
+RTOL = 1e-10
+C = 4  # channels
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A tiny model and how to drive it.
+
+    ``train_steps`` forward/backward passes in training mode, then ``eval_steps``
+    in eval mode; ``head`` models end in global pooling + Linear (cross-entropy
+    loss, replicated output) instead of a random upstream gradient on the map.
+    ``scale``/``shift`` tilt the input channels (BatchNorm on badly scaled data).
+    """
+
+    build: Callable[[], nn.Module]
+    align: int
+    train_steps: int = 1
+    eval_steps: int = 0
+    head: bool = False
+    scale: tuple[float, ...] | None = None
+    shift: tuple[float, ...] | None = None
+    rtol: float = RTOL
+
+
+def _seq(*layers: nn.Module) -> Callable[[], nn.Module]:
+    return lambda: nn.Sequential(*copy.deepcopy(layers))
+
+
+def _conv(k: Any, s: Any = 1, p: Any = 0, **kw: Any) -> nn.Module:
+    return nn.Conv2d(C, C, k, stride=s, padding=p, **kw)
+
+
+def _head(*layers: nn.Module) -> Callable[[], nn.Module]:
+    return _seq(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(C, 3))
+
+
+#: name -> spec. ``align`` is the stride product ``spatialize`` must detect.
+LAYERS: dict[str, LayerSpec] = {
+    "conv3x3-s1-p1": LayerSpec(_seq(_conv(3, 1, 1)), 1),
+    "conv3x3-s2-p1": LayerSpec(_seq(_conv(3, 2, 1, bias=False)), 2),
+    "conv5x5-s4-p2": LayerSpec(_seq(_conv(5, 4, 2)), 4),
+    "conv7x7-s2-p3": LayerSpec(_seq(_conv(7, 2, 3, bias=False)), 2),
+    "conv3x3-d2-p2": LayerSpec(_seq(_conv(3, 1, 2, dilation=2)), 1),
+    "conv3x3-s2-d2-p1": LayerSpec(_seq(_conv(3, 2, 1, dilation=2)), 2),
+    "conv2x2-s1-p0": LayerSpec(_seq(_conv(2, 1, 0)), 1),
+    "conv4x4-s2-p1": LayerSpec(_seq(_conv(4, 2, 1)), 2),
+    "conv1x1-s2": LayerSpec(_seq(_conv(1, 2, 0, bias=False)), 2),
+    "conv3x3-g2-bias": LayerSpec(_seq(_conv(3, 1, 1, groups=2, bias=True)), 1),
+    "conv1x7-p0x3": LayerSpec(_seq(_conv((1, 7), 1, (0, 3))), 1),
+    "conv-same-k2": LayerSpec(_seq(_conv(2, 1, "same")), 1),
+    "conv-same-k4-d2": LayerSpec(_seq(_conv(4, 1, "same", dilation=2)), 1),
+    "maxpool3x3-s2-p1": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1)), 2),
+    "maxpool2x2-s2-ceil": LayerSpec(_seq(nn.MaxPool2d(2, 2, ceil_mode=True)), 2),
+    "maxpool3x3-s2-p1-ceil": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1, ceil_mode=True)), 2),
+    "avgpool3x3-s2-p1-incl": LayerSpec(_seq(nn.AvgPool2d(3, 2, 1, count_include_pad=True)), 2),
+    "avgpool3x3-s2-p1-excl": LayerSpec(_seq(nn.AvgPool2d(3, 2, 1, count_include_pad=False)), 2),
+    "avgpool3x3-s1-p1-excl": LayerSpec(_seq(nn.AvgPool2d(3, 1, 1, count_include_pad=False)), 1),
+    "avgpool2x2-s2": LayerSpec(_seq(nn.AvgPool2d(2, 2)), 2),
+    "avgpool3x3-s2-p1-div5": LayerSpec(_seq(nn.AvgPool2d(3, 2, 1, divisor_override=5)), 2),
+    "bn": LayerSpec(_seq(nn.BatchNorm2d(C)), 1, train_steps=2, eval_steps=1),
+    "bn-tilted": LayerSpec(
+        _seq(nn.BatchNorm2d(C)), 1, 2, 1, scale=(1.0, 10.0, 100.0, 1.0)
+    ),
+    # Channel 3 is 1e4 +- 0.01: mean/std = 1e6, so any two correct float64
+    # answers may differ by ~1e6 * 2**-52 relative; the others stay tight.
+    "bn-tilted-shifted": LayerSpec(
+        _seq(nn.BatchNorm2d(C)), 1, 2, 1, (1.0, 10.0, 100.0, 0.01), (0, 5, -300, 1e4), rtol=1e-7
+    ),
+    "bn-cumulative-momentum": LayerSpec(_seq(nn.BatchNorm2d(C, momentum=None)), 1, 2, 1),
+    "conv-conv": LayerSpec(_seq(_conv(3, 1, 1), nn.ReLU(), _conv(3, 2, 1)), 2),
+    "conv-bn-relu-conv": LayerSpec(
+        _seq(_conv(3, 2, 1, bias=False), nn.BatchNorm2d(C), nn.ReLU(), _conv(3, 1, 1)), 2, 2, 1
+    ),
+    "maxpool-bn": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1), nn.BatchNorm2d(C)), 2, 2, 1),
+    "avgpool-excl-bn": LayerSpec(
+        _seq(nn.AvgPool2d(3, 2, 1, count_include_pad=False), nn.BatchNorm2d(C)), 2, 2, 1
+    ),
+    "stem-head": LayerSpec(
+        _head(_conv(7, 2, 3, bias=False), nn.BatchNorm2d(C), nn.ReLU(), nn.MaxPool2d(3, 2, 1)),
+        4, 2, 1, head=True,
+    ),  # fmt: skip
+    "conv-head": LayerSpec(_head(_conv(3, 1, 1), nn.ReLU()), 1, head=True),
+}
+
+
+def _tile_of(full: torch.Tensor, grid: tuple[int, int], tile: tuple[int, int]) -> torch.Tensor:
+    """The (i, j) tile of a map that is exactly ``grid`` tiles of equal size."""
+    th, tw = full.shape[-2] // grid[0], full.shape[-1] // grid[1]
+    i, j = tile
+    return full[..., i * th : (i + 1) * th, j * tw : (j + 1) * tw]
+
+
+def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
+    from hyfi_imaging.parallel.verify import gather_tile_grid, pad_image, spatial_context_for
+    from hyfi_imaging.parallel.spatial import reduce_spatial_grads
+
+    reference = spec.build()
+    torch.manual_seed(seed)  # the same weights on every rank, whatever ran before
+    for m in reference.modules():
+        if isinstance(m, nn.Conv2d | nn.Linear | nn.BatchNorm2d):
+            m.reset_parameters()
+        if isinstance(m, nn.BatchNorm2d):  # a non-trivial affine map
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.normal_(m.bias)
+    model = copy.deepcopy(reference)
+    # Spatialized in float32 and then converted, and told its channels by an
+    # attribute: see the "api/..." cases for why (the float64 and keyword paths
+    # are tested there on their own).
+    model.in_chans = C
+    ctx = spatial_context_for(model, pc, in_chans=C)
+    reference.double()
+    model.double()
+    ctx.set_image_size(hw)
+    grid, group = pc.layout.sp, pc.group("sp")
+    rows, cols = ctx.tile_slice(hw)
+    parts: list[Case] = [
+        {
+            "ok": ctx.align == spec.align,
+            "max_rel": 0.0,
+            "detail": f"align {ctx.align}, expected {spec.align}",
+        }
+    ]
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(spec.train_steps + spec.eval_steps):
+        training = step < spec.train_steps
+        reference.train(training)
+        model.train(training)
+        x = torch.randn(2, C, *hw, generator=gen, dtype=torch.float64)
+        if spec.scale is not None:
+            x = x * torch.tensor(spec.scale, dtype=x.dtype).view(1, -1, 1, 1)
+        if spec.shift is not None:
+            x = x + torch.tensor(spec.shift, dtype=x.dtype).view(1, -1, 1, 1)
+        ref_x = x.clone().requires_grad_(True)
+        ref_y = reference(ref_x)
+        tile = pad_image(x, ctx.padded_size(hw))[..., rows, cols].clone().requires_grad_(True)
+        y = model(tile)
+        if spec.head:
+            labels = torch.randint(0, 3, (x.shape[0],), generator=gen)
+            F.cross_entropy(ref_y, labels).backward()
+            F.cross_entropy(y, labels).backward()
+            got_y = y
+        else:
+            grad_y = torch.randn(ref_y.shape, generator=gen, dtype=torch.float64)
+            ref_y.backward(grad_y)
+            (th, tw), (ho, wo) = y.shape[-2:], ref_y.shape[-2:]
+            if grid[0] * th < ho or grid[1] * tw < wo:
+                return {
+                    "ok": False,
+                    "max_rel": math.inf,
+                    "detail": f"tiles of {th}x{tw} outputs cannot cover the {ho}x{wo} output",
+                }
+            grad_full = F.pad(grad_y, (0, grid[1] * tw - wo, 0, grid[0] * th - ho))
+            y.backward(_tile_of(grad_full, grid, pc.tile).contiguous())
+            got_y = gather_tile_grid(y.detach(), ctx, group)[..., :ho, :wo]
+        reduce_spatial_grads(model, ctx)
+        assert tile.grad is not None and ref_x.grad is not None
+        got_dx = gather_tile_grid(tile.grad, ctx, group)[..., : hw[0], : hw[1]]
+        parts.append(compare(f"step{step}/output", got_y, ref_y, spec.rtol))
+        parts.append(compare(f"step{step}/input_grad", got_dx, ref_x.grad, spec.rtol))
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            want = ref_params[name].grad
+            if p.grad is None or want is None:
+                same = (p.grad is None) == (want is None)
+                parts.append({"ok": same, "max_rel": 0.0, "detail": f"step{step}/grad/{name}: None"})
+            else:
+                parts.append(compare(f"step{step}/grad/{name}", p.grad, want, spec.rtol))
+        ref_buffers = dict(reference.named_buffers())
+        for name, b in model.named_buffers():
+            parts.append(compare(f"step{step}/buffer/{name}", b, ref_buffers[name], spec.rtol))
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    return combine(parts)
+
+
+def _api(pc: Any, kind: str) -> Case:
+    """``spatialize`` entry paths the sweep works around, each checked on its own."""
+    from hyfi_imaging.parallel.verify import spatial_context_for
+
+    if kind == "float64-conv-bias":  # a float64 model whose convolution has a bias
+        model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, bias=True)).double()
+        ctx = spatial_context_for(model, pc)
+    else:  # "in-chans-keyword": channels given only as spatialize(in_chans=...)
+        model = nn.Sequential(nn.Conv2d(C, C, 3, stride=2, padding=1))
+        ctx = spatial_context_for(model, pc, in_chans=C)
+    ctx.set_image_size(SIZES[0])
+    return {"ok": True, "max_rel": 0.0, "detail": f"align {ctx.align}"}
+
+
+#: Entry-path cases (see :func:`_api`).
+API: list[str] = ["float64-conv-bias", "in-chans-keyword"]
+
+
+def cases(pc: Any) -> dict[str, Callable[[], Case]]:
+    """Every (layer, size) case for this grid, keyed by the name the test expects."""
+    out: dict[str, Callable[[], Case]] = {f"api/{k}": (lambda k=k: _api(pc, k)) for k in API}
+    for index, (name, spec) in enumerate(LAYERS.items()):
+        for hw in SIZES:
+            out[f"{name}/{hw[0]}x{hw[1]}"] = lambda s=spec, h=hw, i=index: _run(pc, s, h, 10 * i)
+    return out
+
+
+def case_names() -> list[str]:
+    """Names :func:`cases` produces (for pytest, without processes)."""
+    return [f"api/{k}" for k in API] + [f"{name}/{h}x{w}" for name in LAYERS for h, w in SIZES]
+
+
+def main(argv: list[str]) -> None:
+    pc = start(parse_grid(argv[0]))
+    emit({"grid": argv[0], "cases": merge_ranks(run_cases(cases(pc)))})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
