@@ -32,6 +32,7 @@ I/O-bound.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import statistics
@@ -132,11 +133,22 @@ def profile_phases(cohort: Path, out: Path, options: PreprocessOptions) -> None:
     print(f"{'phase':<26} {'wall s':>7} {'cpu s':>7} {'cores':>6} {'% wall':>7}")
     accounted = 0.0
     for name, (wall, cpu) in spent.items():
-        accounted += wall if name != "open slide" else 0.0  # plan/render run inside it
+        accounted += wall
         print(
             f"{name:<26} {wall:>7.2f} {cpu:>7.2f} {cpu / max(wall, 1e-9):>6.2f} {100 * wall / stats.wall:>6.0f}%"
         )
     print(f"{'(rest)':<26} {stats.wall - accounted:>7.2f}")
+
+
+def machine_load() -> str:
+    """1-minute load average and CPU pressure: other work on the machine skews every ratio."""
+    line = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    try:
+        some = Path("/proc/pressure/cpu").read_text().split()[1]  # "avg10=12.34"
+        line += f", CPU pressure {some.split('=')[1]}% (10 s)"
+    except (OSError, IndexError):
+        pass
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +213,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     shutil.rmtree(workdir / "out-warmup")
 
     runs: dict[int, list[RunStats]] = {w: [] for w in WORKERS}
+    load_before = machine_load()
     for r in range(args.repeats):
         order = WORKERS if r % 2 == 0 else WORKERS[::-1]
         for workers in order:
@@ -233,6 +246,13 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         )
     speedup = statistics.median(speedups)
     ok = speedup >= TARGET_SPEEDUP
+    cpu_ratio = statistics.median(b.cpu / a.cpu for a, b in zip(runs[1], runs[2], strict=True))
+    print(
+        f"workers=2 spends {cpu_ratio:.2f}x the CPU seconds of workers=1 (spawned workers import "
+        f"and warm up anew); on 2 free cores that caps the speed-up at 2/{cpu_ratio:.2f} = "
+        f"{2 / cpu_ratio:.2f}x, less if workers=1 already keeps more than one core busy"
+    )
+    print(f"machine during the runs: {load_before} before, {machine_load()} after")
     if args.profile or not ok:
         profile_phases(cohort, workdir / "out-profile", options)
     print(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -146,6 +147,17 @@ def build(workdir: Path, size: int) -> tuple[Path, Path, np.ndarray]:
     return svs, store, image
 
 
+def machine_load() -> str:
+    """1-minute load average and CPU pressure: other work on the machine skews every time."""
+    line = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    try:
+        some = Path("/proc/pressure/cpu").read_text().split()[1]  # "avg10=12.34"
+        line += f", CPU pressure {some.split('=')[1]}% (10 s)"
+    except (OSError, IndexError):
+        pass
+    return line
+
+
 def _median_ratio(num: Case, den: Case) -> float:
     return statistics.median(a / b for a, b in zip(num.wall, den.wall, strict=True))
 
@@ -238,6 +250,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
             print(f"ERROR: {case.name} halo {case.halo} differs from the source by {diff}")
             return 2
 
+    load_before = machine_load()
     for r in range(args.repeats):
         k = r % len(cases)
         for case in cases[k:] + cases[:k]:
@@ -247,6 +260,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
             case.cpu.append(time.process_time() - c0)
 
     by = {(c.name, c.halo): c for c in cases}
+    load_after = machine_load()
     print(
         f"\nbench_read: rank (1, 1) of a 2x2 grid of {grid_hw[0]}², tile {args.tile}², "
         f"slide {args.size}² (JPEG q95, 256² tiles); zarr {CHUNK}² chunks, {SHARD}² shards, zstd; "
@@ -313,6 +327,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         print(f"{'PASS' if ok else 'MISS'} {line}")
     print(f"INFO tifffile / zarr read time, halo 256: {ratio_tf:.2f}x (no target)")
     print(f"INFO read amplification, halo 256: {amplification[256]:.3f} (no target)")
+    print(f"INFO machine during the timed reads: {load_before} before, {load_after} after")
     tr.close()
     osr.close()
     raw.close()

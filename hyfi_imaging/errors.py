@@ -13,7 +13,8 @@ __all__ = ["ConfigError", "HyfiError", "SlideError", "problem"]
 def problem(where: object, what: str, fix: str) -> str:
     """Format the one-line message ``"<where>: <what>; <fix>"``."""
     where = str(where).replace("\n", " ")
-    return f"{where}: {what.rstrip('.')}; {fix.rstrip('.')}."
+    fix = fix.rstrip(".")
+    return f"{where}: {what.rstrip('.')}; {fix}{'' if fix.endswith(('?', '!')) else '.'}"
 
 
 class HyfiError(Exception):

@@ -99,8 +99,9 @@ LAYERS: dict[str, LayerSpec] = {
     # Channel 3 is 1e4 +- 0.01: mean/std = 1e6, so any two correct float64
     # answers may differ by ~1e6 * 2**-52 relative; the others stay tight.
     "bn-tilted-shifted": LayerSpec(
-        _seq(nn.BatchNorm2d(C)), 1, 2, 1, (1.0, 10.0, 100.0, 0.01), (0, 5, -300, 1e4), rtol=1e-7
-    ),
+        _seq(nn.BatchNorm2d(C)), 1, 2, 1,
+        scale=(1.0, 10.0, 100.0, 0.01), shift=(0.0, 5.0, -300.0, 1e4), rtol=1e-7,
+    ),  # fmt: skip
     "bn-cumulative-momentum": LayerSpec(_seq(nn.BatchNorm2d(C, momentum=None)), 1, 2, 1),
     "conv-conv": LayerSpec(_seq(_conv(3, 1, 1), nn.ReLU(), _conv(3, 2, 1)), 2),
     "conv-bn-relu-conv": LayerSpec(

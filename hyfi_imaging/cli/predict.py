@@ -1,0 +1,97 @@
+"""``hyfi-predict``: apply a trained checkpoint to preprocessed slides, on any layout."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+EXAMPLES = """\
+examples:
+  # one process: class probabilities for every slide of a manifest
+  hyfi-predict runs/synthetic --manifest data/new/manifest.csv --out predictions.csv
+
+  # a model trained on 2x2 tiles x 2 stages, applied on 4 tiles
+  mpirun -np 4 hyfi-predict runs/camelyon16-8k/checkpoints/step_00012000 \\
+      --manifest data/test/manifest.csv --out test.csv --spatial 2x2
+
+RUN is a training output directory (its newest loadable checkpoint is used) or
+one checkpoint directory. The recipe is read from RUN/recipe.yaml.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hyfi_imaging.parallel.layout import Layout
+
+    p = argparse.ArgumentParser(
+        prog="hyfi-predict", description=__doc__, epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("run", type=Path, metavar="RUN", help="training output directory or checkpoint")
+    p.add_argument("--manifest", type=Path, required=True, help="manifest.csv from hyfi-preprocess")
+    p.add_argument("--out", type=Path, required=True, help="CSV to write (slide_id, label, pred, p_<class>...)")
+    p.add_argument("--spatial", type=Layout.parse_grid, default=(1, 1), metavar="GYxGX")
+    p.add_argument("--pipeline", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1)
+    return p
+
+
+def _run_dir(path: Path) -> Path:
+    from hyfi_imaging.train.checkpoint import MARKER
+
+    return path.parent.parent if (path / MARKER).exists() else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hyfi-predict``."""
+    from hyfi_imaging.errors import ConfigError, HyfiError
+    from hyfi_imaging.parallel.launch import fail_fast, shutdown
+    from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.trainer import Trainer
+
+    args = build_parser().parse_args(argv)
+    run_dir = _run_dir(args.run)
+    try:
+        if not (run_dir / "recipe.yaml").exists():
+            raise ConfigError(run_dir, "no recipe.yaml here", "give the train.out_dir of a hyfi-train run")
+        recipe = load_recipe(
+            run_dir / "recipe.yaml",
+            [f"data.manifest={args.manifest}", "data.val_manifest=null",
+             f"parallel.spatial={args.spatial[0]}x{args.spatial[1]}", f"parallel.pipeline={args.pipeline}",
+             "parallel.data=1", "parallel.microbatches=1", f"train.batch_size={args.batch}",
+             f"train.out_dir={run_dir}"],
+        )  # fmt: skip
+    except HyfiError as err:
+        print(f"hyfi-predict: error: {err}", file=sys.stderr)
+        return 2
+
+    def run() -> int:
+        trainer = Trainer(recipe)
+        trainer.setup()
+        meta = trainer.load_weights(args.run)
+        samples = trainer.samples
+        probs = trainer.predict(args.manifest, list(range(len(samples))))
+        if trainer.pc.rank == 0:
+            classes = recipe.data.classes
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
+            with tmp.open("w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["slide_id", "label", "pred", *[f"p_{c}" for c in classes]])
+                for s, p in zip(samples, probs, strict=True):
+                    label = classes[s.label] if s.label >= 0 else ""
+                    w.writerow([s.slide_id, label, classes[int(p.argmax())], *[f"{v:.6f}" for v in p]])
+            tmp.replace(args.out)
+            print(f"hyfi-predict: {len(samples)} slides -> {args.out} (checkpoint step {meta['step']})")
+        shutdown()
+        return 0
+
+    return fail_fast(run, prog="hyfi-predict")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

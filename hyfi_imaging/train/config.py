@@ -1,0 +1,254 @@
+"""Recipes: a validated schema composed from dataset and model cards, with overrides.
+
+A recipe is YAML. ``dataset:`` and ``model:`` may name a card file (resolved
+relative to the recipe) whose fields give defaults; every other section is
+written in the recipe itself, and ``--set section.key=value`` overrides any
+field from the command line. The schema (pydantic, unknown keys forbidden)
+is checked on every rank *before* any process group or tensor exists, so a
+typo costs a second and prints one line naming the key, the recipe and the
+closest valid spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hyfi_imaging.errors import ConfigError
+
+__all__ = [
+    "DataConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "Recipe",
+    "TrainConfig",
+    "load_recipe",
+    "parse_overrides",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AugmentSection(_Strict):
+    """Global augmentation (identical on every rank, drawn per epoch and sample)."""
+
+    flip: bool = True
+    rot90: bool = True
+    brightness: float = Field(0.0, ge=0, le=1)
+    contrast: float = Field(0.0, ge=0, le=1)
+    saturation: float = Field(0.0, ge=0, le=1)
+    hue: float = Field(0.0, ge=0, le=0.5)
+
+
+class DataConfig(_Strict):
+    """Where the preprocessed images are and how they become batches."""
+
+    manifest: Path
+    val_manifest: Path | None = None
+    val_fraction: float = Field(0.25, ge=0, lt=1)
+    classes: list[str]
+    task: Literal["binary", "graded", "multiclass"] = "binary"
+    augment: AugmentSection = AugmentSection()
+    workers: int = Field(0, ge=0)
+    level: int = Field(0, ge=0)
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.25, 0.25, 0.25)
+
+
+class ModelConfig(_Strict):
+    """A registered model and its options (``num_classes`` comes from the data)."""
+
+    name: str
+    kwargs: dict[str, Any] = {}
+
+
+class ParallelConfig(_Strict):
+    """The layout and the pipeline schedule."""
+
+    spatial: tuple[int, int] = (1, 1)
+    pipeline: int = Field(1, ge=1)
+    data: int = Field(1, ge=1)
+    microbatches: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    balance: list[int] | None = None
+    checkpointing: str = "none"
+
+    @field_validator("spatial", mode="before")
+    @classmethod
+    def _grid(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", v)
+            if not m:
+                raise ValueError(f"write the grid as GYxGX, e.g. 2x2 (got {v!r})")
+            return (int(m.group(1)), int(m.group(2)))
+        return v
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _ckpt(cls, v: str) -> str:
+        if v not in ("none", "full") and not re.fullmatch(r"every:[1-9]\d*", v):
+            raise ValueError(f"use none, full or every:N (got {v!r})")
+        return v
+
+
+class OptimConfig(_Strict):
+    """Optimiser and learning-rate schedule (linear warm-up, then cosine)."""
+
+    name: Literal["sgd", "adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.0, ge=0)
+
+
+class TrainConfig(_Strict):
+    """The loop: how long, how big, where to write, how often to save."""
+
+    out_dir: Path
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    eval_every_epochs: int = Field(1, ge=1)
+    checkpoint_every_steps: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(3, ge=1)
+    progress: bool = True
+
+
+class Recipe(_Strict):
+    """A whole training recipe."""
+
+    name: str = "run"
+    data: DataConfig
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.data * p.pipeline * p.spatial[0] * p.spatial[1]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["train.epochs=3", "parallel.spatial=2x2"]`` -> nested dict (values read as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(
+                "--set", f"{item!r} is not KEY=VALUE", "write e.g. --set train.epochs=3"
+            )
+        key, value = item.split("=", 1)
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in extra.items():
+        merged[k] = (
+            _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+        )
+    return merged
+
+
+def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(where, f"cannot read {path} ({err.strerror})", "check the path") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            path, f"is not valid YAML ({str(err).splitlines()[0]})", "fix the syntax"
+        ) from err
+    if not isinstance(data, dict):
+        raise ConfigError(path, "must be a YAML mapping", "see recipes/synthetic.yaml")
+    return data
+
+
+def _card_defaults(raw: dict[str, Any], base: Path, where: Path) -> dict[str, Any]:
+    """Replace ``dataset: card.yaml`` / ``model: card.yaml`` by the fields the recipe takes from them."""
+    raw = dict(raw)
+    dataset = raw.pop("dataset", None)
+    if dataset is not None:
+        card = (
+            _read_yaml(base / dataset, f"{where}: dataset") if isinstance(dataset, str) else dataset
+        )
+        classes = card.get("classes")
+        defaults: dict[str, Any] = {}
+        if isinstance(classes, dict):
+            defaults["classes"] = [str(k) for k in classes]
+        elif isinstance(classes, list):
+            defaults["classes"] = [str(c) for c in classes]
+        if "task" in card:
+            defaults["task"] = card["task"]
+        raw["data"] = _merge(defaults, raw.get("data") or {})
+    model = raw.get("model")
+    if isinstance(model, str):
+        card = (
+            _read_yaml(base / model, f"{where}: model")
+            if model.endswith((".yaml", ".yml"))
+            else {"name": model}
+        )
+        raw["model"] = {"name": card["name"], "kwargs": card.get("kwargs") or {}}
+    elif isinstance(model, dict) and "card" in model:
+        model = dict(model)
+        card = _read_yaml(base / model.pop("card"), f"{where}: model.card")
+        raw["model"] = _merge({"name": card["name"], "kwargs": card.get("kwargs") or {}}, model)
+    return raw
+
+
+def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, compose, override and validate a recipe; ConfigError (one line) on any problem."""
+    raw = _read_yaml(path, "hyfi-train")
+    raw = _card_defaults(raw, path.parent, path)
+    raw = _merge(raw, parse_overrides(overrides or []))
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            section = _section_fields(first["loc"][:-1])
+            close = difflib.get_close_matches(str(first["loc"][-1]), section, n=1)
+            fix = (
+                f"did you mean {'.'.join([*map(str, first['loc'][:-1]), close[0]])}?"
+                if close
+                else (f"valid keys here: {', '.join(section)}")
+            )
+            raise ConfigError(path, f"unknown key {loc!r}", fix) from None
+        if first["type"] == "missing":
+            raise ConfigError(
+                path, f"{loc!r} is required", "add it to the recipe or pass --set " + loc + "=..."
+            ) from None
+        got = "" if first["type"] == "value_error" else f" (got {first.get('input')!r})"
+        raise ConfigError(
+            path, f"{loc}: {first['msg']}{got}", "fix the value in the recipe or --set"
+        ) from None
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)

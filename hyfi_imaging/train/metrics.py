@@ -1,0 +1,307 @@
+"""Evaluation metrics for whole-slide classification, in one frozen value.
+
+Why one function and one result type: the trainer evaluates on every data
+parallel replica, gathers the scores on rank 0 and then needs the same handful
+of numbers in four places — the log line, ``metrics.csv``, TensorBoard and the
+checkpoint's metadata. :func:`evaluate_predictions` computes them once from
+the gathered ``(N, K)`` scores, and :class:`EvalResult` renders them for each
+place (:meth:`EvalResult.line`, :meth:`EvalResult.scalars`,
+:meth:`EvalResult.as_dict`).
+
+Which numbers, and why:
+
+* ``accuracy`` — on the argmax prediction, for every task.
+* ``auc`` — ROC AUC of the positive class (column 1) when ``K == 2``: the
+  headline metric of slide-level detection (CAMELYON16). It is rank based, so
+  probabilities and logits give the same value.
+* ``macro_auc`` — one-vs-rest ROC AUC averaged over the classes present, when
+  ``K > 2`` (TCGA subtyping). Each class is scored on its own column, so the
+  scores need not sum to one.
+* ``qwk`` — quadratic weighted Cohen's kappa on the argmax prediction for
+  ``task="graded"`` (PANDA ISUP grades 0-5), the metric of the PANDA challenge.
+* ``confusion`` — ``K x K`` counts, rows = true class, columns = prediction.
+
+A metric that is undefined on the data (AUC with one class present, kappa when
+truth and prediction are one and the same constant) is ``None``, never NaN, so
+that logs and JSON stay honest and parseable. Bad input (no samples, NaN
+scores, labels outside ``[0, K)``) raises :class:`ValueError` naming the
+offending numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from hyfi_imaging.errors import problem
+
+__all__ = ["TASKS", "EvalResult", "Task", "evaluate_predictions"]
+
+Task = Literal["binary", "graded", "multiclass"]
+TASKS: tuple[Task, ...] = ("binary", "graded", "multiclass")
+
+_WHERE = "evaluate_predictions"
+
+
+@dataclass(frozen=True, eq=False)
+class EvalResult:
+    """The metrics of one evaluation pass (see the module docstring for each one).
+
+    ``confusion`` is a read-only ``int64`` array; equality is not defined on
+    this type (compare :meth:`as_dict` values instead).
+    """
+
+    n: int
+    accuracy: float
+    auc: float | None
+    macro_auc: float | None
+    qwk: float | None
+    confusion: np.ndarray
+    class_names: tuple[str, ...]
+    task: Task = "multiclass"
+
+    @property
+    def num_classes(self) -> int:
+        """``K``, the number of classes."""
+        return len(self.class_names)
+
+    def scalars(self) -> dict[str, float]:
+        """The defined numeric metrics (``n``, ``accuracy``, ``auc``, ...) for CSV and TensorBoard."""
+        out: dict[str, float] = {"n": float(self.n), "accuracy": self.accuracy}
+        for key in ("auc", "macro_auc", "qwk"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able dict: scalars (``None`` when undefined), ``class_names`` and ``confusion`` as lists."""
+        return {
+            "task": self.task,
+            "n": self.n,
+            "accuracy": self.accuracy,
+            "auc": self.auc,
+            "macro_auc": self.macro_auc,
+            "qwk": self.qwk,
+            "class_names": list(self.class_names),
+            "confusion": self.confusion.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EvalResult:
+        """Rebuild a result from :meth:`as_dict` output (e.g. read back from JSON)."""
+        confusion = np.asarray(data["confusion"], dtype=np.int64)
+        confusion.setflags(write=False)
+
+        def opt(key: str) -> float | None:
+            value = data.get(key)
+            return None if value is None else float(value)
+
+        return cls(
+            n=int(data["n"]),
+            accuracy=float(data["accuracy"]),
+            auc=opt("auc"),
+            macro_auc=opt("macro_auc"),
+            qwk=opt("qwk"),
+            confusion=confusion,
+            class_names=tuple(str(c) for c in data["class_names"]),
+            task=_as_task(data.get("task", "multiclass")),
+        )
+
+    def line(self) -> str:
+        """One line for the log, e.g. ``n=40 accuracy=0.8750 auc=0.9125``.
+
+        Shows the metrics that apply to this task and ``K``; an undefined one
+        is shown as ``n/a`` rather than hidden, so a missing class is noticed.
+        """
+
+        def fmt(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.4f}"
+
+        parts = [f"n={self.n}", f"accuracy={fmt(self.accuracy)}"]
+        if self.num_classes == 2:
+            parts.append(f"auc={fmt(self.auc)}")
+        else:
+            parts.append(f"macro_auc={fmt(self.macro_auc)}")
+        if self.task == "graded":
+            parts.append(f"qwk={fmt(self.qwk)}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.line()
+
+
+def _as_task(task: object) -> Task:
+    for known in TASKS:
+        if task == known:
+            return known
+    raise ValueError(problem(_WHERE, f"unknown task {task!r}", f"use one of {list(TASKS)}"))
+
+
+def _check_inputs(
+    probs: np.ndarray, labels: np.ndarray, task: str, class_names: Sequence[str] | None
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Validate and normalise the inputs; every message names the offending numbers."""
+    _as_task(task)
+    p = np.asarray(probs)
+    y = np.asarray(labels)
+    if p.ndim == 1 and task == "binary":
+        # A sigmoid head gives one score per sample: that of the positive class.
+        p = np.stack([1.0 - p.astype(np.float64), p.astype(np.float64)], axis=1)
+    if p.ndim != 2:
+        raise ValueError(
+            problem(_WHERE, f"probs has shape {p.shape}", "pass scores of shape (N, K)")
+        )
+    n, k = p.shape
+    if y.ndim != 1 or y.shape[0] != n:
+        raise ValueError(
+            problem(
+                _WHERE,
+                f"labels has shape {y.shape} but probs has shape {p.shape}",
+                "pass one integer label per row of probs",
+            )
+        )
+    if n == 0:
+        raise ValueError(problem(_WHERE, "no samples (N = 0)", "evaluate at least one sample"))
+    if k < 2:
+        raise ValueError(
+            problem(_WHERE, f"probs has K = {k} column(s)", "pass at least 2 class scores")
+        )
+    if task == "binary" and k != 2:
+        raise ValueError(
+            problem(_WHERE, f"task 'binary' with K = {k} classes", "use 'multiclass' or 'graded'")
+        )
+    if not np.issubdtype(p.dtype, np.number) or np.issubdtype(p.dtype, np.complexfloating):
+        raise ValueError(problem(_WHERE, f"probs has dtype {p.dtype}", "pass real scores"))
+    p = p.astype(np.float64, copy=False)
+    bad = ~np.isfinite(p)
+    if bad.any():
+        rows = np.flatnonzero(bad.any(axis=1))
+        raise ValueError(
+            problem(
+                _WHERE,
+                f"{int(bad.sum())} non-finite score(s) (NaN/inf), first in row(s) "
+                f"{rows[:5].tolist()}",
+                "check the model output for divergence before evaluating",
+            )
+        )
+    if np.issubdtype(y.dtype, np.bool_):
+        y = y.astype(np.int64)
+    if np.issubdtype(y.dtype, np.floating):
+        if not (np.isfinite(y).all() and (y == np.round(y)).all()):
+            raise ValueError(
+                problem(_WHERE, "labels are not whole numbers", "pass integer class indices")
+            )
+        y = y.astype(np.int64)
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(
+            problem(_WHERE, f"labels have dtype {y.dtype}", "pass integer class indices")
+        )
+    y = y.astype(np.int64, copy=False)
+    outside = (y < 0) | (y >= k)
+    if outside.any():
+        values = sorted(set(y[outside].tolist()))
+        raise ValueError(
+            problem(
+                _WHERE,
+                f"label(s) {values[:5]} outside [0, {k}) for K = {k} score columns",
+                "map labels to 0..K-1 or give the model K outputs",
+            )
+        )
+    if class_names is None:
+        names = tuple(str(c) for c in range(k))
+    else:
+        names = tuple(str(c) for c in class_names)
+        if len(names) != k:
+            raise ValueError(
+                problem(
+                    _WHERE,
+                    f"{len(names)} class names for K = {k} score columns",
+                    "pass one name per class",
+                )
+            )
+    return p, y, names
+
+
+def _binary_auc(positive: np.ndarray, scores: np.ndarray) -> float | None:
+    """ROC AUC of ``scores`` for the boolean ``positive``; ``None`` with one class only."""
+    from sklearn.metrics import roc_auc_score
+
+    if positive.all() or not positive.any():
+        return None
+    return float(roc_auc_score(positive, scores))
+
+
+def _quadratic_kappa(y: np.ndarray, pred: np.ndarray, k: int) -> float | None:
+    """Quadratic weighted kappa; ``None`` when undefined (0/0).
+
+    The expected disagreement is zero exactly when truth and prediction are
+    the same single class; then kappa is 0/0 and we say so.
+    """
+    from sklearn.metrics import cohen_kappa_score
+
+    if np.unique(y).size == 1 and np.array_equal(np.unique(pred), np.unique(y)):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = float(cohen_kappa_score(y, pred, weights="quadratic", labels=list(range(k))))
+    return value if math.isfinite(value) else None
+
+
+def evaluate_predictions(
+    probs: np.ndarray,
+    labels: np.ndarray,
+    *,
+    task: Task,
+    class_names: Sequence[str] | None = None,
+) -> EvalResult:
+    """Compute accuracy, AUC / macro AUC, QWK and the confusion matrix.
+
+    ``probs`` is ``(N, K)`` scores (probabilities or logits: every metric here
+    uses only the argmax or the ranking within a column); for
+    ``task="binary"`` a 1-D array is read as the positive-class score.
+    ``labels`` is ``(N,)`` integer class indices in ``[0, K)``.
+
+    OK::
+
+        >>> r = evaluate_predictions(np.array([[0.9, 0.1], [0.2, 0.8]]), np.array([0, 1]),
+        ...                          task="binary")
+        >>> r.line()
+        'n=2 accuracy=1.0000 auc=1.0000'
+
+    Error::
+
+        >>> evaluate_predictions(np.zeros((2, 2)), np.array([0, 2]), task="binary")
+        Traceback (most recent call last):
+        ValueError: evaluate_predictions: label(s) [2] outside [0, 2) ...
+    """
+    from sklearn.metrics import confusion_matrix
+
+    p, y, names = _check_inputs(probs, labels, task, class_names)
+    n, k = p.shape
+    pred = p.argmax(axis=1)
+    accuracy = float((pred == y).mean())
+    auc = _binary_auc(y == 1, p[:, 1]) if k == 2 else None
+    macro_auc: float | None = None
+    if k > 2:
+        per_class = [_binary_auc(y == c, p[:, c]) for c in np.unique(y).tolist()]
+        defined = [a for a in per_class if a is not None]
+        macro_auc = float(np.mean(defined)) if defined else None
+    qwk = _quadratic_kappa(y, pred, k) if task == "graded" else None
+    confusion = confusion_matrix(y, pred, labels=list(range(k))).astype(np.int64)
+    confusion.setflags(write=False)
+    return EvalResult(
+        n=int(n),
+        accuracy=accuracy,
+        auc=auc,
+        macro_auc=macro_auc,
+        qwk=qwk,
+        confusion=confusion,
+        class_names=names,
+        task=task,
+    )
