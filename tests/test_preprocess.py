@@ -191,7 +191,7 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
     assert rows["good"].status == "ok"
     expect = {
         "truncated": "truncated", "garbage": "unsupported", "notes": "unsupported", "blank": "no tissue",
-        "nompp": "--mpp-override", "unlabelled": "not in the labels file",
+        "nompp": "--mpp-override", "unlabelled": "has no label from the labels file",
     }  # fmt: skip
     for sid, words in expect.items():
         row = rows[sid]
@@ -303,3 +303,18 @@ def test_a_second_run_on_the_same_directory_is_refused(cohort: Path, tmp_path: P
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         code = preprocess_main([str(cohort / "a.svs"), "--out", str(out), "--quiet"])
     assert code == 2
+
+
+def test_labels_from_file_names(cohort: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(cohort / "a.svs", src / "normal_001.svs")
+    shutil.copy(cohort / "b.svs", src / "tumor_001.svs")
+    shutil.copy(cohort / "a.svs", src / "other.svs")
+    summary = run_preprocess(
+        [src], tmp_path / "out", PreprocessOptions(mpp=4.0, size=(256, 256)),
+        label_from_name="^(normal|tumor)_", progress=False,
+    )  # fmt: skip
+    rows = {r.slide_id: r for r in read_manifest(tmp_path / "out" / "manifest.csv")}
+    assert rows["normal_001"].label == "normal" and rows["tumor_001"].label == "tumor"
+    assert rows["other"].status == "failed" and [r.slide_id for r in summary.failed] == ["other"]

@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("run", type=Path, metavar="RUN", help="training output directory or checkpoint")
     p.add_argument("--manifest", type=Path, required=True, help="manifest.csv from hyfi-preprocess")
-    p.add_argument("--out", type=Path, required=True, help="CSV to write (slide_id, label, pred, p_<class>...)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="CSV to write (slide_id, label, pred, p_<class>...)"
+    )
     p.add_argument("--spatial", type=Layout.parse_grid, default=(1, 1), metavar="GYxGX")
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
@@ -57,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = _run_dir(args.run)
     try:
         if not (run_dir / "recipe.yaml").exists():
-            raise ConfigError(run_dir, "no recipe.yaml here", "give the train.out_dir of a hyfi-train run")
+            raise ConfigError(
+                run_dir, "no recipe.yaml here", "give the train.out_dir of a hyfi-train run"
+            )
         recipe = load_recipe(
             run_dir / "recipe.yaml",
             [f"data.manifest={args.manifest}", "data.val_manifest=null",
@@ -84,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
                 w.writerow(["slide_id", "label", "pred", *[f"p_{c}" for c in classes]])
                 for s, p in zip(samples, probs, strict=True):
                     label = classes[s.label] if s.label >= 0 else ""
-                    w.writerow([s.slide_id, label, classes[int(p.argmax())], *[f"{v:.6f}" for v in p]])
+                    w.writerow(
+                        [s.slide_id, label, classes[int(p.argmax())], *[f"{v:.6f}" for v in p]]
+                    )
             tmp.replace(args.out)
-            print(f"hyfi-predict: {len(samples)} slides -> {args.out} (checkpoint step {meta['step']})")
+            print(
+                f"hyfi-predict: {len(samples)} slides -> {args.out} (checkpoint step {meta['step']})"
+            )
         shutdown()
         return 0
 

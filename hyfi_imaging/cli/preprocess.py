@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", type=Path, help="CSV/TSV of slide ids and labels")
     p.add_argument("--id-column", help="column of slide ids in --labels (default: detected)")
     p.add_argument("--label-column", help="column of labels in --labels (default: detected)")
+    p.add_argument(
+        "--label-from-name",
+        metavar="REGEX",
+        help="take labels from file names, e.g. '^(normal|tumor)_' for CAMELYON16 training slides",
+    )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
     p.add_argument("--recursive", action="store_true", help="search directories recursively")
     p.add_argument("--chunk", type=int, default=512, help="zarr chunk side (default: 512)")
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             labels_path=args.labels,
             id_column=args.id_column,
             label_column=args.label_column,
+            label_from_name=args.label_from_name,
             workers=args.workers,
             recursive=args.recursive,
             qc=not args.no_qc,

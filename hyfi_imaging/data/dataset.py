@@ -75,13 +75,15 @@ def _label_of(text: str, classes: Sequence[str] | None, where: str) -> int:
     if not text:
         return UNLABELLED
     if classes is not None:
-        if text not in classes:
+        # Label files spell classes their own way ("Tumor", "tumor"): match case-insensitively.
+        folded = [c.casefold() for c in classes]
+        if text.casefold() not in folded:
             raise ConfigError(
                 where,
                 f"label {text!r} is not one of the classes {list(classes)}",
                 "fix the label or the class list",
             )
-        return list(classes).index(text)
+        return folded.index(text.casefold())
     try:
         return int(text)
     except ValueError:

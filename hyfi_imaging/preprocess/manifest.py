@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,31 @@ def read_labels(
                 "keep one row per slide",
             )
         labels[sid] = label
+    return labels
+
+
+def labels_from_names(paths: Iterable[Path], pattern: str) -> dict[str, str]:
+    """Labels taken from file names by a regular expression's first group.
+
+    CAMELYON16's training slides carry their class only in their names
+    (``normal_001.tif``, ``tumor_042.tif``): ``--label-from-name '^(normal|tumor)_'``.
+    Names that do not match get no label (and fail as unlabelled).
+    """
+    try:
+        rx = re.compile(pattern)
+    except re.error as err:
+        raise ConfigError(
+            "--label-from-name", f"{pattern!r} is not a regular expression ({err})", "fix it"
+        ) from err
+    if rx.groups < 1:
+        raise ConfigError(
+            "--label-from-name", f"{pattern!r} has no group", "put the label in parentheses"
+        )
+    labels = {}
+    for p in paths:
+        m = rx.search(p.name)
+        if m:
+            labels[slide_id_of(p)] = m.group(1)
     return labels
 
 

@@ -29,7 +29,13 @@ from hyfi_imaging.preprocess.convert import (
     convert_slide,
     remove_stale_temporaries,
 )
-from hyfi_imaging.preprocess.manifest import ManifestRow, read_labels, slide_id_of, write_manifest
+from hyfi_imaging.preprocess.manifest import (
+    ManifestRow,
+    labels_from_names,
+    read_labels,
+    slide_id_of,
+    write_manifest,
+)
 from hyfi_imaging.preprocess.qc import write_contact_sheet
 
 __all__ = ["SLIDE_SUFFIXES", "PreprocessSummary", "discover_slides", "run_preprocess"]
@@ -120,6 +126,7 @@ def run_preprocess(
     labels_path: Path | None = None,
     id_column: str | None = None,
     label_column: str | None = None,
+    label_from_name: str | None = None,
     workers: int = 1,
     recursive: bool = False,
     qc: bool = True,
@@ -136,7 +143,7 @@ def run_preprocess(
     with _exclusive(out_dir):
         return _run_locked(
             inputs, out_dir, options, labels_path=labels_path, id_column=id_column,
-            label_column=label_column, workers=workers, recursive=recursive, qc=qc,
+            label_column=label_column, label_from_name=label_from_name, workers=workers, recursive=recursive, qc=qc,
             progress=progress, on_result=on_result,
         )  # fmt: skip
 
@@ -164,6 +171,7 @@ def _run_locked(
     labels_path: Path | None,
     id_column: str | None,
     label_column: str | None,
+    label_from_name: str | None,
     workers: int,
     recursive: bool,
     qc: bool,
@@ -178,6 +186,8 @@ def _run_locked(
         else {}
     )
     slides = discover_slides(inputs, recursive=recursive)
+    if label_from_name:
+        labels = {**labels_from_names(slides, label_from_name), **labels}
     if not slides:
         raise ConfigError(
             ", ".join(map(str, inputs)),
@@ -196,11 +206,14 @@ def _run_locked(
                 f"slide id {sid!r} is used by another input file",
                 "rename one of the files so that slide ids are unique",
             )
-        elif labels_path is not None and sid not in labels:
+        elif (labels_path is not None or label_from_name) and sid not in labels:
+            where = (
+                f"the labels file {labels_path}" if labels_path else f"--label-from-name {label_from_name!r}"
+            )
             results[sid] = _failed(
                 sid,
                 source,
-                f"slide {sid!r} is not in the labels file {labels_path}",
+                f"slide {sid!r} has no label from {where}",
                 "add a row for it, or leave the slide out",
             )
         else:

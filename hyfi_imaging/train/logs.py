@@ -202,7 +202,8 @@ class RunLogger:
         """Log an evaluation as ``<prefix>_<metric>`` columns and one line of ``evals.jsonl``.
 
         ``result`` is an :class:`EvalResult` (its defined scalars are logged)
-        or a mapping (its numeric values are logged, e.g. ``{"loss": 0.41}``).
+        or a mapping (its numeric values are logged, e.g. ``{"loss": 0.41}``; a key
+        that already has the prefix, ``"val_loss"``, keeps it).
         Returns the row as stored in :attr:`history` (empty when disabled).
         """
         if not self.enabled:
@@ -213,7 +214,10 @@ class RunLogger:
         else:
             scalars = {k: v for k, v in result.items() if _is_scalar(v)}
             full = dict(result)
-        row = self._row(step, {f"{prefix}_{k}": v for k, v in scalars.items()}, epoch=epoch)
+        named = {
+            k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in scalars.items()
+        }
+        row = self._row(step, named, epoch=epoch)
         self._write(row, prefix=prefix)
         record = {"step": int(step), "epoch": epoch, "prefix": prefix, "time": row["time"], **full}
         with self.evals_path.open("a", encoding="utf-8") as fh:
@@ -362,7 +366,7 @@ class RunLogger:
 def _is_scalar(value: object) -> bool:
     if isinstance(value, int | float | np.number):
         return True
-    return hasattr(value, "item") and np.ndim(value) == 0  # a 0-d tensor or array
+    return hasattr(value, "item") and getattr(value, "ndim", None) == 0  # 0-d tensor / array
 
 
 def _jsonable(obj: object) -> Any:
@@ -373,8 +377,8 @@ def _jsonable(obj: object) -> Any:
         return [_jsonable(v) for v in obj]
     if isinstance(obj, np.ndarray):
         return _jsonable(obj.tolist())
-    if isinstance(obj, np.generic) or (hasattr(obj, "item") and np.ndim(obj) == 0):
-        obj = obj.item()  # type: ignore[union-attr]
+    if isinstance(obj, np.generic) or _is_scalar(obj):
+        obj = getattr(obj, "item", lambda: obj)()
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if obj is None or isinstance(obj, str | int | float | bool):

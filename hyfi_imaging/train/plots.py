@@ -204,7 +204,7 @@ def _has_val(row: Row) -> bool:
 
 def plot_confusion_matrix(
     confusion: np.ndarray | Sequence[Sequence[int]],
-    class_names: Sequence[str],
+    class_names: Sequence[str] | None,
     path: str | os.PathLike[str],
     *,
     title: str = "",
@@ -214,13 +214,16 @@ def plot_confusion_matrix(
     Colours are row-normalised (the fraction of each true class predicted as
     each class, i.e. recall on the diagonal), so a rare class is as readable
     as a common one; each cell prints its count and that fraction.
+    ``class_names=None`` labels the classes ``0 .. K-1``.
     """
     cm = np.asarray(confusion)
-    k = len(class_names)
     if cm.ndim != 2 or cm.shape[0] != cm.shape[1]:
         raise ValueError(
             f"plot_confusion_matrix: confusion has shape {cm.shape}; pass a K x K matrix."
         )
+    if class_names is None:
+        class_names = [str(c) for c in range(cm.shape[0])]
+    k = len(class_names)
     if cm.shape[0] != k:
         raise ValueError(
             f"plot_confusion_matrix: {k} class names for a {cm.shape[0]} x {cm.shape[1]} matrix; "
