@@ -54,9 +54,19 @@ def _store(out: Path, sid: str) -> tuple[np.ndarray, dict]:
 def test_converts_cohort_with_manifest_metadata_and_qc(cohort: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     code = preprocess_main(
-        [str(cohort), "--out", str(out), "--mpp", "2.0", "--size", "512",
-         "--labels", str(cohort / "labels.csv"), "--quiet"]
-    )  # fmt: skip
+        [
+            str(cohort),
+            "--out",
+            str(out),
+            "--mpp",
+            "2.0",
+            "--size",
+            "512",
+            "--labels",
+            str(cohort / "labels.csv"),
+            "--quiet",
+        ]
+    )
     assert code == 0
     rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
     assert set(rows) == {"a", "b", "c"}
@@ -115,9 +125,11 @@ def test_fit_and_crop_policies(cohort: Path, tmp_path: Path) -> None:
     assert not fit.failed and attrs["mpp"] > 0.5  # downscaled to fit, recorded honestly
     assert max(attrs["placement"][2:]) == 256
     crop = run_preprocess(
-        [cohort / "a.svs"], tmp_path / "crop",
-        PreprocessOptions(mpp=0.5, size=(256, 256), fit="crop"), progress=False,
-    )  # fmt: skip
+        [cohort / "a.svs"],
+        tmp_path / "crop",
+        PreprocessOptions(mpp=0.5, size=(256, 256), fit="crop"),
+        progress=False,
+    )
     _, attrs = _store(tmp_path / "crop", "a")
     assert not crop.failed and attrs["mpp"] == 0.5
     assert attrs["placement"] == [0, 0, 256, 256] and attrs["source_box"][2:] == [256, 256]
@@ -158,9 +170,14 @@ def _bad_inputs(root: Path) -> dict[str, Path]:
         root / "unlabelled.svs", seed=6, label=0, size=(768, 768), compression="zlib"
     ).path
     return {
-        "good": good.path, "truncated": truncated, "garbage": garbage, "text": text, "blank": blank,
-        "nompp": nompp, "unlabelled": unlabelled,
-    }  # fmt: skip
+        "good": good.path,
+        "truncated": truncated,
+        "garbage": garbage,
+        "text": text,
+        "blank": blank,
+        "nompp": nompp,
+        "unlabelled": unlabelled,
+    }
 
 
 def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
@@ -190,9 +207,13 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
     rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
     assert rows["good"].status == "ok"
     expect = {
-        "truncated": "truncated", "garbage": "unsupported", "notes": "unsupported", "blank": "no tissue",
-        "nompp": "--mpp-override", "unlabelled": "has no label from the labels file",
-    }  # fmt: skip
+        "truncated": "truncated",
+        "garbage": "unsupported",
+        "notes": "unsupported",
+        "blank": "no tissue",
+        "nompp": "--mpp-override",
+        "unlabelled": "has no label from the labels file",
+    }
     for sid, words in expect.items():
         row = rows[sid]
         assert row.status == "failed", sid
@@ -263,8 +284,19 @@ def test_labels_files_as_they_come(tmp_path: Path) -> None:
 
 
 def _cli(src: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "hyfi_imaging.cli.preprocess", str(src), "--out", str(out),
-            "--mpp", "1.0", "--size", "768", "--quiet"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "hyfi_imaging.cli.preprocess",
+        str(src),
+        "--out",
+        str(out),
+        "--mpp",
+        "1.0",
+        "--size",
+        "768",
+        "--quiet",
+    ]
 
 
 def test_kill_minus_nine_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
@@ -312,9 +344,12 @@ def test_labels_from_file_names(cohort: Path, tmp_path: Path) -> None:
     shutil.copy(cohort / "b.svs", src / "tumor_001.svs")
     shutil.copy(cohort / "a.svs", src / "other.svs")
     summary = run_preprocess(
-        [src], tmp_path / "out", PreprocessOptions(mpp=4.0, size=(256, 256)),
-        label_from_name="^(normal|tumor)_", progress=False,
-    )  # fmt: skip
+        [src],
+        tmp_path / "out",
+        PreprocessOptions(mpp=4.0, size=(256, 256)),
+        label_from_name="^(normal|tumor)_",
+        progress=False,
+    )
     rows = {r.slide_id: r for r in read_manifest(tmp_path / "out" / "manifest.csv")}
     assert rows["normal_001"].label == "normal" and rows["tumor_001"].label == "tumor"
     assert rows["other"].status == "failed" and [r.slide_id for r in summary.failed] == ["other"]

@@ -52,8 +52,12 @@ def _tile_grid_figure(manifest: Path, out: Path) -> Path:
         image = store.read_region(0, 0, 0, h, w)
     # ResNet's stem + first basic block need a (13, 10) halo; tiles align to its stride 32.
     regions = tile_regions((h, w), (2, 2), halo=(13, 10), align=32)
-    return plot_tile_grid(image, regions, out / "tile_grid.png",
-                          title=f"{row.slide_id}: 2x2 tiles (solid) and reads with a 13/10 px halo (dashed)")  # fmt: skip
+    return plot_tile_grid(
+        image,
+        regions,
+        out / "tile_grid.png",
+        title=f"{row.slide_id}: 2x2 tiles (solid) and reads with a 13/10 px halo (dashed)",
+    )
 
 
 def _verify(out: Path) -> int:
@@ -61,8 +65,24 @@ def _verify(out: Path) -> int:
     if not Path(mpiexec).exists():
         print("  (mpiexec not found: skipping the 4-rank check; install the 'mpich' extra)")
         return 0
-    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "hyfi_imaging.cli.verify", "--model", "resnet18",
-           "--width", "0.25", "--image-size", "200x168", "--spatial", "2x2", "--steps", "2"]  # fmt: skip
+    cmd = [
+        mpiexec,
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "hyfi_imaging.cli.verify",
+        "--model",
+        "resnet18",
+        "--width",
+        "0.25",
+        "--image-size",
+        "200x168",
+        "--spatial",
+        "2x2",
+        "--steps",
+        "2",
+    ]
     print(
         "  $ mpiexec -n 4 hyfi-verify --model resnet18 --width 0.25 --image-size 200x168 --spatial 2x2"
     )
@@ -81,9 +101,11 @@ def _verify(out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     p = argparse.ArgumentParser(
-        prog="hyfi-demo", description=__doc__, epilog=EXAMPLES,
+        prog="hyfi-demo",
+        description=__doc__,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument(
         "--out", type=Path, default=Path("demo_out"), help="output directory (default: demo_out)"
     )
@@ -109,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"[2/4] hyfi-preprocess -> {out / 'data'} (1.0 um/px on a {args.size}^2 canvas)")
     summary = run_preprocess(
-        [out / "slides"], out / "data", PreprocessOptions(mpp=1.0, size=(args.size, args.size)),
-        labels_path=labels, workers=args.workers,
-    )  # fmt: skip
+        [out / "slides"],
+        out / "data",
+        PreprocessOptions(mpp=1.0, size=(args.size, args.size)),
+        labels_path=labels,
+        workers=args.workers,
+    )
     print(f"  {summary.line()}")
     assert summary.manifest is not None
     _print_manifest(summary.manifest)

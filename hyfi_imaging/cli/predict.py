@@ -28,9 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     from hyfi_imaging.parallel.layout import Layout
 
     p = argparse.ArgumentParser(
-        prog="hyfi-predict", description=__doc__, epilog=EXAMPLES,
+        prog="hyfi-predict",
+        description=__doc__,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("run", type=Path, metavar="RUN", help="training output directory or checkpoint")
     p.add_argument("--manifest", type=Path, required=True, help="manifest.csv from hyfi-preprocess")
     p.add_argument(
@@ -64,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         recipe = load_recipe(
             run_dir / "recipe.yaml",
-            [f"data.manifest={args.manifest}", "data.val_manifest=null",
-             f"parallel.spatial={args.spatial[0]}x{args.spatial[1]}", f"parallel.pipeline={args.pipeline}",
-             "parallel.data=1", "parallel.microbatches=1", f"train.batch_size={args.batch}",
-             f"train.out_dir={run_dir}"],
-        )  # fmt: skip
+            [
+                f"data.manifest={args.manifest}",
+                "data.val_manifest=null",
+                f"parallel.spatial={args.spatial[0]}x{args.spatial[1]}",
+                f"parallel.pipeline={args.pipeline}",
+                "parallel.data=1",
+                "parallel.microbatches=1",
+                f"train.batch_size={args.batch}",
+                f"train.out_dir={run_dir}",
+            ],
+        )
     except HyfiError as err:
         print(f"hyfi-predict: error: {err}", file=sys.stderr)
         return 2

@@ -36,8 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", type=Path, help="recipe YAML (see recipes/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe value, e.g. train.epochs=3 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value, e.g. train.epochs=3 (repeatable)",
+    )
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--check", action="store_true", help="validate the recipe and data, then exit")
     return p
@@ -66,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         summary = Trainer(recipe, resume=not args.no_resume).run()
         if summary.get("world_size") is not None and _rank() == 0:
             keys = ("accuracy", "auc", "macro_auc", "qwk", "val_loss", "steps", "seconds")
-            shown = ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary.get(k), float) else f"{k}={summary[k]}"
-                              for k in keys if summary.get(k) is not None)  # fmt: skip
+            shown = ", ".join(
+                f"{k}={summary[k]:.4g}"
+                if isinstance(summary.get(k), float)
+                else f"{k}={summary[k]}"
+                for k in keys
+                if summary.get(k) is not None
+            )
             print(f"hyfi-train: done: {shown}; outputs in {recipe.train.out_dir}")
         shutdown()
         return 0

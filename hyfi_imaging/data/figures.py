@@ -62,16 +62,26 @@ def plot_tile_grid(
         y, x, h, w = reg.read
         ax.add_patch(Rectangle((x - 0.5, y - 0.5), w, h, fill=False, ec=c, lw=1.2, ls="--"))
         oy, ox, oh, ow = reg.owned
-        ax.text(ox + ow / 2, oy + oh / 2, f"rank {reg.rank[0]},{reg.rank[1]}", color=c,
-                ha="center", va="center", fontsize=10, weight="bold",
-                bbox={"facecolor": "white", "alpha": 0.7, "lw": 0})  # fmt: skip
+        ax.text(
+            ox + ow / 2,
+            oy + oh / 2,
+            f"rank {reg.rank[0]},{reg.rank[1]}",
+            color=c,
+            ha="center",
+            va="center",
+            fontsize=10,
+            weight="bold",
+            bbox={"facecolor": "white", "alpha": 0.7, "lw": 0},
+        )
     ax.set_xlim(-0.5 - max(r.halo[2] for r in regions), wp + max(r.halo[3] for r in regions))
     ax.set_ylim(hp + max(r.halo[1] for r in regions), -0.5 - max(r.halo[0] for r in regions))
     t, b, left, right = regions[0].halo
     ax.set_title(
-        title or f"{gy}x{gx} tiles (solid), reads with halo (dashed) "
-        f"top/bottom/left/right = {t}/{b}/{left}/{right} px", fontsize=9,
-    )  # fmt: skip
+        title
+        or f"{gy}x{gx} tiles (solid), reads with halo (dashed) "
+        f"top/bottom/left/right = {t}/{b}/{left}/{right} px",
+        fontsize=9,
+    )
     for n, reg in enumerate(regions):
         sub = fig.add_subplot(gy, 2 * gx, reg.rank[0] * 2 * gx + gx + reg.rank[1] + 1)
         _, _, h, w = reg.read

@@ -378,6 +378,7 @@ def write_synthetic_cohort(
     kind: str = "aperio",
     mpp: float = 0.5,
     compression: str = "jpeg",
+    lesions: int | None = None,
     progress: bool = False,
 ) -> Path:
     """Write ``n_slides`` slides ``synth_000<ext>``, ... and ``labels.csv`` in ``out_dir``.
@@ -386,6 +387,7 @@ def write_synthetic_cohort(
     seeded random order; slide ``i`` uses seed ``seed * 100003 + i``. The same
     arguments give byte-identical files. Returns the labels CSV path (columns
     ``slide_id,label``; ``slide_id`` is the file name without its suffix).
+    ``lesions`` fixes the number of lesions per positive slide (default: 3-6).
     ``progress`` shows a progress bar on stderr.
     """
     from tqdm import tqdm
@@ -412,6 +414,7 @@ def write_synthetic_cohort(
             mpp=mpp,
             kind=kind,
             compression=compression,
+            lesions=lesions,
         )
         rows.append((slide_id, int(label)))
         bar.update()

@@ -33,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -160,7 +161,12 @@ def measure_layers(
     running statistics are restored afterwards, so measuring changes nothing.
     """
     device = sample.device
-    norms = [m for _, layer in layers for m in layer.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+    norms = [
+        m
+        for _, layer in layers
+        for m in layer.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+    ]
     saved = [{k: v.clone() for k, v in m.named_buffers()} for m in norms]
     training = [layer.training for _, layer in layers]
     seconds: list[float] = []
@@ -189,6 +195,10 @@ def _clone(x: Any) -> Any:
     return x
 
 
+def _call(layer: nn.Module, leaf: Any) -> Any:
+    return layer(_clone(leaf))
+
+
 def _measure(
     layers: Sequence[tuple[str, nn.Module]],
     x: Any,
@@ -207,7 +217,7 @@ def _measure(
             leaf = _detach(x, requires_grad=True)
             _sync(device)
             began = time.perf_counter()
-            out, size = _saved_bytes(lambda leaf=leaf, layer=layer: layer(_clone(leaf)))
+            out, size = _saved_bytes(partial(_call, layer, leaf))
             outs = [t for t in _tensors(out) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])

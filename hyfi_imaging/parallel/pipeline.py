@@ -233,10 +233,12 @@ def stage_boundaries(
     layers = model_layers(copy.deepcopy(model).to("meta"))
     check_balance(tuple(balance), len(layers), len(balance))
     x: Any = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
-    out = [(x,)]
+    out: list[tuple[torch.Tensor, ...]] = [(x,)]
     with torch.no_grad():
         for start, stop in stage_bounds(balance):
             for _, module in layers[start:stop]:
                 x = module(x)
-            out.append(tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in as_tuple(x)))
+            out.append(
+                tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in as_tuple(x))
+            )
     return out

@@ -142,10 +142,19 @@ def run_preprocess(
     _check_writable(out_dir)
     with _exclusive(out_dir):
         return _run_locked(
-            inputs, out_dir, options, labels_path=labels_path, id_column=id_column,
-            label_column=label_column, label_from_name=label_from_name, workers=workers, recursive=recursive, qc=qc,
-            progress=progress, on_result=on_result,
-        )  # fmt: skip
+            inputs,
+            out_dir,
+            options,
+            labels_path=labels_path,
+            id_column=id_column,
+            label_column=label_column,
+            label_from_name=label_from_name,
+            workers=workers,
+            recursive=recursive,
+            qc=qc,
+            progress=progress,
+            on_result=on_result,
+        )
 
 
 @contextlib.contextmanager
@@ -208,7 +217,9 @@ def _run_locked(
             )
         elif (labels_path is not None or label_from_name) and sid not in labels:
             where = (
-                f"the labels file {labels_path}" if labels_path else f"--label-from-name {label_from_name!r}"
+                f"the labels file {labels_path}"
+                if labels_path
+                else f"--label-from-name {label_from_name!r}"
             )
             results[sid] = _failed(
                 sid,

@@ -142,11 +142,16 @@ def load_latest(
             meta = json.loads((path / MARKER).read_text())
             dcp.load(state, checkpoint_id=str(path))
             ok = True
-        except Exception as err:  # DCP raises CheckpointException on every rank alike
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except (
+            BaseException
+        ) as err:  # DCP's CheckpointException is a BaseException, raised on every rank
             log.warning(
                 "checkpoint %s cannot be loaded (%s); trying the previous one",
-                path, str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
-            )  # fmt: skip
+                path,
+                str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
+            )
             ok = False
         if _all_ok(ok):
             return path, meta

@@ -117,8 +117,15 @@ def smooth(values: np.ndarray, *, window: int | None = None) -> np.ndarray:
 
 
 def _empty(ax: Axes, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", transform=ax.transAxes,
-            color="grey")  # fmt: skip
+    ax.text(
+        0.5,
+        0.5,
+        f"no {what} logged",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        color="grey",
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -132,6 +139,8 @@ def plot_training_curves(history: Sequence[Row], path: str | os.PathLike[str]) -
     keys and ``None`` / NaN values are skipped; an empty history still gives a
     picture that says so.
     """
+    from matplotlib.ticker import MaxNLocator
+
     fig = _new_figure(11, 7.5)
     (ax_loss, ax_lr), (ax_val, ax_speed) = fig.subplots(2, 2)
 
@@ -176,6 +185,7 @@ def plot_training_curves(history: Sequence[Row], path: str | os.PathLike[str]) -
         drawn = True
     if drawn:
         ax_val.set_xlabel("epoch" if has_epoch else "step")
+        ax_val.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_val.set_ylim(min(0.0, ax_val.get_ylim()[0]), 1.02)
         if ax_val.get_legend_handles_labels()[0]:
             ax_val.legend(loc="lower left", fontsize=8)
@@ -240,10 +250,21 @@ def plot_confusion_matrix(
     for i in range(k):
         for j in range(k):
             colour = "white" if frac[i, j] > 0.5 else "black"
-            ax.text(j, i, f"{int(cm[i, j])}\n{frac[i, j]:.0%}", ha="center", va="center",
-                    color=colour, fontsize=fontsize)  # fmt: skip
-    ax.set_xticks(range(k), [str(c) for c in class_names], rotation=45 if k > 4 else 0,
-                  ha="right" if k > 4 else "center")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                f"{int(cm[i, j])}\n{frac[i, j]:.0%}",
+                ha="center",
+                va="center",
+                color=colour,
+                fontsize=fontsize,
+            )
+    ax.set_xticks(
+        range(k),
+        [str(c) for c in class_names],
+        rotation=45 if k > 4 else 0,
+        ha="right" if k > 4 else "center",
+    )
     ax.set_yticks(range(k), [str(c) for c in class_names])
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
@@ -292,16 +313,23 @@ def plot_resolution_comparison(
         bars = ax.bar(xs, heights, width * 0.92, label=metric)
         for bar, v in zip(bars, values, strict=True):
             text = "n/a" if v is None else f"{v:.3f}"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), 0.0)),
-                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
-                        fontsize=8)  # fmt: skip
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), 0.0)),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         top = max([top, *(v for v in values if v is not None)])
     if any(m in ("auc", "macro_auc") for m in metrics):
         ax.axhline(0.5, color="grey", ls="--", lw=1, label="chance AUC")
     ax.set_xticks(range(n_set), labels)
-    ax.set_ylim(0.0, top * 1.1)
+    ax.set_ylim(0.0, top * 1.22)  # headroom for the legend above the bars
+    ax.set_yticks(np.linspace(0.0, 1.0, 6) if top <= 1.0 else ax.get_yticks()[:-1])
     ax.set_ylabel("score")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", ncols=n_met + 1, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title or "whole image vs downsampled", fontsize=10)
     return _save_atomic(fig, path)

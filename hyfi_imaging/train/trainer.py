@@ -67,15 +67,17 @@ def preflight(recipe: Recipe) -> None:
     sizes = {s.image_hw for s in samples}
     if len(sizes) != 1:
         raise ConfigError(
-            recipe.data.manifest, f"images have different sizes {sorted(sizes)}",
+            recipe.data.manifest,
+            f"images have different sizes {sorted(sizes)}",
             "preprocess all slides with the same --size",
-        )  # fmt: skip
+        )
     p = recipe.parallel
     if recipe.train.batch_size % p.microbatches:
         raise ConfigError(
-            "train.batch_size", f"{recipe.train.batch_size} is not divisible by parallel.microbatches "
-            f"{p.microbatches}", "make the batch a multiple of the micro-batch count",
-        )  # fmt: skip
+            "train.batch_size",
+            f"{recipe.train.batch_size} is not divisible by parallel.microbatches {p.microbatches}",
+            "make the batch a multiple of the micro-batch count",
+        )
     out = recipe.train.out_dir
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -136,9 +138,12 @@ class Trainer:
         model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
         self.align = int(getattr(model, "total_stride", 1))
         plan = ParallelPlan(
-            layout=layout, microbatches=p.microbatches, schedule=p.schedule,
-            balance=tuple(p.balance) if p.balance else None, checkpointing=p.checkpointing,
-        )  # fmt: skip
+            layout=layout,
+            microbatches=p.microbatches,
+            schedule=p.schedule,
+            balance=tuple(p.balance) if p.balance else None,
+            checkpointing=p.checkpointing,
+        )
         self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw)
         params = list(self.pm.parameters())
         o = r.optim
@@ -164,9 +169,11 @@ class Trainer:
         self.steps_per_epoch = len(self.train_idx) // dp // r.train.batch_size
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                "train.batch_size", f"{len(self.train_idx)} training slides over {dp} data replicas "
-                f"make no full batch of {r.train.batch_size}", "use a smaller batch or more slides",
-            )  # fmt: skip
+                "train.batch_size",
+                f"{len(self.train_idx)} training slides over {dp} data replicas "
+                f"make no full batch of {r.train.batch_size}",
+                "use a smaller batch or more slides",
+            )
         self.total_steps = r.train.max_steps or self.steps_per_epoch * r.train.epochs
 
     def _split(self) -> tuple[list[int], list[int]]:
@@ -201,15 +208,21 @@ class Trainer:
                 contrast=a.contrast,
                 saturation=a.saturation,
                 hue=a.hue,
-            )  # fmt: skip
+            )
             if augment
             else None
         )
         return TileDataset(
-            manifest, grid=self.recipe.parallel.spatial, rank=self.pc.tile, halo=0, align=self.align,
-            augment=aug, seed=self.recipe.train.seed, level=self.recipe.data.level,
+            manifest,
+            grid=self.recipe.parallel.spatial,
+            rank=self.pc.tile,
+            halo=0,
+            align=self.align,
+            augment=aug,
+            seed=self.recipe.train.seed,
+            level=self.recipe.data.level,
             classes=self.recipe.data.classes,
-        )  # fmt: skip
+        )
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         d = self.recipe.data
@@ -227,9 +240,11 @@ class Trainer:
             return
         workers = self.recipe.data.workers
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=[list(b) for b in batches], num_workers=workers,
+            dataset,
+            batch_sampler=[list(b) for b in batches],
+            num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
-        )  # fmt: skip
+        )
         for item in loader:
             yield self._normalise(item["image"])
 
@@ -256,9 +271,13 @@ class Trainer:
 
         r = self.recipe
         meta = {
-            "epoch": pos.epoch, "batch": pos.batch, "recipe": r.name, "model": r.model.name,
-            "layout": self.pc.layout.describe(), "classes": r.data.classes,
-        }  # fmt: skip
+            "epoch": pos.epoch,
+            "batch": pos.batch,
+            "recipe": r.name,
+            "model": r.model.name,
+            "layout": self.pc.layout.describe(),
+            "classes": r.data.classes,
+        }
         save_checkpoint(
             self.ckpt_root, pos.step, self._state(False), meta, keep=r.train.keep_checkpoints
         )
@@ -342,8 +361,14 @@ class Trainer:
         labels_all = torch.tensor([s.label for s in self.samples])
         summary: dict[str, Any] = {}
         start = time.monotonic()
-        bar = tqdm(total=self.total_steps, initial=pos.step, disable=not (self.rank0 and r.train.progress),
-                   unit="step", desc=r.name, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=self.total_steps,
+            initial=pos.step,
+            disable=not (self.rank0 and r.train.progress),
+            unit="step",
+            desc=r.name,
+            dynamic_ncols=True,
+        )
         try:
             while pos.step < self.total_steps and pos.epoch < r.train.epochs:
                 train_set.set_epoch(pos.epoch)
@@ -366,8 +391,15 @@ class Trainer:
                     t0 = time.monotonic()
                     ips = len(batch) * r.parallel.data / max(dt, 1e-9)
                     mp = ips * self.image_hw[0] * self.image_hw[1] / 1e6
-                    logger.log_step(pos.step, epoch=pos.epoch, loss=loss, lr=lr, images_per_s=ips,
-                                    megapixels_per_s=mp, memory_mib=_rss_mib())  # fmt: skip
+                    logger.log_step(
+                        pos.step,
+                        epoch=pos.epoch,
+                        loss=loss,
+                        lr=lr,
+                        images_per_s=ips,
+                        megapixels_per_s=mp,
+                        memory_mib=_rss_mib(),
+                    )
                     bar.set_postfix(
                         loss=f"{loss:.4f}", img_s=f"{ips:.2f}", mem=f"{_rss_mib():.0f}M"
                     )
@@ -391,15 +423,24 @@ class Trainer:
                     if self.rank0:
                         bar.write(f"epoch {pos.epoch}: {result.line()}")
                         plot_training_curves(logger.history, self.out / "training_curves.png")
-                        plot_confusion_matrix(result.confusion, r.data.classes, self.out / "confusion_matrix.png",
-                                              title=f"{r.name}, step {pos.step}")  # fmt: skip
+                        plot_confusion_matrix(
+                            result.confusion,
+                            r.data.classes,
+                            self.out / "confusion_matrix.png",
+                            title=f"{r.name}, step {pos.step}",
+                        )
             self._save(pos)
         finally:
             bar.close()
             logger.close()
         summary = {k: v for k, v in summary.items() if not k.startswith("_")}
-        summary.update(steps=pos.step, epochs=pos.epoch, seconds=round(time.monotonic() - start, 1),
-                       layout=self.pc.layout.describe(), world_size=self.pc.world_size)  # fmt: skip
+        summary.update(
+            steps=pos.step,
+            epochs=pos.epoch,
+            seconds=round(time.monotonic() - start, 1),
+            layout=self.pc.layout.describe(),
+            world_size=self.pc.world_size,
+        )
         if self.rank0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         if dist.is_initialized():

@@ -1,0 +1,627 @@
+"""Data x pipeline x spatial parallelism behind one object: :class:`ParallelModel`.
+
+A :class:`ParallelPlan` (layout, micro-batches, schedule, balance,
+checkpointing) plus the full single-device model give every rank its part:
+the pipeline stage of its ``pp`` coordinate, spatialized for its tile of the
+``sp`` grid, replicated over ``dp``. ``train_step`` then trains *exactly* like
+one process that splits the global batch into the same micro-batches and
+accumulates ``mean cross-entropy / micro-batches`` over them.
+
+How the pieces compose, and why:
+
+* **Spatial inside the stage.** The whole model is spatialized first (so every
+  layer knows its true size at the given image size), then cut. Every spatial
+  rank of a stage runs the same schedule on its tile; halos and BatchNorm
+  statistics are exchanged inside the stage's forward over the ``sp`` group;
+  activations and gradients go tile to tile over the ``pp`` group (the ``pp``
+  mesh axis joins equal tile coordinates of consecutive stages).
+* **Pipeline: torch.distributed.pipelining** (``PipelineStage``,
+  ``ScheduleGPipe``, ``Schedule1F1B``) on the mesh's ``pp`` group, in its
+  *static* mode: stage input/output shapes come from a meta-device trace of the
+  unmodified model on a tile-sized micro-batch (see :mod:`.pipeline` for why
+  the runtime's own shape inference must not run spatial layers). Shapes
+  depend on the micro-batch size, so stages and schedules are built per
+  micro-batch size and cached. ``scale_grads=False`` with a loss of
+  ``loss_fn / micro-batches``: the reference's loss, term for term, and a
+  gradient already in ``.grad`` is not rescaled (accumulation over steps works).
+* **Data: DistributedDataParallel** over the ``dp`` group, wrapping the stage
+  module. Pipelining runs every micro-batch but the last under ``no_sync`` and
+  lets DDP all-reduce (average) in the last backward. Buffers are *not*
+  broadcast by DDP (``forward_sync_buffers=False``): see BatchNorm below.
+* **Gradient rule** (DESIGN.md invariant 5): after the schedule, tile-derived
+  gradients are summed over ``sp`` (:func:`reduce_spatial_grads`); DDP has
+  averaged over ``dp`` (sum and mean commute).
+* **BatchNorm across micro-batches.** Statistics are those of each micro-batch
+  (over all its tiles), and running statistics are updated once per
+  micro-batch, in micro-batch order -- as in the single-process reference
+  with the same split. With ``dp > 1`` the reference is one process that splits
+  the *global* batch (replica 0's rows first) into ``dp x micro-batches``
+  micro-batches. Running statistics are an affine recurrence, so each replica
+  updates from the shared start with its own micro-batches, and one
+  all-reduce over ``dp`` of the weighted increments gives every replica the
+  statistics the reference reaches after all ``dp x micro-batches`` updates
+  (both for ``momentum`` and for the cumulative average ``momentum=None``).
+* **Loss.** ``train_step`` returns the mean loss of the global batch on every
+  rank: the last stages sum their micro-batch terms, one all-reduce over the
+  world averages them over replicas (tiles of one stage hold the same value).
+* **Gradient clipping** (:meth:`ParallelModel.clip_grad_norm_`): after the
+  reductions every spatial rank and every replica of a stage holds the same
+  gradients, so squared norms are summed over the ``pp`` group only -- never
+  counted ``gy x gx`` or ``dp`` times.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.models.registry import CheckpointedBlock
+from hyfi_imaging.parallel.balance import BalanceBy, LayerCosts, measure_layers, partition
+from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.pipeline import (
+    StageModule,
+    check_balance,
+    model_layers,
+    parse_checkpointing,
+    set_checkpointing,
+    stage_boundaries,
+    stage_bounds,
+)
+from hyfi_imaging.parallel.spatial import SpatialContext, reduce_spatial_grads, spatialize
+
+__all__ = ["ParallelModel", "ParallelPlan", "Schedule"]
+
+Schedule = Literal["gpipe", "1f1b"]
+_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How to run a model: the layout plus the pipeline's micro-batches, schedule, cut and checkpointing.
+
+    ``balance`` is the number of top-level layers per stage; ``None`` measures
+    every layer (``balance_by``: ``"time"`` or ``"memory"``) and cuts where the
+    slowest (largest) stage is smallest. ``checkpointing`` is ``"none"``,
+    ``"full"`` (every block) or ``"every:N"`` (every N-th block).
+
+    OK::
+
+        ParallelPlan(Layout(dp=2, pp=2, sp=(1, 2)), microbatches=4, schedule="1f1b")
+
+    Error::
+
+        ParallelPlan(Layout(pp=4), microbatches=2, schedule="1f1b").validate(model, 8)
+        # ConfigError: 1F1B needs at least as many micro-batches as stages
+    """
+
+    layout: Layout
+    microbatches: int = 1
+    schedule: Schedule = "gpipe"
+    balance: tuple[int, ...] | None = None
+    checkpointing: str = "none"
+    balance_by: BalanceBy = "time"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ConfigError(
+                f"--microbatches {self.microbatches}",
+                "must be a positive integer",
+                "use e.g. --microbatches 4",
+            )
+        if self.schedule not in _SCHEDULES:
+            raise ConfigError(
+                f"--schedule {self.schedule}", "is not a schedule", "use gpipe or 1f1b"
+            )
+        if self.balance_by not in ("time", "memory"):
+            raise ConfigError(
+                f"balance by {self.balance_by!r}", "is not a cost", "use time or memory"
+            )
+        if self.balance is not None:
+            object.__setattr__(self, "balance", tuple(int(b) for b in self.balance))
+        parse_checkpointing(self.checkpointing)
+        if self.schedule == "1f1b" and self.microbatches < self.layout.pp:
+            raise ConfigError(
+                f"--schedule 1f1b --microbatches {self.microbatches}",
+                f"1F1B needs at least as many micro-batches as pipeline stages ({self.layout.pp})",
+                f"use --microbatches {self.layout.pp} or more, or --schedule gpipe",
+            )
+
+    def check_model(self, model: nn.Module) -> None:
+        """ConfigError unless the model can be cut and checkpointed as planned (no compute)."""
+        n = len(model_layers(model))
+        if self.layout.pp > n:
+            raise ConfigError(
+                f"--pipeline {self.layout.pp}",
+                f"{type(model).__name__} has only {n} top-level layers to cut",
+                f"use at most {n} pipeline stages",
+            )
+        if self.balance is not None:
+            check_balance(self.balance, n, self.layout.pp)
+        if parse_checkpointing(self.checkpointing) and not any(
+            isinstance(m, CheckpointedBlock) for m in model.modules()
+        ):
+            raise ConfigError(
+                f"--checkpointing {self.checkpointing}",
+                f"{type(model).__name__} has no checkpointable blocks",
+                "use --checkpointing none",
+            )
+
+    def check_batch(self, batch: int) -> None:
+        """ConfigError unless the per-replica ``batch`` splits into equal micro-batches."""
+        m = self.microbatches
+        if batch < 1 or batch % m:
+            up = m * max(1, math.ceil(batch / m))
+            raise ConfigError(
+                f"batch {batch} with --microbatches {m}",
+                f"the per-replica batch does not split into {m} equal micro-batches",
+                f"use a per-replica batch that is a multiple of {m} (e.g. {up}), "
+                f"or a number of micro-batches that divides {batch}",
+            )
+
+    def validate(self, model: nn.Module, batch: int) -> None:
+        """Every check that needs no process group and no compute; ConfigError naming the fix."""
+        self.check_model(model)
+        self.check_batch(batch)
+
+
+@dataclass
+class _Pipe:
+    """One PipelineStage and its schedule, for one micro-batch size."""
+
+    stage: PipelineStage
+    schedule: ScheduleGPipe | Schedule1F1B
+    out_shapes: tuple[tuple[int, ...], ...]
+    logits_shape: tuple[int, ...]
+
+
+@dataclass
+class _BalanceInfo:
+    balance: tuple[int, ...]
+    how: str
+    costs: LayerCosts | None = None
+    params: list[int] = field(default_factory=list)
+
+
+class ParallelModel:
+    """The model of one rank: its pipeline stage, spatialized for its tile, replicated over dp.
+
+    ``model`` is the full single-device model, built identically (same seed) on
+    every rank; it is spatialized in place and only this rank's stage is kept
+    (drop other references to ``model`` to free the rest). Keys of
+    :meth:`state_dict` and :meth:`named_parameters` are the original model's,
+    restricted to the stage.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pc: ParallelContext,
+        plan: ParallelPlan,
+        *,
+        image_hw: tuple[int, int],
+        loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+    ) -> None:
+        if pc.layout != plan.layout:
+            raise ConfigError(
+                "ParallelModel",
+                f"the plan's layout {plan.layout.describe()} is not the job's {pc.layout.describe()}",
+                "build the ParallelContext and the plan from the same Layout",
+            )
+        plan.check_model(model)
+        self.pc, self.plan, self.loss_fn = pc, plan, loss_fn
+        self.image_hw = (int(image_hw[0]), int(image_hw[1]))
+        layout = plan.layout
+        _, pp_i, _, _ = pc.coords
+        self.stage_index, self.num_stages = pp_i, layout.pp
+        self.is_first, self.is_last = pp_i == 0, pp_i == layout.pp - 1
+        self.in_chans = int(getattr(model, "in_chans", 3))
+        self.dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
+        self.checkpointed = set_checkpointing(model, plan.checkpointing)
+        layers = model_layers(model)
+        self.layer_names = [n for n, _ in layers]
+        self._meta_model = copy.deepcopy(model).to("meta")
+        plain = copy.deepcopy(model) if plan.balance is None and layout.pp > 1 else None
+
+        self.ctx: SpatialContext | None = None
+        if layout.sp_size > 1:
+            nb = Neighbours(
+                up=pc.peer(dy=-1), down=pc.peer(dy=1), left=pc.peer(dx=-1), right=pc.peer(dx=1)
+            )
+            self.ctx = spatialize(
+                model, grid=layout.sp, tile=pc.tile, neighbours=nb, group=pc.group("sp")
+            )
+            self.ctx.set_image_size(self.image_hw)
+            ph, pw = self.ctx.padded_size(self.image_hw)
+            self.padded_hw = (ph, pw)
+            self.tile_hw = (ph // layout.sp[0], pw // layout.sp[1])
+        else:
+            self.padded_hw = self.tile_hw = self.image_hw
+
+        self.balance_info = self._choose_balance(plain)
+        del plain
+        self.balance = self.balance_info.balance
+        start, stop = stage_bounds(self.balance)[pp_i]
+        self.stage_module = StageModule(layers[start:stop], index=pp_i)
+        if not self.is_first:
+            _no_inplace_at_entry(self.stage_module)
+        self.stage_module.to(pc.device)
+        self._submod: nn.Module = self.stage_module
+        trainable = any(p.requires_grad for p in self.stage_module.parameters())
+        if layout.dp > 1 and trainable:
+            self._submod = DistributedDataParallel(
+                self.stage_module,
+                device_ids=[pc.device] if pc.device.type == "cuda" else None,
+                process_group=pc.group("dp"),
+                forward_sync_buffers=False,
+            )
+        self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
+        self.last_logits: Tensor | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _choose_balance(self, plain: nn.Module | None) -> _BalanceInfo:
+        layout, plan = self.plan.layout, self.plan
+        params = [sum(p.numel() for p in m.parameters()) for _, m in model_layers(self._meta_model)]
+        n = len(params)
+        if plan.balance is not None:
+            return _BalanceInfo(plan.balance, "explicit", None, params)
+        if layout.pp == 1:
+            return _BalanceInfo((n,), "one stage", None, params)
+        assert plain is not None
+        plain.to(self.pc.device)
+        sample = torch.randn(
+            1, self.in_chans, *self.tile_hw, dtype=self.dtype, device=self.pc.device
+        )
+        costs = measure_layers(model_layers(plain), sample, repeat=3)
+        # Max over ranks is exact: every rank then cuts from the same numbers.
+        vec = torch.tensor(
+            [*costs.seconds, *[float(b) for b in costs.bytes]], dtype=torch.float64
+        ).to(self.pc.device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        vec = vec.cpu()
+        costs = LayerCosts(
+            costs.names,
+            tuple(float(v) for v in vec[:n]),
+            tuple(int(v) for v in vec[n:]),
+        )
+        balance = partition(costs.of(plan.balance_by), layout.pp)
+        return _BalanceInfo(balance, f"automatic, by {plan.balance_by}", costs, params)
+
+    def _loss(self, n_micro: int) -> Callable[[Tensor, Tensor], Tensor]:
+        fn = self.loss_fn
+
+        def loss(out: Tensor, target: Tensor) -> Tensor:
+            return fn(out, target) / n_micro
+
+        return loss
+
+    def _pipe(self, mb: int, n_micro: int, train: bool) -> _Pipe:
+        key = (mb, n_micro, train)
+        if key not in self._pipes:
+            bounds = stage_boundaries(
+                self._meta_model,
+                self.balance,
+                (mb, self.in_chans, *self.tile_hw),
+                dtype=self.dtype,
+            )
+            s = self.stage_index
+            inputs = tuple(t.requires_grad_(s > 0) for t in bounds[s])
+            outputs = tuple(t.requires_grad_(True) for t in bounds[s + 1])
+            stage = PipelineStage(
+                self._submod,
+                s,
+                self.num_stages,
+                self.pc.device,
+                input_args=inputs,
+                output_args=outputs,
+                group=self.pc.group("pp"),
+            )
+            schedule: ScheduleGPipe | Schedule1F1B
+            if not train:
+                schedule = ScheduleGPipe(stage, n_micro, loss_fn=None, scale_grads=False)
+            elif self.plan.schedule == "1f1b":
+                schedule = Schedule1F1B(
+                    stage, n_micro, loss_fn=self._loss(n_micro), scale_grads=False
+                )
+            else:
+                schedule = ScheduleGPipe(
+                    stage, n_micro, loss_fn=self._loss(n_micro), scale_grads=False
+                )
+            self._pipes[key] = _Pipe(
+                stage,
+                schedule,
+                tuple(tuple(t.shape) for t in outputs),
+                tuple(bounds[-1][0].shape),
+            )
+        return self._pipes[key]
+
+    # ------------------------------------------------------------------ data
+
+    def tile_of(self, images: Tensor) -> Tensor:
+        """This rank's tile of a full ``(N, C, H, W)`` batch (padded as the layout needs)."""
+        if tuple(images.shape[-2:]) != self.image_hw:
+            raise ConfigError(
+                "ParallelModel.tile_of",
+                f"images are {tuple(images.shape[-2:])} but the model was planned for "
+                f"{self.image_hw}",
+                "pass images of the planned size, or build a ParallelModel for this size",
+            )
+        if self.ctx is None:
+            return images
+        ph, pw = self.padded_hw
+        padded = F.pad(images, (0, pw - images.shape[-1], 0, ph - images.shape[-2]))
+        rows, cols = self.ctx.tile_slice(self.image_hw)
+        return padded[..., rows, cols]
+
+    def _check_tiles(self, tiles: Tensor | None, batch: int | None) -> Tensor:
+        want = (self.in_chans, *self.tile_hw)
+        if (
+            tiles is None
+            or tuple(tiles.shape[1:]) != want
+            or (batch is not None and tiles.shape[0] != batch)
+        ):
+            got = None if tiles is None else tuple(tiles.shape)
+            raise ConfigError(
+                f"pipeline stage 0 (rank {self.pc.rank})",
+                f"needs this rank's tiles of shape ({batch or 'N'}, {', '.join(map(str, want))}), "
+                f"got {got}",
+                "pass ParallelModel.tile_of(images) on first-stage ranks",
+            )
+        return tiles.to(self.pc.device)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, tiles: Tensor | None, labels: Tensor) -> float:
+        """Forward and backward of every micro-batch; returns the global batch's mean loss.
+
+        ``tiles``: this rank's tiles of the per-replica batch (first-stage ranks;
+        others may pass None). ``labels``: the per-replica labels, on every rank.
+        Gradients are summed over ``sp`` and averaged over ``dp`` into ``.grad``
+        (added to what is there); the optimizer is not stepped.
+        """
+        batch = int(labels.shape[0])
+        self.plan.check_batch(batch)
+        m = self.plan.microbatches
+        args: tuple[Tensor, ...] = ()
+        if self.is_first:
+            args = (self._check_tiles(tiles, batch),)
+        pipe = self._pipe(batch // m, m, train=True)
+        self.stage_module.train()
+        self.stage_module.expected = pipe.out_shapes
+        snapshot = self._norm_snapshot() if self.plan.layout.dp > 1 else None
+        losses: list[Tensor] = []
+        out = pipe.schedule.step(*args, target=labels.to(self.pc.device), losses=losses)
+        self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
+        if self.ctx is not None:
+            reduce_spatial_grads(self.stage_module, self.ctx)
+        if snapshot is not None:
+            self._sync_running_stats(snapshot)
+        local = float(sum(float(v.detach()) for v in losses)) if self.is_last else 0.0
+        total = torch.tensor([local], dtype=torch.float64, device=self.pc.device)
+        dist.all_reduce(total)
+        return float(total.item()) / (self.plan.layout.dp * self.plan.layout.sp_size)
+
+    @torch.no_grad()
+    def predict(self, tiles: Tensor | None) -> Tensor:
+        """Logits of the per-replica batch in eval mode, without gradients, on every rank."""
+        pp_group = self.pc.group("pp")
+        n = torch.tensor([0 if tiles is None else int(tiles.shape[0])], device=self.pc.device)
+        if self.num_stages > 1:
+            dist.broadcast(n, group=pp_group, group_src=0)
+        batch = int(n.item())
+        args: tuple[Tensor, ...] = ()
+        if self.is_first:
+            args = (self._check_tiles(tiles, batch),)
+        m = max(d for d in range(1, min(batch, self.plan.microbatches) + 1) if batch % d == 0)
+        pipe = self._pipe(batch // m, m, train=False)
+        was_training = self.stage_module.training
+        self.stage_module.eval()
+        self.stage_module.expected = pipe.out_shapes
+        try:
+            out = pipe.schedule.step(*args)
+        finally:
+            self.stage_module.train(was_training)
+        if self.is_last:
+            logits = out.contiguous()
+        else:
+            shape = (batch, *pipe.logits_shape[1:])
+            logits = torch.empty(shape, dtype=self.dtype, device=self.pc.device)
+        if self.num_stages > 1:
+            dist.broadcast(logits, group=pp_group, group_src=self.num_stages - 1)
+        return logits
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale gradients so that the norm over the *whole* model is at most ``max_norm``.
+
+        Returns the total norm before clipping (as ``torch.nn.utils.clip_grad_norm_``).
+        Squares are summed over this stage and then over the ``pp`` group only:
+        every tile and every replica of a stage holds the same reduced gradients.
+        """
+        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
+        sq = torch.zeros(1, dtype=torch.float64, device=self.pc.device)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
+        if self.num_stages > 1:
+            dist.all_reduce(sq, group=self.pc.group("pp"))
+        total = float(sq.sqrt().item())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.detach().mul_(coef)
+        return total
+
+    # ------------------------------------------------------------------ BatchNorm over dp
+
+    def _norms(self) -> list[nn.modules.batchnorm._BatchNorm]:
+        return [
+            m
+            for m in self.stage_module.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and m.track_running_stats
+            and m.running_mean is not None
+        ]
+
+    def _norm_snapshot(self) -> list[tuple[Tensor, Tensor, int]]:
+        out = []
+        for m in self._norms():
+            assert m.running_mean is not None and m.running_var is not None
+            assert m.num_batches_tracked is not None
+            out.append((m.running_mean.clone(), m.running_var.clone(), int(m.num_batches_tracked)))
+        return out
+
+    def _sync_running_stats(self, snapshot: list[tuple[Tensor, Tensor, int]]) -> None:
+        """Running statistics as if one process had run every replica's micro-batches in order.
+
+        Replica ``d`` ran ``k`` updates ``r <- (1 - m) r + m x`` from the shared
+        start ``r0``: ``r_d = a r0 + c_d`` with ``a = (1 - m)^k``. Replicas in
+        order 0, 1, ... give ``a^D r0 + sum_d a^(D-1-d) c_d``. With
+        ``momentum=None`` (cumulative average) the increments simply add up.
+        """
+        norms = self._norms()
+        if not norms:
+            return
+        group = self.pc.group("dp")
+        d, n_rep = dist.get_rank(group), self.plan.layout.dp
+        parts: list[Tensor] = []
+        plan: list[tuple[Any, ...]] = []
+        for m, (r0m, r0v, n0) in zip(norms, snapshot, strict=True):
+            assert m.running_mean is not None and m.running_var is not None
+            assert m.num_batches_tracked is not None
+            k = int(m.num_batches_tracked) - n0
+            if m.momentum is None:
+                cm = (n0 + k) * m.running_mean - n0 * r0m
+                cv = (n0 + k) * m.running_var - n0 * r0v
+                plan.append((m, r0m, r0v, n0, k, None))
+            else:
+                a = (1.0 - m.momentum) ** k
+                w = a ** (n_rep - 1 - d)
+                cm = w * (m.running_mean - a * r0m)
+                cv = w * (m.running_var - a * r0v)
+                plan.append((m, r0m, r0v, n0, k, a))
+            parts += [cm.reshape(-1), cv.reshape(-1)]
+        flat = torch.cat([p.to(torch.float64) for p in parts])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        with torch.no_grad():
+            for m, r0m, r0v, n0, k, a in plan:
+                c = m.running_mean.numel()
+                sm = flat[offset : offset + c].view_as(r0m)
+                sv = flat[offset + c : offset + 2 * c].view_as(r0v)
+                offset += 2 * c
+                if a is None:
+                    total = n0 + n_rep * k
+                    new_m = (n0 * r0m.double() + sm) / total
+                    new_v = (n0 * r0v.double() + sv) / total
+                else:
+                    new_m = a**n_rep * r0m.double() + sm
+                    new_v = a**n_rep * r0v.double() + sv
+                m.running_mean.copy_(new_m)
+                m.running_var.copy_(new_v)
+                m.num_batches_tracked.fill_(n0 + n_rep * k)
+
+    # ------------------------------------------------------------------ parameters, state
+
+    @property
+    def module(self) -> StageModule:
+        """This rank's stage (unwrapped): the original model's layers of this stage."""
+        return self.stage_module
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This stage's parameters."""
+        return self.stage_module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This stage's parameters under the original model's names."""
+        return self.stage_module.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's state under the original model's keys (no ``module.``/stage prefix)."""
+        return self.stage_module.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load this stage's entries (keys as in the original model)."""
+        return self.stage_module.load_state_dict(state, strict=strict)
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        """Set training mode on the stage (``train_step`` always trains, ``predict`` evaluates)."""
+        self.stage_module.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ plan printout
+
+    def describe(self) -> str:
+        """The plan in words: layout, stages and their layers, which rank holds which tile."""
+        layout, plan, info = self.plan.layout, self.plan, self.balance_info
+        gy, gx = layout.sp
+        th, tw = self.tile_hw
+        lines = [
+            f"hyfi parallel plan: {layout.describe()} = {layout.world_size} ranks "
+            f"({self.pc.backend} on {self.pc.device.type})",
+            f"  schedule {plan.schedule}, {plan.microbatches} micro-batch(es) per step; "
+            f"checkpointing {plan.checkpointing}; each replica's batch is split into "
+            f"{plan.microbatches} equal micro-batches, BatchNorm per micro-batch",
+        ]
+        if self.ctx is not None:
+            lines.append(
+                f"  image {self.image_hw[0]}x{self.image_hw[1]} padded to "
+                f"{self.padded_hw[0]}x{self.padded_hw[1]}, {gy}x{gx} tiles of {th}x{tw}"
+            )
+        else:
+            lines.append(
+                f"  image {self.image_hw[0]}x{self.image_hw[1]}, one tile (no spatial split)"
+            )
+        lines.append(f"  balance {','.join(map(str, info.balance))} ({info.how})")
+        for s, (start, stop) in enumerate(stage_bounds(info.balance)):
+            names = self.layer_names[start:stop]
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            extra = ""
+            if info.costs is not None:
+                ms = 1e3 * sum(info.costs.seconds[start:stop])
+                mib = sum(info.costs.bytes[start:stop]) / 2**20
+                extra = f", {ms:.1f} ms, {mib:.1f} MiB per micro-batch of 1"
+            n_params = sum(info.params[start:stop]) / 1e6
+            cp = [n for n in self.checkpointed if n.split(".")[0] in names]
+            ck = f", {len(cp)} block(s) checkpointed" if cp else ""
+            lines.append(
+                f"  stage {s}: {span} ({stop - start} layers, {n_params:.3g} M params{extra}{ck})"
+            )
+        lines.append("  rank  dp stage  tile   rows        cols")
+        shown = min(layout.world_size, 64)
+        for rank in range(shown):
+            d, p, i, j = layout.coords(rank)
+            lines.append(
+                f"  {rank:4d} {d:3d} {p:5d}  {i},{j}    {i * th:5d}:{(i + 1) * th:<5d} "
+                f"{j * tw:5d}:{(j + 1) * tw:<5d}"
+            )
+        if shown < layout.world_size:
+            lines.append(f"  ... ({layout.world_size - shown} more ranks)")
+        return "\n".join(lines)
+
+
+def _no_inplace_at_entry(stage: nn.Module) -> None:
+    """Turn off ``inplace`` on the op a stage starts with.
+
+    A received activation is an autograd leaf; an in-place op on it (ResNet's
+    top-level ``relu`` when a cut falls right before it) is refused by
+    autograd. Out of place gives the same values.
+    """
+    for m in stage.modules():
+        if m is stage:
+            continue
+        if getattr(m, "inplace", False):
+            m.inplace = False  # type: ignore[assignment]
+        if not list(m.children()):
+            break
