@@ -20,15 +20,15 @@ def test_demo_small(tmp_path: Path, capsys: object) -> None:
             "512",
             "--workers",
             "1",
-            "--no-verify",
+            "--no-train",
         ]
     )
     assert code == 0
     for name in (
-        "data/manifest.csv",
-        "data/contact_sheet.png",
+        "data_full/manifest.csv",
+        "data_full/contact_sheet.png",
         "tile_grid.png",
-        "data/synth_000.zarr",
+        "data_down8/synth_000.zarr",
     ):
         assert (tmp_path / name).exists(), name
     assert (tmp_path / "tile_grid.png").stat().st_size > 10_000

@@ -1,15 +1,21 @@
-"""``hyfi-demo``: the whole data path on built-in synthetic slides, then a spatial exactness check.
+"""``hyfi-demo``: the product's main job on built-in synthetic slides, on a laptop CPU.
 
-What it shows, in order: a synthetic cohort of pyramidal TIFF slides (positive
-slides carry small lesions that vanish at 8x downsampling), ``hyfi-preprocess``
-turning them into OME-Zarr with a manifest and QC pictures, how one image is
-cut into a 2x2 tile grid with halos, and ``hyfi-verify`` proving on 4 MPI ranks
-that the tiled model computes exactly what one process computes.
+1. a synthetic cohort of pyramidal TIFF slides (positive slides carry small
+   lesions whose texture vanishes when the image is downsampled 8x);
+2. ``hyfi-preprocess`` twice: full resolution (0.5 um/px) and 8x downsampled
+   (4 um/px), same field of view; manifest, QC contact sheet, tile-grid figure;
+3. ``hyfi-train`` on full-resolution images cut into a 2x2 tile grid on 4 MPI
+   ranks (exact spatial parallelism), and the same recipe on the 8x smaller
+   images; both evaluated on the same held-out slides;
+4. a summary: both AUCs side by side (``resolution.png``), training curves,
+   confusion matrices, and ``summary.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,23 +26,26 @@ __all__ = ["main"]
 
 EXAMPLES = """\
 examples:
-  hyfi-demo --out demo_out
-  hyfi-demo --out /tmp/demo --slides 4 --slide-size 2048 --no-verify
+  hyfi-demo --out demo_out                 # the full demo (about 8 minutes on 2 CPU cores)
+  hyfi-demo --out /tmp/demo --quick        # a 1-minute smoke run (too short to learn anything)
 """
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "synthetic.yaml"
 
 
 def _print_manifest(path: Path) -> None:
     from hyfi_imaging.preprocess import read_manifest
 
     rows = read_manifest(path)
-    print(f"\nmanifest ({path}):")
     print(f"  {'slide_id':<12}{'label':>6}{'size':>12}{'mpp':>6}  status  store")
-    for r in rows:
+    for r in rows[:6]:
         size = f"{r.height}x{r.width}"
         mpp = "" if r.mpp is None else f"{r.mpp:g}"
         print(
             f"  {r.slide_id:<12}{r.label:>6}{size:>12}{mpp:>6}  {r.status:<6}  {r.path or r.error}"
         )
+    if len(rows) > 6:
+        print(f"  ... {len(rows) - 6} more in {path}")
 
 
 def _tile_grid_figure(manifest: Path, out: Path) -> Path:
@@ -52,50 +61,44 @@ def _tile_grid_figure(manifest: Path, out: Path) -> Path:
         image = store.read_region(0, 0, 0, h, w)
     # ResNet's stem + first basic block need a (13, 10) halo; tiles align to its stride 32.
     regions = tile_regions((h, w), (2, 2), halo=(13, 10), align=32)
-    return plot_tile_grid(
-        image,
-        regions,
-        out / "tile_grid.png",
-        title=f"{row.slide_id}: 2x2 tiles (solid) and reads with a 13/10 px halo (dashed)",
-    )
+    title = f"{row.slide_id}: 2x2 tiles (solid) and reads with a 13/10 px halo (dashed)"
+    return plot_tile_grid(image, regions, out / "tile_grid.png", title=title)
 
 
-def _verify(out: Path) -> int:
+def _launcher(ranks: int) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, "-m"]
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).with_name("mpiexec"))
-    if not Path(mpiexec).exists():
-        print("  (mpiexec not found: skipping the 4-rank check; install the 'mpich' extra)")
-        return 0
-    cmd = [
-        mpiexec,
-        "-n",
-        "4",
-        sys.executable,
-        "-m",
-        "hyfi_imaging.cli.verify",
-        "--model",
-        "resnet18",
-        "--width",
-        "0.25",
-        "--image-size",
-        "200x168",
-        "--spatial",
-        "2x2",
-        "--steps",
-        "2",
-    ]
-    print(
-        "  $ mpiexec -n 4 hyfi-verify --model resnet18 --width 0.25 --image-size 200x168 --spatial 2x2"
-    )
-    env = {"OMP_NUM_THREADS": "1"}
-    import os
+    return [mpiexec, "-n", str(ranks), sys.executable, "-m"]
 
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, **env}, check=False
-    )
-    for line in proc.stdout.splitlines()[:4]:
-        print("  " + line)
-    (out / "verify.txt").write_text(proc.stdout + proc.stderr)
-    return proc.returncode
+
+def _train(
+    name: str, manifest: Path, out: Path, grid: str, args: argparse.Namespace
+) -> dict[str, object]:
+    gy, gx = (int(v) for v in grid.split("x"))
+    run = out / "runs" / name
+    overrides = [
+        f"name={name}",
+        f"data.manifest={manifest}",
+        f"train.out_dir={run}",
+        f"parallel.spatial={grid}",
+        f"train.epochs={args.epochs}",
+        "train.progress=true",
+    ]
+    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(RECIPE)]
+    for o in overrides:
+        cmd += ["--set", o]
+    shown = (
+        "mpiexec -n 4 " if gy * gx > 1 else ""
+    ) + f"hyfi-train recipes/synthetic.yaml --set parallel.spatial={grid} ..."
+    print(f"  $ {shown}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"hyfi-demo: training {name} failed (exit {proc.returncode}); see the messages above"
+        )
+    return dict(json.loads((run / "summary.json").read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,48 +112,94 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=Path("demo_out"), help="output directory (default: demo_out)"
     )
+    p.add_argument("--slides", type=int, default=32, help="synthetic slides (default: 32)")
     p.add_argument(
-        "--slides", type=int, default=8, help="synthetic slides to generate (default: 8)"
+        "--slide-size", type=int, default=1536, help="slide side in pixels (default: 1536)"
     )
     p.add_argument(
-        "--slide-size", type=int, default=4096, help="slide side in pixels (default: 4096)"
+        "--size", type=int, default=1024, help="full-resolution canvas side (default: 1024)"
     )
-    p.add_argument("--size", type=int, default=2048, help="training canvas side (default: 2048)")
+    p.add_argument("--epochs", type=int, default=6, help="training epochs (default: 6)")
     p.add_argument("--workers", type=int, default=2, help="preprocess workers (default: 2)")
-    p.add_argument("--no-verify", action="store_true", help="skip the 4-rank exactness check")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run: 8 slides, 1 epoch")
+    p.add_argument("--no-train", action="store_true", help="stop after preprocessing and figures")
     args = p.parse_args(argv)
+    if args.quick:
+        args.slides, args.slide_size, args.size, args.epochs = 8, 768, 512, 1
 
     from hyfi_imaging.data.synthetic import write_synthetic_cohort
     from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
 
     start = time.monotonic()
     out: Path = args.out
-    print(f"[1/4] writing {args.slides} synthetic slides of {args.slide_size}^2 px (0.5 um/px)")
+    print(
+        f"[1/4] {args.slides} synthetic slides of {args.slide_size}^2 px at 0.5 um/px -> {out / 'slides'}"
+    )
     labels = write_synthetic_cohort(
-        out / "slides", args.slides, seed=0, size=(args.slide_size, args.slide_size), progress=True
+        out / "slides",
+        args.slides,
+        seed=0,
+        size=(args.slide_size, args.slide_size),
+        lesions=10,
+        progress=True,
     )
-    print(f"[2/4] hyfi-preprocess -> {out / 'data'} (1.0 um/px on a {args.size}^2 canvas)")
-    summary = run_preprocess(
-        [out / "slides"],
-        out / "data",
-        PreprocessOptions(mpp=1.0, size=(args.size, args.size)),
-        labels_path=labels,
-        workers=args.workers,
+    print("[2/4] hyfi-preprocess: full resolution (0.5 um/px) and 8x downsampled (4 um/px)")
+    small = max(64, args.size // 8)
+    runs = {}
+    for key, mpp, size in (("full", 0.5, args.size), ("down8", 4.0, small)):
+        summary = run_preprocess(
+            [out / "slides"],
+            out / f"data_{key}",
+            PreprocessOptions(mpp=mpp, size=(size, size)),
+            labels_path=labels,
+            workers=args.workers,
+        )
+        print(f"  {key}: {summary.line()} ({size}x{size} px canvas)")
+        if summary.failed:
+            return 1
+        assert summary.manifest is not None
+        runs[key] = summary
+    full = runs["full"]
+    assert full.manifest is not None and runs["down8"].manifest is not None
+    _print_manifest(full.manifest)
+    grid = _tile_grid_figure(full.manifest, out)
+    print(f"[3/4] figures: {full.contact_sheet}, {grid}")
+    if args.no_train:
+        return 0
+    print("[4/4] training: full resolution on a 2x2 tile grid (4 ranks), then 8x downsampled")
+    results = {
+        f"full resolution (0.5 um/px, {args.size}^2, 2x2 tiles)": _train(
+            "full", full.manifest, out, "2x2", args
+        ),
+        f"8x downsampled (4 um/px, {small}^2)": _train(
+            "down8", runs["down8"].manifest, out, "1x1", args
+        ),
+    }
+    from hyfi_imaging.train.plots import plot_resolution_comparison
+
+    figure = plot_resolution_comparison(
+        {k: {m: v for m, v in r.items() if m in ("auc", "accuracy")} for k, r in results.items()},  # type: ignore[misc]
+        out / "resolution.png",
+        title="Same slides, same model: does resolution matter?",
     )
-    print(f"  {summary.line()}")
-    assert summary.manifest is not None
-    _print_manifest(summary.manifest)
-    print("[3/4] drawing the 2x2 tile grid with halos")
-    grid = _tile_grid_figure(summary.manifest, out)
-    status = 1 if summary.failed else 0
-    if not args.no_verify:
-        print("[4/4] spatial exactness: 4 ranks vs one process")
-        status = status or _verify(out)
-    print(f"\ndone in {time.monotonic() - start:.0f} s; look at:")
-    print(f"  {summary.contact_sheet}   QC contact sheet (tissue outline, crop box, canvas)")
-    print(f"  {grid}   one image cut into a 2x2 tile grid with halos")
-    print(f"  {summary.manifest}   manifest for training")
-    return status
+    lines = [
+        "# hyfi-imaging demo",
+        "",
+        "| setting | AUC | accuracy | steps | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for k, r in results.items():
+        lines.append(
+            f"| {k} | {r.get('auc')} | {r.get('accuracy')} | {r.get('steps')} | {r.get('seconds')} |"
+        )
+    lines += [
+        "",
+        f"Figures: {figure.name}, tile_grid.png, data_full/contact_sheet.png, runs/*/training_curves.png",
+    ]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines[2:]))
+    print(f"\ndone in {time.monotonic() - start:.0f} s; see {out / 'summary.md'} and {figure}")
+    return 0
 
 
 if __name__ == "__main__":
