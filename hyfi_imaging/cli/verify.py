@@ -1,10 +1,17 @@
-"""``hyfi-verify``: prove that a parallel layout trains exactly like one process."""
+"""``hyfi-verify``: prove that a parallel layout trains exactly like one process.
+
+Any ``dp x pp x sp`` layout, with micro-batches, a pipeline schedule, a stage
+balance and activation checkpointing, is compared with one process that runs
+the same micro-batch split. Every option is validated before a process group
+exists, so a bad combination costs nothing and names its fix.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -19,6 +26,14 @@ examples:
 
   # AmoebaNet-D, 3 tiles in a column, double precision
   mpirun -np 3 hyfi-verify --model amoebanet-d-6-64 --image-size 257x190 --spatial 3x1 --dtype float64
+
+  # 2 pipeline stages, 1F1B over 4 micro-batches, every block checkpointed
+  mpirun -np 2 hyfi-verify --model resnet50 --width 0.25 --image-size 96x80 --pipeline 2 \\
+      --microbatches 4 --schedule 1f1b --checkpointing full
+
+  # all three: 2 replicas x 2 stages (cut 5,6) x 1x2 tiles = 8 ranks, gradient clipping
+  mpirun -np 8 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --data 2 \\
+      --pipeline 2 --spatial 1x2 --microbatches 2 --balance 5,6 --clip-grad 0.5
 
 Exit status 0: every compared tensor is within tolerance (float64: rtol 1e-7,
 atol 1e-9; float32: rtol 1e-4, atol 1e-5); 1: a mismatch (the worst tensors
@@ -42,7 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="registered model name, e.g. resnet50")
     p.add_argument("--image-size", required=True, type=Layout.parse_grid, metavar="HxW")
     p.add_argument("--spatial", default=(1, 1), type=Layout.parse_grid, metavar="GYxGX")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--pipeline", type=int, default=1, metavar="P", help="pipeline stages (pp)")
+    p.add_argument("--data", type=int, default=1, metavar="D", help="data-parallel replicas (dp)")
+    p.add_argument(
+        "--microbatches", type=int, default=1, metavar="M", help="micro-batches per step"
+    )
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument(
+        "--balance",
+        default="time",
+        metavar="a,b,...|time|memory",
+        help="top-level layers per stage, or measure every layer and balance time or memory",
+    )
+    p.add_argument(
+        "--checkpointing",
+        default="none",
+        metavar="none|full|every:N",
+        help="activation checkpointing: no block, every block, or every N-th block",
+    )
+    p.add_argument(
+        "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="per-replica batch (default: max(2, microbatches)); the global batch is data x this",
+    )
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--num-classes", type=int, default=3)
     p.add_argument("--width", type=float, help="width multiplier for the model (if it has one)")
@@ -57,6 +97,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     p.add_argument("--break", dest="sabotage", choices=("halo-backward",), help=argparse.SUPPRESS)
     return p
+
+
+def _plan(args: argparse.Namespace, layout: Any) -> Any:
+    """The ParallelPlan the options describe (ConfigError for a bad combination)."""
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.parallel.engine import ParallelPlan
+
+    balance: tuple[int, ...] | None = None
+    by = "time"
+    text = args.balance.strip().lower()
+    if text in ("time", "memory", "auto"):
+        by = "memory" if text == "memory" else "time"
+    else:
+        try:
+            balance = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--balance {args.balance}",
+                "is neither a list of layer counts nor time/memory",
+                "write e.g. --balance 5,6 or --balance time",
+            ) from None
+    return ParallelPlan(
+        layout,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        balance=balance,
+        checkpointing=args.checkpointing,
+        balance_by=by,  # type: ignore[arg-type]
+    )
 
 
 def _sabotage(kind: str) -> None:
@@ -77,11 +146,14 @@ def _run(args: argparse.Namespace) -> int:
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.verify import run_verify
 
-    layout = Layout(sp=args.spatial)
+    layout = Layout(dp=args.data, pp=args.pipeline, sp=args.spatial)
+    plan = _plan(args, layout)
     kwargs: dict[str, object] = {"num_classes": args.num_classes}
     if args.width is not None:
         kwargs["width"] = args.width
-    create_model(args.model, **kwargs)  # fail on a bad name or option before any process group
+    batch = args.batch if args.batch is not None else max(2, args.microbatches)
+    # Fail on a bad name, option, cut or batch before any process group exists.
+    plan.validate(create_model(args.model, **kwargs), batch)
     pc = init_parallel(layout)
     if args.sabotage:
         _sabotage(args.sabotage)
@@ -90,10 +162,15 @@ def _run(args: argparse.Namespace) -> int:
         lambda: create_model(args.model, **kwargs),
         pc,
         image_hw=args.image_size,
-        batch=args.batch,
+        batch=batch,
         steps=args.steps,
         dtype=torch.float64 if args.dtype == "float64" else torch.float32,
         seed=args.seed,
+        plan=plan,
+        clip_grad=args.clip_grad,
+        announce=(lambda text: print(text, file=sys.stderr if args.json else sys.stdout))
+        if pc.rank == 0
+        else None,
     )
     if pc.rank == 0:
         if args.json:
@@ -102,7 +179,8 @@ def _run(args: argparse.Namespace) -> int:
             status = "OK" if report.ok else "MISMATCH"
             print(
                 f"hyfi-verify: {status}: {args.model} {args.image_size[0]}x{args.image_size[1]} on "
-                f"{layout.describe()} ({pc.world_size} ranks, {pc.backend}), {args.steps} steps, "
+                f"{layout.describe()} ({pc.world_size} ranks, {pc.backend}), {args.steps} steps "
+                f"of {args.microbatches} micro-batch(es) ({args.schedule}), "
                 f"{len(report.comparisons)} tensors compared, max relative error "
                 f"{report.max_rel_error:.3g}"
             )

@@ -82,7 +82,13 @@ from hyfi_imaging.parallel.pipeline import (
 )
 from hyfi_imaging.parallel.spatial import SpatialContext, reduce_spatial_grads, spatialize
 
-__all__ = ["ParallelModel", "ParallelPlan", "Schedule"]
+__all__ = [
+    "ParallelModel",
+    "ParallelPlan",
+    "Schedule",
+    "running_stats_increment",
+    "running_stats_merge",
+]
 
 Schedule = Literal["gpipe", "1f1b"]
 _SCHEDULES = ("gpipe", "1f1b")
@@ -496,40 +502,31 @@ class ParallelModel:
         group = self.pc.group("dp")
         d, n_rep = dist.get_rank(group), self.plan.layout.dp
         parts: list[Tensor] = []
-        plan: list[tuple[Any, ...]] = []
         for m, (r0m, r0v, n0) in zip(norms, snapshot, strict=True):
             assert m.running_mean is not None and m.running_var is not None
             assert m.num_batches_tracked is not None
             k = int(m.num_batches_tracked) - n0
-            if m.momentum is None:
-                cm = (n0 + k) * m.running_mean - n0 * r0m
-                cv = (n0 + k) * m.running_var - n0 * r0v
-                plan.append((m, r0m, r0v, n0, k, None))
-            else:
-                a = (1.0 - m.momentum) ** k
-                w = a ** (n_rep - 1 - d)
-                cm = w * (m.running_mean - a * r0m)
-                cv = w * (m.running_var - a * r0v)
-                plan.append((m, r0m, r0v, n0, k, a))
-            parts += [cm.reshape(-1), cv.reshape(-1)]
-        flat = torch.cat([p.to(torch.float64) for p in parts])
+            for now, r0 in ((m.running_mean, r0m), (m.running_var, r0v)):
+                parts.append(
+                    running_stats_increment(
+                        now, r0, n0=n0, k=k, momentum=m.momentum, replica=d, replicas=n_rep
+                    ).reshape(-1)
+                )
+        flat = torch.cat(parts)
         dist.all_reduce(flat, group=group)
         offset = 0
         with torch.no_grad():
-            for m, r0m, r0v, n0, k, a in plan:
-                c = m.running_mean.numel()
-                sm = flat[offset : offset + c].view_as(r0m)
-                sv = flat[offset + c : offset + 2 * c].view_as(r0v)
-                offset += 2 * c
-                if a is None:
-                    total = n0 + n_rep * k
-                    new_m = (n0 * r0m.double() + sm) / total
-                    new_v = (n0 * r0v.double() + sv) / total
-                else:
-                    new_m = a**n_rep * r0m.double() + sm
-                    new_v = a**n_rep * r0v.double() + sv
-                m.running_mean.copy_(new_m)
-                m.running_var.copy_(new_v)
+            for m, (r0m, r0v, n0) in zip(norms, snapshot, strict=True):
+                assert m.num_batches_tracked is not None
+                k = int(m.num_batches_tracked) - n0
+                for buf, r0 in ((m.running_mean, r0m), (m.running_var, r0v)):
+                    assert buf is not None
+                    total = flat[offset : offset + r0.numel()].view_as(r0)
+                    offset += r0.numel()
+                    merged = running_stats_merge(
+                        total, r0, n0=n0, k=k, momentum=m.momentum, replicas=n_rep
+                    )
+                    buf.copy_(merged)
                 m.num_batches_tracked.fill_(n0 + n_rep * k)
 
     # ------------------------------------------------------------------ parameters, state
@@ -609,6 +606,41 @@ class ParallelModel:
         if shown < layout.world_size:
             lines.append(f"  ... ({layout.world_size - shown} more ranks)")
         return "\n".join(lines)
+
+
+def running_stats_increment(
+    now: Tensor,
+    start: Tensor,
+    *,
+    n0: int,
+    k: int,
+    momentum: float | None,
+    replica: int,
+    replicas: int,
+) -> Tensor:
+    """One replica's share of the merged running statistic (sum the shares over replicas).
+
+    ``start`` is the statistic before the step (``n0`` updates so far), ``now``
+    after this replica's ``k`` updates. Momentum ``m``: ``now = a start + c``
+    with ``a = (1 - m)^k``, and replica ``d`` of ``D`` contributes
+    ``a^(D-1-d) c``. ``momentum=None`` (cumulative average): the contribution is
+    the sum of the replica's batch statistics, ``(n0 + k) now - n0 start``.
+    """
+    now, start = now.detach().double(), start.detach().double()
+    if momentum is None:
+        return (n0 + k) * now - n0 * start
+    a = (1.0 - momentum) ** k
+    return a ** (replicas - 1 - replica) * (now - a * start)
+
+
+def running_stats_merge(
+    total: Tensor, start: Tensor, *, n0: int, k: int, momentum: float | None, replicas: int
+) -> Tensor:
+    """The statistic after ``replicas x k`` updates in replica order, from the summed shares."""
+    start = start.detach().double()
+    if momentum is None:
+        return (n0 * start + total) / (n0 + replicas * k)
+    return (1.0 - momentum) ** (k * replicas) * start + total
 
 
 def _no_inplace_at_entry(stage: nn.Module) -> None:

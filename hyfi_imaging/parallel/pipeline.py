@@ -50,9 +50,13 @@ __all__ = [
     "as_tuple",
     "check_balance",
     "cut_stages",
+    "draw_plan",
+    "even_balance",
     "model_layers",
     "parse_checkpointing",
+    "schedule_order",
     "set_checkpointing",
+    "simulate_schedule",
     "stage_boundaries",
     "stage_bounds",
 ]
@@ -242,3 +246,137 @@ def stage_boundaries(
                 tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in as_tuple(x))
             )
     return out
+
+
+def schedule_order(schedule: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
+    """The order in which every stage runs forward (``"F"``) and backward (``"B"``) micro-batches.
+
+    The same orders as ``torch.distributed.pipelining``: GPipe runs all forwards,
+    then all backwards; 1F1B runs ``stages - s`` forwards on stage ``s``, then
+    alternates one backward and one forward, then drains the backwards.
+    """
+    out = []
+    for s in range(stages):
+        if schedule == "gpipe":
+            order = [("F", i) for i in range(microbatches)] + [
+                ("B", i) for i in range(microbatches)
+            ]
+        else:
+            warm = min(microbatches, stages - s)
+            order = [("F", i) for i in range(warm)]
+            f, b = warm, 0
+            while b < microbatches:
+                order.append(("B", b))
+                b += 1
+                if f < microbatches:
+                    order.append(("F", f))
+                    f += 1
+        out.append(order)
+    return out
+
+
+def simulate_schedule(
+    schedule: str, stages: int, microbatches: int, *, forward: float = 1.0, backward: float = 2.0
+) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """Start and end time of every ``(stage, "F"|"B", micro-batch)`` with unit stage costs.
+
+    A forward waits for the previous stage's forward of the same micro-batch, a
+    backward for the next stage's backward (the last stage's for its own
+    forward). Used for the plan picture and the ideal bubble of benchmarks.
+    """
+    orders = schedule_order(schedule, stages, microbatches)
+    done: dict[tuple[int, str, int], tuple[float, float]] = {}
+    pos = [0] * stages
+    free = [0.0] * stages
+    while any(pos[s] < len(orders[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if pos[s] >= len(orders[s]):
+                continue
+            kind, i = orders[s][pos[s]]
+            if kind == "F":
+                dep = (s - 1, "F", i) if s > 0 else None
+            else:
+                dep = (s + 1, "B", i) if s < stages - 1 else (s, "F", i)
+            if dep is not None and dep not in done:
+                continue
+            start = max(free[s], done[dep][1] if dep is not None else 0.0)
+            end = start + (forward if kind == "F" else backward)
+            done[(s, kind, i)] = (start, end)
+            free[s] = end
+            pos[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule} deadlocks")  # a bug in schedule_order
+    return done
+
+
+def draw_plan(
+    path: str,
+    *,
+    layout: Any,
+    balance: Sequence[int],
+    layer_names: Sequence[str],
+    microbatches: int,
+    schedule: str,
+) -> None:
+    """Write a PNG of a plan: which rank holds which stage and tile, and the schedule's timeline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    pp, (gy, gx), dp = layout.pp, layout.sp, layout.dp
+    fig, (ax_mesh, ax_time) = plt.subplots(
+        1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.5]}
+    )
+    colours = plt.get_cmap("tab10")
+    bounds = stage_bounds(balance)
+    rows = dp * gy
+    for rank in range(layout.world_size):
+        d, p, i, j = layout.coords(rank)
+        x0, y0 = p * (gx + 0.6) + j, (rows - 1 - (d * gy + i)) + (dp - 1 - d) * 0.4
+        ax_mesh.add_patch(
+            Rectangle((x0, y0), 0.95, 0.95, color=colours(p % 10), alpha=0.75 - 0.4 * d / dp)
+        )
+        ax_mesh.text(
+            x0 + 0.47, y0 + 0.47, f"rank {rank}\ntile ({i},{j})\ndp {d}",
+            ha="center", va="center", fontsize=8,
+        )  # fmt: skip
+    for p, (start, stop) in enumerate(bounds):
+        names = layer_names[start:stop]
+        label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        ax_mesh.text(
+            p * (gx + 0.6) + gx / 2, rows + dp * 0.4 + 0.15, f"stage {p}\n{label}",
+            ha="center", va="bottom", fontsize=9,
+        )  # fmt: skip
+    ax_mesh.set_xlim(-0.2, pp * (gx + 0.6))
+    ax_mesh.set_ylim(-0.2, rows + dp * 0.4 + 1.0)
+    ax_mesh.set_aspect("equal")
+    ax_mesh.axis("off")
+    ax_mesh.set_title(f"{layout.describe()}: {layout.world_size} ranks", fontsize=10)
+
+    times = simulate_schedule(schedule, pp, microbatches)
+    for (s, kind, i), (t0, t1) in times.items():
+        shade = colours(i % 10)
+        ax_time.add_patch(
+            Rectangle(
+                (t0, pp - 1 - s), t1 - t0, 0.9, color=shade, alpha=0.45 if kind == "F" else 0.85
+            )
+        )
+        ax_time.text((t0 + t1) / 2, pp - 1 - s + 0.45, f"{kind}{i}", ha="center", va="center")
+    end = max(t1 for _, t1 in times.values())
+    ideal = (microbatches + pp - 1) / microbatches
+    ax_time.set_xlim(0, end)
+    ax_time.set_ylim(0, pp)
+    ax_time.set_yticks([pp - 1 - s + 0.45 for s in range(pp)], [f"stage {s}" for s in range(pp)])
+    ax_time.set_xlabel("time (forward = 1, backward = 2)")
+    ax_time.set_title(
+        f"{schedule.upper()} with {microbatches} micro-batches: every tile of a stage runs this "
+        f"row; ideal time / no-bubble time = {ideal:.2f}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

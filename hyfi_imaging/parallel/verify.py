@@ -1,10 +1,21 @@
 """Check a parallel layout against one process: the engine behind ``hyfi-verify``.
 
-Every rank runs K SGD steps of the parallel model; rank 0 also runs the same
-K steps on the whole image in one process, from the same initial weights and
-data. Compared: outputs, input gradients (tiles gathered and stitched), every
-parameter gradient (after the spatial reduction), BatchNorm running statistics
-and the weights after K steps. ``max_rel_error`` is, over all compared tensors,
+Every rank trains K SGD steps of its part of the model through
+:class:`~hyfi_imaging.parallel.engine.ParallelModel` (any ``dp x pp x sp``
+layout, micro-batches, schedule, balance, checkpointing) and also runs the
+same K steps in one process: the *reference*, which splits the global batch
+(``dp x`` the per-replica batch, replica 0's rows first) into ``dp x
+micro-batches`` micro-batches, each with loss ``mean cross-entropy / (dp x
+micro-batches)``, accumulated -- exactly the semantics the engine promises,
+BatchNorm statistics per micro-batch included. The reference has no
+checkpointing, so checkpointing is checked not to change results.
+
+Each rank compares what it holds: the loss (every rank), outputs (last
+stage), input gradients (first stage; tiles gathered and stitched), the
+gradient of every parameter of its stage, the gradient norm when clipping,
+eval-mode predictions after training, and at the end its stage's weights and
+BatchNorm running statistics. Verdicts are gathered to rank 0 and merged by
+name (worst error wins). ``max_rel_error`` is, over all compared tensors,
 ``max|a - b| / max(max|b|, atol)``; ``ok`` means every tensor is within
 ``rtol``/``atol`` elementwise (``torch.allclose``).
 """
@@ -23,9 +34,16 @@ from torch import nn
 
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.launch import ParallelContext
-from hyfi_imaging.parallel.spatial import SpatialContext, reduce_spatial_grads, spatialize
+from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
 
-__all__ = ["Comparison", "VerifyReport", "gather_tile_grid", "run_verify", "spatial_context_for"]
+__all__ = [
+    "Comparison",
+    "VerifyReport",
+    "gather_tile_grid",
+    "pad_image",
+    "run_verify",
+    "spatial_context_for",
+]
 
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-9)}
 
@@ -40,18 +58,19 @@ class Comparison:
 
 @dataclass
 class VerifyReport:
-    """Result of :func:`run_verify` (meaningful on rank 0)."""
+    """Result of :func:`run_verify` (merged over ranks on rank 0; ``ok`` on every rank)."""
 
     ok: bool = True
     max_rel_error: float = 0.0
     comparisons: list[Comparison] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     reference_losses: list[float] = field(default_factory=list)
+    plan: str = ""
 
     def add(
         self, name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
     ) -> None:
-        got, want = got.detach().double(), want.detach().double()
+        got, want = got.detach().cpu().double(), want.detach().cpu().double()
         if got.shape != want.shape:
             self.comparisons.append(Comparison(name, float("inf"), float("inf"), False))
             self.ok = False
@@ -66,6 +85,22 @@ class VerifyReport:
         self.comparisons.append(Comparison(name, diff, rel, ok))
         self.ok &= ok
         self.max_rel_error = max(self.max_rel_error, rel)
+
+    def merge(self, others: list[list[Comparison]]) -> None:
+        """Replace the comparisons by those of every rank, one per name (the worst)."""
+        worst: dict[str, Comparison] = {}
+        for comps in others:
+            for c in comps:
+                old = worst.get(c.name)
+                if (
+                    old is None
+                    or (old.ok and not c.ok)
+                    or (old.ok == c.ok and c.max_rel > old.max_rel)
+                ):
+                    worst[c.name] = c
+        self.comparisons = list(worst.values())
+        self.ok = all(c.ok for c in self.comparisons)
+        self.max_rel_error = max((c.max_rel for c in self.comparisons), default=0.0)
 
     def to_json(self) -> dict[str, Any]:
         worst = sorted(self.comparisons, key=lambda c: -c.max_rel)[:10]
@@ -113,60 +148,101 @@ def run_verify(
     dtype: torch.dtype = torch.float32,
     lr: float = 0.1,
     seed: int = 0,
+    plan: Any = None,
+    clip_grad: float | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> VerifyReport:
-    """Run ``steps`` SGD steps spatially and (on rank 0) in one process; compare."""
+    """Run ``steps`` SGD steps on ``pc``'s layout and in one process; compare on every rank.
+
+    ``batch`` is the per-replica batch; ``plan`` a :class:`ParallelPlan` for
+    ``pc.layout`` (default: one micro-batch, GPipe, automatic balance, no
+    checkpointing). ``clip_grad`` clips the global gradient norm before each
+    step (and compares the norm). ``announce`` receives the plan printout
+    (on every rank) before training starts.
+    """
+    from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
+
+    plan = plan if plan is not None else ParallelPlan(pc.layout)
     rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
     torch.manual_seed(seed)
     reference = build().to(dtype)
-    model = copy.deepcopy(reference).to(pc.device)
-    ctx = spatial_context_for(model, pc)
-    ctx.set_image_size(image_hw)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    plan.validate(reference, batch)
+    pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=image_hw)
+    report = VerifyReport(plan=pm.describe())
+    if announce is not None:
+        announce(report.plan)
+    opt = torch.optim.SGD(pm.parameters(), lr=lr, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
-    report = VerifyReport()
     gen = torch.Generator().manual_seed(seed + 1)
     in_chans = int(getattr(reference, "in_chans", 3))
     num_classes = int(getattr(reference, "num_classes", 2))
-    rows, cols = ctx.tile_slice(image_hw)
-    padded = ctx.padded_size(image_hw)
-    root = pc.rank == 0
+    dp, m = plan.layout.dp, plan.microbatches
+    d = pc.coords[0]
+    mine = slice(d * batch, (d + 1) * batch)
+    mb = batch // m
+    ref_params = dict(reference.named_parameters())
     for step in range(steps):
-        images = torch.randn(batch, in_chans, *image_hw, generator=gen, dtype=dtype)
-        labels = torch.randint(0, num_classes, (batch,), generator=gen)
-        tile = pad_image(images, padded)[..., rows, cols].clone().to(pc.device).requires_grad_(True)
+        images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
+        labels = torch.randint(0, num_classes, (dp * batch,), generator=gen)
+        tiles = None
+        if pm.is_first:
+            tiles = pm.tile_of(images[mine]).clone().to(pc.device).requires_grad_(True)
         opt.zero_grad(set_to_none=True)
-        out = model(tile)
-        loss = F.cross_entropy(out, labels.to(pc.device))
-        loss.backward()
-        reduce_spatial_grads(model, ctx)
-        assert tile.grad is not None
-        input_grad = gather_tile_grid(tile.grad, ctx, pc.group("sp"))[
-            ..., : image_hw[0], : image_hw[1]
-        ]
-        report.losses.append(loss.item())
-        if root:
-            x = images.clone().requires_grad_(True)
-            ref_opt.zero_grad(set_to_none=True)
-            ref_out = reference(x)
-            ref_loss = F.cross_entropy(ref_out, labels)
-            ref_loss.backward()
-            report.reference_losses.append(ref_loss.item())
-            report.add(f"step{step}/output", out.cpu(), ref_out, rtol, atol)
-            assert x.grad is not None
-            report.add(f"step{step}/input_grad", input_grad.cpu(), x.grad, rtol, atol)
-            ref_params = dict(reference.named_parameters())
-            for name, p in model.named_parameters():
-                if p.grad is not None:
-                    want = ref_params[name].grad
-                    want = torch.zeros_like(p.grad.cpu()) if want is None else want
-                    report.add(f"step{step}/grad/{name}", p.grad.cpu(), want, rtol, atol)
-            ref_opt.step()
+        loss = pm.train_step(tiles, labels[mine])
+        norm = pm.clip_grad_norm_(clip_grad) if clip_grad is not None else None
+        report.losses.append(loss)
+
+        x = images.clone().requires_grad_(True)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss, outs = 0.0, []
+        for k in range(dp * m):
+            rows = slice(k * mb, (k + 1) * mb)
+            out = reference(x[rows])
+            part = F.cross_entropy(out, labels[rows]) / (dp * m)
+            part.backward()
+            ref_loss += float(part.detach())
+            outs.append(out.detach())
+        ref_norm = (
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad)
+            if clip_grad is not None
+            else None
+        )
+        report.reference_losses.append(ref_loss)
+        tag = f"step{step}"
+        report.add(f"{tag}/loss", torch.tensor(loss), torch.tensor(ref_loss), rtol, atol)
+        if norm is not None and ref_norm is not None:
+            report.add(f"{tag}/grad_norm", torch.tensor(norm), ref_norm, rtol, atol)
+        if pm.is_last and pm.last_logits is not None:
+            report.add(f"{tag}/output[dp{d}]", pm.last_logits, torch.cat(outs)[mine], rtol, atol)
+        if pm.is_first:
+            assert tiles is not None and tiles.grad is not None and x.grad is not None
+            grad = tiles.grad
+            if pm.ctx is not None:
+                grad = gather_tile_grid(grad, pm.ctx, pc.group("sp"))
+            grad = grad[..., : image_hw[0], : image_hw[1]]
+            report.add(f"{tag}/input_grad[dp{d}]", grad, x.grad[mine], rtol, atol)
+        for name, p in pm.named_parameters():
+            want = ref_params[name].grad
+            if p.grad is None and want is None:
+                continue
+            got = torch.zeros_like(p) if p.grad is None else p.grad
+            want = torch.zeros_like(got.cpu()) if want is None else want
+            report.add(f"{tag}/grad/{name}", got, want, rtol, atol)
+        ref_opt.step()
         opt.step()
-    if root:
-        ref_state = reference.state_dict()
-        for name, value in model.state_dict().items():
-            if value.is_floating_point():
-                report.add(f"final/{name}", value.cpu(), ref_state[name], rtol, atol)
+
+    images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
+    logits = pm.predict(pm.tile_of(images[mine]).to(pc.device) if pm.is_first else None)
+    reference.eval()
+    with torch.no_grad():
+        report.add(f"predict/output[dp{d}]", logits, reference(images[mine]), rtol, atol)
+    ref_state = reference.state_dict()
+    for name, value in pm.state_dict().items():
+        report.add(f"final/{name}", value, ref_state[name], rtol, atol)
+
+    gathered: list[Any] = [None] * pc.world_size
+    dist.all_gather_object(gathered, report.comparisons)
+    report.merge(gathered)
     flag = torch.tensor([1.0 if report.ok else 0.0])
     dist.broadcast(flag, src=0)
     report.ok = bool(flag.item())

@@ -294,6 +294,8 @@ class Trainer:
         """Load only the model (any layout's checkpoint) from a checkpoint or a checkpoint directory."""
         from hyfi_imaging.train.checkpoint import load_latest
 
+        if (checkpoint / "checkpoints").is_dir():
+            checkpoint = checkpoint / "checkpoints"
         found = load_latest(checkpoint, {"model": self.pm.state_dict()})
         if found is None:
             raise ConfigError(
