@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import (
     ChainModel,
     CheckpointedBlock,
@@ -107,6 +108,9 @@ class ResNet(ChainModel):
         in_chans: input channels (3 for RGB, 1 for grey).
         width: channel multiplier; stage widths ``round(64 * width * 2**i)`` (at least 1).
         zero_init_last_bn: start every residual branch at zero (Goyal et al. 2017).
+        global_pool: ``"avg"`` (torchvision) or ``"max"``: global max pooling suits
+            whole-slide tasks where the evidence is a few small regions (multiple-
+            instance style); the module keeps torchvision's name ``avgpool`` either way.
 
     ``total_stride`` is 32. ``forward_features`` returns ``layer4``'s output.
     """
@@ -122,8 +126,13 @@ class ResNet(ChainModel):
         in_chans: int = 3,
         width: float = 1.0,
         zero_init_last_bn: bool = False,
+        global_pool: str = "avg",
     ) -> None:
         super().__init__()
+        if global_pool not in ("avg", "max"):
+            raise ConfigError(
+                "ResNet", f"global_pool={global_pool!r} is not known", "use 'avg' or 'max'"
+            )
         check_positive(
             "ResNet", num_classes=num_classes, in_chans=in_chans, width=width, stages=len(layers)
         )
@@ -143,7 +152,9 @@ class ResNet(ChainModel):
             )
         self.num_features = self.inplanes
         self.head_start = 4 + len(layers)
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.avgpool: nn.Module = (
+            nn.AdaptiveAvgPool2d(1) if global_pool == "avg" else nn.AdaptiveMaxPool2d(1)
+        )
         self.flatten = nn.Flatten(1)
         self.fc = nn.Linear(self.num_features, num_classes)
         self.total_stride = 4 * 2 ** (len(layers) - 1)

@@ -5,6 +5,8 @@ Which backward is right depends on who uses the reduced value:
 * :func:`all_reduce_partial` — BatchNorm statistics. Every rank uses the
   global mean to normalise *its own* tile, so each rank's backward holds only
   its share of the gradient; the true gradient is their **sum**.
+* :func:`all_reduce_max_replicated` — global max pooling: the gradient goes only
+  to the rank(s) whose local maximum is the global one.
 * :func:`all_reduce_replicated` — global average pooling. Everything after
   the pool (the head, the loss) is computed identically on every rank, so each
   rank already holds the **whole** gradient; summing again would multiply it
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_partial", "all_reduce_replicated"]
+__all__ = ["all_reduce_max_replicated", "all_reduce_partial", "all_reduce_replicated"]
 
 
 def _sum(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -56,3 +58,26 @@ def all_reduce_partial(x: torch.Tensor, group: Any) -> torch.Tensor:
 def all_reduce_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum over ``group``; backward passes the (already complete) gradient through."""
     return _AllReduceReplicated.apply(x, group)
+
+
+class _AllReduceMaxReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        ctx.save_for_backward(x == out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (winner,) = ctx.saved_tensors
+        return grad * winner, None
+
+
+def all_reduce_max_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Maximum over ``group``; backward routes the (complete) gradient to the rank holding it.
+
+    If two tiles hold exactly the same maximum both receive the gradient, where one
+    process would pick one; with real-valued activations this does not happen.
+    """
+    return _AllReduceMaxReplicated.apply(x, group)  # type: ignore[no-any-return]

@@ -37,7 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.collectives import all_reduce_partial, all_reduce_replicated
+from hyfi_imaging.parallel.collectives import (
+    all_reduce_max_replicated,
+    all_reduce_partial,
+    all_reduce_replicated,
+)
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
 from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
 
@@ -47,6 +51,7 @@ __all__ = [
     "SpatialContext",
     "SpatialConv2d",
     "SpatialGlobalAvgPool2d",
+    "SpatialGlobalMaxPool2d",
     "SpatialMaxPool2d",
     "reduce_spatial_grads",
     "spatialize",
@@ -55,7 +60,7 @@ __all__ = [
 # Modules that mix pixels but have no spatial form: refused by name.
 _UNSUPPORTED = (
     nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.AdaptiveMaxPool2d, nn.LPPool2d, nn.FractionalMaxPool2d, nn.Upsample,
+    nn.LPPool2d, nn.FractionalMaxPool2d, nn.Upsample,
     nn.GroupNorm, nn.InstanceNorm2d, nn.LayerNorm, nn.LocalResponseNorm, nn.PixelShuffle,
     nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d,
     nn.ReplicationPad2d, nn.MultiheadAttention, nn.MaxUnpool2d,
@@ -343,6 +348,14 @@ class SpatialGlobalAvgPool2d(_SpatialMixin, nn.AdaptiveAvgPool2d):
         return all_reduce_replicated(local, self.hyfi_ctx.group) / (mh * mw)
 
 
+class SpatialGlobalMaxPool2d(_SpatialMixin, nn.AdaptiveMaxPool2d):
+    """Global max pooling: local maxima (outside the image is -inf), all-reduced with MAX."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.adaptive_max_pool2d(self._mask(x, -math.inf), 1)
+        return all_reduce_max_replicated(local, self.hyfi_ctx.group)
+
+
 _SWAP: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv2d: SpatialConv2d,
     nn.MaxPool2d: SpatialMaxPool2d,
@@ -352,7 +365,11 @@ _SWAP: dict[type[nn.Module], type[nn.Module]] = {
 
 
 def _is_global_pool(m: nn.Module) -> bool:
-    return isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1), [1, 1])
+    return isinstance(m, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d) and m.output_size in (
+        1,
+        (1, 1),
+        [1, 1],
+    )
 
 
 def _check(name: str, m: nn.Module) -> None:
@@ -364,7 +381,9 @@ def _check(name: str, m: nn.Module) -> None:
             "replace it with Conv2d/MaxPool2d/AvgPool2d/BatchNorm2d/global average pooling, "
             "or run without spatial parallelism",
         )
-    if isinstance(m, nn.AdaptiveAvgPool2d) and not _is_global_pool(m):
+    if isinstance(m, nn.AdaptiveMaxPool2d) and m.return_indices:
+        raise ConfigError(where, "return_indices=True is not supported", "use return_indices=False")
+    if isinstance(m, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d) and not _is_global_pool(m):
         raise ConfigError(
             where,
             f"adaptive pooling to {m.output_size} depends on the whole image's size",
@@ -435,7 +454,13 @@ def spatialize(
             ctx.tile_param_names.update(
                 f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)
             )
-        cls = _SWAP.get(type(m)) or (SpatialGlobalAvgPool2d if _is_global_pool(m) else None)
+        cls = _SWAP.get(type(m))
+        if _is_global_pool(m):
+            cls = (
+                SpatialGlobalAvgPool2d
+                if isinstance(m, nn.AdaptiveAvgPool2d)
+                else SpatialGlobalMaxPool2d
+            )
         if cls is not None:
             m.__class__ = cls
             m.hyfi_path, m.hyfi_ctx = name, ctx

@@ -1,0 +1,193 @@
+"""hyfi-train / hyfi-predict end to end under mpiexec: layouts, resume, cross-layout loading, faults."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hyfi_imaging.data.synthetic import write_synthetic_cohort
+from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cohort")
+    labels = write_synthetic_cohort(root / "slides", 8, seed=3, size=(512, 512), lesions=4)
+    summary = run_preprocess(
+        [root / "slides"],
+        root / "data",
+        PreprocessOptions(mpp=1.0, size=(192, 160)),
+        labels_path=labels,
+        progress=False,
+        qc=False,
+    )
+    assert summary.manifest is not None and not summary.failed
+    return summary.manifest
+
+
+def _train(
+    manifest: Path, out: Path, ranks: int, *sets: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "synthetic.yaml")]
+    if ranks > 1:
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    base = [
+        f"data.manifest={manifest}",
+        f"train.out_dir={out}",
+        "model.kwargs.width=0.125",
+        "train.epochs=2",
+        "train.batch_size=2",
+        "train.progress=false",
+        "optim.warmup_steps=1",
+        "train.checkpoint_every_steps=1",
+    ]
+    for s in (*base, *sets):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(out: Path) -> list[float]:
+    with (out / "metrics.csv").open() as f:
+        return [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+
+
+def test_layouts_train_and_spatial_equals_one_process(manifest: Path, tmp_path: Path) -> None:
+    _train(manifest, tmp_path / "one", 1, "parallel.spatial=1x1")
+    _train(manifest, tmp_path / "grid", 4, "parallel.spatial=2x2")
+    _train(
+        manifest,
+        tmp_path / "pipe",
+        2,
+        "parallel.spatial=1x1",
+        "parallel.pipeline=2",
+        "parallel.microbatches=2",
+    )
+    one, grid = _losses(tmp_path / "one"), _losses(tmp_path / "grid")
+    assert len(one) == 6 and one == pytest.approx(grid, rel=1e-4, abs=1e-5)
+    # Pipelining splits each batch into 2 micro-batches (BatchNorm per micro-batch): it runs, losses are finite.
+    assert len(_losses(tmp_path / "pipe")) == 6
+    for run in ("one", "grid", "pipe"):
+        for name in ("summary.json", "training_curves.png", "confusion_matrix.png", "recipe.yaml"):
+            assert (tmp_path / run / name).exists(), (run, name)
+    dp = _train(
+        manifest,
+        tmp_path / "dp",
+        2,
+        "parallel.spatial=1x1",
+        "parallel.data=2",
+        "train.batch_size=1",
+    )
+    assert "done" in dp.stdout and len(_losses(tmp_path / "dp")) == 6
+
+
+def test_resume_continues_exactly(manifest: Path, tmp_path: Path) -> None:
+    _train(manifest, tmp_path / "full", 2, "parallel.spatial=1x2")
+    _train(manifest, tmp_path / "cut", 2, "parallel.spatial=1x2", "train.max_steps=4")
+    # Relaunch the same run with the full length: it resumes from step 4.
+    proc = _train(manifest, tmp_path / "cut", 2, "parallel.spatial=1x2")
+    assert "resuming from" in proc.stderr
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "full")  # bitwise on CPU
+
+
+def test_checkpoint_moves_between_layouts(manifest: Path, tmp_path: Path) -> None:
+    _train(manifest, tmp_path / "run", 4, "parallel.spatial=2x2")
+    outs = []
+    for ranks, extra in ((1, []), (2, ["--spatial", "1x2"]), (2, ["--pipeline", "2"])):
+        out = tmp_path / f"pred{len(outs)}.csv"
+        cmd = [
+            sys.executable,
+            "-m",
+            "hyfi_imaging.cli.predict",
+            str(tmp_path / "run"),
+            "--manifest",
+            str(manifest),
+            "--out",
+            str(out),
+            *extra,
+        ]
+        if ranks > 1:
+            cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(list(csv.DictReader(out.open())))
+    assert len(outs[0]) == 8 and set(outs[0][0]) == {"slide_id", "label", "pred", "p_0", "p_1"}
+    for rows in outs[1:]:
+        for a, b in zip(outs[0], rows, strict=True):
+            assert a["slide_id"] == b["slide_id"] and a["pred"] == b["pred"]
+            assert float(a["p_1"]) == pytest.approx(float(b["p_1"]), abs=1e-5)
+
+
+def test_config_errors_fail_before_any_rank_starts(manifest: Path, tmp_path: Path) -> None:
+    proc = _train(manifest, tmp_path / "bad", 1, "train.epoch=3", check=False)
+    assert proc.returncode == 2 and "did you mean train.epochs?" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = _train(manifest, blocker / "out", 1, check=False)
+    assert proc.returncode == 2 and "not writable" in proc.stderr
+
+
+def test_a_killed_rank_ends_the_job_quickly(manifest: Path, tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    cmd = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "hyfi_imaging.cli.train",
+        str(ROOT / "recipes" / "synthetic.yaml"),
+    ]
+    for s in (
+        f"data.manifest={manifest}",
+        f"train.out_dir={out}",
+        "model.kwargs.width=0.125",
+        "train.epochs=50",
+        "train.batch_size=2",
+        "train.progress=false",
+        "parallel.spatial=1x2",
+    ):
+        cmd += ["--set", s]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out / "metrics.csv").exists():
+        time.sleep(0.2)
+    ranks = subprocess.run(
+        ["pgrep", "-f", f"train.out_dir={out}"], capture_output=True, text=True, check=False
+    )
+    pids = [int(p) for p in ranks.stdout.split() if int(p) != proc.pid]
+    workers = [p for p in pids if "python" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")]
+    assert workers, "no rank found"
+    killed_at = time.monotonic()
+    os.kill(workers[-1], signal.SIGKILL)
+    proc.wait(timeout=90)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < 60
