@@ -31,5 +31,9 @@ class SlideError(HyfiError):
     """A slide or image file cannot be opened, read or used."""
 
 
-class ConfigError(HyfiError):
-    """A command-line option, layout or configuration value is invalid."""
+class ConfigError(HyfiError, ValueError):
+    """A command-line option, layout or configuration value is invalid.
+
+    Also a ValueError, so that argparse ``type=`` converters raising it produce a
+    usage error (exit 2) instead of a traceback.
+    """

@@ -62,14 +62,14 @@ def all_reduce_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _AllReduceMaxReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         out = x.contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
         ctx.save_for_backward(x == out)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (winner,) = ctx.saved_tensors
         return grad * winner, None
 
@@ -80,4 +80,4 @@ def all_reduce_max_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
     If two tiles hold exactly the same maximum both receive the gradient, where one
     process would pick one; with real-valued activations this does not happen.
     """
-    return _AllReduceMaxReplicated.apply(x, group)  # type: ignore[no-any-return]
+    return _AllReduceMaxReplicated.apply(x, group)

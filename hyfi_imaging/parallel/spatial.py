@@ -98,6 +98,7 @@ class SpatialContext:
         self._reference: nn.Module | None = None
         self._in_chans = 3
         self._cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+        self._out_cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
 
     def padded_size(self, image_hw: tuple[int, int]) -> tuple[int, int]:
         """Image size rounded up to a multiple of ``grid * align`` on each axis."""
@@ -134,11 +135,14 @@ class SpatialContext:
                     f"px, aligned to the model's total stride {self.align})",
                     f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
                 )
-        sizes = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
-        for _name, (h, w) in sizes.items():
-            if h > hp or w > wp:
-                pass  # checked per layer against its tile grid in _check_layer
+        sizes, outs = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+        self._out_cache[image_hw] = outs
         return sizes
+
+    def out_size_of(self, path: str) -> tuple[int, int]:
+        """True (unpadded) output size of a spatial layer for the current image."""
+        assert self.image_hw is not None
+        return self._out_cache[self.image_hw][path]
 
     def size_of(self, path: str) -> tuple[int, int]:
         try:
@@ -149,33 +153,56 @@ class SpatialContext:
             ) from None
 
 
-def _trace_sizes(model: nn.Module, shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
-    """Input (h, w) of every module, from one forward pass on the meta device."""
-    sizes: dict[str, tuple[int, int]] = {}
-    handles = []
-    for name, mod in model.named_modules():
-        if not (isinstance(mod, tuple(_SWAP)) or _is_global_pool(mod)):
-            continue
+def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
+    """One forward pass on the meta device: no memory, no compute, only shapes.
 
-        def hook(m: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-            x = args[0] if args else None
-            if isinstance(x, torch.Tensor) and x.dim() == 4:
-                hw = (int(x.shape[-2]), int(x.shape[-1]))
-                if sizes.setdefault(name, hw) != hw:
-                    raise ConfigError(
-                        name,
-                        "the module is called on inputs of different sizes",
-                        "give each call site its own module",
-                    )
-
-        handles.append(mod.register_forward_pre_hook(hook))
+    In the parameters' dtype (a float64 model refuses float32 input) and in eval
+    mode (BatchNorm with ``momentum=None`` reads its step counter in training).
+    """
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    was_training = model.training
+    model.eval()
     try:
         with torch.no_grad():
-            model(torch.empty(shape, device="meta"))
+            model(torch.empty(shape, device="meta", dtype=dtype))
+    finally:
+        model.train(was_training)
+
+
+def _trace_sizes(
+    model: nn.Module, shape: tuple[int, ...]
+) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    """Input and output (h, w) of every spatial module, from one pass on the meta device."""
+    sizes: dict[str, tuple[int, int]] = {}
+    outs: dict[str, tuple[int, int]] = {}
+    handles = []
+
+    def record(table: dict[str, tuple[int, int]], name: str, x: Any) -> None:
+        if isinstance(x, torch.Tensor) and x.dim() == 4:
+            hw = (int(x.shape[-2]), int(x.shape[-1]))
+            if table.setdefault(name, hw) != hw:
+                raise ConfigError(
+                    name,
+                    "the module is called on inputs of different sizes",
+                    "give each call site its own module",
+                )
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, tuple(_SWAP)) or _is_global_pool(mod):
+            handles.append(
+                mod.register_forward_pre_hook(
+                    lambda m, args, name=name: record(sizes, name, args[0] if args else None)
+                )
+            )
+            handles.append(
+                mod.register_forward_hook(lambda m, args, out, name=name: record(outs, name, out))
+            )
+    try:
+        _run_meta(model, shape)
     finally:
         for h in handles:
             h.remove()
-    return sizes
+    return sizes, outs
 
 
 class _MaskTail(torch.autograd.Function):
@@ -253,10 +280,19 @@ class _SpatialMixin:
             x, (top, max(bottom, 0), left, max(right, 0)), self.hyfi_ctx.neighbours, fill=fill
         )
 
-    @staticmethod
-    def _trim(y: torch.Tensor, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom]) -> torch.Tensor:
+    def _trim(
+        self, y: torch.Tensor, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom]
+    ) -> torch.Tensor:
         """Keep the outputs this tile owns: its input tile divided by the stride."""
         h, w = x.shape[-2] // geoms[0].stride, x.shape[-1] // geoms[1].stride
+        (gy, gx), (mh, mw) = self.hyfi_ctx.grid, self.hyfi_ctx.out_size_of(self.hyfi_path)
+        if mh > h * gy or mw > w * gx:
+            # ceil_mode with padding adds an output past the padded image (e.g. 3x3/s2/p1 on even sizes).
+            raise ConfigError(
+                self.hyfi_path,
+                f"produces {mh}x{mw} outputs but the tiles hold {h * gy}x{w * gx}",
+                "change the image size by a few pixels, or use ceil_mode=False",
+            )
         return y if y.shape[-2:] == (h, w) else y[..., :h, :w]
 
 
@@ -308,17 +344,26 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Outside the image the input may hold anything (-inf after a max-pool); masking
+        # first keeps it out of the statistics and keeps 0 * inf out of the backward.
+        xm = self._mask(x, 0.0)
         use_batch = self.training or self.running_mean is None
         if not use_batch:
             return F.batch_norm(
-                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+                xm,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
             )
         mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
         n = x.shape[0] * mh * mw
         group = self.hyfi_ctx.group
-        xm = self._mask(x, 0.0)
         mean = all_reduce_partial(xm.sum(dim=(0, 2, 3)), group) / n
-        centred = x - mean.view(1, -1, 1, 1)
+        centred = xm - mean.view(1, -1, 1, 1)
         sq = self._mask(centred, 0.0).square().sum(dim=(0, 2, 3))
         var = all_reduce_partial(sq, group) / n
         if self.training and self.track_running_stats and self.running_mean is not None:
@@ -413,8 +458,7 @@ def _call_order(model: nn.Module, shape: tuple[int, ...]) -> list[str]:
         for name, mod in model.named_modules()
     ]
     try:
-        with torch.no_grad():
-            model(torch.empty(shape, device="meta"))
+        _run_meta(model, shape)
     finally:
         for h in handles:
             h.remove()
@@ -441,7 +485,7 @@ def spatialize(
     for name, m in model.named_modules():
         _check(name or type(model).__name__, m)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
-    align = align or int(getattr(model, "total_stride", 0)) or _total_stride(model)
+    align = align or int(getattr(model, "total_stride", 0)) or _total_stride(model, in_chans)
     ctx = SpatialContext(grid, tile, neighbours, group, align=align)
     ctx._reference = copy.deepcopy(model).to("meta")
     ctx._in_chans = in_chans
@@ -469,11 +513,11 @@ def spatialize(
     return ctx
 
 
-def _total_stride(model: nn.Module) -> int:
+def _total_stride(model: nn.Module, in_chans: int) -> int:
     """Least common multiple of the cumulative strides, measured by tracing a large input."""
     probe = 4096
     ref = copy.deepcopy(model).to("meta")
-    sizes = _trace_sizes(ref, (1, int(getattr(model, "in_chans", 3)), probe, probe))
+    sizes, _ = _trace_sizes(ref, (1, in_chans, probe, probe))
     align = 1
     for name, m in ref.named_modules():
         if name in sizes and isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):

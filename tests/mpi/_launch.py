@@ -52,6 +52,7 @@ class Job:
     stderr: str
     seconds: float
     timed_out: bool
+    ended: float  # unix time the job was seen to end
 
     def describe(self) -> str:
         tail = "\n".join(self.stderr.strip().splitlines()[-15:])
@@ -86,7 +87,8 @@ def run(cmd: list[str], *, timeout: float) -> Job:
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-    return Job(cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out)
+    ended = time.time()
+    return Job(cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out, ended)
 
 
 def mpiexec(n: int, *args: str, timeout: float = 240.0) -> Job:

@@ -70,7 +70,11 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> Ca
     diff = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
     scale = float(want.double().abs().max()) if want.numel() else 0.0
     rel = diff / scale if scale > 0 else diff
-    return {"ok": rel <= rtol, "max_rel": rel, "detail": f"{name}: max|a-b| {diff:.3g} rel {rel:.3g}"}
+    return {
+        "ok": rel <= rtol,
+        "max_rel": rel,
+        "detail": f"{name}: max|a-b| {diff:.3g} rel {rel:.3g}",
+    }
 
 
 def combine(parts: list[Case]) -> Case:
@@ -89,8 +93,9 @@ def run_cases(cases: dict[str, Callable[[], Case]]) -> dict[str, Case]:
     for name, fn in cases.items():
         try:
             out[name] = fn()
-        except Exception as err:
-            traceback.print_exc(file=sys.stderr)
+        except Exception as err:  # reported per case; every rank raises alike
+            if dist.get_rank() == 0:
+                traceback.print_exc(file=sys.stderr)
             out[name] = {
                 "ok": False,
                 "max_rel": float("inf"),
@@ -115,12 +120,19 @@ def merge_ranks(local: dict[str, Case]) -> dict[str, Case]:
 
 
 def emit(payload: dict[str, Any]) -> None:
-    """Print the results line on rank 0 and leave without waiting for MPI teardown."""
+    """Print the results line on rank 0 and leave without interpreter teardown.
+
+    ``os._exit`` after a barrier: tearing down gloo and MPI at interpreter exit
+    sometimes aborts ("terminate called without an active exception", exit 6)
+    after all the work is done, which would fail a launch that passed.
+    """
     if dist.get_rank() == 0:
         text = json.dumps(payload, allow_nan=True)
         print(MARKER + text, flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parse_grid(text: str) -> tuple[int, int]:

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from _worker import Case, emit, merge_ranks, parse_grid, run_cases, start
 
 __all__ = ["ADJOINT", "FILL", "GRADCHECK", "case_names", "cases", "main"]
@@ -65,7 +64,9 @@ def _adjoint(pc: Any, tile: tuple[int, int], halo: Halo, channels_last: bool) ->
     gen = torch.Generator().manual_seed(1000 + pc.rank)
     top, bottom, left, right = halo
     x = torch.randn(2, 3, *tile, generator=gen, dtype=torch.float64)
-    y = torch.randn(2, 3, tile[0] + top + bottom, tile[1] + left + right, generator=gen, dtype=torch.float64)
+    y = torch.randn(
+        2, 3, tile[0] + top + bottom, tile[1] + left + right, generator=gen, dtype=torch.float64
+    )
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
         y = y.contiguous(memory_format=torch.channels_last)

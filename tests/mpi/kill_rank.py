@@ -19,7 +19,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from _worker import start
 
 __all__ = ["main"]

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _worker import Case, combine, compare, emit, merge_ranks, parse_grid, run_cases, start
+from torch import nn
 
 __all__ = ["API", "LAYERS", "SIZES", "LayerSpec", "case_names", "cases", "main"]
 
@@ -69,6 +68,9 @@ def _head(*layers: nn.Module) -> Callable[[], nn.Module]:
     return _seq(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(C, 3))
 
 
+#: BatchNorm cases: two training steps (running statistics compared after each), then eval.
+BN_STEPS: dict[str, int] = {"train_steps": 2, "eval_steps": 1}
+
 #: name -> spec. ``align`` is the stride product ``spatialize`` must detect.
 LAYERS: dict[str, LayerSpec] = {
     "conv3x3-s1-p1": LayerSpec(_seq(_conv(3, 1, 1)), 1),
@@ -92,30 +94,39 @@ LAYERS: dict[str, LayerSpec] = {
     "avgpool3x3-s1-p1-excl": LayerSpec(_seq(nn.AvgPool2d(3, 1, 1, count_include_pad=False)), 1),
     "avgpool2x2-s2": LayerSpec(_seq(nn.AvgPool2d(2, 2)), 2),
     "avgpool3x3-s2-p1-div5": LayerSpec(_seq(nn.AvgPool2d(3, 2, 1, divisor_override=5)), 2),
-    "bn": LayerSpec(_seq(nn.BatchNorm2d(C)), 1, train_steps=2, eval_steps=1),
-    "bn-tilted": LayerSpec(
-        _seq(nn.BatchNorm2d(C)), 1, 2, 1, scale=(1.0, 10.0, 100.0, 1.0)
-    ),
+    "bn": LayerSpec(_seq(nn.BatchNorm2d(C)), 1, **BN_STEPS),
+    "bn-tilted": LayerSpec(_seq(nn.BatchNorm2d(C)), 1, **BN_STEPS, scale=(1.0, 10.0, 100.0, 1.0)),
     # Channel 3 is 1e4 +- 0.01: mean/std = 1e6, so any two correct float64
     # answers may differ by ~1e6 * 2**-52 relative; the others stay tight.
     "bn-tilted-shifted": LayerSpec(
-        _seq(nn.BatchNorm2d(C)), 1, 2, 1,
-        scale=(1.0, 10.0, 100.0, 0.01), shift=(0.0, 5.0, -300.0, 1e4), rtol=1e-7,
-    ),  # fmt: skip
-    "bn-cumulative-momentum": LayerSpec(_seq(nn.BatchNorm2d(C, momentum=None)), 1, 2, 1),
+        _seq(nn.BatchNorm2d(C)),
+        1,
+        **BN_STEPS,
+        scale=(1.0, 10.0, 100.0, 0.01),
+        shift=(0.0, 5.0, -300.0, 1e4),
+        rtol=1e-7,
+    ),
+    "bn-cumulative-momentum": LayerSpec(_seq(nn.BatchNorm2d(C, momentum=None)), 1, **BN_STEPS),
     "conv-conv": LayerSpec(_seq(_conv(3, 1, 1), nn.ReLU(), _conv(3, 2, 1)), 2),
     "conv-bn-relu-conv": LayerSpec(
-        _seq(_conv(3, 2, 1, bias=False), nn.BatchNorm2d(C), nn.ReLU(), _conv(3, 1, 1)), 2, 2, 1
+        _seq(_conv(3, 2, 1, bias=False), nn.BatchNorm2d(C), nn.ReLU(), _conv(3, 1, 1)),
+        2,
+        **BN_STEPS,
     ),
-    "maxpool-bn": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1), nn.BatchNorm2d(C)), 2, 2, 1),
+    "maxpool-bn": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1), nn.BatchNorm2d(C)), 2, **BN_STEPS),
     "avgpool-excl-bn": LayerSpec(
-        _seq(nn.AvgPool2d(3, 2, 1, count_include_pad=False), nn.BatchNorm2d(C)), 2, 2, 1
+        _seq(nn.AvgPool2d(3, 2, 1, count_include_pad=False), nn.BatchNorm2d(C)), 2, **BN_STEPS
     ),
     "stem-head": LayerSpec(
         _head(_conv(7, 2, 3, bias=False), nn.BatchNorm2d(C), nn.ReLU(), nn.MaxPool2d(3, 2, 1)),
-        4, 2, 1, head=True,
-    ),  # fmt: skip
+        4,
+        **BN_STEPS,
+        head=True,
+    ),
     "conv-head": LayerSpec(_head(_conv(3, 1, 1), nn.ReLU()), 1, head=True),
+    "conv-globalmax-head": LayerSpec(
+        _seq(_conv(3, 2, 1), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(C, 3)), 2, head=True
+    ),
 }
 
 
@@ -127,8 +138,8 @@ def _tile_of(full: torch.Tensor, grid: tuple[int, int], tile: tuple[int, int]) -
 
 
 def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
-    from hyfi_imaging.parallel.verify import gather_tile_grid, pad_image, spatial_context_for
     from hyfi_imaging.parallel.spatial import reduce_spatial_grads
+    from hyfi_imaging.parallel.verify import gather_tile_grid, pad_image, spatial_context_for
 
     reference = spec.build()
     torch.manual_seed(seed)  # the same weights on every rank, whatever ran before
@@ -198,7 +209,9 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
             want = ref_params[name].grad
             if p.grad is None or want is None:
                 same = (p.grad is None) == (want is None)
-                parts.append({"ok": same, "max_rel": 0.0, "detail": f"step{step}/grad/{name}: None"})
+                parts.append(
+                    {"ok": same, "max_rel": 0.0, "detail": f"step{step}/grad/{name}: None"}
+                )
             else:
                 parts.append(compare(f"step{step}/grad/{name}", p.grad, want, spec.rtol))
         ref_buffers = dict(reference.named_buffers())

@@ -1,0 +1,188 @@
+"""Layouts and launchers: one bootstrap for mpiexec, torchrun and a plain process.
+
+Why these tests: a parallel job's worst failures are not wrong numbers but
+jobs that never start, start with the wrong shape, or hang forever when one
+rank dies. So: :class:`Layout` arithmetic and its error messages are checked
+in-process; ``hyfi-verify`` is run under every launcher; a layout that does not
+match the world must fail at once with a one-line message naming the numbers;
+and a rank killed mid-run must end the whole job, non-zero, within 60 s —
+measured under ``mpiexec`` and under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+
+from _launch import have_mpiexec, json_line, mpiexec, plain, torchrun
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.launch import detect_launcher
+from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
+
+needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="mpiexec is not installed")
+VERIFY = ("-m", "hyfi_imaging.cli.verify")
+#: A small, fast model and image for launcher tests (total stride 4).
+SMALL = ("--model", "resnet20-v2", "--image-size", "29x23", "--steps", "1", "--json")
+
+# --- Layout ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dp", "pp", "sp"),
+    [(1, 1, (1, 1)), (1, 1, (2, 3)), (2, 1, (1, 2)), (2, 3, (2, 2)), (3, 2, (3, 1))],
+)
+def test_layout_coords_are_row_major_over_the_mesh(dp: int, pp: int, sp: tuple[int, int]) -> None:
+    layout = Layout(dp=dp, pp=pp, sp=sp)
+    assert layout.shape == (dp, pp, *sp)
+    assert layout.world_size == dp * pp * sp[0] * sp[1]
+    assert layout.sp_size == sp[0] * sp[1]
+    seen = set()
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        assert coords == tuple(int(c) for c in np.unravel_index(rank, layout.shape))
+        seen.add(coords)
+    assert seen == set(itertools.product(*(range(n) for n in layout.shape)))
+    assert MESH_DIMS == ("dp", "pp", "sy", "sx")
+
+
+def test_layout_check_world_names_the_numbers() -> None:
+    layout = Layout(dp=2, sp=(2, 2))
+    layout.check_world(8)
+    with pytest.raises(ConfigError) as err:
+        layout.check_world(6)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "needs 8 ranks" in msg and "has 6" in msg and "sp=2x2" in msg
+    assert "-np 8" in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"sp": (0, 2)}, {"sp": (2, -1)}, {"dp": 0}, {"pp": -3}, {"dp": 1.5}, {"sp": (2.0, 2)}],
+)
+def test_layout_rejects_non_positive_or_non_integer_axes(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        Layout(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "grid"),
+    [("2x3", (2, 3)), ("4", (4, 1)), (" 2 X 3 ", (2, 3)), ("2*2", (2, 2)), ("1,3", (1, 3))],
+)
+def test_parse_grid_accepts(text: str, grid: tuple[int, int]) -> None:
+    assert Layout.parse_grid(text) == grid
+
+
+@pytest.mark.parametrize("text", ["", "x", "2x", "x2", "2xx", "2x3x4", "-1x2", "axb", "2.5x2"])
+def test_parse_grid_rejects_with_one_line(text: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Layout.parse_grid(text)
+    assert "\n" not in str(err.value) and "GYxGX" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "launcher"),
+    [
+        ({}, "single"),
+        ({"PMI_RANK": "0"}, "mpi"),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "torchrun"),
+        ({"TORCHELASTIC_RUN_ID": "x", "PMI_RANK": "0"}, "torchrun"),
+    ],
+)
+def test_detect_launcher(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], launcher: str
+) -> None:
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PMI_RANK", "OMPI_COMM_WORLD_RANK",
+                "PMIX_RANK", "MV2_COMM_WORLD_RANK"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert detect_launcher() == launcher
+
+
+# --- hyfi-verify under every launcher --------------------------------------------------
+
+
+@pytest.mark.mpi
+def test_verify_single_process() -> None:
+    job = plain(*VERIFY, *SMALL, "--spatial", "1x1", timeout=120)
+    report = json_line(job)
+    assert job.returncode == 0 and report["ok"], job.describe()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_verify_under_torchrun() -> None:
+    job = torchrun(2, *VERIFY, *SMALL, "--spatial", "1x2", timeout=180)
+    report = json_line(job)
+    assert job.returncode == 0 and report["ok"], job.describe()
+    assert report["max_rel_error"] < 1e-9
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_layout_world_mismatch_fails_fast_with_one_line() -> None:
+    job = mpiexec(3, *VERIFY, *SMALL, "--spatial", "2x2", timeout=60)
+    assert job.returncode != 0, job.describe()
+    assert job.seconds < 30, job.describe()
+    lines = [ln for ln in job.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln]
+    assert errors, job.describe()
+    assert all("needs 4 ranks" in ln and "has 3" in ln for ln in errors), job.describe()
+    assert not any("Traceback" in ln for ln in lines), job.describe()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "2xx",
+        "0x2",
+    ],
+)
+def test_invalid_grid_spec_exits_2(spec: str) -> None:
+    job = plain(
+        *VERIFY, "--model", "resnet20-v2", "--image-size", "29x23", "--spatial", spec, timeout=60
+    )
+    assert job.returncode == 2, job.describe()
+    assert "Traceback" not in job.stderr, job.describe()
+    assert "--spatial" in job.stderr or "sp rows" in job.stderr, job.describe()
+
+
+# --- a rank dies mid-run ---------------------------------------------------------------
+
+KILLS = [
+    pytest.param("mpiexec", "halo", "exit", marks=needs_mpi, id="mpiexec-halo-os._exit"),
+    pytest.param(
+        "mpiexec", "allreduce", "sigkill", marks=needs_mpi, id="mpiexec-allreduce-SIGKILL"
+    ),
+    pytest.param("torchrun", "allreduce", "exit", id="torchrun-allreduce-os._exit"),
+    pytest.param("torchrun", "halo", "sigkill", marks=pytest.mark.slow, id="torchrun-halo-SIGKILL"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("launcher", "op", "how"), KILLS)
+def test_killed_rank_ends_the_job(
+    launcher: str, op: str, how: str, record_property: pytest.RecordProperty
+) -> None:
+    """Rank 1 dies while the others wait on it: the job exits non-zero within 60 s."""
+    script = "tests/mpi/kill_rank.py"
+    launch = mpiexec if launcher == "mpiexec" else torchrun
+    job = launch(2 if launcher == "torchrun" else 3, script, op, how, timeout=90)
+    died = [float(ln.split()[1]) for ln in job.stdout.splitlines() if ln.startswith("DYING ")]
+    assert died, job.describe()
+    assert "SURVIVED" not in job.stdout, job.describe()
+    assert not job.timed_out and job.returncode != 0, job.describe()
+    after_death = job.ended - died[0]
+    record_property("seconds_after_death", round(after_death, 2))
+    assert after_death < 60, job.describe()
+    print(f"{launcher} {op} {how}: job ended {after_death:.2f} s after rank 1 died")
