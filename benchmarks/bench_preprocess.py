@@ -38,6 +38,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -125,10 +126,28 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
             setattr(mod, attr, fn)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by thread id (Linux; else empty)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[tid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return {}
+    return out
+
+
 def profile_phases(cohort: Path, out: Path, options: PreprocessOptions) -> None:
     """Print where a workers=1 run spends its wall and CPU time."""
+    main_tid = str(threading.get_native_id())
+    before = thread_cpu()
     with phase_timers() as spent:
         stats = run_once(cohort, out, options, workers=1)
+    after = thread_cpu()
+    on_main = after.get(main_tid, 0.0) - before.get(main_tid, 0.0)
+    off_main = sum(v - before.get(t, 0.0) for t, v in after.items() if t != main_tid)
     print(f"\nphases of one workers=1 run ({stats.wall:.1f} s wall, {stats.cpu:.1f} s CPU)")
     print(f"{'phase':<26} {'wall s':>7} {'cpu s':>7} {'cores':>6} {'% wall':>7}")
     accounted = 0.0
@@ -138,6 +157,13 @@ def profile_phases(cohort: Path, out: Path, options: PreprocessOptions) -> None:
             f"{name:<26} {wall:>7.2f} {cpu:>7.2f} {cpu / max(wall, 1e-9):>6.2f} {100 * wall / stats.wall:>6.0f}%"
         )
     print(f"{'(rest)':<26} {stats.wall - accounted:>7.2f}")
+    if after:
+        share = off_main / max(on_main + off_main, 1e-9)
+        print(
+            f"CPU by thread: main {on_main:.2f} s, other threads (zarr's codec pool and event "
+            f"loop) {off_main:.2f} s = {100 * share:.0f}%: on 2 idle cores workers=1 alone can "
+            f"keep up to {1 / max(1 - share, 0.5):.2f} cores busy"
+        )
 
 
 def machine_load() -> str:

@@ -629,7 +629,9 @@ def test_module_errors() -> None:
         layer_geom(nn.ReLU())
     with pytest.raises(ConfigError, match="padding_mode='reflect'"):
         layer_geom(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
-    with pytest.raises(ConfigError, match=r"^AvgPool2d\(kernel_size=3.*ceil_mode=True is not supported"):
+    with pytest.raises(
+        ConfigError, match=r"^AvgPool2d\(kernel_size=3.*ceil_mode=True is not supported"
+    ):
         layer_geom(nn.AvgPool2d(3, 2, ceil_mode=True))
 
 

@@ -57,7 +57,9 @@ def _padded(n: int, tiles: int, align: int) -> int:
 def _known_failure(grid: str, case: str) -> str | None:
     """Why ``case`` fails on ``grid`` with the library as it is, or None."""
     gy, gx = _grid(grid)
-    if not case.startswith("layer/") or case.startswith(("layer/api/", "layer/bn-cumulative-momentum/")):
+    if not case.startswith("layer/") or case.startswith(
+        ("layer/api/", "layer/bn-cumulative-momentum/")
+    ):
         return None
     name, _, size = case.removeprefix("layer/").rpartition("/")
     h, w = (int(v) for v in size.split("x"))

@@ -49,31 +49,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="hyfi-verify",
-        description="Run K SGD steps of a model on a parallel layout and the same steps in one "
-        "process; compare outputs, input gradients, every parameter gradient and the weights.",
+        description="Run K SGD steps of a model on a data x pipeline x spatial layout and the same steps "
+        "in one process with the same micro-batches; compare outputs, input gradients, every "
+        "parameter gradient, the weights and BatchNorm statistics.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="registered model name, e.g. resnet50")
     p.add_argument("--image-size", required=True, type=Layout.parse_grid, metavar="HxW")
     p.add_argument("--spatial", default=(1, 1), type=Layout.parse_grid, metavar="GYxGX")
-    p.add_argument("--pipeline", type=int, default=1, metavar="P", help="pipeline stages (pp)")
-    p.add_argument("--data", type=int, default=1, metavar="D", help="data-parallel replicas (dp)")
     p.add_argument(
-        "--microbatches", type=int, default=1, metavar="M", help="micro-batches per step"
+        "--pipeline", type=int, default=1, metavar="P", help="pipeline stages, pp (default 1)"
     )
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument(
+        "--data", type=int, default=1, metavar="D", help="data-parallel replicas, dp (default 1)"
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        metavar="M",
+        help="micro-batches per step (default 1)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b"),
+        default="gpipe",
+        help="pipeline schedule (default gpipe)",
+    )
     p.add_argument(
         "--balance",
         default="time",
         metavar="a,b,...|time|memory",
-        help="top-level layers per stage, or measure every layer and balance time or memory",
+        help="top-level layers per stage, or measure every layer and balance time or memory "
+        "(default time)",
     )
     p.add_argument(
         "--checkpointing",
         default="none",
         metavar="none|full|every:N",
-        help="activation checkpointing: no block, every block, or every N-th block",
+        help="activation checkpointing: no block, every block, or every N-th block (default none)",
     )
     p.add_argument(
         "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"

@@ -1,51 +1,52 @@
-"""Parallelism applied to single-device models: spatial geometry first.
+"""Parallelism applied to single-device models: spatial, pipeline and data.
 
-Why a package of small modules: each parallel concept (the pure halo geometry,
-the halo exchange, spatial layers, pipeline stages, gradient reduction) is
-tested on its own; the geometry has no ``torch.distributed`` at all so that it
-can be checked exhaustively without processes.
+Why a package of small modules: each parallel concept is tested on its own —
+the pure halo geometry (``geometry``, no ``torch.distributed`` at all), the halo
+exchange (``halo``), spatial layers (``spatial``), collectives with the right
+adjoint (``collectives``), pipeline stages and balance (``pipeline``,
+``balance``), and the one object trainers use (``engine.ParallelModel``).
+
+The public names below are imported lazily, so that importing the pure
+geometry does not start pulling in ``torch.distributed.pipelining``.
 """
 
 from __future__ import annotations
 
-from hyfi_imaging.parallel.geometry import (
-    Box,
-    ChainGeom,
-    Decomp1D,
-    Footprint,
-    GridPlan,
-    Halo1D,
-    LayerGeom,
-    Span,
-    TilePlan,
-    decompose,
-    halo_1d,
-    layer_geom,
-    out_length,
-    owned_outputs,
-    plan_chain,
-    plan_layer,
-    split,
-    split_balanced,
-)
+import importlib
+from typing import Any
 
 __all__ = [
-    "Box",
-    "ChainGeom",
-    "Decomp1D",
-    "Footprint",
-    "GridPlan",
-    "Halo1D",
-    "LayerGeom",
-    "Span",
-    "TilePlan",
-    "decompose",
-    "halo_1d",
-    "layer_geom",
-    "out_length",
-    "owned_outputs",
-    "plan_chain",
-    "plan_layer",
-    "split",
-    "split_balanced",
+    "Layout",
+    "Neighbours",
+    "ParallelContext",
+    "ParallelModel",
+    "ParallelPlan",
+    "SpatialContext",
+    "halo_exchange",
+    "init_parallel",
+    "reduce_spatial_grads",
+    "run_verify",
+    "shutdown",
+    "spatialize",
 ]
+
+_WHERE = {
+    "Layout": "layout",
+    "Neighbours": "halo",
+    "halo_exchange": "halo",
+    "ParallelContext": "launch",
+    "init_parallel": "launch",
+    "shutdown": "launch",
+    "ParallelModel": "engine",
+    "ParallelPlan": "engine",
+    "SpatialContext": "spatial",
+    "spatialize": "spatial",
+    "reduce_spatial_grads": "spatial",
+    "run_verify": "verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"hyfi_imaging.parallel.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'hyfi_imaging.parallel' has no attribute {name!r}")

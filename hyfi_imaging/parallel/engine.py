@@ -5,7 +5,7 @@ checkpointing) plus the full single-device model give every rank its part:
 the pipeline stage of its ``pp`` coordinate, spatialized for its tile of the
 ``sp`` grid, replicated over ``dp``. ``train_step`` then trains *exactly* like
 one process that splits the global batch into the same micro-batches and
-accumulates ``mean cross-entropy / micro-batches`` over them.
+accumulates ``mean cross-entropy / (dp x micro-batches)`` over them.
 
 How the pieces compose, and why:
 
@@ -21,16 +21,23 @@ How the pieces compose, and why:
   unmodified model on a tile-sized micro-batch (see :mod:`.pipeline` for why
   the runtime's own shape inference must not run spatial layers). Shapes
   depend on the micro-batch size, so stages and schedules are built per
-  micro-batch size and cached. ``scale_grads=False`` with a loss of
-  ``loss_fn / micro-batches``: the reference's loss, term for term, and a
-  gradient already in ``.grad`` is not rescaled (accumulation over steps works).
+  micro-batch size and cached.
+* **Loss scaling.** Each micro-batch's loss is ``loss_fn / (dp x
+  micro-batches)`` -- the reference's term, exactly -- with
+  ``scale_grads=False``, so the accumulated gradient is that of the mean loss
+  over the *global* batch whatever ``dp`` and the micro-batch count; input
+  gradients too (a per-replica mean would make them ``dp`` times too large).
+  A gradient already in ``.grad`` is not rescaled (accumulation over steps works).
 * **Data: DistributedDataParallel** over the ``dp`` group, wrapping the stage
   module. Pipelining runs every micro-batch but the last under ``no_sync`` and
-  lets DDP all-reduce (average) in the last backward. Buffers are *not*
-  broadcast by DDP (``forward_sync_buffers=False``): see BatchNorm below.
+  lets DDP all-reduce in the last backward; a communication hook makes that
+  all-reduce a *sum* (the loss already carries ``1/dp``; DDP's built-in mean
+  would divide twice). Buffers are *not* broadcast by DDP
+  (``forward_sync_buffers=False``): see BatchNorm below.
 * **Gradient rule** (DESIGN.md invariant 5): after the schedule, tile-derived
-  gradients are summed over ``sp`` (:func:`reduce_spatial_grads`); DDP has
-  averaged over ``dp`` (sum and mean commute).
+  gradients are summed over ``sp`` (:func:`reduce_spatial_grads`); over ``dp``
+  they are the mean of the replicas' per-replica-mean gradients (sum and mean
+  commute).
 * **BatchNorm across micro-batches.** Statistics are those of each micro-batch
   (over all its tiles), and running statistics are updated once per
   micro-batch, in micro-batch order -- as in the single-process reference
@@ -43,7 +50,8 @@ How the pieces compose, and why:
   (both for ``momentum`` and for the cumulative average ``momentum=None``).
 * **Loss.** ``train_step`` returns the mean loss of the global batch on every
   rank: the last stages sum their micro-batch terms, one all-reduce over the
-  world averages them over replicas (tiles of one stage hold the same value).
+  world adds the replicas (and divides out the tiles of a stage, which hold
+  the same value).
 * **Gradient clipping** (:meth:`ParallelModel.clip_grad_norm_`): after the
   reductions every spatial rank and every replica of a stage holds the same
   gradients, so squared norms are summed over the ``pp`` group only -- never
@@ -261,6 +269,7 @@ class ParallelModel:
         self.balance = self.balance_info.balance
         start, stop = stage_bounds(self.balance)[pp_i]
         self.stage_module = StageModule(layers[start:stop], index=pp_i)
+        self.stage_module.dtype = self.dtype
         if not self.is_first:
             _no_inplace_at_entry(self.stage_module)
         self.stage_module.to(pc.device)
@@ -273,6 +282,7 @@ class ParallelModel:
                 process_group=pc.group("dp"),
                 forward_sync_buffers=False,
             )
+            self._submod.register_comm_hook(pc.group("dp"), _sum_hook)
         self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
         self.last_logits: Tensor | None = None
 
@@ -307,10 +317,10 @@ class ParallelModel:
         return _BalanceInfo(balance, f"automatic, by {plan.balance_by}", costs, params)
 
     def _loss(self, n_micro: int) -> Callable[[Tensor, Tensor], Tensor]:
-        fn = self.loss_fn
+        fn, terms = self.loss_fn, n_micro * self.plan.layout.dp
 
         def loss(out: Tensor, target: Tensor) -> Tensor:
-            return fn(out, target) / n_micro
+            return fn(out, target) / terms
 
         return loss
 
@@ -386,6 +396,8 @@ class ParallelModel:
                 f"got {got}",
                 "pass ParallelModel.tile_of(images) on first-stage ranks",
             )
+        if tiles.is_floating_point() and tiles.dtype != self.dtype:
+            tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
         return tiles.to(self.pc.device)
 
     # ------------------------------------------------------------------ training
@@ -395,7 +407,8 @@ class ParallelModel:
 
         ``tiles``: this rank's tiles of the per-replica batch (first-stage ranks;
         others may pass None). ``labels``: the per-replica labels, on every rank.
-        Gradients are summed over ``sp`` and averaged over ``dp`` into ``.grad``
+        Gradients of the global batch's mean loss land in ``.grad`` (summed over
+        ``sp``, over ``dp`` the mean of the replicas)
         (added to what is there); the optimizer is not stepped.
         """
         batch = int(labels.shape[0])
@@ -408,17 +421,26 @@ class ParallelModel:
         self.stage_module.train()
         self.stage_module.expected = pipe.out_shapes
         snapshot = self._norm_snapshot() if self.plan.layout.dp > 1 else None
+        # The sp and dp reductions sum whole .grad tensors: set earlier gradients
+        # aside so that only this step's are reduced, then add them back.
+        earlier = {p: p.grad for p in self.stage_module.parameters() if p.grad is not None}
+        for p in earlier:
+            p.grad = None
         losses: list[Tensor] = []
         out = pipe.schedule.step(*args, target=labels.to(self.pc.device), losses=losses)
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
         if self.ctx is not None:
             reduce_spatial_grads(self.stage_module, self.ctx)
+        for p, g in earlier.items():
+            if p.grad is not None:
+                g.add_(p.grad)
+            p.grad = g
         if snapshot is not None:
             self._sync_running_stats(snapshot)
         local = float(sum(float(v.detach()) for v in losses)) if self.is_last else 0.0
         total = torch.tensor([local], dtype=torch.float64, device=self.pc.device)
         dist.all_reduce(total)
-        return float(total.item()) / (self.plan.layout.dp * self.plan.layout.sp_size)
+        return float(total.item()) / self.plan.layout.sp_size
 
     @torch.no_grad()
     def predict(self, tiles: Tensor | None) -> Tensor:
@@ -606,6 +628,20 @@ class ParallelModel:
         if shown < layout.world_size:
             lines.append(f"  ... ({layout.world_size - shown} more ranks)")
         return "\n".join(lines)
+
+
+def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP communication hook: *sum* gradient buckets over ``dp`` (the loss is already /dp)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP compares the hook's annotations with the real classes; under
+# ``from __future__ import annotations`` they are strings, so give it the objects.
+_sum_hook.__annotations__.update(
+    bucket=dist.GradBucket, group=Any, **{"return": torch.futures.Future[Tensor]}
+)
 
 
 def running_stats_increment(

@@ -132,6 +132,8 @@ class StageModule(nn.Module):
 
     ``expected`` (set by the engine) holds the output shapes the next stage
     allocated buffers for; a mismatch raises before anything is sent.
+    ``dtype`` (set by the engine) is the dtype of those buffers: outputs of
+    another floating dtype (autocast) are cast to it, so the bytes sent match.
     """
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, index: int = 0) -> None:
@@ -140,6 +142,15 @@ class StageModule(nn.Module):
             self.add_module(name, module)
         self.index = index
         self.expected: tuple[tuple[int, ...], ...] | None = None
+        self.dtype: torch.dtype | None = None
+
+    def _boundary(self, t: Any) -> Any:
+        """Contiguous, and in the planned dtype (autocast may have produced another)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t.contiguous()
 
     def forward(self, *args: Any) -> Any:
         """Run the children in order on ``args`` (one tensor, or a tuple given as several args)."""
@@ -147,9 +158,9 @@ class StageModule(nn.Module):
         for module in self.children():
             x = module(x)
         if isinstance(x, tuple | list):
-            x = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in x)
-        elif isinstance(x, torch.Tensor):
-            x = x.contiguous()
+            x = tuple(self._boundary(t) for t in x)
+        else:
+            x = self._boundary(x)
         if self.expected is not None:
             got = tuple(tuple(t.shape) for t in as_tuple(x))
             if got != self.expected:

@@ -258,7 +258,8 @@ class _SpatialMixin:
         gy, gx = geoms
         th, tw = x.shape[-2:]
         halo = []
-        for g, t, axis in ((gy, th, "height"), (gx, tw, "width")):
+        tiles_y, tiles_x = self.hyfi_ctx.grid
+        for g, t, axis, tiles in ((gy, th, "height", tiles_y), (gx, tw, "width", tiles_x)):
             if t % g.stride:
                 raise ConfigError(
                     self.hyfi_path,
@@ -266,7 +267,8 @@ class _SpatialMixin:
                     "align tiles to the model's total stride (SpatialContext.align)",
                 )
             before, after = g.padding, g.extent - g.padding - g.stride
-            if max(before, after) > t:
+            # With one tile along an axis the halo is all global padding: any width works.
+            if max(before, after) > t and tiles > 1:
                 raise ConfigError(
                     self.hyfi_path,
                     f"needs a halo of {max(before, after)} px but tiles are only {t} px along the {axis}",

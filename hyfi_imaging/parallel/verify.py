@@ -23,6 +23,7 @@ name (worst error wins). ``max_rel_error`` is, over all compared tensors,
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
@@ -148,8 +150,9 @@ def run_verify(
     dtype: torch.dtype = torch.float32,
     lr: float = 0.1,
     seed: int = 0,
-    plan: Any = None,
+    plan: ParallelPlan | None = None,
     clip_grad: float | None = None,
+    accumulate: int = 1,
     announce: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Run ``steps`` SGD steps on ``pc``'s layout and in one process; compare on every rank.
@@ -157,11 +160,11 @@ def run_verify(
     ``batch`` is the per-replica batch; ``plan`` a :class:`ParallelPlan` for
     ``pc.layout`` (default: one micro-batch, GPipe, automatic balance, no
     checkpointing). ``clip_grad`` clips the global gradient norm before each
-    step (and compares the norm). ``announce`` receives the plan printout
-    (on every rank) before training starts.
+    step (and compares the norm). ``accumulate`` calls ``train_step`` that
+    many times (fresh data each) per optimizer step, without zeroing
+    gradients in between. ``announce`` receives the plan printout (on every
+    rank) before training starts.
     """
-    from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
-
     plan = plan if plan is not None else ParallelPlan(pc.layout)
     rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
     torch.manual_seed(seed)
@@ -181,46 +184,49 @@ def run_verify(
     mine = slice(d * batch, (d + 1) * batch)
     mb = batch // m
     ref_params = dict(reference.named_parameters())
+    f64 = torch.float64
     for step in range(steps):
-        images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
-        labels = torch.randint(0, num_classes, (dp * batch,), generator=gen)
-        tiles = None
-        if pm.is_first:
-            tiles = pm.tile_of(images[mine]).clone().to(pc.device).requires_grad_(True)
         opt.zero_grad(set_to_none=True)
-        loss = pm.train_step(tiles, labels[mine])
-        norm = pm.clip_grad_norm_(clip_grad) if clip_grad is not None else None
-        report.losses.append(loss)
-
-        x = images.clone().requires_grad_(True)
         ref_opt.zero_grad(set_to_none=True)
-        ref_loss, outs = 0.0, []
-        for k in range(dp * m):
-            rows = slice(k * mb, (k + 1) * mb)
-            out = reference(x[rows])
-            part = F.cross_entropy(out, labels[rows]) / (dp * m)
-            part.backward()
-            ref_loss += float(part.detach())
-            outs.append(out.detach())
-        ref_norm = (
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad)
-            if clip_grad is not None
-            else None
-        )
-        report.reference_losses.append(ref_loss)
+        for a in range(accumulate):
+            tag = f"step{step}" if accumulate == 1 else f"step{step}.{a}"
+            images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
+            labels = torch.randint(0, num_classes, (dp * batch,), generator=gen)
+            tiles = None
+            if pm.is_first:
+                tiles = pm.tile_of(images[mine]).clone().to(pc.device).requires_grad_(True)
+            loss = pm.train_step(tiles, labels[mine])
+            report.losses.append(loss)
+
+            x = images.clone().requires_grad_(True)
+            ref_loss, outs = 0.0, []
+            for k in range(dp * m):
+                rows = slice(k * mb, (k + 1) * mb)
+                out = reference(x[rows])
+                part = F.cross_entropy(out, labels[rows]) / (dp * m)
+                part.backward()
+                ref_loss += float(part.detach())
+                outs.append(out.detach())
+            report.reference_losses.append(ref_loss)
+            report.add(
+                f"{tag}/loss", torch.tensor(loss, dtype=f64), torch.tensor(ref_loss, dtype=f64),
+                rtol, atol,
+            )  # fmt: skip
+            if pm.is_last and pm.last_logits is not None:
+                want_out = torch.cat(outs)[mine]
+                report.add(f"{tag}/output[dp{d}]", pm.last_logits, want_out, rtol, atol)
+            if pm.is_first:
+                assert tiles is not None and tiles.grad is not None and x.grad is not None
+                grad = tiles.grad
+                if pm.ctx is not None:
+                    grad = gather_tile_grid(grad, pm.ctx, pc.group("sp"))
+                grad = grad[..., : image_hw[0], : image_hw[1]]
+                report.add(f"{tag}/input_grad[dp{d}]", grad, x.grad[mine], rtol, atol)
         tag = f"step{step}"
-        report.add(f"{tag}/loss", torch.tensor(loss), torch.tensor(ref_loss), rtol, atol)
-        if norm is not None and ref_norm is not None:
-            report.add(f"{tag}/grad_norm", torch.tensor(norm), ref_norm, rtol, atol)
-        if pm.is_last and pm.last_logits is not None:
-            report.add(f"{tag}/output[dp{d}]", pm.last_logits, torch.cat(outs)[mine], rtol, atol)
-        if pm.is_first:
-            assert tiles is not None and tiles.grad is not None and x.grad is not None
-            grad = tiles.grad
-            if pm.ctx is not None:
-                grad = gather_tile_grid(grad, pm.ctx, pc.group("sp"))
-            grad = grad[..., : image_hw[0], : image_hw[1]]
-            report.add(f"{tag}/input_grad[dp{d}]", grad, x.grad[mine], rtol, atol)
+        if clip_grad is not None:
+            norm = pm.clip_grad_norm_(clip_grad)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad)
+            report.add(f"{tag}/grad_norm", torch.tensor(norm, dtype=f64), ref_norm, rtol, atol)
         for name, p in pm.named_parameters():
             want = ref_params[name].grad
             if p.grad is None and want is None:
@@ -240,6 +246,10 @@ def run_verify(
     for name, value in pm.state_dict().items():
         report.add(f"final/{name}", value, ref_state[name], rtol, atol)
 
+    # Free the stages, schedules and buffers while the process group is alive,
+    # not in some later garbage collection after it has been destroyed.
+    del pm, opt
+    gc.collect()
     gathered: list[Any] = [None] * pc.world_size
     dist.all_gather_object(gathered, report.comparisons)
     report.merge(gathered)

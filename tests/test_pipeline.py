@@ -1,0 +1,398 @@
+"""Pipeline stages, balance, plan validation and the engine on a world of one (no mpiexec).
+
+Transparency tests in torchgpipe's manner: stages chained again are the model
+bit for bit; the engine with micro-batches, either schedule and checkpointing
+equals one process accumulating the same micro-batches. Every invalid plan is
+refused before compute with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import shlex
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.models import create_model
+from hyfi_imaging.parallel.balance import (
+    balance_by_size,
+    balance_by_time,
+    measure_layers,
+    partition,
+)
+from hyfi_imaging.parallel.engine import (
+    ParallelModel,
+    ParallelPlan,
+    running_stats_increment,
+    running_stats_merge,
+)
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.pipeline import (
+    StageModule,
+    check_balance,
+    cut_stages,
+    draw_plan,
+    even_balance,
+    model_layers,
+    parse_checkpointing,
+    schedule_order,
+    set_checkpointing,
+    simulate_schedule,
+    stage_boundaries,
+    stage_bounds,
+)
+
+MODELS = {
+    "resnet18": {"width": 0.25},
+    "resnet20-v2": {"width": 0.5},
+    "amoebanet-d-3-8": {},
+}
+
+
+def _model(name: str, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return create_model(name, num_classes=3, **MODELS[name]).to(dtype)
+
+
+# ----------------------------------------------------------------------------- partition
+
+
+def _brute(costs: list[float], stages: int) -> float:
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        edges = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(edges)))
+    return best
+
+
+def test_partition_examples() -> None:
+    assert partition([1, 1, 1, 1], 2) == (2, 2)
+    assert partition([4, 1, 1, 1, 1], 2) == (1, 4)
+    assert partition([1, 1, 1, 1, 4], 2) == (4, 1)
+    assert partition([5], 1) == (1,)
+    assert partition([0, 0, 0], 3) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partition_is_optimal(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 9, (1,), generator=gen))
+    stages = int(torch.randint(1, n + 1, (1,), generator=gen))
+    costs = [float(c) for c in torch.rand(n, generator=gen) * 10]
+    got = partition(costs, stages)
+    assert len(got) == stages and sum(got) == n and min(got) >= 1
+    worst = max(sum(costs[a:b]) for a, b in stage_bounds(got))
+    assert worst == pytest.approx(_brute(costs, stages))
+
+
+def test_partition_refuses_more_stages_than_layers() -> None:
+    with pytest.raises(ConfigError, match="at most 2 pipeline stages"):
+        partition([1.0, 2.0], 3)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chained_stages_are_the_model(name: str) -> None:
+    model = _model(name)
+    n = len(model_layers(model))
+    x = torch.randn(2, 3, 40, 36, dtype=torch.float64)
+    for balance in [(n,), even_balance(n, 2), (1, n - 2, 1), (n - 1, 1)]:
+        model.eval()  # running statistics would move between the two passes in training
+        want = model(x)
+        stages = cut_stages(model, balance)
+        y = x
+        for stage in stages:
+            args = y if isinstance(y, tuple) else (y,)
+            y = stage(*args)  # a tuple travels as separate arguments, as pipelining sends it
+        assert torch.equal(y, want), balance
+    # Training mode: the same graph, so the same gradients.
+    model.train()
+    a = copy.deepcopy(model)
+    F.cross_entropy(a(x), torch.tensor([0, 2])).backward()
+    y = x.clone()
+    for stage in cut_stages(model, even_balance(n, 3)):
+        y = stage(*(y if isinstance(y, tuple) else (y,)))
+    F.cross_entropy(y, torch.tensor([0, 2])).backward()
+    grads = dict(a.named_parameters())
+    for pname, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(p.grad, grads[pname].grad), pname
+
+
+def test_stage_keeps_original_names() -> None:
+    model = _model("resnet18")
+    stages = cut_stages(model, (6, 5))
+    keys = [k for s in stages for k in s.state_dict()]
+    assert keys == list(model.state_dict())
+    assert next(iter(stages[1].state_dict())).startswith("layer3.")
+
+
+def test_stage_checks_planned_shapes() -> None:
+    stage = StageModule([("conv", nn.Conv2d(1, 1, 3))], index=0)  # "valid" conv: t -> t - 2
+    stage.expected = ((1, 1, 8, 8),)
+    with pytest.raises(RuntimeError, match="planned from a meta trace"):
+        stage(torch.zeros(1, 1, 8, 8))
+
+
+def test_stage_boundaries_trace_shapes_and_tuples() -> None:
+    resnet = _model("resnet18")
+    b = stage_boundaries(resnet, (6, 5), (2, 3, 64, 96))
+    assert [tuple(t.shape) for t in b[1]] == [(2, 32, 8, 12)]  # after layer2 (stride 8)
+    assert tuple(b[-1][0].shape) == (2, 3)
+    assert all(t.device.type == "meta" and t.dtype == torch.float64 for t in b[1])
+    amoeba = _model("amoebanet-d-3-8")
+    b = stage_boundaries(amoeba, (1, 8), (2, 3, 64, 64))
+    assert len(b[1]) == 2  # the stem hands (x, x) to the first cell
+
+
+@pytest.mark.parametrize(
+    ("balance", "pattern"),
+    [((5, 5), "sums to 10 .* sum to 11"), ((11,), "gives 1 stages"), ((11, 0), "at least one")],
+)
+def test_check_balance_names_the_fix(balance: tuple[int, ...], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        check_balance(balance, 11, 2)
+
+
+def test_checkpointing_modes() -> None:
+    assert parse_checkpointing("none") == 0
+    assert parse_checkpointing("full") == 1
+    assert parse_checkpointing("every:3") == 3
+    for bad in ("some", "every:0", "every:x"):
+        with pytest.raises(ConfigError, match="every:N"):
+            parse_checkpointing(bad)
+    model = _model("resnet18")  # 8 blocks: layer1.0 .. layer4.1
+    assert set_checkpointing(model, "every:2") == [
+        "layer1.1",
+        "layer2.1",
+        "layer3.1",
+        "layer4.1",
+    ]
+    assert len(set_checkpointing(model, "full")) == 8
+    assert set_checkpointing(model, "none") == []
+    with pytest.raises(ConfigError, match="no checkpointable blocks"):
+        set_checkpointing(nn.Sequential(nn.Conv2d(1, 1, 1)), "full")
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def test_measure_layers_changes_nothing() -> None:
+    model = _model("resnet18", torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(1, 3, 64, 64)
+    rng = torch.get_rng_state()
+    costs = measure_layers(model_layers(model), sample, repeat=2)
+    assert len(costs.seconds) == len(costs.bytes) == 11
+    assert all(s >= 0 for s in costs.seconds) and all(b > 0 for b in costs.bytes)
+    assert costs.bytes[4] > costs.bytes[8]  # layer1 at 1/4 resolution holds more than avgpool
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    by_size = balance_by_size(2, model_layers(model), torch.randn(1, 3, 64, 64))
+    assert by_size == balance_by_size(2, model_layers(model), torch.randn(1, 3, 64, 64))
+    assert sum(balance_by_time(3, model_layers(model), torch.randn(1, 3, 64, 64))) == 11
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_plan_validation_names_the_fix() -> None:
+    model = _model("resnet18")
+    with pytest.raises(ConfigError, match="1F1B needs at least as many micro-batches"):
+        ParallelPlan(Layout(pp=4), microbatches=2, schedule="1f1b")
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        ParallelPlan(Layout(), microbatches=4).validate(model, 6)
+    with pytest.raises(ConfigError, match="sum to 11"):
+        ParallelPlan(Layout(pp=2), balance=(5, 5)).validate(model, 2)
+    with pytest.raises(ConfigError, match="at most 11 pipeline stages"):
+        ParallelPlan(Layout(pp=12)).validate(model, 2)
+    with pytest.raises(ConfigError, match="gpipe or 1f1b"):
+        ParallelPlan(Layout(), schedule="zb")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="positive"):
+        ParallelPlan(Layout(), microbatches=0)
+    with pytest.raises(ConfigError, match="every:N"):
+        ParallelPlan(Layout(), checkpointing="sometimes")
+    ParallelPlan(Layout(pp=2), microbatches=2, schedule="1f1b", balance=(6, 5)).validate(model, 4)
+
+
+def test_cli_builds_the_plan() -> None:
+    from hyfi_imaging.cli.verify import _plan, build_parser
+
+    parse = build_parser().parse_args
+    args = parse(
+        shlex.split(
+            "--model resnet18 --image-size 64x64 --pipeline 2 --data 2 --microbatches 4 "
+            "--schedule 1f1b --balance 6,5 --checkpointing every:2"
+        )
+    )
+    plan = _plan(args, Layout(dp=2, pp=2))
+    assert (plan.balance, plan.schedule, plan.microbatches, plan.checkpointing) == (
+        (6, 5),
+        "1f1b",
+        4,
+        "every:2",
+    )
+    args = parse(shlex.split("--model r --image-size 8x8 --balance memory"))
+    assert _plan(args, Layout()).balance_by == "memory"
+    args = parse(shlex.split("--model r --image-size 8x8 --balance 5,x"))
+    with pytest.raises(ConfigError, match="--balance 5,6"):
+        _plan(args, Layout())
+
+
+# ----------------------------------------------------------------------------- BatchNorm over dp
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_stats_merge_equals_sequential_updates(momentum: float | None) -> None:
+    replicas, k, n0 = 3, 4, 5
+    gen = torch.Generator().manual_seed(0)
+    stats = torch.rand(replicas, k, 6, generator=gen, dtype=torch.float64)
+    start = torch.rand(6, generator=gen, dtype=torch.float64)
+
+    def update(r: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+        factor = 1.0 / (n + 1) if momentum is None else momentum
+        return torch.lerp(r, x, factor)
+
+    want, n = start.clone(), n0
+    for d in range(replicas):
+        for i in range(k):
+            want, n = update(want, n, stats[d, i]), n + 1
+    total = torch.zeros(6, dtype=torch.float64)
+    for d in range(replicas):
+        r, n = start.clone(), n0
+        for i in range(k):
+            r, n = update(r, n, stats[d, i]), n + 1
+        total += running_stats_increment(
+            r, start, n0=n0, k=k, momentum=momentum, replica=d, replicas=replicas
+        )
+    got = running_stats_merge(total, start, n0=n0, k=k, momentum=momentum, replicas=replicas)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "m"),
+    [("gpipe", 2, 1), ("gpipe", 3, 5), ("1f1b", 2, 4), ("1f1b", 3, 5), ("1f1b", 4, 8)],
+)
+def test_simulated_schedules(schedule: str, stages: int, m: int) -> None:
+    times = simulate_schedule(schedule, stages, m)
+    end = max(t1 for _, t1 in times.values())
+    assert end == pytest.approx(3 * (m + stages - 1))  # the (m + p - 1) / m bubble
+    order = schedule_order(schedule, stages, m)
+    in_flight = 0
+    peak = 0
+    for kind, _ in order[0]:
+        in_flight += 1 if kind == "F" else -1
+        peak = max(peak, in_flight)
+    assert peak == (m if schedule == "gpipe" else min(m, stages))  # 1F1B bounds stage-0 memory
+
+
+def test_draw_plan(tmp_path: object) -> None:
+    from pathlib import Path
+
+    out = Path(str(tmp_path)) / "plan.png"
+    names = [n for n, _ in model_layers(_model("resnet18"))]
+    draw_plan(
+        str(out),
+        layout=Layout(dp=2, pp=2, sp=(1, 2)),
+        balance=(6, 5),
+        layer_names=names,
+        microbatches=4,
+        schedule="1f1b",
+    )
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- engine, one rank
+
+
+@pytest.fixture(scope="module")
+def single() -> Iterator[object]:
+    import torch.distributed as dist
+
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mine = not dist.is_initialized()
+    pc = init_parallel(Layout())
+    yield pc
+    torch.set_num_threads(threads)
+    if mine:
+        shutdown()
+
+
+@pytest.mark.parametrize(
+    ("name", "m", "schedule", "ck"),
+    [("resnet18", 2, "gpipe", "every:2"), ("amoebanet-d-3-8", 4, "1f1b", "full")],
+)
+def test_engine_equals_accumulated_microbatches(
+    single: object, name: str, m: int, schedule: str, ck: str
+) -> None:
+    pc = single
+    reference = _model(name)
+    plan = ParallelPlan(Layout(), microbatches=m, schedule=schedule, checkpointing=ck)  # type: ignore[arg-type]
+    pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=(40, 36))  # type: ignore[arg-type]
+    assert pm.is_first and pm.is_last and pm.stage_index == 0
+    assert list(pm.state_dict()) == list(reference.state_dict())
+    assert "stage 0" in pm.describe() and schedule in pm.describe()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * m, 3, 40, 36, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (2 * m,), generator=gen)
+    tiles = pm.tile_of(x).clone().requires_grad_(True)
+    loss = pm.train_step(tiles, y)
+    norm = pm.clip_grad_norm_(0.1)
+
+    xr = x.clone().requires_grad_(True)
+    want = 0.0
+    for i in range(m):
+        rows = slice(2 * i, 2 * i + 2)
+        part = F.cross_entropy(reference(xr[rows]), y[rows]) / m
+        part.backward()
+        want += float(part.detach())
+    want_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    assert loss == pytest.approx(want, rel=1e-12)
+    assert norm == pytest.approx(want_norm, rel=1e-12)
+    torch.testing.assert_close(tiles.grad, xr.grad, rtol=1e-9, atol=1e-12)
+    ref = dict(reference.named_parameters())
+    for pname, p in pm.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[pname].grad, rtol=1e-9, atol=1e-12)
+    ref_state = reference.state_dict()
+    for key, value in pm.state_dict().items():  # BatchNorm running statistics included
+        torch.testing.assert_close(value, ref_state[key], rtol=1e-9, atol=1e-12)
+    # Eval: any batch (3 is not a multiple of m: fewer micro-batches are used).
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm.predict(pm.tile_of(x[:3])), reference(x[:3]))
+    assert pm.module.training
+
+
+def test_engine_refuses_bad_inputs_before_compute(single: object) -> None:
+    pm = ParallelModel(
+        _model("resnet18"),
+        single,  # type: ignore[arg-type]
+        ParallelPlan(Layout(), microbatches=2),
+        image_hw=(40, 36),
+    )
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        pm.train_step(torch.zeros(3, 3, 40, 36, dtype=torch.float64), torch.zeros(3).long())
+    with pytest.raises(ConfigError, match="tile_of"):
+        pm.train_step(None, torch.zeros(2).long())
+    with pytest.raises(ConfigError, match="planned for"):
+        pm.tile_of(torch.zeros(1, 3, 41, 36))
+    with pytest.raises(ConfigError, match="not the job's"):
+        ParallelModel(_model("resnet18"), single, ParallelPlan(Layout(pp=2)), image_hw=(40, 36))  # type: ignore[arg-type]

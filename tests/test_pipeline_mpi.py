@@ -1,0 +1,243 @@
+"""Pipeline and data parallelism composed with spatial, against one process (mpiexec).
+
+Integration tests are data (torchtitan's way): :data:`CASES` lists small
+configurations -- model, ``dp x pp x sp`` layout, micro-batches, schedule,
+balance, checkpointing, image size -- and each runs through the real engine
+(:func:`hyfi_imaging.parallel.verify.run_verify`, the engine behind
+``hyfi-verify``): two SGD steps on every rank and, on every rank, the same two
+steps in one process with the same micro-batch split. Compared: loss, outputs,
+input gradients, every parameter gradient, the clipped gradient norm, eval
+predictions, weights and BatchNorm running statistics, in float64.
+
+Why this file is also the worker: pytest cannot run a test body inside
+``mpiexec``, and one launch per world size (2, 4, 8 ranks) costs far less than
+one per case (start-up is seconds). Run as ``mpiexec -n N python
+tests/test_pipeline_mpi.py`` it runs every case of world size N (several
+layouts share one launch: meshes are built per case) and prints one JSON line.
+
+Image sizes: AmoebaNet's 7-tap convolutions at total stride 32 need tiles of
+at least 96 pixels along a split axis; ResNet needs 32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MARKER = "HYFI-PIPELINE-RESULT "
+ROOT = Path(__file__).resolve().parents[1]
+
+RESNET = {"model": "resnet18", "width": 0.25}
+RESNET_V2 = {"model": "resnet20-v2", "width": 0.5}
+AMOEBA = {"model": "amoebanet-d-3-8"}
+
+#: name -> (ranks, config). Layout (dp, pp, gy, gx); balance None = automatic.
+CASES: dict[str, tuple[int, dict[str, Any]]] = {
+    # pp=2, both schedules, explicit and automatic balance, checkpointing on and off;
+    # (2, 9) starts stage 1 with ResNet's in-place ReLU on the received activation
+    "pp2-gpipe-resnet-explicit-inplace-cut": (2, {**RESNET, "layout": (1, 2, 1, 1), "m": 2, "schedule": "gpipe", "balance": (2, 9), "ck": "none", "hw": (70, 52)}),
+    "pp2-1f1b-resnet-auto-ckfull-clip": (2, {**RESNET, "layout": (1, 2, 1, 1), "m": 4, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (70, 52), "clip": 0.5}),
+    "pp2-gpipe-amoeba-automem-ck2": (2, {**AMOEBA, "layout": (1, 2, 1, 1), "m": 2, "schedule": "gpipe", "balance": "memory", "ck": "every:2", "hw": (70, 52)}),
+    "pp2-1f1b-amoeba-explicit": (2, {**AMOEBA, "layout": (1, 2, 1, 1), "m": 2, "schedule": "1f1b", "balance": (4, 5), "ck": "none", "hw": (70, 52)}),
+    "pp2-1f1b-resnetv2-ckfull": (2, {**RESNET_V2, "layout": (1, 2, 1, 1), "m": 2, "schedule": "1f1b", "balance": (2, 7), "ck": "full", "hw": (30, 26)}),
+    # pp=2 x sp=1x2 and dp=2 x sp=2x1
+    "pp2-sp1x2-1f1b-resnet-ck2": (4, {**RESNET, "layout": (1, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": None, "ck": "every:2", "hw": (70, 100)}),
+    "pp2-sp1x2-gpipe-amoeba-ckfull": (4, {**AMOEBA, "layout": (1, 2, 1, 2), "m": 2, "schedule": "gpipe", "balance": (3, 6), "ck": "full", "hw": (70, 190)}),
+    "dp2-sp2x1-resnet-accumulate2": (4, {**RESNET, "layout": (2, 1, 2, 1), "m": 2, "schedule": "gpipe", "balance": None, "ck": "none", "hw": (100, 60), "accumulate": 2}),
+    "dp2-sp2x1-amoeba-ckfull-clip": (4, {**AMOEBA, "layout": (2, 1, 2, 1), "m": 1, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (190, 70), "clip": 0.5}),
+    # dp=2 x pp=2 x sp=1x2: 8 ranks
+    "dp2-pp2-sp1x2-1f1b-resnet-ckfull-clip-accumulate2": (8, {**RESNET, "layout": (2, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (70, 100), "clip": 0.5, "accumulate": 2}),
+    "dp2-pp2-sp1x2-gpipe-amoeba": (8, {**AMOEBA, "layout": (2, 2, 1, 2), "m": 2, "schedule": "gpipe", "balance": (5, 4), "ck": "none", "hw": (70, 190)}),
+}  # fmt: skip
+
+#: Cases that must *fail*: verification that cannot fail proves nothing.
+SABOTAGED = {"pp2-sp1x2-resnet-broken-halo": (4, {**RESNET, "layout": (1, 2, 1, 2), "m": 2, "schedule": "gpipe", "balance": (6, 5), "ck": "none", "hw": (70, 100)})}  # fmt: skip
+
+WORLDS = sorted({n for n, _ in [*CASES.values(), *SABOTAGED.values()]})
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _run_case(cfg: dict[str, Any], *, sabotage: bool) -> dict[str, Any]:
+    import torch
+
+    from hyfi_imaging.models import create_model
+    from hyfi_imaging.parallel import halo
+    from hyfi_imaging.parallel.engine import ParallelPlan
+    from hyfi_imaging.parallel.launch import init_parallel
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.verify import run_verify
+
+    dp, pp, gy, gx = cfg["layout"]
+    layout = Layout(dp=dp, pp=pp, sp=(gy, gx))
+    balance = cfg["balance"]
+    plan = ParallelPlan(
+        layout,
+        microbatches=cfg["m"],
+        schedule=cfg["schedule"],
+        balance=balance if isinstance(balance, tuple) else None,
+        balance_by="memory" if balance == "memory" else "time",
+        checkpointing=cfg["ck"],
+    )
+    kwargs: dict[str, Any] = {"num_classes": 3}
+    if "width" in cfg:
+        kwargs["width"] = cfg["width"]
+    pc = init_parallel(layout)
+    saved = halo._reduce
+    if sabotage:  # what hyfi-verify --break halo-backward does
+        halo._reduce = lambda g, before, after, lo, hi, dim: g.narrow(
+            dim, before, g.shape[dim] - before - after
+        ).clone()
+    began = time.perf_counter()
+    try:
+        report = run_verify(
+            lambda: create_model(cfg["model"], **kwargs),
+            pc,
+            image_hw=cfg["hw"],
+            batch=2 * cfg["m"],
+            steps=2,
+            dtype=torch.float64,
+            plan=plan,
+            clip_grad=cfg.get("clip"),
+            accumulate=cfg.get("accumulate", 1),
+        )
+    finally:
+        halo._reduce = saved
+    return {
+        "ok": report.ok,
+        "max_rel": report.max_rel_error,
+        "compared": len(report.comparisons),
+        "failed": [c.name for c in report.comparisons if not c.ok][:5],
+        "names": sorted(c.name for c in report.comparisons),
+        "plan": report.plan,
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def _worker() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+    from hyfi_imaging.parallel.layout import Layout
+
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD.Get_size()
+    results: dict[str, Any] = {}
+    # A layout that needs another world size fails before any group or compute.
+    try:
+        init_parallel(Layout(pp=world + 1))
+        results["world-mismatch"] = {"ok": False, "detail": "no error"}
+    except ConfigError as err:
+        results["world-mismatch"] = {"ok": "launch with -np" in str(err), "detail": str(err)}
+    for table, sabotage in ((CASES, False), (SABOTAGED, True)):
+        for name, (n, cfg) in table.items():
+            if n != world:
+                continue
+            try:
+                results[name] = _run_case(cfg, sabotage=sabotage)
+            except Exception as err:  # recorded, so the other cases still report
+                import traceback
+
+                traceback.print_exc()
+                results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
+    if dist.get_rank() == 0:
+        print(MARKER + json.dumps(results), flush=True)
+    dist.barrier()
+    shutdown()
+
+
+# ----------------------------------------------------------------------------- pytest
+
+pytestmark = pytest.mark.mpi
+
+
+def _mpiexec() -> str | None:
+    return shutil.which("mpiexec") or (
+        str(Path(sys.executable).with_name("mpiexec"))
+        if Path(sys.executable).with_name("mpiexec").exists()
+        else None
+    )
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[int, dict[str, Any]]:
+    """Start one mpiexec per world size at once and collect every case's verdict."""
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (install the mpich extra)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    procs = {
+        n: subprocess.Popen(
+            [mpiexec, "-n", str(n), sys.executable, str(Path(__file__).resolve())],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in WORLDS
+    }
+    out: dict[int, dict[str, Any]] = {}
+    for n, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=540)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        lines = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
+        out[n] = (
+            json.loads(lines[-1][len(MARKER) :])
+            if lines
+            else {"_launch": {"ok": False, "error": f"rc {proc.returncode}: {stderr[-3000:]}"}}
+        )
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_trains_like_one_process(launches: dict[int, dict[str, Any]], name: str) -> None:
+    n, cfg = CASES[name]
+    verdict = launches[n].get(name) or launches[n].get("_launch")
+    assert verdict is not None, f"{name}: no result"
+    assert verdict.get("ok"), f"{name}: {verdict}"
+    # Every kind of tensor was compared (not just some).
+    names = verdict["names"]
+    for kind in ("loss", "grad/", "final/", "predict/output", "output[", "input_grad["):
+        assert any(kind in x for x in names), f"{name}: nothing named {kind!r} compared"
+    if cfg.get("clip"):
+        assert any("grad_norm" in x for x in names)
+    if cfg["balance"] in (None, "memory") and cfg["layout"][1] > 1:
+        assert "automatic" in verdict["plan"]
+
+
+@pytest.mark.parametrize("name", list(SABOTAGED))
+def test_broken_halo_backward_is_caught(launches: dict[int, dict[str, Any]], name: str) -> None:
+    n, _ = SABOTAGED[name]
+    verdict = launches[n][name]
+    assert "error" not in verdict, verdict
+    assert not verdict["ok"]
+    assert any("input_grad" in f or "grad/" in f for f in verdict["failed"])
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_world_mismatch_fails_before_compute(launches: dict[int, dict[str, Any]], n: int) -> None:
+    verdict = launches[n].get("world-mismatch") or launches[n].get("_launch")
+    assert verdict and verdict["ok"], verdict
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _worker()
