@@ -21,17 +21,25 @@ Why measured this way:
   different on every rank); memory runs therefore set
   ``MALLOC_MMAP_THRESHOLD_=65536`` unless ``--malloc default``.
 * **Time** is wall time per step with one thread per rank, the slowest rank's,
-  best of the timed steps (the machine is shared; the best step is the one
-  least disturbed). CPU time per step is printed too: it does not depend on
-  what else runs, so it shows the extra *work* spatial parallelism adds.
+  best of the timed steps, counting only *quiet* steps: ``/proc/stat`` tells
+  how much CPU the rest of the machine used during each step, and a step
+  counts when that was at most 0.1 core. With no quiet step, the wall figure
+  is not trusted; gloo blocks (does not spin) while a rank waits, so a rank's
+  wall time is at least its CPU time, and one-process CPU time over twice the
+  busier rank's CPU time bounds what a quiet machine could reach: well below
+  the target it is a MISS, otherwise the line says UNSURE.
+* **Largest image** (4) fits ``peak = a + b * pixels`` to the absolute peak RSS
+  at the measured sizes and solves for the budget -- an extrapolation, said so
+  wherever it is printed -- for a 2x2 grid with its own RAM per rank and with
+  the four ranks sharing one machine's RAM.
 * **Halo bytes** are counted by wrapping ``hyfi_imaging.parallel.halo._exchange``
   (every halo message passes through it) and compared with a count derived
   here, independently of the library, from each conv/pool's kernel, stride,
   padding and dilation and the activation sizes of a shape trace. They must be
   equal to the byte; the script exits 1 otherwise.
 
-Exit status: 0 all measured (PASS or MISS lines say how targets fared),
-1 measured halo bytes differ from the analytic count, 2 a run failed.
+Exit status: 0 all measured (PASS, MISS or UNSURE lines say how targets
+fared), 1 measured halo bytes differ from the analytic count, 2 a run failed.
 """
 
 from __future__ import annotations
@@ -69,11 +77,14 @@ class Config:
 
 
 DEFAULT = Config(mem_sizes=(512, 768, 1024), target_size=1024, time_image=768, warmup=1, time_steps=3, repeats=2)  # fmt: skip
-QUICK = Config(mem_sizes=(256, 512), target_size=256, time_image=256, warmup=1, time_steps=2, repeats=1)  # fmt: skip
+QUICK = Config(mem_sizes=(256, 512), target_size=256, time_image=256, warmup=1, time_steps=1, repeats=1)  # fmt: skip
 
 TARGET_MEM_RATIO = 0.32
 TARGET_EFFICIENCY = 0.80
 PARTS = ("forward", "backward", "grad_reduce", "optimizer")  # as spatial_worker.PARTS
+# CPU times also stretch a little on a busy machine (shared caches): a busy-machine
+# bound only settles a MISS when it is clearly below the target.
+BUSY_MARGIN = 0.9
 QUIET_CORES = 0.1  # a timed step counts when the rest of the machine used at most this much CPU
 
 
@@ -428,7 +439,7 @@ def _report_time(
     target = f"(target >= {TARGET_EFFICIENCY})"
     if clean:
         line = _verdict(name, eff >= TARGET_EFFICIENCY, f"{eff:.3f} {target}", quick)
-    elif cpu_eff < TARGET_EFFICIENCY:
+    elif cpu_eff < BUSY_MARGIN * TARGET_EFFICIENCY:
         line = _verdict(name, False, f"CPU-time bound {cpu_eff:.3f} {target}; machine busy", quick)
     else:
         line = (

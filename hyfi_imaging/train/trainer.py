@@ -203,7 +203,7 @@ class Trainer:
             AugmentConfig(
                 flip=a.flip,
                 rot90=a.rot90,
-                out_size=None,
+                out_size=self.image_hw,  # rot90 of a non-square image keeps its shape
                 brightness=a.brightness,
                 contrast=a.contrast,
                 saturation=a.saturation,
