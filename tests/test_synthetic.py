@@ -209,3 +209,17 @@ def test_cli_writes_a_cohort(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as info:
         synth_main(["--help"])
     assert info.value.code == 0 and "examples:" in capsys.readouterr().out
+
+
+def test_cohort_lesion_count_applies_to_positive_slides_only(tmp_path: Path) -> None:
+    from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_cohort
+    from hyfi_imaging.io import open_slide
+
+    labels = write_synthetic_cohort(tmp_path, 4, seed=1, size=(384, 384), lesions=8, compression="zlib")
+    rows = [line.split(",") for line in labels.read_text().split()[1:]]
+    assert {label for _, label in rows} == {"0", "1"}
+    for i, (sid, label) in enumerate(rows):
+        with open_slide(tmp_path / f"{sid}.svs") as slide:
+            pixels = np.moveaxis(slide.read_region(0, 0, 0, 384, 384), 0, -1)
+        plain = render_synthetic(seed=1 * 100003 + i, label=0, size=(384, 384), lesions=0).image
+        assert np.array_equal(pixels, plain) == (label == "0"), (sid, label)

@@ -414,7 +414,7 @@ def write_synthetic_cohort(
             mpp=mpp,
             kind=kind,
             compression=compression,
-            lesions=lesions,
+            lesions=lesions if label else 0,  # negatives never carry lesions
         )
         rows.append((slide_id, int(label)))
         bar.update()
