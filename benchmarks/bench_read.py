@@ -169,7 +169,7 @@ def _median_ratio(num: Case, den: Case, *, cpu: bool = False) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit status (1 only with --strict and a missed target)."""
+    """Run the benchmark; exit status 0 measured, 1 --strict and a target missed, 2 wrong result."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -26,7 +26,7 @@ __all__ = ["main"]
 
 EXAMPLES = """\
 examples:
-  hyfi-demo --out demo_out                 # the full demo (about 8 minutes on 2 CPU cores)
+  hyfi-demo --out demo_out                 # the full demo (about 5 minutes on 2 CPU cores)
   hyfi-demo --out /tmp/demo --quick        # a 1-minute smoke run (too short to learn anything)
 """
 
@@ -83,6 +83,8 @@ def _train(
         f"train.out_dir={run}",
         f"parallel.spatial={grid}",
         f"train.epochs={args.epochs}",
+        "train.batch_size=4",
+        "optim.lr=0.001",
         "train.progress=true",
     ]
     cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(RECIPE)]
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=Path("demo_out"), help="output directory (default: demo_out)"
     )
-    p.add_argument("--slides", type=int, default=32, help="synthetic slides (default: 32)")
+    p.add_argument("--slides", type=int, default=48, help="synthetic slides (default: 48)")
     p.add_argument(
         "--slide-size", type=int, default=1536, help="slide side in pixels (default: 1536)"
     )
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         args.slides,
         seed=0,
         size=(args.slide_size, args.slide_size),
-        lesions=10,
+        lesions=12,
         progress=True,
     )
     print("[2/4] hyfi-preprocess: full resolution (0.5 um/px) and 8x downsampled (4 um/px)")

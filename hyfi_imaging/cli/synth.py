@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compression", default="jpeg", choices=("jpeg", "zlib"), help="tile codec (default: jpeg)"
     )
+    p.add_argument(
+        "--lesions",
+        type=int,
+        default=None,
+        help="lesions per positive slide (default: 3-6; the demo uses 12)",
+    )
     return p
 
 
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             size=args.size,
             positive_fraction=args.positive_fraction,
+            lesions=args.lesions,
             kind=args.kind,
             mpp=args.mpp,
             compression=args.compression,
