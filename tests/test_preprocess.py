@@ -353,3 +353,21 @@ def test_labels_from_file_names(cohort: Path, tmp_path: Path) -> None:
     rows = {r.slide_id: r for r in read_manifest(tmp_path / "out" / "manifest.csv")}
     assert rows["normal_001"].label == "normal" and rows["tumor_001"].label == "tumor"
     assert rows["other"].status == "failed" and [r.slide_id for r in summary.failed] == ["other"]
+
+
+def test_integer_reductions_average_whole_blocks(cohort: Path, tmp_path: Path) -> None:
+    """At 8x the crop snaps to 8-px blocks: each output pixel is the mean of one 8x8 block."""
+    run_preprocess(
+        [cohort / "b.svs"], tmp_path, PreprocessOptions(mpp=4.0, size=(256, 256)), progress=False
+    )
+    image, attrs = _store(tmp_path, "b")
+    sy, sx, sh, sw = attrs["source_box"]
+    py, px, ph, pw = attrs["placement"]
+    assert sy % 8 == 0 and sx % 8 == 0 and (sh, sw) == (8 * ph, 8 * pw)
+    truth = np.moveaxis(render_synthetic(seed=2, label=1, size=SIZE).image, -1, 0).astype(float)
+    block = np.full((3, sh, sw), 255.0)
+    hh, ww = min(sh, SIZE[0] - sy), min(sw, SIZE[1] - sx)
+    block[:, :hh, :ww] = truth[:, sy : sy + hh, sx : sx + ww]
+    means = block.reshape(3, ph, 8, pw, 8).mean(axis=(2, 4))
+    # Read from a pyramid level (itself rounded 2x2 means): within 1.5 grey levels.
+    assert np.abs(image[:, py : py + ph, px : px + pw] - means).max() <= 1.5

@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--slides", type=int, default=48, help="synthetic slides (default: 48)")
     p.add_argument(
-        "--slide-size", type=int, default=1536, help="slide side in pixels (default: 1536)"
+        "--slide-size", type=int, default=768, help="slide side in pixels (default: 768)"
     )
     p.add_argument(
-        "--size", type=int, default=1024, help="full-resolution canvas side (default: 1024)"
+        "--size", type=int, default=768, help="full-resolution canvas side (default: 768)"
     )
     p.add_argument("--epochs", type=int, default=6, help="training epochs (default: 6)")
     p.add_argument("--workers", type=int, default=2, help="preprocess workers (default: 2)")

@@ -202,6 +202,16 @@ def plan_crop(
             sy, sx = sy + (sh - keep_h) // 2, sx + (sw - keep_w) // 2
             sh, sw = keep_h, keep_w
             ph, pw = min(canvas_h, round(sh * scale)), min(canvas_w, round(sw * scale))
+    factor = 1.0 / scale
+    k = round(factor)
+    if k > 1 and abs(factor - k) < 1e-9:
+        # An integer reduction: snap the crop to multiples of k so every output pixel
+        # averages exactly one k x k block of level-0 pixels (no fractional box weights,
+        # and the same blocks whatever the tissue box), then keep it on the canvas.
+        y1, x1 = -(-(sy + sh) // k) * k, -(-(sx + sw) // k) * k
+        sy, sx = sy // k * k, sx // k * k
+        ph, pw = min(canvas_h, (y1 - sy) // k), min(canvas_w, (x1 - sx) // k)
+        sh, sw = ph * k, pw * k
     ph, pw = max(ph, 1), max(pw, 1)
     placement = ((canvas_h - ph) // 2, (canvas_w - pw) // 2, ph, pw)
     return CropPlan((sy, sx, sh, sw), placement, level, mpp, box), mask, thumb_ds

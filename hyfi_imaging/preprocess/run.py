@@ -252,7 +252,9 @@ def _run_locked(
             # forkserver, not fork: zarr's event-loop thread must not be inherited; the
             # preload pays the imaging imports once instead of once per worker (0.46 s CPU each).
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["hyfi_imaging.preprocess.convert", "hyfi_imaging.preprocess.qc"])
+            ctx.set_forkserver_preload(
+                ["hyfi_imaging.preprocess.convert", "hyfi_imaging.preprocess.qc"]
+            )
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 futures: dict[Future[ConvertResult], tuple[str, Path]] = {
                     pool.submit(convert_slide, source, out_dir, sid, options, qc_dir=qc_dir): (
