@@ -77,7 +77,7 @@ class Config:
 
 
 DEFAULT = Config(mem_sizes=(512, 768, 1024), target_size=1024, time_image=768, warmup=1, time_steps=3, repeats=2)  # fmt: skip
-QUICK = Config(mem_sizes=(256, 512), target_size=256, time_image=256, warmup=1, time_steps=1, repeats=1)  # fmt: skip
+QUICK = Config(mem_sizes=(256, 384), target_size=256, time_image=256, warmup=1, time_steps=1, repeats=1)  # fmt: skip
 
 TARGET_MEM_RATIO = 0.32
 TARGET_EFFICIENCY = 0.80
@@ -589,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" in parts:
         if args.quick:  # one process per layout for all sizes: startup dominates at these sizes
             csv = ",".join(map(str, sizes))
-            single = dict.fromkeys(sizes, run(1, "1x1", ["--images", csv, "--saved"], mem_env))
-            grid22 = dict.fromkeys(sizes, run(4, "2x2", ["--images", csv, "--saved", "--count-halo"], mem_env))  # fmt: skip
+            single = dict.fromkeys(sizes, run(1, "1x1", ["--images", csv], mem_env))
+            grid22 = dict.fromkeys(sizes, run(4, "2x2", ["--images", csv, "--count-halo"], mem_env))
         else:
             for side in sizes:
                 saved = ["--saved"] if side == cfg.target_size else []
