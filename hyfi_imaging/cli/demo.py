@@ -191,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|",
     ]
     for k, r in results.items():
-        lines.append(
-            f"| {k} | {r.get('auc')} | {r.get('accuracy')} | {r.get('steps')} | {r.get('seconds')} |"
+        auc, acc = (
+            f"{r[m]:.3f}" if isinstance(r.get(m), float) else "n/a" for m in ("auc", "accuracy")
         )
+        lines.append(f"| {k} | {auc} | {acc} | {r.get('steps')} | {r.get('seconds')} |")
     lines += [
         "",
         f"Figures: {figure.name}, tile_grid.png, data_full/contact_sheet.png, runs/*/training_curves.png",
