@@ -170,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("[4/4] training: full resolution on a 2x2 tile grid (4 ranks), then 8x downsampled")
     results = {
-        f"full resolution (0.5 um/px, {args.size}^2, 2x2 tiles)": _train(
+        f"full resolution\n0.5 um/px, {args.size}^2, 2x2 tiles": _train(
             "full", full.manifest, out, "2x2", args
         ),
-        f"8x downsampled (4 um/px, {small}^2)": _train(
+        f"8x downsampled\n4 um/px, {small}^2": _train(
             "down8", runs["down8"].manifest, out, "1x1", args
         ),
     }
@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         auc, acc = (
             f"{r[m]:.3f}" if isinstance(r.get(m), float) else "n/a" for m in ("auc", "accuracy")
         )
-        lines.append(f"| {k} | {auc} | {acc} | {r.get('steps')} | {r.get('seconds')} |")
+        lines.append(
+            f"| {k.replace(chr(10), ', ')} | {auc} | {acc} | {r.get('steps')} | {r.get('seconds')} |"
+        )
     lines += [
         "",
         f"Figures: {figure.name}, tile_grid.png, data_full/contact_sheet.png, runs/*/training_curves.png",
