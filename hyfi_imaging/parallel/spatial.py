@@ -33,13 +33,13 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.collectives import (
     all_reduce_max_replicated,
-    all_reduce_partial,
     all_reduce_replicated,
 )
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
@@ -337,6 +337,82 @@ class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
         return self._trim(total / count, x, geoms)
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulate statistics in float32 for half types, else in the tensor's own type."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def _sum_all(t: torch.Tensor, group: Any) -> torch.Tensor:
+    out = t.contiguous()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    """Training-mode BatchNorm over all tiles with a hand-written backward.
+
+    Autograd through the tensor expression would keep two activation-sized
+    tensors per layer (the masked input and the centred input); this keeps one
+    (the normalised input) and does one all-reduce in backward for both sums the
+    input gradient needs. Outside the image (``tail``) the input is ignored and
+    gets no gradient. The formula is the standard one,
+    ``dx = w * rstd * (g - mean(g) - xhat * mean(g * xhat))`` with means over all
+    valid pixels of all tiles; weight and bias gradients are this tile's share
+    (summed over tiles later, as for every tile-derived parameter).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        tail: torch.Tensor | None,
+        n: int,
+        eps: float,
+        group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = (1, -1, 1, 1)
+        xm = x if tail is None else x.masked_fill(tail, 0.0)
+        mean = _sum_all(xm.sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        xhat = xm - mean.to(x.dtype).view(shape)
+        if tail is not None:
+            xhat.masked_fill_(tail, 0.0)
+        var = _sum_all(xhat.square().sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        rstd = torch.rsqrt(var + eps)
+        xhat.mul_(rstd.to(x.dtype).view(shape))
+        y = xhat if weight is None else xhat * weight.view(shape) + bias.view(shape)  # type: ignore[union-attr]
+        ctx.save_for_backward(xhat, rstd, weight, tail)
+        ctx.n, ctx.group = n, group
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(
+        ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        xhat, rstd, weight, tail = ctx.saved_tensors
+        shape = (1, -1, 1, 1)
+        g = gy if tail is None else gy.masked_fill(tail, 0.0)
+        local = torch.stack(
+            [
+                g.sum(dim=(0, 2, 3), dtype=_acc(g)),
+                (g * xhat).sum(dim=(0, 2, 3), dtype=_acc(g)),
+            ]
+        )
+        dbias, dweight = local[0].clone(), local[1].clone()
+        total = _sum_all(local, ctx.group) / ctx.n
+        scale = rstd if weight is None else rstd * weight.to(rstd.dtype)
+        dx = (
+            g - total[0].to(g.dtype).view(shape) - xhat * total[1].to(g.dtype).view(shape)
+        ) * scale.to(g.dtype).view(shape)
+        if tail is not None:
+            dx.masked_fill_(tail, 0.0)
+        if weight is None:
+            return dx, None, None, None, None, None, None
+        return dx, dweight.to(weight.dtype), dbias.to(weight.dtype), None, None, None, None
+
+
 class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
     """BatchNorm with statistics over the whole image: all tiles, the whole batch.
 
@@ -346,13 +422,11 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Outside the image the input may hold anything (-inf after a max-pool); masking
-        # first keeps it out of the statistics and keeps 0 * inf out of the backward.
-        xm = self._mask(x, 0.0)
         use_batch = self.training or self.running_mean is None
         if not use_batch:
+            # Outside the image the input may hold anything (-inf after a max-pool).
             return F.batch_norm(
-                xm,
+                self._mask(x, 0.0),
                 self.running_mean,
                 self.running_var,
                 self.weight,
@@ -363,11 +437,23 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
             )
         mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
         n = x.shape[0] * mh * mw
-        group = self.hyfi_ctx.group
-        mean = all_reduce_partial(xm.sum(dim=(0, 2, 3)), group) / n
-        centred = xm - mean.view(1, -1, 1, 1)
-        sq = self._mask(centred, 0.0).square().sum(dim=(0, 2, 3))
-        var = all_reduce_partial(sq, group) / n
+        th, tw = x.shape[-2:]
+        i, j = self.hyfi_ctx.tile
+        vh, vw = mh - i * th, mw - j * tw
+        tail = None
+        if vh < th or vw < tw:
+            rows = torch.arange(th, device=x.device).view(th, 1) >= vh
+            cols = torch.arange(tw, device=x.device).view(1, tw) >= vw
+            tail = rows | cols
+        y, mean, var = _GlobalBatchNorm.apply(
+            x,
+            self.weight if self.affine else None,
+            self.bias if self.affine else None,
+            tail,
+            n,
+            self.eps,
+            self.hyfi_ctx.group,
+        )
         if self.training and self.track_running_stats and self.running_mean is not None:
             assert self.running_var is not None and self.num_batches_tracked is not None
             with torch.no_grad():
@@ -377,12 +463,9 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
                     if self.momentum is None
                     else self.momentum
                 )
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), factor)
-                unbiased = var.detach() * (n / max(n - 1, 1))
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+                unbiased = var * (n / max(n - 1, 1))
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
-        y = centred * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
-        if self.affine:
-            y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
         return y
 
 
