@@ -215,7 +215,9 @@ def test_cohort_lesion_count_applies_to_positive_slides_only(tmp_path: Path) -> 
     from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_cohort
     from hyfi_imaging.io import open_slide
 
-    labels = write_synthetic_cohort(tmp_path, 4, seed=1, size=(384, 384), lesions=8, compression="zlib")
+    labels = write_synthetic_cohort(
+        tmp_path, 4, seed=1, size=(384, 384), lesions=8, compression="zlib"
+    )
     rows = [line.split(",") for line in labels.read_text().split()[1:]]
     assert {label for _, label in rows} == {"0", "1"}
     for i, (sid, label) in enumerate(rows):
