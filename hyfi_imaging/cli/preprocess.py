@@ -7,9 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
+from hyfi_imaging.cli.options import positive_float, size_type
 from hyfi_imaging.errors import HyfiError
 
-__all__ = ["build_parser", "main", "parse_size"]
+__all__ = ["build_parser", "main"]
 
 EXAMPLES = """\
 examples:
@@ -31,27 +32,6 @@ failed (see manifest.csv and preprocess.log), 2 the run could not start.
 """
 
 
-def parse_size(text: str) -> tuple[int, int]:
-    """``"8192"`` -> (8192, 8192); ``"8192x6144"`` -> (8192, 6144) as (h, w)."""
-    parts = text.lower().split("x")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
-    if len(values) not in (1, 2) or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"size must be N or HxW with positive numbers, got {text!r}"
-        )
-    return (values[0], values[-1])
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hyfi-preprocess",
@@ -64,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", type=Path, metavar="SLIDE_OR_DIR")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     res = p.add_mutually_exclusive_group()
-    res.add_argument("--mpp", type=_positive_float, help="target microns per pixel (resample)")
+    res.add_argument("--mpp", type=positive_float, help="target microns per pixel (resample)")
     res.add_argument("--level", type=int, help="use this pyramid level as it is (default: 0)")
     p.add_argument(
-        "--size", type=parse_size, default=(8192, 8192), help="canvas N or HxW (default: 8192)"
+        "--size", type=size_type(1), default=(8192, 8192), help="canvas N or HxW (default: 8192)"
     )
     p.add_argument(
         "--fit",
@@ -84,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mpp-override",
-        type=_positive_float,
+        type=positive_float,
         help="level-0 microns per pixel of the inputs, overriding metadata",
     )
     p.add_argument("--labels", type=Path, help="CSV/TSV of slide ids and labels")

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from hyfi_imaging.cli.options import positive_float, size_type
 from hyfi_imaging.errors import HyfiError
 
 __all__ = ["build_parser", "main"]
@@ -33,24 +34,6 @@ Exit status: 0 written, 2 bad arguments or the output could not be written.
 """
 
 
-def _size(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
-    if len(values) not in (1, 2) or min(values) < 256:
-        raise argparse.ArgumentTypeError(f"size must be N or HxW with sides >= 256, got {text!r}")
-    return values[0], values[-1]
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``hyfi-synth`` argument parser."""
     from hyfi_imaging.data.synthetic import KINDS
@@ -65,14 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output directory (created)")
     p.add_argument("--n", type=int, default=8, help="number of slides (default: 8)")
     p.add_argument(
-        "--size", type=_size, default=(4096, 4096), help="N or HxW pixels (default: 4096)"
+        "--size", type=size_type(256), default=(4096, 4096), help="N or HxW pixels (default: 4096)"
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
         "--kind", choices=sorted(KINDS), default="aperio", help="file layout (default: aperio)"
     )
     p.add_argument(
-        "--mpp", type=_positive_float, default=0.5, help="microns per pixel (default: 0.5)"
+        "--mpp", type=positive_float, default=0.5, help="microns per pixel (default: 0.5)"
     )
     p.add_argument(
         "--positive-fraction",

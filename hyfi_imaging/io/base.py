@@ -10,6 +10,7 @@ tile plus halo at the border of an image never needs special cases upstream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -20,6 +21,7 @@ __all__ = [
     "SlideReader",
     "clip_region",
     "paste_region",
+    "read_filled",
     "thumbnail",
 ]
 
@@ -149,6 +151,45 @@ class ArrayReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_filled(
+    reader: SlideReader,
+    level: int,
+    y: int,
+    x: int,
+    h: int,
+    w: int,
+    fetch: Callable[[int, int, int, int], np.ndarray],
+    *,
+    fix: str,
+) -> np.ndarray:
+    """What every ``read_region`` shares: level check, clipping, background fill, one-line errors.
+
+    ``fetch(y0, x0, y1, x1)`` returns the in-image part as uint8 ``(C, y1-y0, x1-x0)``;
+    its failures become :class:`SlideError` with ``fix`` as the advice.
+    """
+    from hyfi_imaging.errors import SlideError
+
+    if not 0 <= level < reader.level_count:
+        raise IndexError(
+            f"{reader.path}: level {level} does not exist; it has {reader.level_count}"
+        )
+    height, width = reader.level_dimensions[level]
+    box = clip_region(y, x, h, w, height, width)
+    if box is None:
+        return np.full((reader.channels, h, w), reader.background, dtype=np.uint8)
+    try:
+        inside = fetch(*box)
+    except SlideError:
+        raise
+    except Exception as err:
+        raise SlideError(
+            reader.path,
+            f"cannot read level {level} region y={y} x={x} h={h} w={w} ({type(err).__name__}: {err})",
+            fix,
+        ) from err
+    return paste_region(inside, y, x, h, w, box, reader.background)
 
 
 def thumbnail(reader: SlideReader, max_size: int) -> tuple[np.ndarray, float]:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io.base import BACKGROUND, clip_region, paste_region
+from hyfi_imaging.io.base import BACKGROUND, read_filled
 
 __all__ = ["OpenSlideReader", "mpp_from_resolution"]
 
@@ -108,28 +108,25 @@ class OpenSlideReader:
 
     def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
         """Read ``[y, y+h) x [x, x+w)`` of ``level`` (level pixels) as uint8 ``(3, h, w)``."""
-        if not 0 <= level < self.level_count:
-            raise IndexError(
-                f"{self.path}: level {level} does not exist; this slide has {self.level_count}"
-            )
-        height, width = self.level_dimensions[level]
-        box = clip_region(y, x, h, w, height, width)
-        if box is None:
-            return np.full((3, h, w), self.background, dtype=np.uint8)
-        y0, x0, y1, x1 = box
-        ds = self.level_downsamples[level]
-        try:
+        ds = self.level_downsamples[level] if 0 <= level < self.level_count else 1.0
+
+        def fetch(y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+            # OpenSlide takes (x, y) in level-0 pixels and a size at the level.
             rgba = self._slide.read_region(
                 (round(x0 * ds), round(y0 * ds)), level, (x1 - x0, y1 - y0)
             )
-        except Exception as err:
-            raise SlideError(
-                self.path,
-                f"OpenSlide cannot read level {level} region y={y} x={x} h={h} w={w} ({err})",
-                "the file may be truncated or corrupt; re-copy or re-export it",
-            ) from err
-        inside = _composite(np.asarray(rgba), self.background)
-        return paste_region(inside, y, x, h, w, box, self.background)
+            return _composite(np.asarray(rgba), self.background)
+
+        return read_filled(
+            self,
+            level,
+            y,
+            x,
+            h,
+            w,
+            fetch,
+            fix="the file may be truncated or corrupt; re-copy or re-export it",
+        )
 
     def close(self) -> None:
         """Release OpenSlide's file handles."""

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io.base import BACKGROUND, clip_region, paste_region
+from hyfi_imaging.io.base import BACKGROUND, read_filled
 from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
 
 __all__ = ["check_complete", "TiffReader", "ome_mpp"]
@@ -212,38 +212,34 @@ class TiffReader:
 
     def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
         """Read ``[y, y+h) x [x, x+w)`` of ``level`` as uint8 ``(C, h, w)``, touching only its tiles."""
-        if not 0 <= level < self.level_count:
-            raise IndexError(
-                f"{self.path}: level {level} does not exist; this image has {self.level_count}"
+
+        def fetch(y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+            sel = tuple(
+                slice(y0, y1)
+                if a == "Y"
+                else slice(x0, x1)
+                if a == "X"
+                else slice(None)
+                if a == self._channel_axis
+                else 0
+                for a in self._axes
             )
-        height, width = self.level_dimensions[level]
-        box = clip_region(y, x, h, w, height, width)
-        if box is None:
-            return np.full((self.channels, h, w), self.background, dtype=np.uint8)
-        y0, x0, y1, x1 = box
-        sel = tuple(
-            slice(y0, y1)
-            if a == "Y"
-            else slice(x0, x1)
-            if a == "X"
-            else slice(None)
-            if a == self._channel_axis
-            else 0
-            for a in self._axes
-        )
-        try:
             data = np.asarray(self._arrays[level][sel])
-        except Exception as err:
-            raise SlideError(
-                self.path,
-                f"cannot read level {level} region y={y} x={x} h={h} w={w} "
-                f"({type(err).__name__}: {err})",
-                "the file may be truncated or corrupt; re-copy or re-export it",
-            ) from err
-        kept = [a for a in self._axes if a in ("Y", "X") or a == self._channel_axis]
-        order = [kept.index(a) for a in (self._channel_axis, "Y", "X") if a is not None]
-        data = data.transpose(order) if self._channel_axis else data[None]
-        return paste_region(self._to_rgb(data), y, x, h, w, box, self.background)
+            kept = [a for a in self._axes if a in ("Y", "X") or a == self._channel_axis]
+            order = [kept.index(a) for a in (self._channel_axis, "Y", "X") if a is not None]
+            data = data.transpose(order) if self._channel_axis else data[None]
+            return self._to_rgb(data)
+
+        return read_filled(
+            self,
+            level,
+            y,
+            x,
+            h,
+            w,
+            fetch,
+            fix="the file may be truncated or corrupt; re-copy or re-export it",
+        )
 
     def _to_rgb(self, data: np.ndarray) -> np.ndarray:
         """``(C, h, w)`` of the source dtype -> uint8 RGB (gray replicated, alpha composited)."""

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io.base import BACKGROUND, clip_region, paste_region
+from hyfi_imaging.io.base import BACKGROUND, read_filled
 
 __all__ = [
     "NGFF_VERSION",
@@ -285,30 +285,17 @@ class ZarrReader:
 
     def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
         """Read ``[y, y+h) x [x, x+w)`` of ``level`` as uint8 ``(C, h, w)``."""
-        if not 0 <= level < self.level_count:
-            raise IndexError(
-                f"{self.path}: level {level} does not exist; this image has {self.level_count}"
-            )
-        height, width = self.level_dimensions[level]
-        box = clip_region(y, x, h, w, height, width)
-        if box is None:
-            return np.full((self.channels, h, w), self.background, dtype=np.uint8)
-        y0, x0, y1, x1 = box
-        sel: list[Any] = [*self._lead, slice(y0, y1), slice(x0, x1)]
-        if self._c_axis is not None:
-            sel[self._c_axis] = slice(None)
-        try:
+
+        def fetch(y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+            sel: list[Any] = [*self._lead, slice(y0, y1), slice(x0, x1)]
+            if self._c_axis is not None:
+                sel[self._c_axis] = slice(None)
             inside = np.asarray(self._arrays[level][tuple(sel)])
-        except Exception as err:
-            raise SlideError(
-                self.path,
-                f"cannot read level {level} region y={y} x={x} h={h} w={w} "
-                f"({type(err).__name__}: {err})",
-                "the store may be damaged; rewrite it",
-            ) from err
-        if self._c_axis is None:
-            inside = inside[None]
-        return paste_region(inside, y, x, h, w, box, self.background)
+            return inside if self._c_axis is not None else inside[None]
+
+        return read_filled(
+            self, level, y, x, h, w, fetch, fix="the store may be damaged; rewrite it"
+        )
 
     def close(self) -> None:
         """Drop the array handles (zarr holds no open files between reads)."""
