@@ -90,7 +90,7 @@ def test_learning_rate_schedule(tmp_path: Path) -> None:
     assert lrs[4] == pytest.approx(1.0) and lrs[-1] == pytest.approx(
         0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(15 / 16 * torch.pi)).item())
     )
-    assert all(a >= b for a, b in itertools.pairwise(lrs))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[4:]))
 
 
 def _model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:

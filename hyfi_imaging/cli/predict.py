@@ -53,7 +53,7 @@ def _run_dir(path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-predict``."""
     from hyfi_imaging.errors import ConfigError, HyfiError
-    from hyfi_imaging.parallel.launch import fail_fast, shutdown
+    from hyfi_imaging.parallel.launch import exit_now, fail_fast, shutdown
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.trainer import Trainer
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
         return 0
 
-    return fail_fast(run, prog="hyfi-predict")
+    exit_now(fail_fast(run, prog="hyfi-predict"))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
     from hyfi_imaging.errors import HyfiError
-    from hyfi_imaging.parallel.launch import fail_fast, shutdown
+    from hyfi_imaging.parallel.launch import exit_now, fail_fast, shutdown
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.trainer import Trainer, preflight
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
         return 0
 
-    return fail_fast(run, prog="hyfi-train")
+    exit_now(fail_fast(run, prog="hyfi-train"))
 
 
 def _rank() -> int:

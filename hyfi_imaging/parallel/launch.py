@@ -21,7 +21,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hyfi_imaging.errors import HyfiError
 from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
 
-__all__ = ["ParallelContext", "detect_launcher", "fail_fast", "init_parallel", "shutdown"]
+__all__ = [
+    "ParallelContext",
+    "detect_launcher",
+    "exit_now",
+    "fail_fast",
+    "init_parallel",
+    "shutdown",
+]
 
 Launcher = Literal["mpi", "torchrun", "single"]
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -156,6 +163,18 @@ def shutdown() -> None:
     """Destroy the process group if one exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush and leave at once with ``code``, skipping interpreter teardown.
+
+    After a distributed run, destructors of communicator threads can abort the
+    process at exit ("terminate called without an active exception") although
+    all work finished; the result must not depend on that.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
