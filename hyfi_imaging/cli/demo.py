@@ -87,7 +87,7 @@ def _train(
         "optim.lr=0.001",
         "train.progress=true",
     ]
-    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(RECIPE)]
+    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(RECIPE), "--no-resume"]
     for o in overrides:
         cmd += ["--set", o]
     shown = (

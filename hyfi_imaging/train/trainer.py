@@ -431,6 +431,8 @@ class Trainer:
                             self.out / "confusion_matrix.png",
                             title=f"{r.name}, step {pos.step}",
                         )
+            if not summary and self.val_idx:  # relaunched after the end: still report
+                summary = self.evaluate()
             self._save(pos)
         finally:
             bar.close()
