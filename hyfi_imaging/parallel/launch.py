@@ -174,6 +174,11 @@ def exit_now(code: int) -> NoReturn:
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        # Every rank gets here on success; mpiexec forwards a rank's output reliably
+        # only for ranks that finalize.
+        mpi.Finalize()
     os._exit(code)
 
 
