@@ -1,10 +1,11 @@
-"""All-reduces as autograd functions, with the two backward rules spatial layers need.
+"""All-reduces for spatial layers, as autograd functions where the backward matters.
 
 Which backward is right depends on who uses the reduced value:
 
-* :func:`all_reduce_partial` — BatchNorm statistics. Every rank uses the
-  global mean to normalise *its own* tile, so each rank's backward holds only
-  its share of the gradient; the true gradient is their **sum**.
+* :func:`all_reduce_sum` — a plain sum for code with its own backward
+  (BatchNorm's statistics: every rank normalises *its own* tile with the global
+  mean, so its backward all-reduces the gradient sums itself, see
+  ``spatial._GlobalBatchNorm``).
 * :func:`all_reduce_max_replicated` — global max pooling: the gradient goes only
   to the rank(s) whose local maximum is the global one.
 * :func:`all_reduce_replicated` — global average pooling. Everything after
@@ -20,39 +21,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_max_replicated", "all_reduce_partial", "all_reduce_replicated"]
+__all__ = ["all_reduce_max_replicated", "all_reduce_replicated", "all_reduce_sum"]
 
 
-def _sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum of ``t`` over ``group`` as a new tensor (no autograd)."""
     out = t.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
-class _AllReducePartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _sum(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _sum(grad, ctx.group), None
-
-
 class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return _sum(x, group)
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
-
-
-def all_reduce_partial(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum over ``group``; backward sums the gradient over ``group`` too."""
-    return _AllReducePartial.apply(x, group)
 
 
 def all_reduce_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -41,6 +41,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.collectives import (
     all_reduce_max_replicated,
     all_reduce_replicated,
+    all_reduce_sum,
 )
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
 from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
@@ -342,12 +343,6 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
-def _sum_all(t: torch.Tensor, group: Any) -> torch.Tensor:
-    out = t.contiguous()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
-
-
 class _GlobalBatchNorm(torch.autograd.Function):
     """Training-mode BatchNorm over all tiles with a hand-written backward.
 
@@ -374,11 +369,11 @@ class _GlobalBatchNorm(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = (1, -1, 1, 1)
         xm = x if tail is None else x.masked_fill(tail, 0.0)
-        mean = _sum_all(xm.sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        mean = all_reduce_sum(xm.sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
         xhat = xm - mean.to(x.dtype).view(shape)
         if tail is not None:
             xhat.masked_fill_(tail, 0.0)
-        var = _sum_all(xhat.square().sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        var = all_reduce_sum(xhat.square().sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
         y = xhat if weight is None else xhat * weight.view(shape) + bias.view(shape)  # type: ignore[union-attr]
@@ -401,7 +396,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
             ]
         )
         dbias, dweight = local[0].clone(), local[1].clone()
-        total = _sum_all(local, ctx.group) / ctx.n
+        total = all_reduce_sum(local, ctx.group) / ctx.n
         scale = rstd if weight is None else rstd * weight.to(rstd.dtype)
         dx = (
             g - total[0].to(g.dtype).view(shape) - xhat * total[1].to(g.dtype).view(shape)
@@ -613,7 +608,6 @@ def _total_stride(model: nn.Module, in_chans: int) -> int:
 
 def reduce_spatial_grads(model: nn.Module, ctx: SpatialContext) -> None:
     """Sum the gradients of tile-derived parameters over the spatial group (one bucket)."""
-    import torch.distributed as dist
 
     grads = [
         p.grad
