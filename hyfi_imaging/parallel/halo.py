@@ -1,26 +1,36 @@
-"""Halo exchange between neighbouring tiles, as an autograd function.
+"""Halo exchange between neighbouring tiles: strips in forward, their adjoint in backward.
 
-Forward: each rank surrounds its tile with ``(top, bottom, left, right)`` rows
-and columns received from its neighbours; past the image border it uses a
-fill value (0 before a convolution, -inf before a max-pool). Corners come for
+Forward (:func:`extend`): each rank surrounds its tile with ``(top, bottom,
+left, right)`` rows and columns received from its neighbours; past the image
+border it uses a fill value (0 before a convolution, -inf before a max-pool).
+The extended tile is allocated **once** and filled in place; corners come for
 free by exchanging rows first and then columns *of the row-extended tile*.
+Only the received strips are new data: a windowed layer that keeps them (and
+the tile it was given, which the layer before usually keeps anyway) can
+:func:`rebuild` the extended tile in backward instead of saving it.
 
-Backward is the adjoint, not a copy of the forward: the gradient that lands
-on a halo belongs to the neighbour that owns those pixels, so it is sent back
-and **added** into the owner's border (REFERENCE.md: dropping it is the classic
-bug). Fill regions get no gradient. All messages of a phase go out together
-with ``batch_isend_irecv``; no barrier, no global synchronisation.
+Backward (:func:`return_halo_grads`) is the adjoint, not a copy of the
+forward: the gradient that lands on a halo belongs to the neighbour that owns
+those pixels, so it is sent back and **added** into the owner's border
+(REFERENCE.md: dropping it is the classic bug). Fill regions get no gradient.
+All messages of a phase go out together with ``batch_isend_irecv``; no
+barrier, no global synchronisation.
+
+The code walks the spatial dimensions generically (the last ``len(halo) // 2``
+dimensions of the tensor), so the same functions serve 2-D tiles and 3-D
+sub-volumes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Neighbours", "halo_exchange"]
+__all__ = ["Neighbours", "extend", "fill_tail", "halo_exchange", "rebuild", "return_halo_grads"]
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,16 @@ class Neighbours:
     def alone(self) -> bool:
         return self.up is None and self.down is None and self.left is None and self.right is None
 
+    def pairs(self) -> tuple[tuple[int | None, int | None], ...]:
+        """``(before, after)`` neighbour per spatial dimension, outermost first."""
+        return ((self.up, self.down), (self.left, self.right))
+
+
+Strips = tuple[torch.Tensor | None, ...]  # received (before, after) per dimension; None = fill
+
 
 def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    """Every halo message passes here (benchmarks count bytes by wrapping it)."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
     for _, t in recvs:
         assert t.is_contiguous(), "receive buffers must be contiguous"
@@ -56,37 +74,133 @@ def _buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
-def _extend(
-    x: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int, fill: float
+def _pairs(halo: Sequence[int]) -> list[tuple[int, int]]:
+    if len(halo) % 2 or any(v < 0 for v in halo):
+        raise ValueError(f"halo must be (before, after) pairs of sizes >= 0, got {tuple(halo)}")
+    return [(halo[i], halo[i + 1]) for i in range(0, len(halo), 2)]
+
+
+def fill_tail(t: torch.Tensor, valid: Sequence[int], fill: float) -> None:
+    """In place: set index ``>= valid[k]`` along each of the last ``len(valid)`` dims to ``fill``."""
+    nd = len(valid)
+    for k, v in enumerate(valid):
+        dim = t.dim() - nd + k
+        n = t.shape[dim]
+        if v < n:
+            t.narrow(dim, max(v, 0), n - max(v, 0)).fill_(fill)
+
+
+def _core_view(ext: torch.Tensor, pairs: list[tuple[int, int]], dims: range) -> torch.Tensor:
+    """``ext`` narrowed to the tile's own range along ``dims`` (the halos of the others kept)."""
+    nd = len(pairs)
+    for k in dims:
+        before, after = pairs[k]
+        dim = ext.dim() - nd + k
+        ext = ext.narrow(dim, before, ext.shape[dim] - before - after)
+    return ext
+
+
+def _new_ext(
+    x: torch.Tensor, pairs: list[tuple[int, int]], fill: float, valid: Sequence[int] | None
 ) -> torch.Tensor:
-    """Grow ``x`` along ``dim`` by ``before``/``after`` slices from peers ``lo``/``hi`` (or ``fill``)."""
-    if before == 0 and after == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = before
-    head = torch.full(shape, fill, dtype=x.dtype, device=x.device)
-    shape[dim] = after
-    tail = torch.full(shape, fill, dtype=x.dtype, device=x.device)
-    n = x.shape[dim]
-    sends, recvs = [], []
-    if lo is not None:
-        if after:
-            sends.append((lo, x.narrow(dim, 0, after)))  # my first rows are lo's `after` halo
-        if before:
-            recvs.append((lo, head))
-    if hi is not None:
-        if before:
-            sends.append((hi, x.narrow(dim, n - before, before)))
-        if after:
-            recvs.append((hi, tail))
-    _exchange(sends, recvs)
-    return torch.cat([head, x, tail], dim=dim)
+    """The extended tile, allocated once, with the (masked) tile in its centre."""
+    nd = len(pairs)
+    lead, tile = x.shape[: x.dim() - nd], x.shape[x.dim() - nd :]
+    shape = (*lead, *(t + b + a for t, (b, a) in zip(tile, pairs, strict=True)))
+    ext = torch.empty(shape, dtype=x.dtype, device=x.device)
+    core = _core_view(ext, pairs, range(nd))
+    core.copy_(x)
+    if valid is not None:
+        fill_tail(core, valid, fill)
+    return ext
+
+
+def _put(
+    region: torch.Tensor, dim: int, before: int, after: int, strips: Strips, fill: float
+) -> None:
+    """Write the received strips (or ``fill`` where no neighbour) into ``region``'s halos."""
+    n = region.shape[dim]
+    for start, size, strip in ((0, before, strips[0]), (n - after, after, strips[1])):
+        if size:
+            dst = region.narrow(dim, start, size)
+            if strip is None:
+                dst.fill_(fill)
+            else:
+                dst.copy_(strip)
+
+
+def extend(
+    x: torch.Tensor,
+    halo: Sequence[int],
+    neighbours: Neighbours,
+    *,
+    fill: float = 0.0,
+    valid: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, Strips]:
+    """``x`` surrounded by its halo, and the strips received (no autograd).
+
+    ``halo`` is ``(before, after)`` per spatial dimension, e.g. ``(top, bottom,
+    left, right)``; ``valid`` (optional) is the number of leading indices per
+    dimension that lie inside the image: the rest of the tile is set to
+    ``fill`` before anything is sent. Returns ``(extended, strips)`` with
+    ``strips`` the received tensors, ``(before, after)`` per dimension, None
+    where the halo is fill.
+    """
+    pairs = _pairs(halo)
+    nd = len(pairs)
+    ext = _new_ext(x, pairs, fill, valid)
+    got: list[torch.Tensor | None] = []
+    for k, ((before, after), (lo, hi)) in enumerate(
+        zip(pairs, neighbours.pairs()[-nd:], strict=True)
+    ):
+        region = _core_view(ext, pairs, range(k + 1, nd))  # rows of the later dims not yet there
+        dim = region.dim() - nd + k
+        n = region.shape[dim] - before - after
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor]] = []
+        strips: list[torch.Tensor | None] = [None, None]
+        if lo is not None:
+            if after:  # my first rows are lo's after-halo
+                sends.append((lo, region.narrow(dim, before, after)))
+            if before:
+                buf = _buffer(region.narrow(dim, 0, before))
+                recvs.append((lo, buf))
+                strips[0] = buf
+        if hi is not None:
+            if before:  # my last rows are hi's before-halo
+                sends.append((hi, region.narrow(dim, n, before)))
+            if after:
+                buf = _buffer(region.narrow(dim, before + n, after))
+                recvs.append((hi, buf))
+                strips[1] = buf
+        _exchange(sends, recvs)
+        _put(region, dim, before, after, tuple(strips), fill)
+        got += strips
+    return ext, tuple(got)
+
+
+def rebuild(
+    x: torch.Tensor,
+    strips: Strips,
+    halo: Sequence[int],
+    *,
+    fill: float = 0.0,
+    valid: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The extended tile :func:`extend` returned, from the tile and its saved strips (no messages)."""
+    pairs = _pairs(halo)
+    nd = len(pairs)
+    ext = _new_ext(x, pairs, fill, valid)
+    for k, (before, after) in enumerate(pairs):
+        region = _core_view(ext, pairs, range(k + 1, nd))
+        _put(region, region.dim() - nd + k, before, after, strips[2 * k : 2 * k + 2], fill)
+    return ext
 
 
 def _reduce(
     g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int
 ) -> torch.Tensor:
-    """Adjoint of :func:`_extend`: send halo gradients to their owners, add what comes back."""
+    """Adjoint of one dimension of :func:`extend`: send halo gradients to their owners, add what comes back."""
     if before == 0 and after == 0:
         return g
     n = g.shape[dim] - before - after
@@ -113,33 +227,53 @@ def _reduce(
     return core
 
 
+def return_halo_grads(
+    grad: torch.Tensor,
+    halo: Sequence[int],
+    neighbours: Neighbours,
+    *,
+    valid: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Adjoint of :func:`extend`: the gradient of the tile from that of the extended tile.
+
+    Dimensions are undone in the reverse order of the forward (columns, then
+    rows with their corners); outside the image (``valid``) the gradient is 0.
+    """
+    pairs = _pairs(halo)
+    nd = len(pairs)
+    g = grad.contiguous()
+    for k in reversed(range(nd)):
+        lo, hi = neighbours.pairs()[-nd:][k]
+        g = _reduce(g, *pairs[k], lo, hi, g.dim() - nd + k)
+    if valid is not None and any(
+        v < n for v, n in zip(valid, g.shape[g.dim() - nd :], strict=True)
+    ):
+        g = g.clone() if g is grad else g
+        fill_tail(g, valid, 0.0)
+    return g
+
+
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, halo: tuple[int, int, int, int], fill: float, nb: Neighbours
+        ctx: Any, x: torch.Tensor, halo: tuple[int, ...], fill: float, nb: Neighbours
     ) -> torch.Tensor:
-        top, bottom, left, right = halo
         ctx.halo, ctx.nb = halo, nb
-        rows = _extend(x, top, bottom, nb.up, nb.down, x.dim() - 2, fill)
-        return _extend(rows, left, right, nb.left, nb.right, x.dim() - 1, fill)
+        return extend(x, halo, nb, fill=fill)[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        top, bottom, left, right = ctx.halo
-        nb: Neighbours = ctx.nb
-        g = _reduce(grad.contiguous(), left, right, nb.left, nb.right, grad.dim() - 1)
-        g = _reduce(g, top, bottom, nb.up, nb.down, grad.dim() - 2)
-        return g, None, None, None
+        return return_halo_grads(grad, ctx.halo, ctx.nb), None, None, None
 
 
 def halo_exchange(
     x: torch.Tensor, halo: tuple[int, int, int, int], neighbours: Neighbours, *, fill: float = 0.0
 ) -> torch.Tensor:
-    """Return ``x`` (..., h, w) surrounded by its ``(top, bottom, left, right)`` halo.
+    """Return ``x`` (..., h, w) surrounded by its ``(top, bottom, left, right)`` halo, with autograd.
 
     Every halo must be no wider than the neighbouring tile (the caller checks);
     all ranks of the grid must call this with the same ``halo``.
     """
     if any(v < 0 for v in halo):
         raise ValueError(f"halo sizes must be >= 0, got {halo}")
-    return _HaloExchange.apply(x, halo, fill, neighbours)
+    return _HaloExchange.apply(x, tuple(halo), fill, neighbours)

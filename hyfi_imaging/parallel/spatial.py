@@ -38,13 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel import windowed
 from hyfi_imaging.parallel.collectives import (
     all_reduce_max_replicated,
     all_reduce_replicated,
     all_reduce_sum,
 )
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
-from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
+from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.windowed import Window
 
 __all__ = [
     "SpatialAvgPool2d",
@@ -252,90 +254,83 @@ class _SpatialMixin:
         i, j = self.hyfi_ctx.tile
         return _MaskTail.apply(x, mh - i * th, mw - j * tw, fill)
 
-    def _exchange(
-        self, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom], fill: float
-    ) -> torch.Tensor:
-        """Tile plus the halo this window needs; surplus rows/columns sliced away."""
-        gy, gx = geoms
+    def _window(self, x: torch.Tensor, fill: float) -> Window:
+        """Halo, extent read and valid part of this layer's tile; ConfigError when untileable."""
         th, tw = x.shape[-2:]
-        halo = []
-        tiles_y, tiles_x = self.hyfi_ctx.grid
-        for g, t, axis, tiles in ((gy, th, "height", tiles_y), (gx, tw, "width", tiles_x)):
+        tiles, (mh, mw) = self.hyfi_ctx.grid, self.hyfi_ctx.out_size_of(self.hyfi_path)
+        halo: list[int] = []
+        need: list[int] = []
+        for g, t, axis, n_tiles, m in zip(
+            self.hyfi_geoms, (th, tw), ("height", "width"), tiles, (mh, mw), strict=True
+        ):
             if t % g.stride:
                 raise ConfigError(
                     self.hyfi_path,
                     f"the tile {axis} {t} is not a multiple of the stride {g.stride}",
                     "align tiles to the model's total stride (SpatialContext.align)",
                 )
+            if m > (t // g.stride) * n_tiles:
+                # ceil_mode with padding adds an output past the padded image (e.g. 3x3/s2/p1 on even sizes).
+                raise ConfigError(
+                    self.hyfi_path,
+                    f"produces {mh}x{mw} outputs but the tiles hold "
+                    f"{th // self.hyfi_geoms[0].stride * tiles[0]}x{tw // self.hyfi_geoms[1].stride * tiles[1]}",
+                    "change the image size by a few pixels, or use ceil_mode=False",
+                )
             before, after = g.padding, g.extent - g.padding - g.stride
             # With one tile along an axis the halo is all global padding: any width works.
-            if max(before, after) > t and tiles > 1:
+            if max(before, after) > t and n_tiles > 1:
                 raise ConfigError(
                     self.hyfi_path,
                     f"needs a halo of {max(before, after)} px but tiles are only {t} px along the {axis}",
                     "use fewer tiles along that axis or a larger image",
                 )
-            halo += [before, after]
-        top, bottom, left, right = halo
-        # A negative halo (surplus) needs no data; the window op then yields extra
-        # outputs past the tile, which _trim() drops.
-        return halo_exchange(
-            x, (top, max(bottom, 0), left, max(right, 0)), self.hyfi_ctx.neighbours, fill=fill
+            # A negative halo (surplus) needs no data: the windows read less than the tile.
+            halo += [before, max(after, 0)]
+            need.append(before + t + after)
+        (vh, vw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
+        return Window(
+            halo=(halo[0], halo[1], halo[2], halo[3]),
+            need=(need[0], need[1]),
+            valid=(vh - i * th, vw - j * tw),
+            fill=fill,
+            neighbours=self.hyfi_ctx.neighbours,
+            kernel=(self.hyfi_geoms[0].kernel, self.hyfi_geoms[1].kernel),
+            stride=(self.hyfi_geoms[0].stride, self.hyfi_geoms[1].stride),
+            dilation=(self.hyfi_geoms[0].dilation, self.hyfi_geoms[1].dilation),
         )
-
-    def _trim(
-        self, y: torch.Tensor, x: torch.Tensor, geoms: tuple[LayerGeom, LayerGeom]
-    ) -> torch.Tensor:
-        """Keep the outputs this tile owns: its input tile divided by the stride."""
-        h, w = x.shape[-2] // geoms[0].stride, x.shape[-1] // geoms[1].stride
-        (gy, gx), (mh, mw) = self.hyfi_ctx.grid, self.hyfi_ctx.out_size_of(self.hyfi_path)
-        if mh > h * gy or mw > w * gx:
-            # ceil_mode with padding adds an output past the padded image (e.g. 3x3/s2/p1 on even sizes).
-            raise ConfigError(
-                self.hyfi_path,
-                f"produces {mh}x{mw} outputs but the tiles hold {h * gy}x{w * gx}",
-                "change the image size by a few pixels, or use ceil_mode=False",
-            )
-        return y if y.shape[-2:] == (h, w) else y[..., :h, :w]
 
 
 class SpatialConv2d(_SpatialMixin, nn.Conv2d):
-    """``nn.Conv2d`` on a tile: mask, exchange halo, convolve without padding."""
+    """``nn.Conv2d`` on a tile: halo exchanged, padding 0, only tile + halo strips saved."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geoms = self.hyfi_geoms
-        xp = self._exchange(self._mask(x, 0.0), geoms, 0.0)
-        y = F.conv2d(xp, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
-        return self._trim(y, x, geoms)
+        return windowed.conv(x, self.weight, self.bias, self._window(x, 0.0), self.groups)
 
 
 class SpatialMaxPool2d(_SpatialMixin, nn.MaxPool2d):
     """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geoms = self.hyfi_geoms
-        xp = self._exchange(self._mask(x, -math.inf), geoms, -math.inf)
-        return self._trim(
-            F.max_pool2d(xp, self.kernel_size, self.stride, 0, self.dilation), x, geoms
-        )
+        return windowed.max_pool(x, self._window(x, -math.inf))
 
 
 class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geoms = self.hyfi_geoms
-        xp = self._exchange(self._mask(x, 0.0), geoms, 0.0)
-        if self.count_include_pad or self.divisor_override or not any(g.padding for g in geoms):
-            y = F.avg_pool2d(
-                xp, self.kernel_size, self.stride, 0, False, True, self.divisor_override
-            )
-            return self._trim(y, x, geoms)
-        # Divide by the number of window pixels inside the image, as PyTorch does.
-        inside = self._exchange(self._mask(torch.ones_like(x[:1, :1]), 0.0), geoms, 0.0)
-        total = F.avg_pool2d(xp, self.kernel_size, self.stride, 0, False, True, 1)
-        count = F.avg_pool2d(inside, self.kernel_size, self.stride, 0, False, True, 1)
-        return self._trim(total / count, x, geoms)
+        win = self._window(x, 0.0)
+        exclude = None
+        if not (self.count_include_pad or self.divisor_override) and any(
+            g.padding for g in self.hyfi_geoms
+        ):
+            # Divide by the number of window pixels inside the image, as PyTorch does.
+            (i, j), (th, tw) = self.hyfi_ctx.tile, x.shape[-2:]
+            origin = (i * th - win.halo[0], j * tw - win.halo[2])
+            exclude = (origin, self.hyfi_ctx.size_of(self.hyfi_path))
+        return windowed.avg_pool(
+            x, win, divisor_override=self.divisor_override, exclude_padding_at=exclude
+        )
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
