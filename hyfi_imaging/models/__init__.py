@@ -18,6 +18,7 @@ Importing this package registers every variant; see :func:`list_models`.
 from __future__ import annotations
 
 from hyfi_imaging.models.amoebanet import AMOEBANET_D, AmoebaNet, FactorizedReduce, Genotype
+from hyfi_imaging.models.convchain import ConvChain, ConvReLU
 from hyfi_imaging.models.registry import (
     ChainModel,
     CheckpointedBlock,
@@ -35,6 +36,8 @@ __all__ = [
     "Bottleneck",
     "ChainModel",
     "CheckpointedBlock",
+    "ConvChain",
+    "ConvReLU",
     "FactorizedReduce",
     "Genotype",
     "PreActBlock",

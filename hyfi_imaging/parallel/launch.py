@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hyfi_imaging.errors import HyfiError
+from hyfi_imaging.parallel.memory import fix_malloc_threshold
 from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
 
 __all__ = [
@@ -120,7 +121,11 @@ def init_parallel(
     """Start (or join) the process group for ``layout`` and build its mesh.
 
     The layout is checked against the world size before any group exists.
+    glibc's mmap threshold is fixed first (see :func:`.memory.fix_malloc_threshold`)
+    so that freed tile buffers go back to the kernel and per-rank peaks do not
+    depend on allocation order.
     """
+    fix_malloc_threshold()
     launcher = detect_launcher()
     if launcher == "torchrun":
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,0 +1,125 @@
+"""What a rank keeps in memory: saved activations by module, and the allocator.
+
+Why a library module: the memory regression test, the benchmarks and the
+planner must count the same thing the same way. :func:`saved_activations`
+counts the *distinct storages* autograd keeps for backward during one forward
+pass (a tensor saved by a ReLU and again by the convolution after it is paid
+for once, by the ReLU), attributed to the leaf module that was running when it
+was first saved, parameters apart.
+
+:func:`fix_malloc_threshold` makes peak RSS reproducible: glibc's adaptive mmap
+threshold keeps freed buffers of up to 32 MiB in the heap, and small tiles
+fall under it far more often than whole-image tensors (up to +50 % per-rank
+peak on this project's benchmarks). ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``
+returns every larger buffer to the kernel at once, like
+``MALLOC_MMAP_THRESHOLD_=65536`` in the environment, without needing it set
+before the process starts. It is a no-op off glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SavedActivations", "fix_malloc_threshold", "saved_activations"]
+
+PARAMETERS = "(parameters)"
+BETWEEN = "(between modules)"
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+@dataclass
+class SavedActivations:
+    """Bytes autograd saved for backward in one forward, by module path (distinct storages).
+
+    ``by_module`` maps the path of the leaf module that first saved a storage
+    (``"(between modules)"`` for tensor code outside leaves, ``"(parameters)"``
+    for parameters) to bytes; ``shared`` counts, per module, the bytes of
+    storages it saved that an earlier module had already saved (free for it).
+    """
+
+    by_module: dict[str, int] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def activations(self) -> int:
+        """Total bytes, parameters excluded."""
+        return sum(v for k, v in self.by_module.items() if k != PARAMETERS)
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes per module class name (parameters apart)."""
+        out: dict[str, int] = defaultdict(int)
+        for path, v in self.by_module.items():
+            if path != PARAMETERS:
+                out[self.kinds.get(path, path)] += v
+        return dict(out)
+
+
+def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActivations:
+    """Run ``forward()`` (which should call ``model``) and count what autograd saves.
+
+    The result of ``forward()`` is dropped, so its graph is freed.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack = [BETWEEN]
+    seen: set[int] = set()
+    result = SavedActivations()
+    by_module: dict[str, int] = defaultdict(int)
+    shared: dict[str, int] = defaultdict(int)
+    handles: list[Any] = []
+    for path, mod in model.named_modules():
+        if not list(mod.children()):
+            result.kinds[path] = type(mod).__name__
+            handles.append(mod.register_forward_pre_hook(lambda m, a, p=path: stack.append(p)))
+            handles.append(mod.register_forward_hook(lambda m, a, o: stack.pop() and None))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or t.device.type == "meta":
+            return t
+        if key in seen:
+            shared[stack[-1]] += nbytes
+        else:
+            seen.add(key)
+            by_module[PARAMETERS if key in params else stack[-1]] += nbytes
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    result.by_module, result.shared = dict(by_module), dict(shared)
+    return result
+
+
+def fix_malloc_threshold(threshold: int = 64 * 1024) -> bool:
+    """Set glibc's mmap threshold (fixed, not adaptive); True if it was set.
+
+    Skipped when the user already chose one with ``MALLOC_MMAP_THRESHOLD_`` or
+    runs another allocator (``LD_PRELOAD`` of jemalloc/tcmalloc).
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
