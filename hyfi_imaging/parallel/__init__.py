@@ -24,7 +24,6 @@ __all__ = [
     "SpatialContext",
     "halo_exchange",
     "init_parallel",
-    "reduce_spatial_grads",
     "run_verify",
     "shutdown",
     "spatialize",
@@ -41,7 +40,6 @@ _WHERE = {
     "ParallelPlan": "engine",
     "SpatialContext": "spatial",
     "spatialize": "spatial",
-    "reduce_spatial_grads": "spatial",
     "run_verify": "verify",
 }
 

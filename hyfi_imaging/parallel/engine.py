@@ -71,7 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import CheckpointedBlock
@@ -88,7 +88,8 @@ from hyfi_imaging.parallel.pipeline import (
     stage_boundaries,
     stage_bounds,
 )
-from hyfi_imaging.parallel.spatial import SpatialContext, reduce_spatial_grads, spatialize
+from hyfi_imaging.parallel.sharding import apply_fsdp
+from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
 
 __all__ = [
     "ParallelModel",
@@ -275,14 +276,18 @@ class ParallelModel:
         self.stage_module.to(pc.device)
         self._submod: nn.Module = self.stage_module
         trainable = any(p.requires_grad for p in self.stage_module.parameters())
-        if layout.dp > 1 and trainable:
-            self._submod = DistributedDataParallel(
+        self.fsdp_units: list[str] = []
+        if pc.shard_mesh is not None and trainable:
+            # With several micro-batches, keep the gathered parameters between
+            # them instead of gathering again for every micro-batch (torchtitan's
+            # choice for pipelining).
+            self.fsdp_units = apply_fsdp(
                 self.stage_module,
-                device_ids=[pc.device] if pc.device.type == "cuda" else None,
-                process_group=pc.group("dp"),
-                forward_sync_buffers=False,
+                pc.shard_mesh,
+                tile_names=None if self.ctx is None else self.ctx.tile_param_names,
+                tiles=layout.sp_size,
+                reshard_after_forward=plan.microbatches == 1,
             )
-            self._submod.register_comm_hook(pc.group("dp"), _sum_hook)
         self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
         self.last_logits: Tensor | None = None
 
@@ -421,20 +426,11 @@ class ParallelModel:
         self.stage_module.train()
         self.stage_module.expected = pipe.out_shapes
         snapshot = self._norm_snapshot() if self.plan.layout.dp > 1 else None
-        # The sp and dp reductions sum whole .grad tensors: set earlier gradients
-        # aside so that only this step's are reduced, then add them back.
-        earlier = {p: p.grad for p in self.stage_module.parameters() if p.grad is not None}
-        for p in earlier:
-            p.grad = None
         losses: list[Tensor] = []
+        # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
+        # backward and adds them to the (sharded) gradients already there.
         out = pipe.schedule.step(*args, target=labels.to(self.pc.device), losses=losses)
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
-        if self.ctx is not None:
-            reduce_spatial_grads(self.stage_module, self.ctx)
-        for p, g in earlier.items():
-            if p.grad is not None:
-                g.add_(p.grad)
-            p.grad = g
         if snapshot is not None:
             self._sync_running_stats(snapshot)
         local = float(sum(float(v.detach()) for v in losses)) if self.is_last else 0.0
@@ -475,15 +471,16 @@ class ParallelModel:
         """Scale gradients so that the norm over the *whole* model is at most ``max_norm``.
 
         Returns the total norm before clipping (as ``torch.nn.utils.clip_grad_norm_``).
-        Squares are summed over this stage and then over the ``pp`` group only:
-        every tile and every replica of a stage holds the same reduced gradients.
+        Each rank sums the squares of the gradient it *owns* -- its FSDP shard,
+        or the whole gradient where nothing is sharded -- and one all-reduce over
+        the world adds the shards of every stage: each element is counted once.
         """
-        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in self.stage_module.parameters() if p.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64, device=self.pc.device)
         for g in grads:
             sq += g.detach().double().pow(2).sum()
-        if self.num_stages > 1:
-            dist.all_reduce(sq, group=self.pc.group("pp"))
+        if self.pc.world_size > 1:
+            dist.all_reduce(sq)
         total = float(sq.sqrt().item())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -630,18 +627,9 @@ class ParallelModel:
         return "\n".join(lines)
 
 
-def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    """DDP communication hook: *sum* gradient buckets over ``dp`` (the loss is already /dp)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-# DDP compares the hook's annotations with the real classes; under
-# ``from __future__ import annotations`` they are strings, so give it the objects.
-_sum_hook.__annotations__.update(
-    bucket=dist.GradBucket, group=Any, **{"return": torch.futures.Future[Tensor]}
-)
+def _local(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard, else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def running_stats_increment(

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hyfi_imaging.errors import HyfiError
-from hyfi_imaging.parallel.memory import fix_malloc_threshold
 from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
+from hyfi_imaging.parallel.memory import fix_malloc_threshold
 
 __all__ = [
     "ParallelContext",
@@ -67,6 +67,9 @@ class ParallelContext:
     device: torch.device
     mesh: DeviceMesh
     groups: dict[str, Any] = field(default_factory=dict)
+    #: 1-D mesh of the ranks that share this rank's parameters (``dp`` x ``sy`` x ``sx``
+    #: at its ``pp`` coordinate): FSDP2 shards over it. None when it has one rank.
+    shard_mesh: DeviceMesh | None = None
 
     @property
     def coords(self) -> tuple[int, int, int, int]:
@@ -161,7 +164,13 @@ def init_parallel(
     groups["sp"] = (
         mesh["sy", "sx"]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
     )
-    return ParallelContext(layout, rank, world, local_rank, launcher, backend, device, mesh, groups)
+    shard_mesh = None
+    if layout.dp * layout.sp_size > 1:
+        shard_mesh = mesh["dp", "sy", "sx"]._flatten("shard")
+        groups["shard"] = shard_mesh.get_group()
+    return ParallelContext(
+        layout, rank, world, local_rank, launcher, backend, device, mesh, groups, shard_mesh
+    )
 
 
 def shutdown() -> None:

@@ -33,7 +33,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,7 +55,6 @@ __all__ = [
     "SpatialGlobalAvgPool2d",
     "SpatialGlobalMaxPool2d",
     "SpatialMaxPool2d",
-    "reduce_spatial_grads",
     "spatialize",
 ]
 
@@ -599,21 +597,3 @@ def _total_stride(model: nn.Module, in_chans: int) -> int:
             jump = max(1, round(probe / sizes[name][0]))
             align = math.lcm(align, jump * layer_geom(m)[0].stride, jump * layer_geom(m)[1].stride)
     return align
-
-
-def reduce_spatial_grads(model: nn.Module, ctx: SpatialContext) -> None:
-    """Sum the gradients of tile-derived parameters over the spatial group (one bucket)."""
-
-    grads = [
-        p.grad
-        for n, p in model.named_parameters()
-        if n in ctx.tile_param_names and p.grad is not None
-    ]
-    if not grads or ctx.grid == (1, 1):
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()

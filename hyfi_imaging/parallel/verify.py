@@ -36,6 +36,7 @@ from torch import nn
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.sharding import full_tensor
 from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
 
 __all__ = [
@@ -231,7 +232,7 @@ def run_verify(
             want = ref_params[name].grad
             if p.grad is None and want is None:
                 continue
-            got = torch.zeros_like(p) if p.grad is None else p.grad
+            got = full_tensor(torch.zeros_like(p) if p.grad is None else p.grad)
             want = torch.zeros_like(got.cpu()) if want is None else want
             report.add(f"{tag}/grad/{name}", got, want, rtol, atol)
         ref_opt.step()
@@ -244,7 +245,7 @@ def run_verify(
         report.add(f"predict/output[dp{d}]", logits, reference(images[mine]), rtol, atol)
     ref_state = reference.state_dict()
     for name, value in pm.state_dict().items():
-        report.add(f"final/{name}", value, ref_state[name], rtol, atol)
+        report.add(f"final/{name}", full_tensor(value), ref_state[name], rtol, atol)
 
     # Free the stages, schedules and buffers while the process group is alive,
     # not in some later garbage collection after it has been destroyed.
