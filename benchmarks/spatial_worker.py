@@ -23,11 +23,13 @@ What one run does:
   this rank sends, per image size and per phase (forward/backward);
 * ``--profile N``: one warm-up and one profiled step at N (``torch.profiler``),
   self CPU time per operator;
-* ``--fused-bn``: what-if run with a fused-BatchNorm prototype (see
-  :func:`_install_fused_batchnorm`), the memory fix the benchmark suggests;
+* ``--shard fsdp|replicate``: grid runs shard parameters, gradients and
+  momentum with FSDP2 over the tiles (default, as the library trains), or keep
+  them whole on every rank and all-reduce each tile gradient (the baseline);
 * ``--saved``: after everything else, one forward at the first size under
-  ``saved_tensors_hooks``, counting the distinct storages autograd keeps for
-  backward, by the class of the module that saved them (parameters apart).
+  ``saved_tensors_hooks`` (:func:`hyfi_imaging.parallel.memory.saved_activations`),
+  counting the distinct storages autograd keeps for backward, by the class of
+  the module that saved them (parameters apart).
 """
 
 from __future__ import annotations
@@ -110,44 +112,6 @@ def _phase(name: str) -> Iterator[None]:
         _PHASE["name"] = old
 
 
-def _saved_bytes_by_class(model: Any, forward: Callable[[], Any]) -> dict[str, int]:
-    """Bytes of distinct storages autograd saves during ``forward()``, by module class."""
-    import torch
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    current = ["(between modules)"]
-    seen: set[int] = set()
-    by_class: dict[str, int] = defaultdict(int)
-    handles: list[Any] = []
-
-    def enter(m: Any, args: Any) -> None:
-        current.append(type(m).__name__)
-
-    def leave(m: Any, args: Any, out: Any) -> None:  # must return None: keeps the output
-        current.pop()
-
-    for mod in model.modules():
-        if not list(mod.children()):
-            handles += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
-
-    def pack(t: Any) -> Any:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in seen and storage.nbytes() > 0:
-            seen.add(key)
-            by_class["(parameters)" if key in params else current[-1]] += storage.nbytes()
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = forward()
-        del loss
-    finally:
-        for h in handles:
-            h.remove()
-    return dict(by_class)
-
-
 def _profile_step(
     step: Callable[..., Any], inputs: tuple[Any, Any], barrier: Callable[[], None]
 ) -> list[dict[str, Any]]:
@@ -166,84 +130,6 @@ def _profile_step(
     return sorted(rows, key=lambda r: -r["self_s"])
 
 
-def _install_fused_batchnorm() -> None:
-    """What-if: SpatialBatchNorm2d as one autograd function that saves only its input.
-
-    A prototype of a suggested library fix, for ``--fused-bn`` runs only. The
-    library composes BatchNorm from tensor ops, so autograd keeps two full-size
-    tensors per layer (the centred input and the normalised output); native
-    BatchNorm keeps one. Here the statistics are computed without autograd
-    (masked sums, all-reduced) and backward recomputes x_hat from the saved
-    input and all-reduces ``sum(dy)`` and ``sum(dy * x_hat)`` in one call:
-    ``dx = invstd * (w dy - mask * (sum(w dy) + x_hat * sum(w dy x_hat)) / n)``.
-    Agrees with one process to 1e-12 in float64 (ResNet-50, 1x2 grid, via
-    ``run_verify``).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from hyfi_imaging.parallel import spatial
-
-    def masked(x: torch.Tensor, vh: int, vw: int) -> torch.Tensor:
-        if vh >= x.shape[-2] and vw >= x.shape[-1]:
-            return x
-        x = x.clone()
-        x[..., max(vh, 0) :, :] = 0
-        x[..., :, max(vw, 0) :] = 0
-        return x
-
-    class _Fn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any, w: Any, b: Any, mean: Any, invstd: Any, meta: Any) -> Any:
-            ctx.save_for_backward(x, w, mean, invstd)
-            ctx.meta = meta
-            v = (1, -1, 1, 1)
-            return (x - mean.view(v)) * (invstd * w).view(v) + b.view(v)
-
-        @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
-            x, w, mean, invstd = ctx.saved_tensors
-            vh, vw, n, group = ctx.meta
-            v = (1, -1, 1, 1)
-            xhat = (x - mean.view(v)) * invstd.view(v)
-            db, dw = g.sum(dim=(0, 2, 3)), (g * xhat).sum(dim=(0, 2, 3))
-            sums = torch.stack([db * w, dw * w])
-            dist.all_reduce(sums, group=group)
-            mask = masked(torch.ones_like(x[:1, :1]), vh, vw)
-            dx = invstd.view(v) * (g * w.view(v) - mask * (sums[0].view(v) + xhat * sums[1].view(v)) / n)  # fmt: skip
-            return dx, dw, db, None, None, None
-
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return torch.nn.functional.batch_norm(
-                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
-            )
-        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
-        i, j = self.hyfi_ctx.tile
-        vh, vw = mh - i * x.shape[-2], mw - j * x.shape[-1]
-        n, group = x.shape[0] * mh * mw, self.hyfi_ctx.group
-        with torch.no_grad():
-            s1 = masked(x, vh, vw).sum(dim=(0, 2, 3))
-            dist.all_reduce(s1, group=group)
-            mean = s1 / n
-            s2 = masked(x - mean.view(1, -1, 1, 1), vh, vw).square().sum(dim=(0, 2, 3))
-            dist.all_reduce(s2, group=group)
-            var = s2 / n
-            if self.track_running_stats and self.running_mean is not None:
-                self.num_batches_tracked.add_(1)
-                f = (
-                    1.0 / float(self.num_batches_tracked)
-                    if self.momentum is None
-                    else self.momentum
-                )
-                self.running_mean.lerp_(mean, f)
-                self.running_var.lerp_(var * (n / max(n - 1, 1)), f)
-        invstd = torch.rsqrt(var + self.eps)
-        return _Fn.apply(x, self.weight, self.bias, mean, invstd, (vh, vw, n, group))
-
-    spatial.SpatialBatchNorm2d.forward = forward  # type: ignore[method-assign]
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -260,7 +146,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--count-halo", action="store_true")
     p.add_argument("--saved", action="store_true", help="count tensors saved for backward")
-    p.add_argument("--fused-bn", action="store_true", help="what-if: fused BatchNorm prototype")
+    p.add_argument(
+        "--shard",
+        choices=("fsdp", "replicate"),
+        default="fsdp",
+        help="grid runs: FSDP2 over the tiles (the library's way), or whole parameters, "
+        "gradients and momentum on every rank with one all-reduce per gradient (the baseline)",
+    )
     p.add_argument("--profile", type=int, default=0, help="profile one step at this size (0: no)")
     return p.parse_args(argv)
 
@@ -277,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.launch import init_parallel, shutdown
     from hyfi_imaging.parallel.layout import Layout
-    from hyfi_imaging.parallel.spatial import reduce_spatial_grads
+    from hyfi_imaging.parallel.memory import PARAMETERS, saved_activations
+    from hyfi_imaging.parallel.sharding import apply_fsdp
     from hyfi_imaging.parallel.verify import pad_image, spatial_context_for
 
     grid = Layout.parse_grid(args.grid)
@@ -290,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         pc = init_parallel(Layout(sp=grid))
         rank, world = pc.rank, pc.world_size
         ctx = spatial_context_for(model, pc)
-        if args.fused_bn:
-            _install_fused_batchnorm()
+        if args.shard == "fsdp" and pc.shard_mesh is not None:
+            apply_fsdp(
+                model,
+                pc.shard_mesh,
+                tile_names=ctx.tile_param_names,
+                tiles=world,
+                reshard_after_forward=True,
+            )
         if args.count_halo:
             _install_halo_counter()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -328,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         with _phase("backward"):
             loss.backward()
         mark()
-        if ctx is not None:
-            reduce_spatial_grads(model, ctx)
+        if ctx is not None and args.shard == "replicate":
+            for name, p in model.named_parameters():  # FSDP2 reduces inside backward
+                if p.grad is not None and name in ctx.tile_param_names:
+                    dist.all_reduce(p.grad)
         mark()
         opt.step()
         mark()
@@ -392,9 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         result["profile"] = _profile_step(step, make_input(args.profile), barrier)
     if args.saved and sizes:
         x, labels = make_input(sizes[0])
-        result["saved_bytes"] = _saved_bytes_by_class(
-            model, lambda: F.cross_entropy(model(x), labels)
-        )
+        saved = saved_activations(model, lambda: F.cross_entropy(model(x), labels))
+        result["saved_bytes"] = {**saved.by_kind(), PARAMETERS: saved.by_module.get(PARAMETERS, 0)}
     if spatial:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)

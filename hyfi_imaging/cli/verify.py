@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpointing",
         default="none",
-        metavar="none|full|every:N",
-        help="activation checkpointing: no block, every block, or every N-th block (default none)",
+        metavar="none|full|every:N|selective",
+        help="activation checkpointing: no block, every block, every N-th block, or every block "
+        "keeping convolution outputs (default none)",
     )
     p.add_argument(
         "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"

@@ -38,7 +38,11 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from hyfi_imaging.errors import ConfigError
 
@@ -184,6 +188,32 @@ class _RestoreBatchNormStats(contextlib.AbstractContextManager[None]):
         return [m.running_mean, m.running_var, m.num_batches_tracked]  # type: ignore[list-item]
 
 
+class _Both(contextlib.AbstractContextManager[None]):
+    """Enter two context managers, leave them in reverse order."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+
+
+def _keep_convolutions(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing: keep convolution outputs, recompute everything else."""
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op is torch.ops.aten.convolution.default
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
 class CheckpointedBlock(nn.Module):
     """A block that can recompute its activations in backward instead of storing them.
 
@@ -191,9 +221,24 @@ class CheckpointedBlock(nn.Module):
     :func:`torch.utils.checkpoint.checkpoint` (non-reentrant) when
     ``grad_checkpointing`` is set and autograd is recording. Values and
     gradients are unchanged; BatchNorm running statistics are updated once.
+
+    ``checkpoint_policy``: ``"full"`` keeps only the block's input and
+    recomputes the whole block in backward; ``"selective"`` also keeps every
+    convolution's output (PyTorch's selective activation checkpointing) and
+    recomputes only the cheap layers between them (BatchNorm, ReLU, additions,
+    and the halo exchanges that rebuild each convolution's input), trading a
+    little memory for not running the convolutions twice.
     """
 
     grad_checkpointing: bool = False
+    checkpoint_policy: str = "full"
+
+    def _checkpoint_contexts(self) -> tuple[Any, Any]:
+        restore = _RestoreBatchNormStats(self)
+        if self.checkpoint_policy == "selective":
+            forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_keep_convolutions)
+            return forward_ctx, _Both(restore, recompute_ctx)  # snapshot outside the SAC mode
+        return contextlib.nullcontext(), restore
 
     def forward_block(self, x: Any) -> Any:
         """The block's computation; implemented by subclasses."""
@@ -206,7 +251,7 @@ class CheckpointedBlock(nn.Module):
                 self.forward_block,
                 x,
                 use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), _RestoreBatchNormStats(self)),
+                context_fn=self._checkpoint_contexts,
             )
         return self.forward_block(x)
 

@@ -110,7 +110,8 @@ class ParallelPlan:
     ``balance`` is the number of top-level layers per stage; ``None`` measures
     every layer (``balance_by``: ``"time"`` or ``"memory"``) and cuts where the
     slowest (largest) stage is smallest. ``checkpointing`` is ``"none"``,
-    ``"full"`` (every block) or ``"every:N"`` (every N-th block).
+    ``"full"`` (every block), ``"every:N"`` (every N-th block) or ``"selective"``
+    (every block, convolution outputs kept).
 
     OK::
 

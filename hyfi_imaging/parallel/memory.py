@@ -91,7 +91,9 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
             shared[stack[-1]] += nbytes
         else:
             seen.add(key)
-            by_module[PARAMETERS if key in params else stack[-1]] += nbytes
+            # FSDP2 saves its gathered (unsharded) parameters: Parameters, other storages.
+            is_param = key in params or isinstance(t, nn.Parameter)
+            by_module[PARAMETERS if is_param else stack[-1]] += nbytes
         return t
 
     try:

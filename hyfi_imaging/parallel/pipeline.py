@@ -186,14 +186,15 @@ _EVERY = re.compile(r"\s*every\s*:\s*(\d+)\s*")
 
 
 def parse_checkpointing(text: str) -> int:
-    """``"none"`` -> 0, ``"full"`` -> 1 (every block), ``"every:N"`` -> N (every N-th block).
+    """Which blocks are checkpointed: ``"none"`` -> 0, ``"full"`` and ``"selective"`` -> 1
+    (every block), ``"every:N"`` -> N (every N-th block).
 
     Error: ``parse_checkpointing("some")`` raises ConfigError listing the forms.
     """
     t = text.strip().lower()
     if t == "none":
         return 0
-    if t == "full":
+    if t in ("full", "selective"):
         return 1
     m = _EVERY.fullmatch(t)
     if m and int(m.group(1)) >= 1:
@@ -201,7 +202,8 @@ def parse_checkpointing(text: str) -> int:
     raise ConfigError(
         f"--checkpointing {text}",
         "is not a checkpointing mode",
-        "use none, full (every block) or every:N (every N-th block, N >= 1)",
+        "use none, full (every block), every:N (every N-th block, N >= 1) or selective "
+        "(every block, convolution outputs kept)",
     )
 
 
@@ -211,10 +213,12 @@ def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
     Blocks are the model's :class:`~hyfi_imaging.models.CheckpointedBlock`
     modules numbered 1, 2, ... in module order over the *whole* model, and
     ``every:N`` checkpoints blocks N, 2N, ..., so the same blocks are
-    recomputed whatever the pipeline cut. Raises ConfigError if checkpointing
+    recomputed whatever the pipeline cut; ``selective`` checkpoints every
+    block but keeps convolution outputs. Raises ConfigError if checkpointing
     is asked for and the model has no checkpointable block.
     """
     every = parse_checkpointing(mode)
+    policy = "selective" if mode.strip().lower() == "selective" else "full"
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, CheckpointedBlock)]
     if every and not blocks:
         raise ConfigError(
@@ -225,6 +229,7 @@ def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
     chosen = []
     for i, (name, block) in enumerate(blocks, start=1):
         block.grad_checkpointing = bool(every) and i % every == 0
+        block.checkpoint_policy = policy
         if block.grad_checkpointing:
             chosen.append(name)
     return chosen

@@ -225,15 +225,26 @@ class Trainer:
         )
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean/std normalisation on the host (in the prefetch thread), pinned for CUDA."""
         d = self.recipe.data
         mean = torch.tensor(d.mean, dtype=x.dtype).view(1, -1, 1, 1)
         std = torch.tensor(d.std, dtype=x.dtype).view(1, -1, 1, 1)
-        return ((x - mean) / std).to(self.pc.device)
+        x = (x - mean) / std
+        return x.pin_memory() if self.pc.device.type == "cuda" else x
 
     def _batches(
         self, dataset: Any, batches: Sequence[Sequence[int]]
     ) -> Iterator[torch.Tensor | None]:
-        """Tiles of each batch for first-stage ranks (DataLoader workers), None elsewhere."""
+        """Tiles of each batch for first-stage ranks, read ahead in the background; None elsewhere.
+
+        A :class:`~hyfi_imaging.data.prefetch.Prefetcher` keeps the next two
+        batches coming (read, augmented, normalised and pinned) while the current
+        step computes; the copy to the GPU is non-blocking. ``self.feed`` exposes
+        how long each step waited for its tiles.
+        """
+        from hyfi_imaging.data.prefetch import Prefetcher
+
+        self.feed: Prefetcher[torch.Tensor] | None = None
         if not self.pm.is_first:
             for _ in batches:
                 yield None
@@ -245,8 +256,13 @@ class Trainer:
             num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
         )
-        for item in loader:
-            yield self._normalise(item["image"])
+        feed = Prefetcher((item["image"] for item in loader), depth=2, transform=self._normalise)
+        self.feed = feed
+        try:
+            for x in feed:
+                yield x.to(self.pc.device, non_blocking=True)
+        finally:
+            feed.close()
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         r = self.recipe
@@ -363,6 +379,7 @@ class Trainer:
         labels_all = torch.tensor([s.label for s in self.samples])
         summary: dict[str, Any] = {}
         start = time.monotonic()
+        data_wait = 0.0  # seconds first-stage ranks waited for tiles (0 elsewhere)
         bar = tqdm(
             total=self.total_steps,
             initial=pos.step,
@@ -378,6 +395,8 @@ class Trainer:
                 todo = batches[pos.batch :]
                 t0 = time.monotonic()
                 for tiles, batch in zip(self._batches(train_set, todo), todo, strict=True):
+                    wait = self.feed.last_wait_s if self.feed is not None else 0.0
+                    data_wait += wait
                     lr = lr_at(pos.step, r, self.total_steps)
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
@@ -401,6 +420,7 @@ class Trainer:
                         images_per_s=ips,
                         megapixels_per_s=mp,
                         memory_mib=_rss_mib(),
+                        data_wait_s=wait,
                     )
                     bar.set_postfix(
                         loss=f"{loss:.4f}", img_s=f"{ips:.2f}", mem=f"{_rss_mib():.0f}M"
@@ -442,6 +462,7 @@ class Trainer:
             steps=pos.step,
             epochs=pos.epoch,
             seconds=round(time.monotonic() - start, 1),
+            data_wait_s=round(data_wait, 3),
             layout=self.pc.layout.describe(),
             world_size=self.pc.world_size,
         )
