@@ -143,6 +143,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
     p.add_argument("--time-steps", type=int, default=3)
     p.add_argument("--model", default="resnet50")
+    p.add_argument("--width", type=float, default=None, help="model width multiplier")
+    p.add_argument(
+        "--checkpointing", default="none", help="none, full, every:N or selective (as hyfi-train)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--count-halo", action="store_true")
     p.add_argument("--saved", action="store_true", help="count tensors saved for backward")
@@ -170,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.parallel.launch import init_parallel, shutdown
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.memory import PARAMETERS, saved_activations
+    from hyfi_imaging.parallel.pipeline import set_checkpointing
     from hyfi_imaging.parallel.sharding import apply_fsdp
     from hyfi_imaging.parallel.verify import pad_image, spatial_context_for
 
     grid = Layout.parse_grid(args.grid)
     spatial = grid != (1, 1)
     torch.manual_seed(0)
-    model = create_model(args.model, num_classes=2)
+    kwargs = {} if args.width is None else {"width": args.width}
+    model = create_model(args.model, num_classes=2, **kwargs)
+    set_checkpointing(model, args.checkpointing)
     model.train()
     rank, world, ctx = 0, 1, None
     if spatial:

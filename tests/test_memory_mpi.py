@@ -36,7 +36,9 @@ CASES = {
 
 
 def _run(model: str, grid: str, image: str) -> dict[str, Any]:
-    job = mpiexec(4, "tests/mpi/saved_memory.py", "--model", model, "--grid", grid, "--image", image)
+    job = mpiexec(
+        4, "tests/mpi/saved_memory.py", "--model", model, "--grid", grid, "--image", image
+    )
     assert job.returncode == 0, job.describe()
     return json_line(job)
 

@@ -53,6 +53,9 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "pp2-sp1x2-gpipe-amoeba-ckfull": (4, {**AMOEBA, "layout": (1, 2, 1, 2), "m": 2, "schedule": "gpipe", "balance": (3, 6), "ck": "full", "hw": (70, 190)}),
     "dp2-sp2x1-resnet-accumulate2": (4, {**RESNET, "layout": (2, 1, 2, 1), "m": 2, "schedule": "gpipe", "balance": None, "ck": "none", "hw": (100, 60), "accumulate": 2}),
     "dp2-sp2x1-amoeba-ckfull-clip": (4, {**AMOEBA, "layout": (2, 1, 2, 1), "m": 1, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (190, 70), "clip": 0.5}),
+    # selective checkpointing (convolution outputs kept) with spatial x data and spatial x pipeline
+    "dp2-sp2x1-resnetv2-selective-clip": (4, {**RESNET_V2, "layout": (2, 1, 2, 1), "m": 2, "schedule": "gpipe", "balance": None, "ck": "selective", "hw": (60, 26), "clip": 0.5}),
+    "pp2-sp1x2-1f1b-resnet-selective": (4, {**RESNET, "layout": (1, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": (5, 6), "ck": "selective", "hw": (70, 100)}),
     # dp=2 x pp=2 x sp=1x2: 8 ranks
     "dp2-pp2-sp1x2-1f1b-resnet-ckfull-clip-accumulate2": (8, {**RESNET, "layout": (2, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (70, 100), "clip": 0.5, "accumulate": 2}),
     "dp2-pp2-sp1x2-gpipe-amoeba": (8, {**AMOEBA, "layout": (2, 2, 1, 2), "m": 2, "schedule": "gpipe", "balance": (5, 4), "ck": "none", "hw": (70, 190)}),
@@ -221,6 +224,9 @@ def test_layout_trains_like_one_process(launches: dict[int, dict[str, Any]], nam
         assert any("grad_norm" in x for x in names)
     if cfg["balance"] in (None, "memory") and cfg["layout"][1] > 1:
         assert "automatic" in verdict["plan"]
+    dp, _, gy, gx = cfg["layout"]
+    # Parameters, gradients and optimizer state are sharded wherever ranks share them.
+    assert ("sharded by FSDP2" in verdict["plan"]) == (dp * gy * gx > 1), verdict["plan"]
 
 
 @pytest.mark.parametrize("name", list(SABOTAGED))

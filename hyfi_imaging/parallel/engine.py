@@ -600,6 +600,12 @@ class ParallelModel:
             lines.append(
                 f"  image {self.image_hw[0]}x{self.image_hw[1]}, one tile (no spatial split)"
             )
+        if self.fsdp_units:
+            lines.append(
+                f"  parameters, gradients and optimizer state sharded by FSDP2 over "
+                f"{layout.dp * layout.sp_size} ranks (dp x sp) per stage, "
+                f"{len(self.fsdp_units)} units on this stage"
+            )
         lines.append(f"  balance {','.join(map(str, info.balance))} ({info.how})")
         for s, (start, stop) in enumerate(stage_bounds(info.balance)):
             names = self.layer_names[start:stop]

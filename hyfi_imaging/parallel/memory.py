@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["SavedActivations", "fix_malloc_threshold", "saved_activations"]
 
@@ -69,7 +70,10 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
 
     The result of ``forward()`` is dropped, so its graph is freed.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {
+        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+        for p in model.parameters()
+    }
     stack = [BETWEEN]
     seen: set[int] = set()
     result = SavedActivations()

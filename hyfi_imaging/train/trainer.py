@@ -466,6 +466,12 @@ class Trainer:
             layout=self.pc.layout.describe(),
             world_size=self.pc.world_size,
         )
+        peaks: list[Any] = [None] * self.pc.world_size
+        if dist.is_initialized():
+            dist.all_gather_object(peaks, round(_rss_mib(), 1))
+        else:
+            peaks = [round(_rss_mib(), 1)]
+        summary["peak_rss_mib"] = peaks  # every rank's peak resident set, rank order
         if self.rank0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         if dist.is_initialized():

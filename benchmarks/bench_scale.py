@@ -1,0 +1,249 @@
+"""The mission's sizes: train at 8192^2 and 16384^2, and the largest image that fits a memory cap.
+
+Two parts, each printing ratios measured side by side in this one run:
+
+1. **Real scale** (``--part train``). For each size, synthetic pyramidal TIFF
+   slides are written (``hyfi-synth``'s generator), converted with
+   ``hyfi-preprocess``'s pipeline to OME-Zarr, and trained for a few steps
+   with ``hyfi-train`` on a 2x2 grid (4 ranks under ``mpiexec``), a narrow
+   ResNet-18 (width 0.25) with activation checkpointing of every block. It
+   records the per-rank peak resident memory (every rank's ``ru_maxrss``, as
+   ``summary.json`` reports it), the step time, the time each step waited for
+   its tiles (target: < 5 % of the step) and the loss.
+2. **Largest image** (``--part largest``), found by *running*, not
+   extrapolated: for one process, 2x2, and 2x2 + checkpointing, a bisection
+   on the image side (multiples of 64) runs two training steps in fresh
+   processes (``spatial_worker.py``) and keeps the largest side whose peak
+   memory (over the RSS after the model build, glibc's mmap threshold fixed)
+   stays within ``--cap-gib`` on every rank. Targets (issue 8): 2x2 fits
+   >= 3.6x the pixels of one process, and >= 12x with checkpointing. The
+   default cap is 1 GiB so that the search fits a 2-core machine; the ratios
+   are what matters.
+
+Exit status: 0 measured (PASS/MISS lines say how the targets fared), 2 a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "spatial_worker.py"
+MIB = 2**20
+TARGET_WAIT = 0.05
+TARGET_PIXELS_2X2 = 3.6
+TARGET_PIXELS_CKPT = 12.0
+MODEL = ["--model", "resnet18", "--width", "0.25"]
+
+
+def _verdict(what: str, ok: bool, detail: str) -> str:
+    return f"{'PASS' if ok else 'MISS'}: {what}: {detail}"
+
+
+# ---------------------------------------------------------------- part 1: real scale
+
+
+def _cohort(work: Path, size: int) -> Path:
+    from hyfi_imaging.data.synthetic import write_synthetic_cohort
+    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+    labels = write_synthetic_cohort(work / "slides", 2, seed=0, size=(size, size), lesions=8)
+    summary = run_preprocess(
+        [work / "slides"],
+        work / "data",
+        PreprocessOptions(mpp=0.5, size=(size, size)),
+        labels_path=labels,
+        progress=False,
+        qc=False,
+    )
+    assert summary.manifest is not None and not summary.failed
+    return summary.manifest
+
+
+def _train(manifest: Path, out: Path, steps: int, checkpointing: str) -> dict[str, Any]:
+    cmd = [
+        "mpiexec", "-n", "4", sys.executable, "-m", "hyfi_imaging.cli.train",
+        str(ROOT / "recipes" / "synthetic.yaml"),
+    ]  # fmt: skip
+    for s in (
+        f"data.manifest={manifest}",
+        f"train.out_dir={out}",
+        "parallel.spatial=2x2",
+        f"parallel.checkpointing={checkpointing}",
+        "train.batch_size=1",
+        "train.epochs=100",
+        f"train.max_steps={steps}",
+        "train.progress=false",
+        "train.checkpoint_every_steps=0",
+        "data.val_fraction=0.0",
+        "data.augment.rot90=false",
+    ):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print("\n".join((proc.stdout + proc.stderr).splitlines()[-25:]), file=sys.stderr)
+        raise SystemExit(2)
+    rows = [r for r in csv.DictReader((out / "metrics.csv").open()) if r.get("images_per_s")]
+    summary = json.loads((out / "summary.json").read_text())
+    timed = rows[1:] or rows  # step 1 includes the first read and allocation
+    step_s = [1.0 / float(r["images_per_s"]) for r in timed]
+    wait_s = [float(r["data_wait_s"]) for r in timed]
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "step_s": statistics.median(step_s),
+        "wait_s": statistics.median(wait_s),
+        "wait_fraction": sum(wait_s) / sum(step_s),
+        "loss": [float(r["loss"]) for r in rows],
+        "peak_rss_mib": summary.get("peak_rss_mib", []),
+    }
+
+
+def part_train(sizes: list[int], steps: int, checkpointing: str) -> list[str]:
+    lines, rows = [], []
+    for size in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            t0 = time.perf_counter()
+            manifest = _cohort(work, size)
+            prep = time.perf_counter() - t0
+            print(f"  {size}^2: cohort written and converted in {prep:.0f} s", file=sys.stderr)
+            r = _train(manifest, work / "run", steps, checkpointing)
+        rows.append((size, prep, r))
+        lines.append(
+            _verdict(
+                f"data wait at {size}^2",
+                r["wait_fraction"] < TARGET_WAIT,
+                f"{100 * r['wait_fraction']:.1f} % of the step (target < {100 * TARGET_WAIT:.0f} %)",
+            )
+        )
+    print(
+        f"\n1. hyfi-train at the mission's sizes: 2x2 grid (4 ranks), ResNet-18 x0.25, batch 1, "
+        f"checkpointing {checkpointing}, {steps} steps"
+    )
+    print(f"{'image':>8s}{'preprocess':>12s}{'step s':>9s}{'wait s':>9s}{'wait %':>8s}"
+          f"{'peak RSS per rank (MiB)':>28s}  loss by step")  # fmt: skip
+    for size, prep, r in rows:
+        peaks = ", ".join(f"{p:.0f}" for p in r["peak_rss_mib"])
+        losses = " ".join(f"{v:.3f}" for v in r["loss"])
+        print(f"{size:>8d}{prep:>11.0f}s{r['step_s']:>9.1f}{r['wait_s']:>9.2f}"
+              f"{100 * r['wait_fraction']:>7.1f}%{peaks:>28s}  {losses}")  # fmt: skip
+    return lines
+
+
+# ---------------------------------------------------------------- part 2: largest image
+
+
+def _peak(grid: str, side: int, checkpointing: str, timeout: float) -> float | None:
+    """Max over ranks of the step peak over the post-build RSS (bytes); None if the run failed."""
+    n = 1 if grid == "1x1" else 4
+    cmd = [sys.executable, str(WORKER), "--grid", grid, "--images", str(side), *MODEL]
+    cmd += ["--checkpointing", checkpointing, "--mem-steps", "2"]
+    if n > 1:
+        cmd = ["mpiexec", "-n", str(n), *cmd]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return None
+    ranks = json.loads(lines[-1][len("RESULT ") :])["ranks"]
+    peaks = []
+    for r in ranks:
+        steps = r["mem"][str(side)]["steps"]
+        base = steps[0]["rss_before_kib"]
+        peaks.append(max(s["peak_kib"] for s in steps) - base)
+    return float(max(peaks)) * 1024
+
+
+def _largest(
+    grid: str, checkpointing: str, cap: float, step: int, timeout: float
+) -> tuple[int, list[tuple[int, float | None]]]:
+    """Largest side (multiple of ``step``) whose peak fits ``cap``; and every probe."""
+    probes: list[tuple[int, float | None]] = []
+
+    def fits(side: int) -> bool:
+        peak = _peak(grid, side, checkpointing, timeout)
+        probes.append((side, peak))
+        label = "failed" if peak is None else f"{peak / MIB:.0f} MiB"
+        print(f"  {grid} ck={checkpointing}: {side}^2 -> {label}", file=sys.stderr, flush=True)
+        return peak is not None and peak <= cap
+
+    lo, hi = 0, 8 * step
+    while fits(hi):  # grow until a side does not fit
+        lo, hi = hi, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def part_largest(cap_gib: float, timeout: float) -> list[str]:
+    cap = cap_gib * 2**30
+    configs = [
+        ("1 process", "1x1", "none"),
+        ("2x2", "2x2", "none"),
+        ("2x2 + checkpointing", "2x2", "full"),
+    ]
+    found = []
+    for name, grid, ck in configs:
+        side, _ = _largest(grid, ck, cap, 64, timeout)
+        found.append((name, side))
+    base = found[0][1] ** 2
+    print(f"\n2. Largest square image that trains within {cap_gib:g} GiB per rank "
+          "(peak over the post-build RSS, found by running), ResNet-18 x0.25, batch 1, SGD")  # fmt: skip
+    print(f"{'layout':24s}{'side':>8s}{'megapixels':>12s}{'pixels / 1 process':>20s}")
+    for name, side in found:
+        print(f"{name:24s}{side:>8d}{side * side / 1e6:>12.1f}{side * side / base:>20.2f}")
+    return [
+        _verdict("largest image 2x2 / 1 process", found[1][1] ** 2 / base >= TARGET_PIXELS_2X2,
+                 f"{found[1][1] ** 2 / base:.2f}x the pixels (target >= {TARGET_PIXELS_2X2})"),
+        _verdict("largest image 2x2 + checkpointing / 1 process",
+                 found[2][1] ** 2 / base >= TARGET_PIXELS_CKPT,
+                 f"{found[2][1] ** 2 / base:.2f}x the pixels (target >= {TARGET_PIXELS_CKPT})"),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", default="train,largest", help="train, largest or both (default)")
+    p.add_argument("--sizes", default="8192,16384", help="image sides for part 1")
+    p.add_argument("--steps", type=int, default=3, help="training steps per size (part 1)")
+    p.add_argument("--checkpointing", default="full", help="part 1 checkpointing mode")
+    p.add_argument("--cap-gib", type=float, default=1.0, help="per-rank memory cap (part 2)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per probe (part 2)")
+    args = p.parse_args(argv)
+    parts = set(args.part.split(","))
+    verdicts = []
+    if "train" in parts:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        verdicts += part_train(sizes, args.steps, args.checkpointing)
+    if "largest" in parts:
+        verdicts += part_largest(args.cap_gib, args.timeout)
+    print()
+    for line in verdicts:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
