@@ -30,7 +30,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SavedActivations", "fix_malloc_threshold", "saved_activations"]
+__all__ = [
+    "SavedActivations",
+    "fix_malloc_threshold",
+    "reset_peak_rss",
+    "rss_bytes",
+    "saved_activations",
+]
 
 PARAMETERS = "(parameters)"
 BETWEEN = "(between modules)"
@@ -50,6 +56,11 @@ class SavedActivations:
     by_module: dict[str, int] = field(default_factory=dict)
     shared: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
+    #: Every distinct storage saved, in order: (storage key, first saver's path, bytes, dtype).
+    storages: list[tuple[int, str, int, torch.dtype]] = field(default_factory=list)
+    #: Leaf modules in call order: (path, storage key and bytes of the first input,
+    #: bytes of the output, shape of the first input).
+    calls: list[tuple[str, int, int, int, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def activations(self) -> int:
@@ -65,31 +76,50 @@ class SavedActivations:
         return dict(out)
 
 
+def _key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (its C++ object; works on the meta device too)."""
+    return int(t.untyped_storage()._cdata)
+
+
 def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActivations:
     """Run ``forward()`` (which should call ``model``) and count what autograd saves.
 
-    The result of ``forward()`` is dropped, so its graph is freed.
+    The result of ``forward()`` is dropped, so its graph is freed. Works on the
+    ``meta`` device (no memory, no compute), which is how the planner uses it.
     """
-    params = {
-        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-        for p in model.parameters()
-    }
+    params = {_key(p.to_local() if isinstance(p, DTensor) else p) for p in model.parameters()}
     stack = [BETWEEN]
     seen: set[int] = set()
     result = SavedActivations()
     by_module: dict[str, int] = defaultdict(int)
     shared: dict[str, int] = defaultdict(int)
     handles: list[Any] = []
+
+    def enter(path: str, args: Any) -> None:
+        stack.append(path)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None:
+            calls.append([path, -1, 0, 0, ()])
+        else:
+            calls.append([path, _key(x), _nbytes(x), 0, tuple(x.shape)])
+
+    def leave(path: str, out: Any) -> None:
+        stack.pop()
+        for call in reversed(calls):
+            if call[0] == path:
+                call[3] = sum(_nbytes(t) for t in _tensors(out))
+                break
+
+    calls: list[list[Any]] = []
     for path, mod in model.named_modules():
         if not list(mod.children()):
             result.kinds[path] = type(mod).__name__
-            handles.append(mod.register_forward_pre_hook(lambda m, a, p=path: stack.append(p)))
-            handles.append(mod.register_forward_hook(lambda m, a, o: stack.pop() and None))
+            handles.append(mod.register_forward_pre_hook(lambda m, a, p=path: enter(p, a)))
+            handles.append(mod.register_forward_hook(lambda m, a, o, p=path: leave(p, o)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or t.device.type == "meta":
+        key, nbytes = _key(t), t.untyped_storage().nbytes()
+        if nbytes == 0:
             return t
         if key in seen:
             shared[stack[-1]] += nbytes
@@ -97,7 +127,9 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
             seen.add(key)
             # FSDP2 saves its gathered (unsharded) parameters: Parameters, other storages.
             is_param = key in params or isinstance(t, nn.Parameter)
-            by_module[PARAMETERS if is_param else stack[-1]] += nbytes
+            owner = PARAMETERS if is_param else stack[-1]
+            by_module[owner] += nbytes
+            result.storages.append((key, owner, nbytes, t.dtype))
         return t
 
     try:
@@ -108,7 +140,20 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
         for h in handles:
             h.remove()
     result.by_module, result.shared = dict(by_module), dict(shared)
+    result.calls = [(c[0], c[1], c[2], c[3], c[4]) for c in calls]
     return result
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, tuple | list):
+        return [t for v in x for t in _tensors(v)]
+    return []
 
 
 def fix_malloc_threshold(threshold: int = 64 * 1024) -> bool:
@@ -129,3 +174,18 @@ def fix_malloc_threshold(threshold: int = 64 * 1024) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's ``VmRSS`` (resident now) or ``VmHWM`` (peak) from ``/proc/self/status``."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Make ``VmHWM`` equal the current resident set (Linux >= 4.0), to measure one phase's peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -1,0 +1,99 @@
+"""Worker: the planner's per-rank peak against the measured one, for one layout.
+
+Run under ``mpiexec -n N`` (or plainly for one process) with the layout as
+``--layout DP,PP,GY,GX`` plus micro-batches, schedule and checkpointing. Every
+rank builds its part (:class:`ParallelModel`, SGD with momentum), then the
+resident set after the build is the baseline; two training steps (data
+created inside the step, as a loader delivers it) and optimizer steps follow,
+and the peak resident set over the baseline is this rank's measured peak
+(``VmHWM``, reset first; glibc's mmap threshold is fixed by ``init_parallel``).
+The planner's prediction for the same layout and cut is computed on the meta
+device. One JSON line on rank 0: predicted and measured, per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _worker import emit
+
+from hyfi_imaging.models import create_model
+from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
+from hyfi_imaging.parallel.launch import init_parallel
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.memory import reset_peak_rss, rss_bytes
+from hyfi_imaging.parallel.plan import Candidate, predict
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--width", type=float, default=0.25)
+    p.add_argument("--image", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--layout", default="1,1,1,1")
+    p.add_argument("--m", type=int, default=1)
+    p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--ck", default="none")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dp, pp, gy, gx = (int(v) for v in args.layout.split(","))
+    layout = Layout(dp=dp, pp=pp, sp=(gy, gx))
+    hw = (args.image, args.image)
+    cand = Candidate(layout, args.m, args.ck, args.schedule)
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return create_model(args.model, num_classes=2, width=args.width)
+
+    pred = predict(build(), hw, args.batch, cand)
+    pc = init_parallel(layout)
+    plan = ParallelPlan(
+        layout,
+        microbatches=args.m,
+        schedule=args.schedule,  # type: ignore[arg-type]
+        balance=pred.balance,
+        checkpointing=args.ck,
+    )
+    pm = ParallelModel(build(), pc, plan, image_hw=hw)
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-3, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    gc.collect()
+    dist.barrier()
+    base = rss_bytes("VmRSS")
+    reset_peak_rss()
+    for _ in range(2):
+        # A loader delivers this rank's tile only (never the whole image).
+        tiles = torch.randn(args.batch, 3, *pm.tile_hw, generator=gen) if pm.is_first else None
+        labels = torch.randint(0, 2, (args.batch,), generator=gen)
+        pm.train_step(tiles, labels)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del tiles
+    measured = rss_bytes("VmHWM") - base
+    gathered: list[Any] = [None] * pc.world_size
+    dist.all_gather_object(gathered, measured)
+    emit(
+        {
+            "predicted": pred.peak,
+            "parts": {
+                "activations": pred.activations,
+                "transient": pred.transient,
+                "state": pred.state,
+                "buffers": pred.buffers,
+            },
+            "measured": gathered,
+        }
+    )
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        sys.stdout.flush()
