@@ -185,15 +185,16 @@ def _stage_memory(
 def _transient_factor(kind: str, spatial: bool) -> int:
     """Input-sized tensors a layer's backward holds at once, besides its output gradient.
 
-    BatchNorm: the masked gradient, two products and the input gradient. A
-    spatial window op: the rebuilt extended tile, its gradient and the halo
-    reduction's copy. A plain convolution or pool: the input gradient and a
-    layout reorder. Pointwise layers: the input gradient.
+    Spatial BatchNorm (:class:`~.spatial.SpatialBatchNorm2d`): the masked
+    gradient, two products and the input gradient; PyTorch's fused kernel:
+    the input gradient. A spatial window op: the rebuilt extended tile, its
+    gradient and the halo reduction's copy; a plain one: the input gradient
+    and a layout reorder. Pointwise layers: the input gradient.
     """
     if kind.endswith("BatchNorm2d"):
-        return 4
+        return 4 if spatial else 1
     if kind in ("Conv2d", "MaxPool2d", "AvgPool2d"):
-        return 3 if spatial else 2
+        return 5 if spatial else 2
     return 1
 
 
@@ -259,7 +260,11 @@ def predict(
             state = (1 + k_opt) * params
         out_bytes = sum(t.numel() * t.element_size() for t in bounds[s + 1])
         buffers = out_bytes * flight if s < lay.pp - 1 else 0
-        pred = Prediction(candidate, tuple(balance), act * flight, transient, state, buffers)
+        if overhead is None:
+            overhead = RUNTIME_OVERHEAD["cuda" if _on_cuda(model) else "cpu"]
+        pred = Prediction(
+            candidate, tuple(balance), act * flight, transient, state, buffers + overhead
+        )
         if worst is None or pred.peak > worst.peak:
             worst = pred
         if costs is not None and probe_hw is not None:
