@@ -18,6 +18,9 @@ examples:
   torchrun --nproc-per-node 4 -m hyfi_imaging.cli.train recipes/synthetic.yaml \\
       --set train.epochs=2 --set optim.lr=3e-4
 
+  # let the planner choose the layout for the ranks launched (see hyfi-plan --help)
+  mpirun -np 4 hyfi-train recipes/synthetic.yaml --set parallel=auto
+
   # one process (layout 1x1), a quick check that the recipe is valid, then nothing else
   hyfi-train recipes/synthetic.yaml --set parallel.spatial=1x1 --check
 
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
     from hyfi_imaging.errors import HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, shutdown
+    from hyfi_imaging.train.autoplan import fit_warning
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.trainer import Trainer, preflight
 
@@ -61,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         preflight(recipe)
+        warning = fit_warning(recipe)
     except HyfiError as err:
         print(f"hyfi-train: error: {err}", file=sys.stderr)
         return 2
+    if warning and _launch_rank() == 0:  # said once, before any rank allocates
+        print(f"hyfi-train: warning: {warning}", file=sys.stderr, flush=True)
     if args.check:
         print(f"hyfi-train: {args.recipe} is valid ({recipe.world_size} ranks)")
         return 0
@@ -84,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     exit_now(fail_fast(run, prog="hyfi-train"))
+
+
+def _launch_rank() -> int:
+    """This process's rank from the launcher's environment (no process group yet)."""
+    import os
+
+    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 def _rank() -> int:

@@ -4,8 +4,9 @@ Why a model and not trial runs: the layouts worth asking about are the ones that
 do not fit anywhere yet. Everything here is computed from a **meta-device
 trace** (no memory, no compute) of the model's stages on a tile-sized
 micro-batch, counting what autograd keeps exactly as the memory benchmark and
-test do (:func:`~.memory.saved_activations`), plus **measured per-layer costs**
-(:func:`~.balance.measure_layers` on a small tile on this machine) for time.
+test do (:func:`~.memory.saved_activations`), and for time the FLOPs of each
+layer counted in the same trace at a **measured** rate of this device on this
+model (:func:`measure_rate`).
 
 Per-rank peak over the memory a rank holds after building its model:
 
@@ -25,26 +26,29 @@ Per-rank peak over the memory a rank holds after building its model:
 * **buffers**: pipeline gradient buffers of the stage boundaries, and the
   runtime's own first-step allocations (:data:`RUNTIME_OVERHEAD`).
 
-Step time: measured per-layer forward+backward seconds scaled by pixels and
-micro-batch size, plus a third of the forward again for recomputed blocks,
-times ``(m + pp - 1)`` micro-batch slots for a pipeline, plus halo and FSDP2
-traffic over ``bandwidth``. It ranks layouts; it is not a promise of wall time.
+Step time: forward + backward FLOPs of the busiest stage per micro-batch (the
+forward again for recomputed blocks) over the measured rate, times
+``(m + pp - 1)`` micro-batch slots for a pipeline, plus halo and FSDP2 traffic
+over ``bandwidth``. It ranks layouts; it is not a promise of wall time.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from functools import partial
+import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import CheckpointedBlock
-from hyfi_imaging.parallel.balance import LayerCosts, partition
+from hyfi_imaging.parallel.balance import partition
 from hyfi_imaging.parallel.geometry import layer_geom, split
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, saved_activations
@@ -56,7 +60,15 @@ from hyfi_imaging.parallel.pipeline import (
     stage_bounds,
 )
 
-__all__ = ["Candidate", "Prediction", "candidates", "predict", "rank"]
+__all__ = [
+    "Candidate",
+    "Prediction",
+    "candidates",
+    "device_memory",
+    "measure_rate",
+    "predict",
+    "rank",
+]
 
 #: Bytes a rank's runtime allocates on its first training step besides tensors:
 #: measured on CPU (oneDNN primitive caches, Gloo and autograd threads) with
@@ -205,16 +217,16 @@ def predict(
     candidate: Candidate,
     *,
     optimizer: str = "sgd",
-    costs: LayerCosts | None = None,
-    probe_hw: tuple[int, int] | None = None,
+    flops_per_s: float = 1e12,
     bandwidth: float = 10e9,
     overhead: int | None = None,
 ) -> Prediction:
     """Predict per-rank peak memory and step time of ``candidate`` (ConfigError if it cannot run).
 
     ``model`` is the single-device model (any device; a meta copy is traced);
-    ``batch`` the per-replica batch. ``costs`` (from :func:`measure_costs`, at
-    ``probe_hw``) add the step time; ``bandwidth`` is bytes/s between ranks.
+    ``batch`` the per-replica batch. Step time: FLOPs counted on the meta
+    device at ``flops_per_s`` (see :func:`measure_rate`), halo and FSDP2
+    traffic at ``bandwidth`` bytes/s.
     ``overhead`` is what the runtime allocates on a rank's first step besides
     tensors (kernel workspaces, communication threads); default
     :data:`RUNTIME_OVERHEAD` for the model's device type.
@@ -244,7 +256,11 @@ def predict(
     stage_s: list[float] = []
     for s, (start, stop) in enumerate(stage_bounds(balance)):
         stage = StageModule(layers[start:stop], index=s)
-        ins = tuple(t.detach().requires_grad_(s > 0) for t in bounds[s])
+        # A received activation: requires grad from stage 1 on; a non-leaf, so a stage
+        # may start with an in-place op (the engine runs that one out of place).
+        ins = tuple(
+            t.detach().requires_grad_(True).clone() if s > 0 else t.detach() for t in bounds[s]
+        )
         trace = saved_activations(stage, partial(stage, *ins))
         names = {n for n, _ in layers[start:stop]}
         mine = [b for b in blocks if b.split(".")[0] in names]
@@ -267,22 +283,57 @@ def predict(
         )
         if worst is None or pred.peak > worst.peak:
             worst = pred
-        if costs is not None and probe_hw is not None:
-            scale = mb * tile[0] * tile[1] / (probe_hw[0] * probe_hw[1])
-            sec = 0.0
-            for (name, _), t in zip(layers[start:stop], costs.seconds[start:stop], strict=True):
-                redo = any(b.split(".")[0] == name for b in blocks)
-                extra = (1 / 3 if policy == "full" else 1 / 6) if redo else 0.0
-                sec += t * scale * (1 + extra)
-            comm = 2 * _strips(stage, trace, lay.sp) / bandwidth
-            if n_shard > 1:
-                comm += 3 * params * (n_shard - 1) / n_shard / bandwidth
-            stage_s.append(sec + comm)
+        # Time of one micro-batch on this stage: forward + backward (2x forward)
+        # FLOPs, plus the forward of recomputed blocks again (convolutions kept
+        # by selective checkpointing are not recomputed: count a sixth).
+        flops = _layer_flops(stage, ins)
+        sec = 0.0
+        for name, f in flops.items():
+            redo = any(b.split(".")[0] == name for b in mine)
+            sec += f * (3 + ((1.0 if policy == "full" else 0.5) if redo else 0.0))
+        comm = 2 * _strips(stage, trace, lay.sp) / bandwidth
+        if n_shard > 1:
+            comm += 3 * params * (n_shard - 1) / n_shard / bandwidth
+        stage_s.append(sec / flops_per_s + comm)
     assert worst is not None
-    if stage_s:
-        worst.step_s = (m + lay.pp - 1) * max(stage_s)
-        worst.images_per_s = lay.dp * batch / worst.step_s
+    worst.step_s = (m + lay.pp - 1) * max(stage_s)
+    worst.images_per_s = lay.dp * batch / worst.step_s
     return worst
+
+
+def _layer_flops(stage: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str, float]:
+    """Forward FLOPs of each top-level layer of ``stage`` on ``inputs`` (meta device)."""
+    counter = FlopCounterMode(display=False)
+    with counter:  # grad mode on: its module tracker needs outputs with a grad_fn
+        stage(*(t.detach() for t in inputs))
+    per_module = counter.get_flop_counts()
+    out = {}
+    for name, _ in stage.named_children():
+        key = f"{type(stage).__name__}.{name}"
+        out[name] = float(sum(per_module.get(key, {}).values()))
+    return out
+
+
+def measure_rate(model: nn.Module, device: torch.device, *, side: int = 128) -> float:
+    """FLOP/s this device reaches on ``model``'s forward+backward (one probe, after a warm-up)."""
+    probe = copy.deepcopy(model).to(device).train()
+    align = int(getattr(probe, "total_stride", 1))
+    side = max(side, 2 * align) // align * align
+    x = torch.randn(1, int(getattr(probe, "in_chans", 3)), side, side, device=device)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        probe(x)
+    flops = 3.0 * counter.get_total_flops()
+    best = math.inf
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        probe(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - began)
+    return flops / best
 
 
 def _on_cuda(model: nn.Module) -> bool:
@@ -359,6 +410,14 @@ def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:
     fit = [p for p in predictions if p.peak <= memory]
     rest = [p for p in predictions if p.peak > memory]
     per_device = lambda p: p.images_per_s / p.candidate.layout.world_size  # noqa: E731
-    fit.sort(key=lambda p: (-per_device(p) if not math.isnan(p.step_s) else 0.0, p.peak))
+    fit.sort(key=lambda p: (-per_device(p), p.peak))
     rest.sort(key=lambda p: p.peak)
     return fit + rest
+
+
+def device_memory(devices: int) -> int:
+    """Bytes of one device: this machine's GPU, or its RAM shared by ``devices`` ranks."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(ram) // max(1, devices)

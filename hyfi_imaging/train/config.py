@@ -219,8 +219,18 @@ def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
     raw = _read_yaml(path, "hyfi-train")
     raw = _card_defaults(raw, path.parent, path)
     raw = _merge(raw, parse_overrides(overrides or []))
+    auto = raw.get("parallel") == "auto"
+    if auto:
+        raw = {**raw, "parallel": {}}
     try:
-        return Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(raw)
+        if auto:  # the planner picks the layout for the ranks this job was launched with
+            from hyfi_imaging.train.autoplan import choose_layout, launch_world_size
+
+            recipe = recipe.model_copy(
+                update={"parallel": choose_layout(recipe, launch_world_size())}
+            )
+        return recipe
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

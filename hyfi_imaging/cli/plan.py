@@ -1,0 +1,212 @@
+"""``hyfi-plan``: which layout fits, and which is fastest, before any rank allocates.
+
+Predicts each candidate layout's per-rank peak memory (activations,
+gradients and optimizer state, gathered parameters, buffers) and step time
+from a meta-device trace of the model and this device's measured rate (see
+:mod:`hyfi_imaging.parallel.plan`), ranks them, and prints the recipe lines of
+the best one that fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from hyfi_imaging.cli.options import size_type
+from hyfi_imaging.errors import ConfigError, HyfiError
+
+EXAMPLES = """\
+examples:
+  # the layouts of 8 GPUs of 80 GiB for ResNet-50 on 16384^2 images
+  hyfi-plan --model resnet50 --image-size 16384 --devices 8 --device-memory 80GiB
+
+  # a recipe's own layout and its alternatives on as many ranks (same --set as hyfi-train)
+  hyfi-plan recipes/synthetic.yaml --set parallel.spatial=1x2 --device-memory 2GiB
+
+  # let hyfi-train pick the layout itself
+  mpirun -np 4 hyfi-train recipes/synthetic.yaml --set parallel=auto
+
+Memory is the peak over what a rank holds once its model is built; it was
+within 7 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
+Step times rank layouts; they are not wall-time promises.
+Exit status: 0 a layout fits, 1 none fits, 2 bad arguments.
+"""
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def memory_size(text: str) -> int:
+    """``80GiB``, ``512MiB``, ``40GB`` or plain bytes -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"memory size {text!r}", "is not a size", "write e.g. 80GiB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hyfi-plan",
+        description="Predict per-rank peak memory and step time of candidate layouts "
+        "(spatial grid, pipeline stages, data replicas, micro-batches, checkpointing) "
+        "and recommend one.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("recipe", type=Path, nargs="?", help="recipe YAML (or use --model)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe value, as hyfi-train")  # fmt: skip
+    p.add_argument("--model", help="registered model name (instead of a recipe)")
+    p.add_argument("--width", type=float, help="model width multiplier")
+    p.add_argument("--num-classes", type=int, default=2)
+    p.add_argument("--image-size", type=size_type(1), help="N or HxW (with --model)")
+    p.add_argument("--devices", type=int, help="ranks (default: the recipe's world size)")
+    p.add_argument("--batch", type=int, help="images per replica per step (default 1 / recipe)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="(default sgd / recipe)")
+    p.add_argument("--device-memory", type=memory_size, help="per device, e.g. 80GiB "
+                   "(default: this machine's GPU, else its RAM over the ranks)")  # fmt: skip
+    p.add_argument("--bandwidth", type=memory_size, default=memory_size("10GB"),
+                   help="bytes/s between ranks (default 10GB)")  # fmt: skip
+    p.add_argument("--rate", type=float, help="FLOP/s per device (default: measured here)")
+    p.add_argument("--top", type=int, default=12, help="rows to show (default 12)")
+    return p
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
+    """The ``parallel:`` block of a recipe for ``cand``."""
+    lay = cand.layout
+    lines = [
+        "parallel:",
+        f"  spatial: {lay.sp[0]}x{lay.sp[1]}",
+        f"  pipeline: {lay.pp}",
+        f"  data: {lay.dp}",
+        f"  microbatches: {cand.microbatches}",
+        f"  schedule: {cand.schedule}",
+        f"  checkpointing: {cand.checkpointing}",
+    ]
+    if lay.pp > 1:
+        lines.append(f"  balance: [{', '.join(map(str, balance))}]")
+    return "\n".join(lines)
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, str, Any]:
+    """(model, image size, devices, batch, optimizer, the recipe's own candidate or None)."""
+    from hyfi_imaging.models import create_model
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.plan import Candidate
+
+    if args.recipe is not None:
+        from hyfi_imaging.data.dataset import load_samples
+        from hyfi_imaging.train.config import load_recipe
+
+        r = load_recipe(args.recipe, args.overrides)
+        model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+        hw = args.image_size or load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
+        p = r.parallel
+        own = Candidate(
+            Layout(dp=p.data, pp=p.pipeline, sp=p.spatial), p.microbatches,
+            p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None,
+        )  # fmt: skip
+        devices = args.devices or own.layout.world_size
+        return (
+            model,
+            hw,
+            devices,
+            args.batch or r.train.batch_size,
+            args.optimizer or r.optim.name,
+            own,
+        )
+    if not args.model or not args.image_size or not args.devices:
+        raise ConfigError(
+            "hyfi-plan", "needs a recipe, or --model, --image-size and --devices",
+            "see hyfi-plan --help for examples",
+        )  # fmt: skip
+    kwargs: dict[str, Any] = {"num_classes": args.num_classes}
+    if args.width is not None:
+        kwargs["width"] = args.width
+    model = create_model(args.model, **kwargs)
+    return model, args.image_size, args.devices, args.batch or 1, args.optimizer or "sgd", None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hyfi_imaging.parallel.plan import (
+        candidates,
+        device_memory,
+        measure_rate,
+        predict,
+        rank,
+    )
+
+    model, hw, devices, batch, optimizer, own = _inputs(args)
+    memory = args.device_memory or device_memory(devices)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rate = args.rate or measure_rate(model, device)
+    todo = list(candidates(model, hw, devices, batch))
+    if own is not None and own not in todo:
+        todo.insert(0, own)
+    preds = []
+    for cand in todo:
+        try:
+            preds.append(predict(model, hw, batch, cand, optimizer=optimizer,
+                                 flops_per_s=rate, bandwidth=args.bandwidth))  # fmt: skip
+        except HyfiError:
+            continue  # a layout this model or image cannot take
+    ranked = rank(preds, memory)
+    name = type(model).__name__
+    print(
+        f"hyfi-plan: {name} on {hw[0]}x{hw[1]}, {devices} device(s) of {_gib(memory)} GiB, "
+        f"batch {batch} per replica, {optimizer}; rate {rate / 1e9:.1f} GFLOP/s per device "
+        f"({'given' if args.rate else 'measured on ' + device.type}), "
+        f"{len(preds)} layouts"
+    )
+    head = f"{'#':>3} {'layout':24} {'m':>2} {'sched':5} {'ckpt':9} {'peak GiB':>9} " \
+           f"{'act':>7} {'state':>7} {'step s':>9} {'img/s/dev':>10}  fits"  # fmt: skip
+    print(head)
+    shown = ranked[: args.top]
+    if own is not None:
+        shown += [p for p in ranked if p.candidate == own and p not in shown]
+    for i, p in enumerate(shown, start=1):
+        c = p.candidate
+        lay = f"dp{c.layout.dp} pp{c.layout.pp} sp{c.layout.sp[0]}x{c.layout.sp[1]}"
+        mark = " <- recipe" if c == own else ""
+        print(
+            f"{i:>3} {lay:24} {c.microbatches:>2} {c.schedule:5} {c.checkpointing:9} "
+            f"{_gib(p.peak):>9} {_gib(p.activations + p.transient):>7} {_gib(p.state):>7} "
+            f"{p.step_s:>9.3g} {p.images_per_s / c.layout.world_size:>10.3g}  "
+            f"{'yes' if p.peak <= memory else 'NO'}{mark}"
+        )
+    best = ranked[0] if ranked and ranked[0].peak <= memory else None
+    if own is not None:
+        mine = next((p for p in preds if p.candidate == own), None)
+        if mine is not None and mine.peak > memory:
+            print(f"hyfi-plan: the recipe's layout needs {_gib(mine.peak)} GiB per rank, "
+                  f"more than {_gib(memory)} GiB")  # fmt: skip
+    if best is None:
+        print("hyfi-plan: no layout fits; use more devices, a smaller image or a narrower model")
+        return 1
+    print(f"\nrecommended: {best.candidate.describe()}, {_gib(best.peak)} GiB per rank\n")
+    print(recipe_lines(best.candidate, best.balance))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hyfi-plan``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except HyfiError as err:
+        print(f"hyfi-plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The planner inside hyfi-train: ``parallel=auto``, and a warning before a layout that will not fit.
+
+Both run before any process group exists, on every rank, and must reach the
+same answer everywhere: memory predictions come from a meta-device trace
+(deterministic), and the ranking uses a nominal device rate instead of a
+timing (a measured rate differs from rank to rank).
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.train.config import ParallelConfig, Recipe
+
+__all__ = ["choose_layout", "fit_warning", "launch_world_size"]
+
+#: FLOP/s used to rank layouts when nothing is measured (the ranking barely depends on it).
+NOMINAL_RATE = {"cpu": 5e10, "cuda": 2e14}
+_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launch_world_size() -> int:
+    """Ranks of this job, from the launcher's environment (1 for a plain process)."""
+    for var in _SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:
+    import torch
+
+    from hyfi_imaging.data.dataset import load_samples
+    from hyfi_imaging.models import create_model
+
+    r = recipe
+    model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+    hw = load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return model, hw, NOMINAL_RATE[kind], r.optim.name
+
+
+def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
+    """The fastest layout of ``devices`` ranks whose predicted peak fits this machine's devices."""
+    from hyfi_imaging.parallel.plan import candidates, device_memory, predict, rank
+
+    model, hw, rate, optimizer = _setting(recipe)
+    batch = recipe.train.batch_size
+    preds = []
+    for cand in candidates(model, hw, devices, batch):
+        try:
+            preds.append(predict(model, hw, batch, cand, optimizer=optimizer, flops_per_s=rate))
+        except ConfigError:
+            continue
+    memory = device_memory(devices)
+    ranked = rank(preds, memory)
+    if not ranked or ranked[0].peak > memory:
+        least = f"; the smallest needs {ranked[0].peak / 2**30:.2f} GiB" if ranked else ""
+        raise ConfigError(
+            "parallel=auto",
+            f"no layout of {devices} rank(s) fits {memory / 2**30:.2f} GiB per device{least}",
+            "launch more ranks, or use a smaller image or a narrower model",
+        )
+    best = ranked[0]
+    c = best.candidate
+    return ParallelConfig(
+        spatial=c.layout.sp,
+        pipeline=c.layout.pp,
+        data=c.layout.dp,
+        microbatches=c.microbatches,
+        schedule=c.schedule,
+        balance=list(best.balance) if c.layout.pp > 1 else None,
+        checkpointing=c.checkpointing,
+    )
+
+
+def fit_warning(recipe: Recipe) -> str | None:
+    """One line when the planner predicts the recipe's layout will not fit a device, else None."""
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.plan import Candidate, device_memory, predict
+
+    p = recipe.parallel
+    cand = Candidate(
+        Layout(dp=p.data, pp=p.pipeline, sp=p.spatial), p.microbatches, p.checkpointing,
+        p.schedule, tuple(p.balance) if p.balance else None,
+    )  # fmt: skip
+    model, hw, rate, optimizer = _setting(recipe)
+    pred = predict(model, hw, recipe.train.batch_size, cand, optimizer=optimizer, flops_per_s=rate)
+    memory = device_memory(cand.layout.world_size)
+    if pred.peak <= memory:
+        return None
+    return (
+        f"the plan predicts {pred.peak / 2**30:.2f} GiB per rank for {cand.describe()}, more than "
+        f"the {memory / 2**30:.2f} GiB of a device; see hyfi-plan {recipe.name} for layouts "
+        f"that fit, or --set parallel=auto"
+    )
