@@ -28,16 +28,13 @@ How the pieces compose, and why:
   over the *global* batch whatever ``dp`` and the micro-batch count; input
   gradients too (a per-replica mean would make them ``dp`` times too large).
   A gradient already in ``.grad`` is not rescaled (accumulation over steps works).
-* **Data: DistributedDataParallel** over the ``dp`` group, wrapping the stage
-  module. Pipelining runs every micro-batch but the last under ``no_sync`` and
-  lets DDP all-reduce in the last backward; a communication hook makes that
-  all-reduce a *sum* (the loss already carries ``1/dp``; DDP's built-in mean
-  would divide twice). Buffers are *not* broadcast by DDP
-  (``forward_sync_buffers=False``): see BatchNorm below.
-* **Gradient rule** (DESIGN.md invariant 5): after the schedule, tile-derived
-  gradients are summed over ``sp`` (:func:`reduce_spatial_grads`); over ``dp``
-  they are the mean of the replicas' per-replica-mean gradients (sum and mean
-  commute).
+* **Sharding, data and the gradient rule: FSDP2** (:mod:`.sharding`) over the
+  flattened ``dp x sy x sx`` mesh of the stage: parameters, gradients and
+  optimizer state are sharded; each unit reduce-scatters its gradients as soon
+  as its backward is done (pipelining syncs only in the last micro-batch's
+  backward). Tile-derived gradients are summed over ``sp`` and, with the
+  loss's ``1/dp``, averaged over ``dp``; head gradients are divided by ``sp``
+  (DESIGN.md invariant 5).
 * **BatchNorm across micro-batches.** Statistics are those of each micro-batch
   (over all its tiles), and running statistics are updated once per
   micro-batch, in micro-batch order -- as in the single-process reference

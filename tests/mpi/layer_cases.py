@@ -6,7 +6,7 @@ tiny ``nn.Sequential``, copies it, spatializes the copy for this rank's tile
 (alignment detected by ``spatialize``), runs both on the same float64 batch and
 pulls back the same random upstream gradient, then compares: the gathered
 output, the gathered input gradient, every parameter gradient after
-``reduce_spatial_grads`` and every buffer (BatchNorm running statistics).
+the tile-gradient sum and every buffer (BatchNorm running statistics).
 Image sizes are odd and not powers of two, so the last tiles hang over the
 image and every masking path runs.
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from _worker import Case, combine, compare, emit, merge_ranks, parse_grid, run_cases, start
 from torch import nn
@@ -137,8 +138,17 @@ def _tile_of(full: torch.Tensor, grid: tuple[int, int], tile: tuple[int, int]) -
     return full[..., i * th : (i + 1) * th, j * tw : (j + 1) * tw]
 
 
+def _sum_tile_grads(model: Any, names: set[str], group: Any) -> None:
+    """The gradient rule on a bare spatialized layer: tile-derived gradients summed over tiles.
+
+    (In training FSDP2 does this reduction; here the layer is checked on its own.)
+    """
+    for name, p in model.named_parameters():
+        if name in names and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
 def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
-    from hyfi_imaging.parallel.spatial import reduce_spatial_grads
     from hyfi_imaging.parallel.verify import gather_tile_grid, pad_image, spatial_context_for
 
     reference = spec.build()
@@ -199,7 +209,7 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
             grad_full = F.pad(grad_y, (0, grid[1] * tw - wo, 0, grid[0] * th - ho))
             y.backward(_tile_of(grad_full, grid, pc.tile).contiguous())
             got_y = gather_tile_grid(y.detach(), ctx, group)[..., :ho, :wo]
-        reduce_spatial_grads(model, ctx)
+        _sum_tile_grads(model, ctx.tile_param_names, group)
         assert tile.grad is not None and ref_x.grad is not None
         got_dx = gather_tile_grid(tile.grad, ctx, group)[..., : hw[0], : hw[1]]
         parts.append(compare(f"step{step}/output", got_y, ref_y, spec.rtol))
