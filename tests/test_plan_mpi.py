@@ -37,7 +37,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# Six layouts in the default run; the seventh with the slow ones (-m slow).
+SLOW = {"pp2-sp1x2-full"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS]
+)
 def test_predicted_peak_within_15_percent(name: str) -> None:
     ranks, layout, ck, m, schedule = LAYOUTS[name]
     job = mpiexec(
