@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import cohort
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "spatial_worker.py"
@@ -52,23 +55,6 @@ def _verdict(what: str, ok: bool, detail: str) -> str:
 
 
 # ---------------------------------------------------------------- part 1: real scale
-
-
-def _cohort(work: Path, size: int) -> Path:
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
-
-    labels = write_synthetic_cohort(work / "slides", 2, seed=0, size=(size, size), lesions=8)
-    summary = run_preprocess(
-        [work / "slides"],
-        work / "data",
-        PreprocessOptions(mpp=0.5, size=(size, size)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None and not summary.failed
-    return summary.manifest
 
 
 def _train(manifest: Path, out: Path, steps: int, checkpointing: str) -> dict[str, Any]:
@@ -117,7 +103,7 @@ def part_train(sizes: list[int], steps: int, checkpointing: str) -> list[str]:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             t0 = time.perf_counter()
-            manifest = _cohort(work, size)
+            manifest = cohort(work, size, n=2)
             prep = time.perf_counter() - t0
             print(f"  {size}^2: cohort written and converted in {prep:.0f} s", file=sys.stderr)
             r = _train(manifest, work / "run", steps, checkpointing)

@@ -34,11 +34,12 @@ LAYOUTS = [
 ]
 
 
-def _cohort(work: Path, size: int) -> Path:
+def cohort(work: Path, size: int, n: int = 24) -> Path:
+    """``n`` synthetic slides of ``size``^2 written and preprocessed under ``work``; the manifest."""
     from hyfi_imaging.data.synthetic import write_synthetic_cohort
     from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
 
-    labels = write_synthetic_cohort(work / "slides", 24, seed=0, size=(size, size), lesions=8)
+    labels = write_synthetic_cohort(work / "slides", n, seed=0, size=(size, size), lesions=8)
     summary = run_preprocess(
         [work / "slides"],
         work / "data",
@@ -87,7 +88,7 @@ def main() -> int:
         args.size, args.steps = 256, 4
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        manifest = _cohort(work, args.size)
+        manifest = cohort(work, args.size)
         results = []
         for name, ranks, sets in LAYOUTS:
             ips, mps = _run(

@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import sys
 import time
 from collections import defaultdict
@@ -55,11 +54,9 @@ _MESSAGES: dict[str, int] = defaultdict(int)
 
 
 def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    if m is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return int(m.group(1))
+    from hyfi_imaging.parallel.memory import rss_bytes
+
+    return rss_bytes(field) // 1024
 
 
 def _system_busy_s() -> float:
@@ -75,9 +72,9 @@ def _system_busy_s() -> float:
 
 
 def _reset_peak() -> None:
-    """Make VmHWM equal the current RSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    from hyfi_imaging.parallel.memory import reset_peak_rss
+
+    reset_peak_rss()
 
 
 def _install_halo_counter() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hyfi_imaging.cli.plan import main, memory_size
@@ -9,6 +11,8 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.plan import Candidate, candidates, predict, rank
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_memory_sizes() -> None:
@@ -65,3 +69,46 @@ def test_cli_says_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", "resnet18"]) == 2
     assert "needs a recipe" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def manifest(synthetic_cohort: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+    out = tmp_path_factory.mktemp("plan_data")
+    summary = run_preprocess(
+        [synthetic_cohort.parent], out, PreprocessOptions(mpp=2.0, size=(256, 256)),
+        labels_path=synthetic_cohort, progress=False, qc=False,
+    )  # fmt: skip
+    assert summary.manifest is not None
+    return summary.manifest
+
+
+def _recipe(tmp_path: Path, manifest: Path, model: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"dataset: {ROOT}/datasets/synthetic.yaml\nmodel: {{name: {model}}}\n"
+        f"data: {{manifest: {manifest}}}\ntrain: {{out_dir: {tmp_path}/run, batch_size: 2}}\n"
+    )
+    return path
+
+
+def test_parallel_auto_picks_a_layout_for_the_launched_ranks(
+    tmp_path: Path, manifest: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hyfi_imaging.train.config import load_recipe
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    r = load_recipe(_recipe(tmp_path, manifest, "resnet18"), ["parallel=auto"])
+    assert r.world_size == 4
+    assert r.parallel.checkpointing in ("none", "selective", "full")
+
+
+def test_fit_warning_names_the_layout_and_the_fix(tmp_path: Path, manifest: Path) -> None:
+    from hyfi_imaging.train.autoplan import fit_warning
+    from hyfi_imaging.train.config import load_recipe
+
+    recipe = load_recipe(_recipe(tmp_path, manifest, "resnet18"))
+    assert fit_warning(recipe) is None  # this machine's RAM holds it easily
+    message = fit_warning(recipe, memory=2**20)  # a 1 MiB device does not
+    assert message is not None and "GiB per rank" in message and "parallel=auto" in message

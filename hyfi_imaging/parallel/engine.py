@@ -49,10 +49,9 @@ How the pieces compose, and why:
   rank: the last stages sum their micro-batch terms, one all-reduce over the
   world adds the replicas (and divides out the tiles of a stage, which hold
   the same value).
-* **Gradient clipping** (:meth:`ParallelModel.clip_grad_norm_`): after the
-  reductions every spatial rank and every replica of a stage holds the same
-  gradients, so squared norms are summed over the ``pp`` group only -- never
-  counted ``gy x gx`` or ``dp`` times.
+* **Gradient clipping** (:meth:`ParallelModel.clip_grad_norm_`): every rank
+  sums the squares of the gradient shard it owns; one all-reduce over the
+  world counts every element exactly once.
 """
 
 from __future__ import annotations

@@ -77,8 +77,11 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
     )
 
 
-def fit_warning(recipe: Recipe) -> str | None:
-    """One line when the planner predicts the recipe's layout will not fit a device, else None."""
+def fit_warning(recipe: Recipe, memory: int | None = None) -> str | None:
+    """One line when the planner predicts the recipe's layout will not fit a device, else None.
+
+    ``memory`` is the bytes of one device (default: :func:`~.plan.device_memory`).
+    """
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.plan import Candidate, device_memory, predict
 
@@ -89,7 +92,7 @@ def fit_warning(recipe: Recipe) -> str | None:
     )  # fmt: skip
     model, hw, rate, optimizer = _setting(recipe)
     pred = predict(model, hw, recipe.train.batch_size, cand, optimizer=optimizer, flops_per_s=rate)
-    memory = device_memory(cand.layout.world_size)
+    memory = memory or device_memory(cand.layout.world_size)
     if pred.peak <= memory:
         return None
     return (
