@@ -200,11 +200,16 @@ def rebuild(
 def _reduce(
     g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int
 ) -> torch.Tensor:
-    """Adjoint of one dimension of :func:`extend`: send halo gradients to their owners, add what comes back."""
+    """Adjoint of one dimension of :func:`extend`, in place in ``g``; returns the core view.
+
+    The halo slices of ``g`` go to their owners; what comes back is added into
+    the core's borders (the core and the halos do not overlap). No tile-sized
+    copy is made: the result is a view of ``g``.
+    """
     if before == 0 and after == 0:
         return g
     n = g.shape[dim] - before - after
-    core = g.narrow(dim, before, n).clone()
+    core = g.narrow(dim, before, n)
     sends, recvs = [], []
     from_lo = from_hi = None
     if lo is not None:
@@ -238,17 +243,17 @@ def return_halo_grads(
 
     Dimensions are undone in the reverse order of the forward (columns, then
     rows with their corners); outside the image (``valid``) the gradient is 0.
+    Works **in place** in ``grad`` (which must be the caller's own tensor) and
+    returns a view of it: a backward that allocated the extended gradient pays
+    no further tile-sized copy.
     """
     pairs = _pairs(halo)
     nd = len(pairs)
-    g = grad.contiguous()
+    g = grad
     for k in reversed(range(nd)):
         lo, hi = neighbours.pairs()[-nd:][k]
         g = _reduce(g, *pairs[k], lo, hi, g.dim() - nd + k)
-    if valid is not None and any(
-        v < n for v, n in zip(valid, g.shape[g.dim() - nd :], strict=True)
-    ):
-        g = g.clone() if g is grad else g
+    if valid is not None:
         fill_tail(g, valid, 0.0)
     return g
 
@@ -263,7 +268,8 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return return_halo_grads(grad, ctx.halo, ctx.nb), None, None, None
+        # autograd owns ``grad``: reduce in a copy
+        return return_halo_grads(grad.clone(), ctx.halo, ctx.nb), None, None, None
 
 
 def halo_exchange(

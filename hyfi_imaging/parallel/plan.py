@@ -59,6 +59,7 @@ from hyfi_imaging.parallel.pipeline import (
     stage_boundaries,
     stage_bounds,
 )
+from hyfi_imaging.parallel.sharding import shard_units
 
 __all__ = [
     "Candidate",
@@ -341,17 +342,12 @@ def _on_cuda(model: nn.Module) -> bool:
 
 
 def _unit_sizes(stage: nn.Module) -> list[int]:
-    """Parameter bytes of each FSDP2 unit: checkpointable blocks, then top-level layers."""
-    sizes = []
-    for _, layer in stage.named_children():
-        inner = [b for b in layer.modules() if isinstance(b, CheckpointedBlock)]
-        rest = sum(p.numel() * p.element_size() for p in layer.parameters())
-        for b in inner:
-            n = sum(p.numel() * p.element_size() for p in b.parameters())
-            sizes.append(n)
-            rest -= n
-        sizes.append(rest)
-    return sizes
+    """Parameter bytes of each FSDP2 unit of the stage, as :func:`~.sharding.shard_units` cuts it.
+
+    (Tile and head parameters are not told apart here: registry models keep
+    the head in top-level layers of its own, so the cut is the same.)
+    """
+    return [n for _, _, _, n in shard_units(stage, None)]
 
 
 def _memory_balance(

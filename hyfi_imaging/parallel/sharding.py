@@ -23,8 +23,9 @@ which sums over the mesh and divides by a per-unit factor:
   holds the whole gradient: summing over ``sp`` tiles would count it ``sp``
   times -- divide factor ``sp``.
 
-So a unit must not mix the two kinds: units are the model's checkpointable
-blocks and top-level layers, split further where a layer mixes them.
+So a unit must not mix the two kinds: units are the top-level layers, split
+into their children where a layer mixes them or holds more than
+:data:`MAX_UNIT_BYTES` of parameters.
 On Gloo the reductions are forced to plain sums with separate scaling (Gloo
 has no ``PREMUL_SUM``).
 """
@@ -39,7 +40,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.models.registry import CheckpointedBlock
 
 __all__ = ["apply_fsdp", "full_tensor", "shard_units"]
 
@@ -55,43 +55,62 @@ def _kinds(
     }
 
 
-def shard_units(stage: nn.Module, tile_names: set[str] | None) -> list[tuple[str, nn.Module, str]]:
-    """``(path, module, kind)`` of each FSDP unit below ``stage``, innermost first.
+#: Largest parameter bytes of one FSDP unit before it is split into its children.
+#: The peak of a spatial rank comes at the start of backward, when nearly every
+#: activation is still kept and the last units are gathered (their parameters,
+#: their unsharded gradients and the next unit's prefetch): on ResNet-50 at
+#: 1024^2 (2x2) units of whole bottleneck blocks (24 MiB) added 0.02 to the
+#: per-rank ratio.
+MAX_UNIT_BYTES = 8 * 2**20
 
-    ``tile_names`` are the parameters whose gradient is summed over tiles
-    (None: all). Each checkpointable block of a one-kind layer is a unit of
-    its own (smaller all-gathers), then the layer; a layer of both kinds is
-    split into its children. ConfigError when one module holds both kinds
-    directly.
+
+def _nbytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def shard_units(
+    stage: nn.Module, tile_names: set[str] | None, *, max_bytes: int = MAX_UNIT_BYTES
+) -> list[tuple[str, nn.Module, str, int]]:
+    """``(path, module, kind, bytes)`` of each FSDP unit below ``stage``, innermost first.
+
+    A top-level layer is a unit when its parameters are of one kind and take at
+    most ``max_bytes``; otherwise its children that are larger than a quarter
+    of that (or mix kinds) are split off the same way, and the layer keeps the
+    rest. ``kind`` says whether the gradient is summed over tiles (``tile_names``;
+    None: all) or the parameters form the replicated head; ``bytes`` are the
+    unit's own parameters (without those of units inside it). ConfigError when
+    one module holds both kinds directly.
     """
-    units: list[tuple[str, nn.Module, str]] = []
+    units: list[tuple[str, nn.Module, str, int]] = []
+    claimed: set[int] = set()
 
     def visit(prefix: str, module: nn.Module) -> None:
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        if not own:
+            return
         kinds = _kinds(prefix, module, tile_names, recurse=True)
-        if not kinds:
+        if len(kinds) > 1 or _nbytes(own) > max_bytes:
+            for name, child in module.named_children():
+                child_params = list(child.parameters())
+                mixed = len(_kinds(f"{prefix}{name}.", child, tile_names, recurse=True)) > 1
+                if mixed or _nbytes(child_params) > max_bytes // 4:
+                    visit(f"{prefix}{name}.", child)
+        rest = {id(p) for p in module.parameters()} - claimed
+        if not rest:
             return
-        if len(kinds) == 1:
-            kind = next(iter(kinds))
-            for path, sub in module.named_modules():
-                if (
-                    path
-                    and isinstance(sub, CheckpointedBlock)
-                    and next(sub.parameters(), None) is not None
-                ):
-                    units.append((f"{prefix}{path}", sub, kind))
-            units.append((prefix.rstrip("."), module, kind))
-            return
-        for name, child in module.named_children():
-            visit(f"{prefix}{name}.", child)
-        direct = _kinds(prefix, module, tile_names, recurse=False)
-        if len(direct) > 1:
+        names = [n for n, p in module.named_parameters() if id(p) in rest]
+        rest_kinds = {
+            TILE if tile_names is None or f"{prefix}{n}" in tile_names else HEAD for n in names
+        }
+        if len(rest_kinds) > 1:
             raise ConfigError(
                 f"module {prefix.rstrip('.') or type(module).__name__!r}",
                 "holds parameters used both before and after the global pool",
                 "split it into two modules (tiles before the pool, head after)",
             )
-        if direct:
-            units.append((prefix.rstrip("."), module, next(iter(direct))))
+        rest_params = [p for p in module.parameters() if id(p) in rest]
+        claimed.update(rest)
+        units.append((prefix.rstrip("."), module, next(iter(rest_kinds)), _nbytes(rest_params)))
 
     for name, child in stage.named_children():
         visit(f"{name}.", child)
@@ -117,15 +136,15 @@ def apply_fsdp(
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
     units = shard_units(stage, tile_names)
     root_kind = next(iter(_kinds("", stage, tile_names, recurse=False)), TILE)
-    units.append(("(stage)", stage, root_kind))
-    for _, module, kind in units:
+    units.append(("(stage)", stage, root_kind, 0))
+    for _, module, kind, _ in units:
         sharded: FSDPModule = fully_shard(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward
         )
         sharded.set_gradient_divide_factor(float(tiles) if kind == HEAD else 1.0)
         if gloo:
             sharded.set_force_sum_reduction_for_comms(True)
-    return [path for path, _, _ in units]
+    return [path for path, _, _, _ in units]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

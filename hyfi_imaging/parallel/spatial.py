@@ -391,9 +391,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         dbias, dweight = local[0].clone(), local[1].clone()
         total = all_reduce_sum(local, ctx.group) / ctx.n
         scale = rstd if weight is None else rstd * weight.to(rstd.dtype)
-        dx = (
-            g - total[0].to(g.dtype).view(shape) - xhat * total[1].to(g.dtype).view(shape)
-        ) * scale.to(g.dtype).view(shape)
+        # dx = (g - mean(g) - xhat * mean(g xhat)) * scale, with one activation-sized
+        # allocation (this is the largest transient of a spatial backward).
+        dx = xhat * (-total[1]).to(g.dtype).view(shape)
+        dx.add_(g).sub_(total[0].to(g.dtype).view(shape)).mul_(scale.to(g.dtype).view(shape))
         if tail is not None:
             dx.masked_fill_(tail, 0.0)
         if weight is None:

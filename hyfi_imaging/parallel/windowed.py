@@ -164,7 +164,7 @@ class _MaxPool(torch.autograd.Function):
         win: Window = ctx.win
         xe = _rebuild(x, strips, win)
         # Recomputing the winners costs one pooling pass; storing them would cost int64 per output.
-        _, idx = _aten.max_pool2d_with_indices(xe, win.kernel, win.stride, [0, 0], win.dilation)
+        idx = _aten.max_pool2d_with_indices(xe, win.kernel, win.stride, [0, 0], win.dilation)[1]
         gi = _aten.max_pool2d_with_indices_backward(
             gy, xe, win.kernel, win.stride, [0, 0], win.dilation, False, idx
         )
