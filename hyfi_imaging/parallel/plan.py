@@ -198,16 +198,16 @@ def _stage_memory(
 def _transient_factor(kind: str, spatial: bool) -> int:
     """Input-sized tensors a layer's backward holds at once, besides its output gradient.
 
-    Spatial BatchNorm (:class:`~.spatial.SpatialBatchNorm2d`): the masked
-    gradient, two products and the input gradient; PyTorch's fused kernel:
-    the input gradient. A spatial window op: the rebuilt extended tile, its
-    gradient and the halo reduction's copy; a plain one: the input gradient
-    and a layout reorder. Pointwise layers: the input gradient.
+    Spatial BatchNorm (:class:`~.spatial.SpatialBatchNorm2d`): a product for the
+    channel sums and the input gradient; PyTorch's fused kernel: the input
+    gradient. A spatial window op: the rebuilt extended tile and its gradient
+    (reduced in place), and the recomputed max-pool winners; a plain one: the
+    input gradient and a layout reorder. Pointwise layers: the input gradient.
     """
     if kind.endswith("BatchNorm2d"):
-        return 4 if spatial else 1
+        return 2 if spatial else 1
     if kind in ("Conv2d", "MaxPool2d", "AvgPool2d"):
-        return 5 if spatial else 2
+        return 3 if spatial else 2
     return 1
 
 
