@@ -46,6 +46,7 @@ __all__ = [
     "LayerCosts",
     "balance_by_size",
     "balance_by_time",
+    "flat_tensors",
     "measure_layers",
     "partition",
 ]
@@ -110,11 +111,12 @@ class LayerCosts:
         return self.seconds if by == "time" else tuple(float(b) for b in self.bytes)
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def flat_tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x`` (a tensor, or nested tuples/lists of them), in order."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, tuple | list):
-        return [t for v in x for t in _tensors(v)]
+        return [t for v in x for t in flat_tensors(v)]
     return []
 
 
@@ -206,7 +208,7 @@ def _measure(
     seconds: list[float],
     sizes: list[int],
 ) -> None:
-    device = _tensors(x)[0].device
+    device = flat_tensors(x)[0].device
     for _, layer in layers:
         layer.train()
         params = [p for p in layer.parameters() if p.requires_grad]
@@ -218,14 +220,14 @@ def _measure(
             _sync(device)
             began = time.perf_counter()
             out, size = _saved_bytes(partial(_call, layer, leaf))
-            outs = [t for t in _tensors(out) if t.requires_grad]
+            outs = [t for t in flat_tensors(out) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _sync(device)
             runs.append(time.perf_counter() - began)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
-        out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
+        out_bytes = sum(t.numel() * t.element_size() for t in flat_tensors(out))
         seconds.append(statistics.median(runs))
         sizes.append(size + out_bytes + param_bytes)
         with torch.no_grad():

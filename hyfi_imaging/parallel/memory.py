@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyfi_imaging.parallel.balance import flat_tensors
+
 __all__ = [
     "SavedActivations",
     "fix_malloc_threshold",
@@ -107,7 +109,7 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
         stack.pop()
         for call in reversed(calls):
             if call[0] == path:
-                call[3] = sum(_nbytes(t) for t in _tensors(out))
+                call[3] = sum(_nbytes(t) for t in flat_tensors(out))
                 break
 
     calls: list[list[Any]] = []
@@ -146,14 +148,6 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, tuple | list):
-        return [t for v in x for t in _tensors(v)]
-    return []
 
 
 def fix_malloc_threshold(threshold: int = 64 * 1024) -> bool:

@@ -39,7 +39,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -109,7 +109,6 @@ class Prediction:
     buffers: int
     step_s: float = math.nan
     images_per_s: float = math.nan
-    notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> int:
