@@ -30,7 +30,7 @@ examples:
   mpirun -np 4 hyfi-train recipes/synthetic.yaml --set parallel=auto
 
 Memory is the peak over what a rank holds once its model is built; it was
-within 9 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
+within 5 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
 Step times rank layouts; they are not wall-time promises.
 Exit status: 0 a layout fits, 1 none fits, 2 bad arguments.
 """

@@ -35,6 +35,7 @@ from hyfi_imaging.parallel.balance import flat_tensors
 __all__ = [
     "SavedActivations",
     "fix_malloc_threshold",
+    "AnonymousPeak",
     "reset_peak_rss",
     "rss_bytes",
     "saved_activations",
@@ -183,3 +184,28 @@ def reset_peak_rss() -> None:
     """Make ``VmHWM`` equal the current resident set (Linux >= 4.0), to measure one phase's peak."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+class AnonymousPeak:
+    """The peak anonymous resident memory of one phase, over the resident set at its start.
+
+    ``with AnonymousPeak() as peak: ...`` then ``peak.bytes``. ``VmHWM`` also
+    counts file-backed pages: library code paged in the first time a kernel
+    runs (which oneDNN kernels, and how many neighbouring pages the kernel maps
+    with them, depend on the CPU and the page cache). Those pages are shared
+    and reclaimable, never the cause of an out-of-memory kill, and they make
+    the same run read tens of MiB apart on two machines; their growth over the
+    phase (``RssFile`` + ``RssShmem``) is taken out.
+    """
+
+    bytes: int = 0
+
+    def __enter__(self) -> AnonymousPeak:
+        self._base = rss_bytes("VmRSS")
+        self._shared = rss_bytes("RssFile") + rss_bytes("RssShmem")
+        reset_peak_rss()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        grown = rss_bytes("RssFile") + rss_bytes("RssShmem") - self._shared
+        self.bytes = rss_bytes("VmHWM") - self._base - max(grown, 0)

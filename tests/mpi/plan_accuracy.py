@@ -5,8 +5,9 @@ Run under ``mpiexec -n N`` (or plainly for one process) with the layout as
 rank builds its part (:class:`ParallelModel`, SGD with momentum), then the
 resident set after the build is the baseline; two training steps (data
 created inside the step, as a loader delivers it) and optimizer steps follow,
-and the peak resident set over the baseline is this rank's measured peak
-(``VmHWM``, reset first; glibc's mmap threshold is fixed by ``init_parallel``).
+and the peak anonymous resident set over the baseline is this rank's measured
+peak (:class:`AnonymousPeak`: ``VmHWM`` less the library pages paged in;
+glibc's mmap threshold is fixed by ``init_parallel``).
 The planner's prediction for the same layout and cut is computed on the meta
 device. One JSON line on rank 0: predicted and measured, per rank.
 """
@@ -26,7 +27,7 @@ from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.launch import init_parallel
 from hyfi_imaging.parallel.layout import Layout
-from hyfi_imaging.parallel.memory import reset_peak_rss, rss_bytes
+from hyfi_imaging.parallel.memory import AnonymousPeak
 from hyfi_imaging.parallel.plan import Candidate, predict
 
 
@@ -65,17 +66,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     gc.collect()
     dist.barrier()
-    base = rss_bytes("VmRSS")
-    reset_peak_rss()
-    for _ in range(2):
-        # A loader delivers this rank's tile only (never the whole image).
-        tiles = torch.randn(args.batch, 3, *pm.tile_hw, generator=gen) if pm.is_first else None
-        labels = torch.randint(0, 2, (args.batch,), generator=gen)
-        pm.train_step(tiles, labels)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del tiles
-    measured = rss_bytes("VmHWM") - base
+    with AnonymousPeak() as peak:
+        for _ in range(2):
+            # A loader delivers this rank's tile only (never the whole image).
+            tiles = torch.randn(args.batch, 3, *pm.tile_hw, generator=gen) if pm.is_first else None
+            labels = torch.randint(0, 2, (args.batch,), generator=gen)
+            pm.train_step(tiles, labels)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del tiles
+    measured = peak.bytes
     gathered: list[Any] = [None] * pc.world_size
     dist.all_gather_object(gathered, measured)
     emit(
