@@ -18,7 +18,15 @@ def problem(where: object, what: str, fix: str) -> str:
 
 
 class HyfiError(Exception):
-    """Base of all hyfi-imaging errors; ``str(err)`` is one line for the user."""
+    """Base of all hyfi-imaging errors; ``str(err)`` is one line for the user.
+
+    ``collective`` says the error is raised alike on every rank of a job (it
+    follows from the configuration or from a decision the ranks agreed on), so
+    a launcher prints it once, from rank 0; otherwise every rank that raises it
+    prints it, naming itself.
+    """
+
+    collective: bool = False
 
     def __init__(self, where: object, what: str, fix: str) -> None:
         self.where = str(where)
@@ -35,5 +43,8 @@ class ConfigError(HyfiError, ValueError):
     """A command-line option, layout or configuration value is invalid.
 
     Also a ValueError, so that argparse ``type=`` converters raising it produce a
-    usage error (exit 2) instead of a traceback.
+    usage error (exit 2) instead of a traceback. Collective: every rank reads
+    the same configuration.
     """
+
+    collective = True

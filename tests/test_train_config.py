@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import resource
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from torch import nn
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.train.checkpoint import (
     MARKER,
+    CheckpointError,
+    install_optimizer_state,
     list_checkpoints,
     load_latest,
     optimizer_state,
@@ -107,40 +110,110 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def _state_of(model: nn.Module, opt: torch.optim.Optimizer, *, for_load: bool) -> dict:
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer_state(model.named_parameters(), opt, for_load=for_load),
+    }
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    flat = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for k, v in optimizer_state(model.named_parameters(), opt, for_load=False).items():
+        flat[f"optim/{k}"] = v.clone()
+    return flat
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _corrupt(checkpoint: Path) -> None:
+    for shard in checkpoint.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:10])
+
+
 def test_checkpoints_roundtrip_keep_last_and_skip_corrupt(tmp_path: Path) -> None:
     model, opt = _model_and_opt()
     root = tmp_path / "ckpt"
     for step in (1, 2, 3):
         _step(model, opt)
-        state = {
-            "model": model.state_dict(),
-            "optim": optimizer_state(model.named_parameters(), opt, for_load=False),
-        }
-        save_checkpoint(root, step, state, {"epoch": 0, "batch": step}, keep=2)
+        save_checkpoint(
+            root, step, _state_of(model, opt, for_load=False), {"epoch": 0, "batch": step}, keep=2
+        )
     assert [p.name for p in list_checkpoints(root)] == ["step_00000003", "step_00000002"]
     (root / "step_00000009.partial").mkdir()  # a crash mid-save is never a checkpoint
     assert len(list_checkpoints(root)) == 2
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    want_opt = {
-        k: v.clone()
-        for k, v in optimizer_state(model.named_parameters(), opt, for_load=False).items()
-    }
+    want = _snapshot(model, opt)
 
     fresh, fresh_opt = _model_and_opt()
-    state = {
-        "model": fresh.state_dict(),
-        "optim": optimizer_state(fresh.named_parameters(), fresh_opt, for_load=True),
-    }
-    path, meta = load_latest(root, state) or (None, {})
-    assert path == root / "step_00000003" and meta["batch"] == 3
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v, want[k]), k
-    for k, v in optimizer_state(fresh.named_parameters(), fresh_opt, for_load=False).items():
-        assert torch.equal(v, want_opt[k]), k
+    state = _state_of(fresh, fresh_opt, for_load=True)
+    found = load_latest(root, state)
+    assert found is not None and found.path == root / "step_00000003" and found.meta["batch"] == 3
+    install_optimizer_state(fresh.named_parameters(), fresh_opt, state["optim"])
+    assert _same(_snapshot(fresh, fresh_opt), want)
 
     # Corrupt the newest: its shard is truncated -> the previous checkpoint is used.
-    for shard in (root / "step_00000003").glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:10])
-    path, meta = load_latest(root, state) or (None, {})
-    assert path == root / "step_00000002"
-    assert json.loads((path / MARKER).read_text())["step"] == 2
+    _corrupt(root / "step_00000003")
+    found = load_latest(root, _state_of(fresh, fresh_opt, for_load=True))
+    assert found is not None and found.path == root / "step_00000002"
+    assert [p.name for p, _ in found.skipped] == ["step_00000003"]
+    assert json.loads((found.path / MARKER).read_text())["step"] == 2
+
+
+def test_a_failed_load_leaves_no_trace_and_all_corrupt_raises(tmp_path: Path) -> None:
+    model, opt = _model_and_opt()
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        _step(model, opt)
+        save_checkpoint(root, step, _state_of(model, opt, for_load=False), {}, keep=5)
+    for path in list_checkpoints(root):
+        _corrupt(path)
+    fresh, fresh_opt = _model_and_opt()
+    before = _snapshot(fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoint\(s\).*--restart") as err:
+        load_latest(root, _state_of(fresh, fresh_opt, for_load=True))
+    assert "\n" not in str(err.value) and "step_00000002" in str(err.value)
+    assert _same(_snapshot(fresh, fresh_opt), before)  # model and optimiser untouched
+    assert not fresh_opt.state  # no zero state was left behind either
+    assert load_latest(tmp_path / "empty", _state_of(fresh, fresh_opt, for_load=True)) is None
+
+
+def test_retention_and_resume_see_only_the_current_run(tmp_path: Path) -> None:
+    model, opt = _model_and_opt()
+    root = tmp_path / "ckpt"
+    for step in (7, 8, 9):  # an old run got further than the new one will
+        save_checkpoint(root, step, _state_of(model, opt, for_load=False), {}, keep=2, run_id="old")
+    for step in (2, 4, 6):
+        _step(model, opt)
+        save_checkpoint(root, step, _state_of(model, opt, for_load=False), {}, keep=2, run_id="new")
+    names = [p.name for p in list_checkpoints(root)]
+    assert names == ["step_00000009", "step_00000008", "step_00000006", "step_00000004"]
+    assert [p.name for p in list_checkpoints(root, "new")] == ["step_00000006", "step_00000004"]
+    fresh, fresh_opt = _model_and_opt()
+    found = load_latest(root, _state_of(fresh, fresh_opt, for_load=True), run_id="new")
+    assert found is not None and found.path.name == "step_00000006"
+    # Ordering is by step number, not by name.
+    save_checkpoint(
+        root, 100000000, _state_of(model, opt, for_load=False), {}, keep=2, run_id="new"
+    )
+    assert [p.name for p in list_checkpoints(root, "new")] == ["step_100000000", "step_00000006"]
+
+
+def test_a_failed_write_leaves_no_partial_and_keeps_the_previous(tmp_path: Path) -> None:
+    model, opt = _model_and_opt()
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, _state_of(model, opt, for_load=False), {}, keep=2, run_id="r")
+    # The kernel refuses the write of step 2 (a file-size limit fails writes as a full
+    # disk does; Python ignores SIGXFSZ, so write() raises).
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    try:
+        with pytest.raises(CheckpointError, match=r"step_00000002: checkpoint not written") as err:
+            save_checkpoint(root, 2, _state_of(model, opt, for_load=False), {}, keep=2, run_id="r")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "File too large" in str(err.value), str(err.value)
+    assert "resume from step_00000001, which is intact" in str(err.value)
+    assert not (root / "step_00000002.partial").exists()
+    assert [p.name for p in list_checkpoints(root, "r")] == ["step_00000001"]

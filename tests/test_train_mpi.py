@@ -37,8 +37,9 @@ def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return summary.manifest
 
 
-def _train_cmd(manifest: Path, out: Path, *sets: str) -> list[str]:
+def _train_cmd(manifest: Path, out: Path, *sets: str, args: tuple[str, ...] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "synthetic.yaml")]
+    cmd += args
     base = [
         f"data.manifest={manifest}",
         f"train.out_dir={out}",
@@ -55,9 +56,14 @@ def _train_cmd(manifest: Path, out: Path, *sets: str) -> list[str]:
 
 
 def _train(
-    manifest: Path, out: Path, ranks: int, *sets: str, check: bool = True
+    manifest: Path,
+    out: Path,
+    ranks: int,
+    *sets: str,
+    check: bool = True,
+    args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    cmd = _train_cmd(manifest, out, *sets)
+    cmd = _train_cmd(manifest, out, *sets, args=args)
     if ranks > 1:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -123,7 +129,7 @@ def test_resume_after_a_kill_continues_exactly(manifest: Path, tmp_path: Path) -
     proc.send_signal(signal.SIGKILL)  # mpiexec takes its ranks down with it
     proc.wait(timeout=60)
     resumed = _train(manifest, cut, 2, "parallel.spatial=1x2")
-    assert "resuming from" in resumed.stderr
+    assert "resuming run" in resumed.stderr
     assert _losses(cut) == _losses(tmp_path / "full")  # bitwise on CPU
 
 

@@ -24,9 +24,16 @@ examples:
   # one process (layout 1x1), a quick check that the recipe is valid, then nothing else
   hyfi-train recipes/synthetic.yaml --set parallel.spatial=1x1 --check
 
-Re-launching the same command resumes from the newest loadable checkpoint in
-<train.out_dir>/checkpoints (use --no-resume to start over). Exit status: 0
-trained; 1 a rank failed (message on stderr); 2 invalid recipe or options.
+A run directory (train.out_dir) holds one run. Re-launching the same command
+resumes it from its newest loadable checkpoint; if it has checkpoints and none
+loads, hyfi-train stops and says so. --restart moves the old run to
+<train.out_dir>/previous/ and starts over; --no-resume starts a new run and is
+refused where a run already is.
+
+Exit status: 0 trained; 1 a rank failed (one line on stderr: a lost rank is
+named, a file error names the file); 2 a problem to fix first -- recipe,
+options, run directory, a checkpoint that cannot be written or loaded (one
+line, printed once).
 """
 
 
@@ -47,8 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a recipe value, e.g. train.epochs=3 (repeatable)",
     )
-    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
-    p.add_argument("--check", action="store_true", help="validate the recipe and data, then exit")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start a new run; refused if train.out_dir already holds one",
+    )
+    start.add_argument(
+        "--restart",
+        action="store_true",
+        help="move the run in train.out_dir to previous/ and start a new one",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run every check that needs no processes (recipe, data, labels, layout, "
+        "run directory), then exit",
+    )
     return p
 
 
@@ -58,16 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, shutdown
     from hyfi_imaging.train.autoplan import fit_warning
     from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.rundir import StartMode
     from hyfi_imaging.train.trainer import Trainer, preflight
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="hyfi-train: %(message)s")
+    start: StartMode = "restart" if args.restart else "new" if args.no_resume else "resume"
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        preflight(recipe)
+        preflight(recipe, start=start)
         warning = fit_warning(recipe)
     except HyfiError as err:
-        print(f"hyfi-train: error: {err}", file=sys.stderr)
+        if _launch_rank() == 0:  # every rank found the same: say it once
+            print(f"hyfi-train: error: {err}", file=sys.stderr)
         return 2
     if warning and _launch_rank() == 0:  # said once, before any rank allocates
         print(f"hyfi-train: warning: {warning}", file=sys.stderr, flush=True)
@@ -76,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def run() -> int:
-        summary = Trainer(recipe, resume=not args.no_resume).run()
+        summary = Trainer(recipe, start=start).run()
         if summary.get("world_size") is not None and _rank() == 0:
             keys = ("accuracy", "auc", "macro_auc", "qwk", "val_loss", "steps", "seconds")
             shown = ", ".join(

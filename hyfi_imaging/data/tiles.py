@@ -6,8 +6,10 @@ layer) stays simple and exact only when all tiles have the same size and every
 tile offset is a multiple of the model's total stride ``align`` (J). So an
 image of ``(H, W)`` is padded *once, globally* to ``(Hp, Wp)``, the smallest
 multiple of ``gy·align`` (``gx·align``) that holds it, and cut into ``gy x gx``
-equal tiles. The padding lies only past the bottom and right image border,
-where the spatial layers mask it; the loader fills it with the background value.
+equal tiles; a 1x1 grid is not padded. The rule is
+:func:`hyfi_imaging.parallel.geometry.padded_hw`, the one the engine uses. The
+padding lies only past the bottom and right image border, where the spatial
+layers mask it; the loader fills it with the background value.
 
 A rank reads its owned tile *plus* a halo — ``(top, bottom, left, right)``,
 asymmetric for strided stems (ResNet: ``(13, 10)``) — so that the first layers
@@ -18,8 +20,8 @@ A halo larger than the owned tile is legal here: the loader just reads a bigger
 box (from several neighbours' tiles); whether the model's halo exchange accepts
 it is the exchange's concern, not the loader's.
 
-Everything here is pure geometry plus one reading helper; nothing depends on
-torch, so the same regions serve the loader, the spatial layers and the tests.
+Everything here is pure geometry plus one reading helper, so the same regions
+serve the loader, the spatial layers and the tests.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ import numpy as np
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.io.base import SlideReader, clip_region, paste_region
+from hyfi_imaging.parallel.geometry import padded_hw
 
 __all__ = [
     "Box",
     "Halo",
     "TileRegion",
     "normalize_halo",
-    "padded_size",
     "read_tile",
     "read_window",
     "stitch",
@@ -64,7 +66,7 @@ class TileRegion:
         rank: ``(i, j)``, row-major position of this rank in the grid.
         image_hw: ``(H, W)`` of the image being tiled.
         padded_hw: ``(Hp, Wp)``, the image plus global padding, a multiple of
-            ``grid · align`` along each axis.
+            ``grid · align`` along each axis (the image itself on a 1x1 grid).
         owned: ``(y, x, h, w)`` of the tile this rank owns, in image pixels.
         halo: ``(top, bottom, left, right)`` read around the owned tile.
         read: ``(y, x, h, w)`` of owned tile plus halo; may extend outside the image.
@@ -135,20 +137,6 @@ def _check_grid(image_hw: tuple[int, int], grid: tuple[int, int], align: int) ->
         raise ConfigError(f"align {align}", "align must be >= 1", "use the model's total stride")
 
 
-def padded_size(n: int, parts: int, align: int = 1) -> int:
-    """The smallest multiple of ``parts · align`` that is ``>= n``."""
-    step = parts * align
-    return -(-n // step) * step
-
-
-def _largest_grid(n: int, align: int) -> int:
-    """The most tiles an axis of ``n`` pixels takes before one tile is all padding."""
-    g = 1
-    while padded_size(n, g + 1, align) // (g + 1) * g < n:
-        g += 1
-    return g
-
-
 def tile_region(
     image_hw: tuple[int, int],
     grid: tuple[int, int],
@@ -176,20 +164,9 @@ def tile_region(
             f"rank {tuple(rank)}", f"outside the grid {grid}", "use 0 <= i < gy and 0 <= j < gx"
         )
     top, bottom, left, right = normalize_halo(halo)
-    padded = (
-        padded_size(image_hw[0], grid[0], align),
-        padded_size(image_hw[1], grid[1], align),
-    )
-    th, tw = padded[0] // grid[0], padded[1] // grid[1]
-    for axis, name in ((0, "rows"), (1, "columns")):
-        tile = (th, tw)[axis]
-        if (grid[axis] - 1) * tile >= image_hw[axis]:
-            most = _largest_grid(image_hw[axis], align)
-            raise ConfigError(
-                f"grid {grid} on a {image_hw[0]}x{image_hw[1]} image (align {align})",
-                f"{grid[axis]} tile {name} of {tile} px leave the last one wholly in padding",
-                f"use at most {most} tile {name}, a smaller align or a larger image",
-            )
+    ph, pw = padded_hw(image_hw, grid, align)  # refuses a tile with no image pixels
+    padded = (ph, pw)
+    th, tw = ph // grid[0], pw // grid[1]
     owned = (i * th, j * tw, th, tw)
     read = (owned[0] - top, owned[1] - left, th + top + bottom, tw + left + right)
     box = clip_region(*read, *image_hw)

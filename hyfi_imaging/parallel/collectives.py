@@ -1,5 +1,9 @@
 """All-reduces for spatial layers, as autograd functions where the backward matters.
 
+Plus :func:`group_device` and :func:`all_agree`: a tensor handed to a
+collective must live on the device type of the group's backend (NCCL takes
+CUDA tensors only), so control-flow decisions made on the host go through them.
+
 Which backward is right depends on who uses the reduced value:
 
 * :func:`all_reduce_sum` — a plain sum for code with its own backward
@@ -21,7 +25,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_max_replicated", "all_reduce_replicated", "all_reduce_sum"]
+__all__ = [
+    "all_agree",
+    "all_reduce_max_replicated",
+    "all_reduce_replicated",
+    "all_reduce_sum",
+    "group_device",
+]
+
+
+def group_device(group: Any = None) -> torch.device:
+    """The device a tensor must be on for a collective of ``group`` (default: the world)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_agree(ok: bool, group: Any = None) -> bool:
+    """True on every rank of ``group`` if ``ok`` is true on all of them (one process: ``ok``)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=group_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:

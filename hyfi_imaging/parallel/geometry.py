@@ -62,6 +62,7 @@ __all__ = [
     "layer_geom",
     "out_length",
     "owned_outputs",
+    "padded_hw",
     "plan_chain",
     "plan_layer",
     "split",
@@ -349,6 +350,32 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
         for a in (0, 1)
     )
     return (y, x)
+
+
+def padded_hw(image_hw: Sequence[int], grid: Sequence[int], align: int = 1) -> tuple[int, ...]:
+    """The image size after global padding: the one padding rule, used everywhere.
+
+    A grid of one tile is not padded: one process runs the plain model on the
+    image as it is, whatever the model's stride. Otherwise each axis becomes
+    ``tiles x t``, ``t = ceil(n / (tiles * align)) * align`` (see :func:`split`,
+    which also refuses a grid that leaves a tile without image pixels).
+
+    OK: ``padded_hw((777, 777), (1, 1), 32)`` -> ``(777, 777)``;
+    ``padded_hw((777, 777), (1, 2), 32)`` -> ``(800, 832)``.
+    """
+    if len(image_hw) != len(grid):
+        raise ConfigError(
+            f"grid {tuple(grid)}",
+            f"has {len(grid)} axes for an image of {len(image_hw)}",
+            "give one tile count per image axis",
+        )
+    if all(int(g) == 1 for g in grid):
+        return tuple(int(n) for n in image_hw)
+    names = ("height", "width") if len(grid) == 2 else ("depth", "height", "width")
+    return tuple(
+        split(int(n), int(g), align=align, axis=names[k])[-1].stop
+        for k, (n, g) in enumerate(zip(image_hw, grid, strict=True))
+    )
 
 
 def split(n: int, parts: int, *, align: int = 1, axis: str = "axis") -> tuple[Span, ...]:

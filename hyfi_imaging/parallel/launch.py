@@ -9,12 +9,17 @@ gets a world of one with an in-memory store, so the same code runs everywhere.
 
 Every collective gets a timeout: a dead rank must end the job with a clear
 message, never a hang. :func:`fail_fast` turns an exception on any rank into a
-one-line message and a non-zero exit without waiting for the others.
+one-line message and a non-zero exit without waiting for the others: an error
+every rank raises alike (a configuration error, an agreed checkpoint failure)
+is printed once, by rank 0; a file-system error is one line naming the file;
+and when a peer vanished (killed, out of memory), the survivors name the lost
+rank, found from the (host, pid) table the ranks exchange at start-up.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import socket
 import sys
@@ -36,13 +41,27 @@ __all__ = [
     "detect_launcher",
     "exit_now",
     "fail_fast",
+    "failure_line",
     "init_parallel",
+    "lost_ranks",
     "shutdown",
 ]
 
 Launcher = Literal["mpi", "torchrun", "single"]
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 T = TypeVar("T")
+#: (host, pid) of every rank of the job, filled by :func:`init_parallel`.
+_PEERS: list[tuple[str, int]] = []
+#: What a transport says when the process at the other end is gone.
+_PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "remote process exited",
+    "socket closed",
+)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def detect_launcher() -> Launcher:
@@ -168,6 +187,9 @@ def init_parallel(
     if layout.dp * layout.sp_size > 1:
         shard_mesh = mesh["dp", "sy", "sx"]._flatten("shard")
         groups["shard"] = shard_mesh.get_group()
+    table: list[Any] = [None] * world
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    _PEERS[:] = table
     return ParallelContext(
         layout, rank, world, local_rank, launcher, backend, device, mesh, groups, shard_mesh
     )
@@ -196,9 +218,91 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
-    """Run ``fn``; on any exception print one line (plus the trace to stderr) and exit 1 at once.
+def _rank() -> int | None:
+    if dist.is_initialized():
+        return dist.get_rank()
+    for var in ("RANK", *_MPI_RANK_VARS):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
 
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process on this host."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def lost_ranks() -> list[int]:
+    """Ranks of this host's part of the job whose process is gone (from the start-up table)."""
+    host = socket.gethostname()
+    return [r for r, (h, pid) in enumerate(_PEERS) if h == host and not _alive(pid)]
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    e: BaseException | None = err
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _first_line(err: BaseException) -> str:
+    for e in _chain(err):
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if lines:
+            return lines[0]
+    return type(err).__name__
+
+
+def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool]:
+    """The one line to print for ``err`` on ``rank`` (None: stay quiet) and whether a trace helps."""
+    who = "" if rank is None else f"rank {rank}: "
+    if isinstance(err, HyfiError):
+        if err.collective and rank not in (None, 0):
+            return None, False
+        return (f"error: {err}" if err.collective else f"{who}error: {err}"), False
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.strerror:
+            where = f"{e.filename}: " if e.filename else ""
+            fix = (
+                "free space on that disk (or set train.out_dir to another one), then relaunch "
+                "the same command to resume from the last checkpoint"
+                if e.errno in _DISK_FULL
+                else "check that path and its permissions"
+            )
+            return f"{who}error: {where}{e.strerror}; {fix}.", False
+    text = " ".join(str(e) for e in _chain(err)).lower()
+    if any(k in text for k in _PEER_GONE):
+        gone = [r for r in lost_ranks() if r != rank]
+        what = (
+            f"lost rank {', '.join(map(str, gone))} (pid "
+            f"{', '.join(str(_PEERS[r][1]) for r in gone)} on {socket.gethostname()})"
+            if gone
+            else "lost contact with another rank (on another host, or already restarted)"
+        )
+        return (
+            f"{who}error: {what}: it exited or was killed (out of memory? see its output and "
+            "the system log); relaunch the same command to resume from the last checkpoint.",
+            False,
+        )
+    return f"{who}error: {_first_line(err)}", True
+
+
+def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
+    """Run ``fn``; on any exception print one line (see :func:`failure_line`) and exit at once.
+
+    Exit status 2 for a :class:`HyfiError` (the user can fix it), 1 otherwise.
     ``os._exit`` skips interpreter teardown, which could otherwise block in a
     collective or in MPI_Finalize waiting for a rank that is already gone.
     """
@@ -206,13 +310,14 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
         return fn()
     except SystemExit:
         raise
-    except HyfiError as err:  # a user error: one line, no trace
-        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-        os._exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
     except BaseException as err:
-        rank = os.environ.get("RANK", "?")
-        traceback.print_exc(file=sys.stderr)
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"{prog}: rank {rank}: error: {msg}", file=sys.stderr, flush=True)
+        line, trace = failure_line(err, _rank())
+        if trace:
+            traceback.print_exc(file=sys.stderr)
+        if line is not None:
+            print(f"{prog}: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(2 if isinstance(err, HyfiError) else 1)

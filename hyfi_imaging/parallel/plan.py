@@ -49,7 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.balance import partition
-from hyfi_imaging.parallel.geometry import layer_geom, split
+from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, saved_activations
 from hyfi_imaging.parallel.pipeline import (
@@ -119,10 +119,8 @@ class Prediction:
 
 def tile_hw(image_hw: tuple[int, int], grid: tuple[int, int], align: int) -> tuple[int, int]:
     """The padded tile every rank holds (the geometry module's rule)."""
-    return (
-        split(image_hw[0], grid[0], align=align, axis="height")[0].size,
-        split(image_hw[1], grid[1], align=align, axis="width")[0].size,
-    )
+    ph, pw = padded_hw(image_hw, grid, align)
+    return ph // grid[0], pw // grid[1]
 
 
 def _in_block(path: str, blocks: Sequence[str]) -> str | None:

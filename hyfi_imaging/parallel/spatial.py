@@ -43,7 +43,7 @@ from hyfi_imaging.parallel.collectives import (
     all_reduce_replicated,
     all_reduce_sum,
 )
-from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
+from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom, padded_hw
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.windowed import Window
 
@@ -102,11 +102,9 @@ class SpatialContext:
         self._out_cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
 
     def padded_size(self, image_hw: tuple[int, int]) -> tuple[int, int]:
-        """Image size rounded up to a multiple of ``grid * align`` on each axis."""
-        return tuple(  # type: ignore[return-value]
-            math.ceil(n / (g * self.align)) * g * self.align
-            for n, g in zip(image_hw, self.grid, strict=True)
-        )
+        """Image size after global padding (:func:`~hyfi_imaging.parallel.geometry.padded_hw`)."""
+        ph, pw = padded_hw(image_hw, self.grid, self.align)
+        return ph, pw
 
     def tile_slice(self, image_hw: tuple[int, int]) -> tuple[slice, slice]:
         """Rows and columns of the padded image that this rank owns."""

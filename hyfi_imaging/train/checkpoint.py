@@ -1,4 +1,4 @@
-"""Checkpoints that survive crashes and move between layouts.
+"""Checkpoints that survive crashes, move between layouts, and never mix two runs.
 
 Why ``torch.distributed.checkpoint`` (DCP): every rank writes the tensors it
 holds under their *original* model names (``layer1.0.conv1.weight``), DCP
@@ -11,19 +11,32 @@ Why this directory dance: a checkpoint is written to ``step_N.partial`` and
 renamed to ``step_N`` only after every rank finished and rank 0 wrote the
 ``hyfi-checkpoint.json`` marker; a crash at any moment leaves either the old
 checkpoints or a ``.partial`` directory that is never mistaken for a finished
-one. On resume the newest checkpoint that actually loads is used: a corrupt
-one (truncated shard, missing metadata) is reported and the previous tried.
-Optimizer state is saved under parameter names too, so it also survives a
-change of layout.
+one. A failed write (disk full) removes its ``.partial`` and raises one
+:class:`CheckpointError` on every rank; the previous checkpoint is untouched.
+
+Why loads are staged: DCP fills tensors in place, so a checkpoint that fails
+half-way would leave parts of itself in the model. Each candidate is loaded
+into a copy of the state, and only a load that succeeded on *every* rank is
+copied into the model and optimiser. The newest loadable checkpoint wins; when
+none loads, :func:`load_latest` raises instead of letting training start over
+from nothing.
+
+Why run ids: the marker records the run (``run_id``), ordering is by step
+number, and retention deletes only checkpoints of the current run, so an old
+run's higher step numbers can neither outrank nor evict a new run's
+checkpoints. Optimizer state is saved under parameter names too, so it also
+survives a change of layout.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import pickle
+import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +44,62 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hyfi_imaging.errors import HyfiError
+from hyfi_imaging.parallel.collectives import all_agree
 
 __all__ = [
     "MARKER",
+    "CheckpointError",
+    "Loaded",
+    "install_optimizer_state",
     "list_checkpoints",
     "load_latest",
     "optimizer_state",
     "save_checkpoint",
+    "step_of",
 ]
 
-log = logging.getLogger("hyfi_imaging.train")
 
 MARKER = "hyfi-checkpoint.json"
-# Optimiser state tensors by optimiser, created before loading so DCP can fill them in place.
+_NAME = re.compile(r"step_(\d+)")
+#: What reading a damaged checkpoint raises (DCP wraps every rank's failure in a
+#: CheckpointException, a BaseException); nothing else is caught.
+_LOAD_ERRORS = (
+    CheckpointException,
+    OSError,
+    ValueError,  # json.JSONDecodeError included
+    KeyError,
+    RuntimeError,
+    EOFError,
+    pickle.UnpicklingError,
+)
+# Optimiser state tensors by optimiser, created before loading so DCP can fill them.
 _STATE_KEYS: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
     torch.optim.SGD: ("momentum_buffer",),
     torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq"),
     torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"),
 }
+
+
+class CheckpointError(HyfiError):
+    """A checkpoint cannot be written, or none of a run's checkpoints can be loaded.
+
+    Raised on every rank alike (the outcome is agreed collectively), so it is
+    reported once.
+    """
+
+    collective = True
+
+
+@dataclass
+class Loaded:
+    """The checkpoint that was loaded, its marker, and the newer ones that were not."""
+
+    path: Path
+    meta: dict[str, Any]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
 def optimizer_state(
@@ -59,27 +110,40 @@ def optimizer_state(
 ) -> dict[str, torch.Tensor]:
     """The optimiser's per-parameter tensors keyed ``<param name>/<state key>``.
 
-    With ``for_load`` missing state is allocated first (zeros), so loading
-    fills tensors the optimiser already owns.
+    With ``for_load`` missing state is added as new zero tensors (not yet the
+    optimiser's: :func:`install_optimizer_state` hands them over once a load
+    succeeded, so a failed load leaves the optimiser as it was).
     """
     keys = _STATE_KEYS.get(type(optimizer), ())
     flat: dict[str, torch.Tensor] = {}
     for name, p in named_params:
-        state = optimizer.state[p]
-        if for_load:
-            for key in keys:
-                if key == "momentum_buffer" and not optimizer.defaults.get("momentum"):
-                    continue
-                if key not in state:
-                    state[key] = (
-                        torch.zeros((), dtype=torch.float32)
-                        if key == "step"
-                        else torch.zeros_like(p)
-                    )
+        state = optimizer.state.get(p, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 flat[f"{name}/{key}"] = value
+        if not for_load:
+            continue
+        for key in keys:
+            if key == "momentum_buffer" and not optimizer.defaults.get("momentum"):
+                continue
+            if key not in state:
+                flat[f"{name}/{key}"] = (
+                    torch.zeros((), dtype=torch.float32) if key == "step" else torch.zeros_like(p)
+                )
     return flat
+
+
+def install_optimizer_state(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    flat: dict[str, torch.Tensor],
+) -> None:
+    """Give the optimiser the loaded tensors of ``flat`` it does not hold yet."""
+    for name, p in named_params:
+        for key_name, value in flat.items():
+            pname, _, key = key_name.rpartition("/")
+            if pname == name and optimizer.state[p].get(key) is not value:
+                optimizer.state[p][key] = value
 
 
 def _barrier() -> None:
@@ -87,79 +151,170 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints under ``root``, newest first."""
+def step_of(path: Path) -> int | None:
+    """The step of a checkpoint directory ``step_N`` (None for any other name)."""
+    m = _NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _marker(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def list_checkpoints(root: Path, run_id: str | None = None) -> list[Path]:
+    """Finished checkpoints under ``root``, highest step first.
+
+    With ``run_id``, only that run's (and those written before runs had ids,
+    whose marker has none).
+    """
     if not root.is_dir():
         return []
-    done = [p for p in root.glob("step_*") if p.is_dir() and (p / MARKER).exists()]
-    return sorted(done, key=lambda p: p.name, reverse=True)
+    done = []
+    for p in root.iterdir():
+        if step_of(p) is None or not p.is_dir() or not (p / MARKER).exists():
+            continue
+        if run_id is not None:
+            meta = _marker(p)
+            if meta is not None and meta.get("run_id", run_id) != run_id:
+                continue
+        done.append(p)
+    return sorted(done, key=lambda p: step_of(p) or 0, reverse=True)
+
+
+def _reason(err: BaseException) -> str:
+    """The first line that says something, from ``err`` or what it wraps (DCP nests them)."""
+    if isinstance(err, CheckpointException):
+        for failure in err.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, trace)
+            if isinstance(inner, BaseException):
+                return _reason(inner)
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0].split(". ")[0][:160] if lines else type(err).__name__
 
 
 def save_checkpoint(
-    root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], *, keep: int
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    keep: int,
+    run_id: str | None = None,
 ) -> Path:
-    """Write ``state`` (collectively, every rank) as ``root/step_<step>``; keep the newest ``keep``."""
+    """Write ``state`` (collectively, every rank) as ``root/step_<step>``; keep the run's newest ``keep``.
+
+    Retention deletes only checkpoints of ``run_id`` (never another run's, never
+    the one just written). A failed write leaves no ``.partial`` behind and
+    raises :class:`CheckpointError` on every rank.
+    """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
+    reason = ""
     if rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
-    dcp.save(state, checkpoint_id=str(partial))
-    _barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        except OSError as err:
+            reason = _reason(err)
+    if all_agree(not reason):
+        try:
+            dcp.save(state, checkpoint_id=str(partial))
+        except (CheckpointException, OSError) as err:
+            reason = _reason(err)
+    if all_agree(not reason) and rank0:
+        marker = {
+            **meta,
+            "step": step,
+            "run_id": run_id,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        try:
+            (partial / MARKER).write_text(json.dumps(marker, indent=2, default=str))
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+        except OSError as err:
+            reason = _reason(err)
+    if not all_agree(not reason):
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous = next((p.name for p in list_checkpoints(root, run_id) if p != final), None)
+        raise CheckpointError(
+            final,
+            f"checkpoint not written ({reason or 'failed on another rank'})",
+            "free space on that disk or set train.out_dir to another one, then relaunch to "
+            + (f"resume from {previous}, which is intact" if previous else "start again"),
+        )
     if rank0:
-        marker = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        (partial / MARKER).write_text(json.dumps(marker, indent=2, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-        for old in list_checkpoints(root)[keep:]:
+        ours = [p for p in list_checkpoints(root) if (_marker(p) or {}).get("run_id") == run_id]
+        for old in [p for p in ours if p != final][max(keep - 1, 0) :]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
-def _all_ok(ok: bool) -> bool:
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def _staged(state: Any) -> Any:
+    """A copy of ``state`` (nested dicts of tensors) for DCP to load into."""
+    if isinstance(state, dict):
+        return {k: _staged(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2 shards)
+    return to_local() if callable(to_local) else t
+
+
+@torch.no_grad()
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, dict):
+        for k, v in dst.items():
+            _copy_into(v, src[k])
+    elif isinstance(dst, torch.Tensor):
+        _local(dst).copy_(_local(src))
 
 
 def load_latest(
-    root_or_checkpoint: Path, state: dict[str, Any]
-) -> tuple[Path, dict[str, Any]] | None:
-    """Load the newest loadable checkpoint into ``state`` in place (collectively).
+    root_or_checkpoint: Path, state: dict[str, Any], *, run_id: str | None = None
+) -> Loaded | None:
+    """Load the newest loadable checkpoint into ``state`` (collectively); None if there is none.
 
-    ``root_or_checkpoint`` is a directory of checkpoints or one checkpoint.
-    Returns its path and marker, or None when there is none. Corrupt
-    checkpoints are logged and skipped.
+    ``root_or_checkpoint`` is a directory of checkpoints or one checkpoint;
+    ``run_id`` restricts the candidates to one run. A checkpoint that fails to
+    load on any rank leaves no trace in ``state`` and the previous one is
+    tried. Raises :class:`CheckpointError` (same line on every rank) when
+    there are checkpoints and none loads.
     """
-    for path in _candidates(root_or_checkpoint):
+    root = Path(root_or_checkpoint)
+    candidates = [root] if (root / MARKER).exists() else list_checkpoints(root, run_id)
+    failures: list[tuple[Path, str]] = []
+    for path in candidates:
+        reason = ""
         try:
             meta = json.loads((path / MARKER).read_text())
-            dcp.load(state, checkpoint_id=str(path))
-            ok = True
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except (
-            BaseException
-        ) as err:  # DCP's CheckpointException is a BaseException, raised on every rank
-            log.warning(
-                "checkpoint %s cannot be loaded (%s); trying the previous one",
-                path,
-                str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
-            )
-            ok = False
-        if _all_ok(ok):
-            return path, meta
-    return None
-
-
-def _candidates(path: Path) -> Iterator[Path]:
-    if (path / MARKER).exists():
-        yield path
-    else:
-        yield from list_checkpoints(path)
+            staged = _staged(state)
+            dcp.load(staged, checkpoint_id=str(path))
+        except _LOAD_ERRORS as err:
+            reason = _reason(err)
+        if all_agree(not reason):
+            _copy_into(state, staged)
+            return Loaded(path, meta, failures)
+        failures.append((path, reason or "failed on another rank"))
+    if not failures:
+        return None
+    listed = "; ".join(f"{p.name}: {why}" for p, why in failures)
+    raise CheckpointError(
+        root,
+        f"none of the {len(failures)} checkpoint(s) can be loaded ({listed})",
+        "relaunch with --restart to start over (the old run is kept in previous/), "
+        "or put back an intact checkpoint",
+    )

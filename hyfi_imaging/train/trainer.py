@@ -35,6 +35,7 @@ import yaml
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.train.config import Recipe
+from hyfi_imaging.train.rundir import StartMode
 
 __all__ = ["Trainer", "lr_at", "preflight"]
 
@@ -53,9 +54,17 @@ def lr_at(step: int, recipe: Recipe, total_steps: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def preflight(recipe: Recipe) -> None:
-    """Every check that needs no process group: runs on every rank before any allocation."""
+def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
+    """Every check that needs no process group: runs on every rank before any allocation.
+
+    ``hyfi-train --check`` runs exactly this: the manifests (usable slides,
+    one image size, a label on every training slide), the layout against the
+    model and the image (grid, stages, balance, checkpointing, micro-batches;
+    the model is built on the meta device), and the run directory (writable,
+    free space, ``--no-resume`` into a used one).
+    """
     from hyfi_imaging.data.dataset import load_samples
+    from hyfi_imaging.train.rundir import check_start
 
     samples = load_samples(recipe.data.manifest, classes=recipe.data.classes)
     if not samples:
@@ -71,6 +80,10 @@ def preflight(recipe: Recipe) -> None:
             f"images have different sizes {sorted(sizes)}",
             "preprocess all slides with the same --size",
         )
+    _check_labels(recipe.data.manifest, samples, len(recipe.data.classes))
+    if recipe.data.val_manifest is not None:
+        val = load_samples(recipe.data.val_manifest, classes=recipe.data.classes)
+        _check_labels(recipe.data.val_manifest, val, len(recipe.data.classes))
     p = recipe.parallel
     if recipe.train.batch_size % p.microbatches:
         raise ConfigError(
@@ -78,7 +91,9 @@ def preflight(recipe: Recipe) -> None:
             f"{recipe.train.batch_size} is not divisible by parallel.microbatches {p.microbatches}",
             "make the batch a multiple of the micro-batch count",
         )
+    _check_layout(recipe, samples[0].image_hw)
     out = recipe.train.out_dir
+    check_start(out, start)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -99,6 +114,39 @@ def preflight(recipe: Recipe) -> None:
         )
 
 
+def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
+    """ConfigError unless every usable slide has a label among the ``classes`` indices."""
+    bad = [s.slide_id for s in samples if not 0 <= s.label < classes]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ConfigError(
+            manifest,
+            f"{len(bad)} slide(s) with status ok have no label in 0..{classes - 1} ({shown})",
+            "give them labels (hyfi-preprocess --labels) or set their status to failed",
+        )
+
+
+def _check_layout(recipe: Recipe, image_hw: tuple[int, int]) -> None:
+    """The engine's checks that need no process group, on a meta-device model."""
+    from hyfi_imaging.models import create_model
+    from hyfi_imaging.parallel.engine import ParallelPlan
+    from hyfi_imaging.parallel.geometry import padded_hw
+    from hyfi_imaging.parallel.layout import Layout
+
+    r, p = recipe, recipe.parallel
+    with torch.device("meta"):
+        model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+    padded_hw(image_hw, p.spatial, int(getattr(model, "total_stride", 1)))
+    plan = ParallelPlan(
+        layout=Layout(dp=p.data, pp=p.pipeline, sp=p.spatial),
+        microbatches=p.microbatches,
+        schedule=p.schedule,
+        balance=tuple(p.balance) if p.balance else None,
+        checkpointing=p.checkpointing,
+    )
+    plan.validate(model, recipe.train.batch_size)
+
+
 @dataclass
 class _Position:
     step: int = 0
@@ -113,9 +161,10 @@ def _rss_mib() -> float:
 class Trainer:
     """Train a recipe on the current process group layout (see ``hyfi-train --help``)."""
 
-    def __init__(self, recipe: Recipe, *, resume: bool = True) -> None:
+    def __init__(self, recipe: Recipe, *, start: StartMode = "resume") -> None:
         self.recipe = recipe
-        self.resume = resume
+        self.start = start
+        self.run_id: str | None = None
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -295,16 +344,51 @@ class Trainer:
             "classes": r.data.classes,
         }
         save_checkpoint(
-            self.ckpt_root, pos.step, self._state(False), meta, keep=r.train.keep_checkpoints
+            self.ckpt_root,
+            pos.step,
+            self._state(False),
+            meta,
+            keep=r.train.keep_checkpoints,
+            run_id=self.run_id,
         )
 
-    def _restore(self) -> _Position:
-        from hyfi_imaging.train.checkpoint import load_latest
+    def _start_run(self) -> None:
+        """Rank 0 makes the run directory this run's (``rundir``); every rank learns the id."""
+        from hyfi_imaging.train.rundir import start_run
 
-        if not self.resume:
+        ids: list[Any] = [start_run(self.out, self.start) if self.rank0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(ids, src=0)  # the world: every rank of the job
+        self.run_id = str(ids[0])
+
+    def _restore(self) -> _Position:
+        """Resume this run from its newest loadable checkpoint; step 0 if it has none yet.
+
+        Newer checkpoints of the run that failed to load are renamed
+        ``step_N.unloadable`` (kept for inspection, never tried or counted again).
+        """
+        from hyfi_imaging.train.checkpoint import install_optimizer_state, load_latest
+
+        if self.start != "resume":
             return _Position()
-        found = load_latest(self.ckpt_root, self._state(True))
-        return self._position(found)
+        state = self._state(True)
+        found = load_latest(self.ckpt_root, state, run_id=self.run_id)
+        if found is None:
+            return _Position()
+        install_optimizer_state(self.pm.named_parameters(), self.optimizer, state["optim"])
+        if self.rank0:
+            for path, why in found.skipped:
+                path.rename(path.with_name(path.name + ".unloadable"))
+                log.warning(
+                    "%s could not be loaded (%s); kept as %s.unloadable", path, why, path.name
+                )
+            log.warning(
+                "resuming run %s from %s (step %d)", self.run_id, found.path, found.meta["step"]
+            )
+        if dist.is_initialized():
+            dist.barrier()
+        meta = found.meta
+        return _Position(int(meta["step"]), int(meta["epoch"]), int(meta["batch"]))
 
     def load_weights(self, checkpoint: Path) -> dict[str, Any]:
         """Load only the model (any layout's checkpoint) from a checkpoint or a checkpoint directory."""
@@ -316,18 +400,10 @@ class Trainer:
         if found is None:
             raise ConfigError(
                 checkpoint,
-                "no loadable checkpoint here",
+                "no checkpoint here",
                 "give a run's checkpoints/step_N directory",
             )
-        return found[1]
-
-    def _position(self, found: tuple[Path, dict[str, Any]] | None) -> _Position:
-        if found is None:
-            return _Position()
-        path, meta = found
-        if self.rank0:
-            log.warning("resuming from %s (step %d)", path, meta["step"])
-        return _Position(int(meta["step"]), int(meta["epoch"]), int(meta["batch"]))
+        return found.meta
 
     # -- evaluation --------------------------------------------------------------------------
     def predict(self, manifest: Path, indices: Sequence[int]) -> np.ndarray:
@@ -369,6 +445,7 @@ class Trainer:
         self.setup()
         self._plan_epochs()
         r = self.recipe
+        self._start_run()
         pos = self._restore()
         logger = RunLogger(self.out, enabled=self.rank0)
         logger.truncate_after(pos.step)
@@ -440,7 +517,7 @@ class Trainer:
                 if due and self.val_idx:
                     metrics = self.evaluate()
                     result = metrics.pop("_result")
-                    logger.log_eval(pos.step, pos.epoch, metrics)
+                    logger.log_eval(pos.step, pos.epoch, {**metrics, "run_id": self.run_id})
                     summary = metrics
                     if self.rank0:
                         bar.write(f"epoch {pos.epoch}: {result.line()}")
@@ -459,6 +536,7 @@ class Trainer:
             logger.close()
         summary = {k: v for k, v in summary.items() if not k.startswith("_")}
         summary.update(
+            run_id=self.run_id,
             steps=pos.step,
             epochs=pos.epoch,
             seconds=round(time.monotonic() - start, 1),
