@@ -12,6 +12,7 @@ measured under ``mpiexec`` and under ``torchrun``.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -182,7 +183,24 @@ def test_killed_rank_ends_the_job(
     assert died, job.describe()
     assert "SURVIVED" not in job.stdout, job.describe()
     assert not job.timed_out and job.returncode != 0, job.describe()
+    if how == "sigkill" and launcher == "mpiexec":  # the survivors name the lost rank
+        assert re.search(r"rank \d: error: lost rank [\d, ]*\b1\b", job.stderr), job.describe()
     after_death = job.ended - died[0]
     record_property("seconds_after_death", round(after_death, 2))
     assert after_death < 60, job.describe()
     print(f"{launcher} {op} {how}: job ended {after_death:.2f} s after rank 1 died")
+
+
+# --- every rank must start from the same weights -------------------------------------
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_ranks_with_different_initial_weights_are_refused() -> None:
+    same = mpiexec(2, "tests/mpi/divergent_init.py", timeout=120)
+    assert same.returncode == 0 and same.stdout.count("BUILT") == 2, same.describe()
+    job = mpiexec(2, "tests/mpi/divergent_init.py", "--divergent", timeout=120)
+    assert job.returncode == 2, job.describe()
+    lines = [ln for ln in job.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "ranks built different initial weights" in lines[0], job.describe()
+    assert "BUILT" not in job.stdout

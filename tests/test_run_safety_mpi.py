@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_train_mpi import _losses, _train, _train_cmd, manifest  # noqa: F401  (fixture)
+
+from hyfi_imaging.data.synthetic import write_synthetic_cohort
+from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
 
 pytestmark = pytest.mark.mpi
 SP = "parallel.spatial=1x2"
@@ -119,3 +123,62 @@ def test_a_full_disk_ends_with_one_line_and_an_intact_checkpoint(
     resumed = _train(manifest, out, 1, "parallel.spatial=1x1", "train.max_steps=1", check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming run" in resumed.stderr
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("parallel.spatial=4x1",), "at most 3 tiles along height"),
+        (("parallel.spatial=1x1", "parallel.pipeline=20"), "only 11 top-level layers"),
+        (("parallel.spatial=1x1", "parallel.checkpointing=every:0"), "checkpointing"),
+    ],
+)
+def test_check_refuses_what_training_would_refuse(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+    sets: tuple[str, ...],
+    message: str,
+) -> None:
+    proc = _train(manifest, tmp_path / "run", 1, *sets, check=False, args=("--check",))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_check_refuses_an_ok_slide_without_a_label(manifest: Path, tmp_path: Path) -> None:  # noqa: F811
+    rows = manifest.read_text().splitlines()
+    header = rows[0].split(",")
+    cells = rows[3].split(",")
+    cells[header.index("label")] = ""
+    cells[header.index("path")] = str(manifest.parent / cells[header.index("path")])
+    edited = tmp_path / "manifest.csv"
+    edited.write_text("\n".join([rows[0], *rows[1:3], ",".join(cells), *rows[4:]]) + "\n")
+    proc = _train(edited, tmp_path / "run", 1, check=False, args=("--check",))
+    assert proc.returncode == 2 and "1 slide(s) with status ok have no label" in proc.stderr
+    assert cells[0] in proc.stderr
+    ok = _train(manifest, tmp_path / "run", 1, "parallel.spatial=1x2", args=("--check",))
+    assert "is valid" in ok.stdout
+
+
+def test_one_process_trains_and_predicts_an_image_off_the_stride(tmp_path: Path) -> None:
+    # 100x90 is no multiple of ResNet's stride 32: one rule pads it for tiles, not for 1x1.
+    labels = write_synthetic_cohort(tmp_path / "slides", 4, seed=5, size=(256, 256), lesions=2)
+    summary = run_preprocess(
+        [tmp_path / "slides"],
+        tmp_path / "data",
+        PreprocessOptions(mpp=1.0, size=(100, 90)),
+        labels_path=labels,
+        progress=False,
+        qc=False,
+    )
+    assert summary.manifest is not None
+    for grid, ranks in (("1x1", 1), ("1x2", 2)):
+        run = tmp_path / grid
+        _train(summary.manifest, run, ranks, f"parallel.spatial={grid}", "train.max_steps=2",
+               "data.val_fraction=0")  # fmt: skip
+        assert len(_losses(run)) == 2
+    out = tmp_path / "pred.csv"
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.predict", str(tmp_path / "1x2"),
+           "--manifest", str(summary.manifest), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(out.read_text().splitlines()) == 5

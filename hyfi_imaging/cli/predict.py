@@ -53,7 +53,7 @@ def _run_dir(path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-predict``."""
     from hyfi_imaging.errors import ConfigError, HyfiError
-    from hyfi_imaging.parallel.launch import exit_now, fail_fast, shutdown
+    from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.trainer import Trainer
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     except HyfiError as err:
-        print(f"hyfi-predict: error: {err}", file=sys.stderr)
+        if launch_rank() in (None, 0):  # every rank found the same: say it once
+            print(f"hyfi-predict: error: {err}", file=sys.stderr)
         return 2
 
     def run() -> int:

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
     from hyfi_imaging.errors import HyfiError
-    from hyfi_imaging.parallel.launch import exit_now, fail_fast, shutdown
+    from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.autoplan import fit_warning
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.rundir import StartMode
@@ -91,18 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         preflight(recipe, start=start)
         warning = fit_warning(recipe)
     except HyfiError as err:
-        if _launch_rank() == 0:  # every rank found the same: say it once
+        if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-train: error: {err}", file=sys.stderr)
         return 2
-    if warning and _launch_rank() == 0:  # said once, before any rank allocates
+    if warning and launch_rank() in (None, 0):  # said once, before any rank allocates
         print(f"hyfi-train: warning: {warning}", file=sys.stderr, flush=True)
     if args.check:
-        print(f"hyfi-train: {args.recipe} is valid ({recipe.world_size} ranks)")
+        if launch_rank() in (None, 0):
+            print(f"hyfi-train: {args.recipe} is valid ({recipe.world_size} ranks)")
         return 0
 
     def run() -> int:
         summary = Trainer(recipe, start=start).run()
-        if summary.get("world_size") is not None and _rank() == 0:
+        if summary.get("world_size") is not None and launch_rank() in (None, 0):
             keys = ("accuracy", "auc", "macro_auc", "qwk", "val_loss", "steps", "seconds")
             shown = ", ".join(
                 f"{k}={summary[k]:.4g}"
@@ -116,22 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     exit_now(fail_fast(run, prog="hyfi-train"))
-
-
-def _launch_rank() -> int:
-    """This process's rank from the launcher's environment (no process group yet)."""
-    import os
-
-    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 if __name__ == "__main__":

@@ -210,13 +210,14 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-verify``."""
     from hyfi_imaging.errors import HyfiError
-    from hyfi_imaging.parallel.launch import exit_now, fail_fast
+    from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank
 
     args = build_parser().parse_args(argv)
     try:
         exit_now(fail_fast(lambda: _run(args), prog="hyfi-verify"))
     except HyfiError as err:
-        print(f"hyfi-verify: error: {err}", file=sys.stderr)
+        if launch_rank() in (None, 0):  # every rank found the same: say it once
+            print(f"hyfi-verify: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -47,7 +47,7 @@ from hyfi_imaging.data.tiles import Halo, TileRegion, normalize_halo, tile_regio
 from hyfi_imaging.errors import ConfigError, SlideError
 from hyfi_imaging.io.base import BACKGROUND, SlideReader
 
-__all__ = ["UNLABELLED", "Sample", "TileDataset", "load_samples"]
+__all__ = ["UNLABELLED", "Sample", "TileDataset", "level_hw", "load_samples"]
 
 #: Label of a manifest row whose label is empty (an unlabelled slide).
 UNLABELLED = -1
@@ -92,6 +92,12 @@ def _label_of(text: str, classes: Sequence[str] | None, where: str) -> int:
             f"label {text!r} is not an integer",
             "pass classes=[...] to map class names to indices",
         ) from None
+
+
+def level_hw(image_hw: tuple[int, int], level: int) -> tuple[int, int]:
+    """The size of pyramid level ``level`` of a hyfi store of ``image_hw``: ``ceil(H / 2**l)``."""
+    f = 2**level
+    return -(-image_hw[0] // f), -(-image_hw[1] // f)
 
 
 def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) -> list[Sample]:
@@ -222,8 +228,7 @@ class TileDataset(Dataset[dict[str, Any]]):
             self.region(0)  # validates rank and align before any worker starts
 
     def _level_hw(self, sample: Sample) -> tuple[int, int]:
-        f = 2**self.level
-        return -(-sample.image_hw[0] // f), -(-sample.image_hw[1] // f)
+        return level_hw(sample.image_hw, self.level)
 
     def _fixed_region(self) -> TileRegion | None:
         """The one tile region all samples share, or ``None`` (1x1 grid, sizes vary)."""

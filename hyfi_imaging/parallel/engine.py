@@ -233,6 +233,7 @@ class ParallelModel:
                 "build the ParallelContext and the plan from the same Layout",
             )
         plan.check_model(model)
+        check_same_weights(model, pc.device)
         self.pc, self.plan, self.loss_fn = pc, plan, loss_fn
         self.image_hw = (int(image_hw[0]), int(image_hw[1]))
         layout = plan.layout
@@ -308,7 +309,8 @@ class ParallelModel:
         vec = torch.tensor(
             [*costs.seconds, *[float(b) for b in costs.bytes]], dtype=torch.float64
         ).to(self.pc.device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        # The world: every stage, tile and replica must cut the model identically.
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         vec = vec.cpu()
         costs = LayerCosts(
             costs.names,
@@ -432,7 +434,9 @@ class ParallelModel:
             self._sync_running_stats(snapshot)
         local = float(sum(float(v.detach()) for v in losses)) if self.is_last else 0.0
         total = torch.tensor([local], dtype=torch.float64, device=self.pc.device)
-        dist.all_reduce(total)
+        # The world: the loss terms live on the last stage of every replica and tile,
+        # and every rank returns the step's loss.
+        dist.all_reduce(total, group=dist.group.WORLD)
         return float(total.item()) / self.plan.layout.sp_size
 
     @torch.no_grad()
@@ -477,7 +481,7 @@ class ParallelModel:
         for g in grads:
             sq += g.detach().double().pow(2).sum()
         if self.pc.world_size > 1:
-            dist.all_reduce(sq)
+            dist.all_reduce(sq, group=dist.group.WORLD)  # the shards of every stage
         total = float(sq.sqrt().item())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -628,6 +632,49 @@ class ParallelModel:
         if shown < layout.world_size:
             lines.append(f"  ... ({layout.world_size - shown} more ranks)")
         return "\n".join(lines)
+
+
+def _fingerprint(t: Tensor) -> Tensor:
+    """An exact, order-sensitive integer digest of a tensor's bits (int64, wrapping)."""
+    bits = t.detach().contiguous().reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()]
+    ints = bits.view(width).to(torch.int64)
+    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 1000003
+    return torch.stack([ints.sum(), (ints * weights).sum()])
+
+
+@torch.no_grad()
+def check_same_weights(model: nn.Module, device: torch.device) -> None:
+    """ConfigError on every rank unless every rank built bit-identical weights and buffers.
+
+    Each rank builds the whole model from the recipe's seed and keeps its
+    part; a model whose initialisation depends on the rank (or on an unseeded
+    generator) would train different replicas silently. Integer digests of the
+    bits are compared over the world (one MIN and one MAX all-reduce): exact on
+    any hardware, unlike float checksums.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    named = [
+        (n, t)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if not nn.parameter.is_lazy(t)
+    ]
+    if not named:
+        return
+    digest = torch.stack([_fingerprint(t) for _, t in named]).to(device)
+    low, high = digest.clone(), digest.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)  # the world: every rank built the whole model
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    differ = (low != high).any(dim=1).nonzero().flatten().tolist()
+    if differ:
+        raise ConfigError(
+            type(model).__name__,
+            f"ranks built different initial weights ({len(differ)} tensors differ, first "
+            f"{named[differ[0]][0]})",
+            "build the model the same way on every rank: seed torch before building it and "
+            "do not make its initialisation depend on the rank",
+        )
 
 
 def _local(t: Tensor) -> Tensor:

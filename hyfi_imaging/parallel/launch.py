@@ -43,6 +43,7 @@ __all__ = [
     "fail_fast",
     "failure_line",
     "init_parallel",
+    "launch_rank",
     "lost_ranks",
     "shutdown",
 ]
@@ -218,7 +219,8 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _rank() -> int | None:
+def launch_rank() -> int | None:
+    """This process's rank: the process group's, else the launcher's environment; None alone."""
     if dist.is_initialized():
         return dist.get_rank()
     for var in ("RANK", *_MPI_RANK_VARS):
@@ -287,13 +289,14 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
         gone = [r for r in lost_ranks() if r != rank]
         what = (
             f"lost rank {', '.join(map(str, gone))} (pid "
-            f"{', '.join(str(_PEERS[r][1]) for r in gone)} on {socket.gethostname()})"
+            f"{', '.join(str(_PEERS[r][1]) for r in gone)} on {socket.gethostname()}), "
+            "which exited or was killed"
             if gone
-            else "lost contact with another rank (on another host, or already restarted)"
+            else "lost contact with a rank on another host, which exited or was killed"
         )
         return (
-            f"{who}error: {what}: it exited or was killed (out of memory? see its output and "
-            "the system log); relaunch the same command to resume from the last checkpoint.",
+            f"{who}error: {what}; see its output and the system log (out of memory?), then "
+            "relaunch the same command to resume from the last checkpoint.",
             False,
         )
     return f"{who}error: {_first_line(err)}", True
@@ -314,7 +317,7 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         os._exit(130)
     except BaseException as err:
-        line, trace = failure_line(err, _rank())
+        line, trace = failure_line(err, launch_rank())
         if trace:
             traceback.print_exc(file=sys.stderr)
         if line is not None:

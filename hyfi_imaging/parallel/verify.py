@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyfi_imaging.parallel.collectives import all_agree
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.launch import ParallelContext
@@ -254,7 +255,5 @@ def run_verify(
     gathered: list[Any] = [None] * pc.world_size
     dist.all_gather_object(gathered, report.comparisons)
     report.merge(gathered)
-    flag = torch.tensor([1.0 if report.ok else 0.0])
-    dist.broadcast(flag, src=0)
-    report.ok = bool(flag.item())
+    report.ok = all_agree(report.ok)  # on the group's device: NCCL takes CUDA tensors only
     return report

@@ -63,7 +63,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
     the model is built on the meta device), and the run directory (writable,
     free space, ``--no-resume`` into a used one).
     """
-    from hyfi_imaging.data.dataset import load_samples
+    from hyfi_imaging.data.dataset import level_hw, load_samples
     from hyfi_imaging.train.rundir import check_start
 
     samples = load_samples(recipe.data.manifest, classes=recipe.data.classes)
@@ -91,7 +91,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
             f"{recipe.train.batch_size} is not divisible by parallel.microbatches {p.microbatches}",
             "make the batch a multiple of the micro-batch count",
         )
-    _check_layout(recipe, samples[0].image_hw)
+    _check_layout(recipe, level_hw(samples[0].image_hw, recipe.data.level))
     out = recipe.train.out_dir
     check_start(out, start)
     try:
@@ -169,7 +169,7 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Start the process group, build the parallel model, optimiser and data split."""
-        from hyfi_imaging.data.dataset import load_samples
+        from hyfi_imaging.data.dataset import level_hw, load_samples
         from hyfi_imaging.models import create_model
         from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
         from hyfi_imaging.parallel.launch import init_parallel
@@ -182,7 +182,7 @@ class Trainer:
         self.rank0 = self.pc.rank == 0
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.pc.world_size)))
         self.samples = load_samples(r.data.manifest, classes=r.data.classes)
-        self.image_hw = self.samples[0].image_hw
+        self.image_hw = level_hw(self.samples[0].image_hw, r.data.level)
         torch.manual_seed(r.train.seed)
         model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
         self.align = int(getattr(model, "total_stride", 1))
