@@ -67,6 +67,19 @@ def test_wheel_holds_every_module_and_the_shipped_data(wheel: Path) -> None:
         assert {f"hyfi_imaging/share/{folder}/{f}" for f in files} <= names
 
 
+def test_test_tools_are_an_extra_not_a_dependency(wheel: Path) -> None:
+    """pytest comes with the ``test`` extra (scripts/setup.sh installs it), not with the library."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA")))
+    requires = re.findall(r"^Requires-Dist: (.+)$", meta.decode(), flags=re.MULTILINE)
+    runtime = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in runtime if r.startswith("pytest")], runtime
+    test_extra = [r.split(";")[0].strip() for r in requires if 'extra == "test"' in r]
+    assert {"pytest>=8", "pytest-timeout>=2.3"} <= set(test_extra), requires
+    extras = re.findall(r'-e "\.\[([^\]]*)\]"', (REPO / "scripts" / "setup.sh").read_text())
+    assert extras and "test" in extras[0].split(","), extras
+
+
 def test_installed_wheel_finds_the_recipes(wheel: Path, tmp_path: Path) -> None:
     """From an installed wheel, the demo's recipe and ``hyfi-train synthetic`` resolve."""
     venv = tmp_path / "venv"
