@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install hyfi-imaging with everything it needs.
+# Create .venv (if needed) and install hyfi-imaging with everything it needs, and what
+# its checks need (the dev extra: ruff, mypy; the test extra: pytest).
 # Needs only python3 (>= 3.10) and pip. torch is pinned: an unpinned torch pulls
 # gigabytes of CUDA packages on a CPU machine. On a GPU cluster, install the
 # torch build that matches your CUDA first, then `pip install -e .` and use the
@@ -13,6 +14,6 @@ fi
 stamp=.venv/.hyfi-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[dev,mpich]"
+  .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[dev,test,mpich]"
   touch "$stamp"
 fi

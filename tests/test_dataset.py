@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hyfi_imaging.data.augment import AugmentConfig
-from hyfi_imaging.data.dataset import TileDataset, load_samples
+from hyfi_imaging.data.dataset import TileDataset, left_out_line, load_samples
 from hyfi_imaging.data.tiles import Halo, stitch, tile_regions
 from hyfi_imaging.errors import ConfigError, SlideError
 from hyfi_imaging.io.base import SlideReader
@@ -82,6 +82,28 @@ def test_load_samples(stores: dict[str, Any]) -> None:
         load_samples(root / "manifest.csv", classes=["normal"])
     with pytest.raises(ConfigError, match="cannot read the manifest"):
         load_samples(root / "missing.csv")
+
+
+def test_left_out_line_counts_rows_not_ok(tmp_path: Path, stores: dict[str, Any]) -> None:
+    """The slides load_samples leaves out are counted, with their status, in one line."""
+    root = stores["root"]
+    assert left_out_line(root) == (
+        f"1 of 4 slides left out: status failed (see {root / 'manifest.csv'})"
+    )
+    store = str(root / "zarr" / "s0.zarr")
+    rows = [
+        _row("a", store, "1", SIZE),
+        _row("b", "", "", (0, 0), status="failed"),
+        _row("c", "", "", (0, 0), status="failed"),
+        _row("d", "", "", (0, 0), status="pending"),
+    ]
+    write_manifest(rows, tmp_path / "manifest.csv")
+    line = left_out_line(tmp_path / "manifest.csv")
+    assert line == (
+        f"3 of 4 slides left out: 2 status failed, 1 status pending (see {tmp_path / 'manifest.csv'})"
+    )
+    write_manifest(rows[:1], tmp_path / "manifest.csv")
+    assert left_out_line(tmp_path / "manifest.csv") is None
 
 
 def test_foreign_csv_is_rejected(tmp_path: Path) -> None:

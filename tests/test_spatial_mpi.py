@@ -10,8 +10,8 @@ What is proven, all in float64 so that a logic error cannot hide in rounding:
 * the halo exchange's backward is the adjoint of its forward (summed over
   ranks), it passes ``gradcheck``, and its forward puts every neighbour's
   pixel — corners included — in the right ghost cell, with the fill outside;
-* a sabotaged backward (``hyfi-verify --break halo-backward``) fails both the
-  adjoint test and ``hyfi-verify`` — the checks have teeth;
+* a sabotaged backward (halo gradients dropped, ``tests/mpi/broken_halo.py``) fails
+  both the adjoint test and ``hyfi-verify`` — the checks have teeth;
 * one layer (or a tiny chain) at a time — every conv/pool geometry the models
   use and the awkward ones they might — matches one process in outputs, input
   gradients, parameter gradients and BatchNorm running statistics on odd,
@@ -144,11 +144,12 @@ MODELS: list[tuple[str, list[str], str, str]] = [
 ]
 
 
-def _verify(grid: str, *args: str) -> tuple[Job, dict[str, Any]]:
+def _verify(
+    grid: str, *args: str, run: tuple[str, ...] = ("-m", "hyfi_imaging.cli.verify")
+) -> tuple[Job, dict[str, Any]]:
+    """``mpiexec python RUN --spatial GRID --json ARGS``: hyfi-verify, or a script that wraps it."""
     gy, gx = _grid(grid)
-    job = mpiexec(
-        gy * gx, "-m", "hyfi_imaging.cli.verify", "--spatial", grid, "--json", *args, timeout=240
-    )
+    job = mpiexec(gy * gx, *run, "--spatial", grid, "--json", *args, timeout=240)
     return job, json_line(job)
 
 
@@ -184,10 +185,10 @@ def test_model_float32() -> None:
 
 @pytest.mark.slow
 def test_broken_halo_backward_is_caught() -> None:
-    """``--break halo-backward`` (halo gradients dropped) must report a mismatch, exit 1."""
+    """hyfi-verify with the halo gradients dropped must report a mismatch and exit 1."""
     job, report = _verify(
         "1x2", "--model", "resnet20-v2", "--image-size", "29x23", "--steps", "1",
-        "--break", "halo-backward",
+        run=("tests/mpi/broken_halo.py",),
     )  # fmt: skip
     assert report["ok"] is False, job.describe()
     assert job.returncode == 1, job.describe()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -200,3 +201,27 @@ def test_resolution_comparison_png(tmp_path: Path) -> None:
         plot_resolution_comparison({}, tmp_path / "x.png")
     with pytest.raises(ValueError, match="metrics="):
         plot_resolution_comparison({"a": {"loss": 0.3}}, tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_run_files_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
+    """Every file of a run is created like ``open()`` creates it, not 0600 (mkstemp's mode)."""
+    old = os.umask(umask)
+    try:
+        log = _run(tmp_path, range(1, 7))  # a widened header rewrites metrics.csv atomically
+        log.truncate_after(4)  # rewrites metrics.csv and evals.jsonl atomically
+        log.log_step(5, loss=0.2)  # appends to the rewritten file
+        log.plot()
+        log.close()
+        plot_confusion_matrix([[2, 0], [1, 1]], None, tmp_path / "confusion_matrix.png")
+        plot_resolution_comparison({"a": {"auc": 0.5}}, tmp_path / "resolution.png")
+        plain = tmp_path / "plain.txt"
+        plain.write_text("written by open()")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir() if p.is_file()}
+    assert set(modes) == {
+        "metrics.csv", "evals.jsonl", "training_curves.png", "confusion_matrix.png",
+        "resolution.png", "plain.txt",
+    }  # fmt: skip
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))

@@ -161,7 +161,8 @@ def test_checkpoint_moves_between_layouts(manifest: Path, tmp_path: Path) -> Non
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         outs.append(list(csv.DictReader(out.open())))
-    assert len(outs[0]) == 8 and set(outs[0][0]) == {"slide_id", "label", "pred", "p_0", "p_1"}
+    assert len(outs[0]) == 8
+    assert set(outs[0][0]) == {"slide_id", "label", "status", "pred", "p_0", "p_1"}
     for rows in outs[1:]:
         for a, b in zip(outs[0], rows, strict=True):
             assert a["slide_id"] == b["slide_id"] and a["pred"] == b["pred"]

@@ -30,8 +30,6 @@ examples:
   hyfi-demo --out /tmp/demo --quick        # a 1-minute smoke run (too short to learn anything)
 """
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "synthetic.yaml"
-
 
 def _print_manifest(path: Path) -> None:
     from hyfi_imaging.preprocess import read_manifest
@@ -72,27 +70,31 @@ def _launcher(ranks: int) -> list[str]:
     return [mpiexec, "-n", str(ranks), sys.executable, "-m"]
 
 
-def _train(
-    name: str, manifest: Path, out: Path, grid: str, args: argparse.Namespace
-) -> dict[str, object]:
-    gy, gx = (int(v) for v in grid.split("x"))
-    run = out / "runs" / name
-    overrides = [
+def _overrides(name: str, manifest: Path, out: Path, grid: str, epochs: int) -> list[str]:
+    """The ``--set`` values that turn the synthetic recipe into one of the demo's two runs."""
+    return [
         f"name={name}",
         f"data.manifest={manifest}",
-        f"train.out_dir={run}",
+        f"train.out_dir={out / 'runs' / name}",
         f"parallel.spatial={grid}",
-        f"train.epochs={args.epochs}",
+        f"train.epochs={epochs}",
         "train.batch_size=4",
         "optim.lr=0.001",
         "train.progress=true",
     ]
-    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(RECIPE), "--no-resume"]
-    for o in overrides:
+
+
+def _train(
+    recipe: Path, name: str, manifest: Path, out: Path, grid: str, args: argparse.Namespace
+) -> dict[str, object]:
+    gy, gx = (int(v) for v in grid.split("x"))
+    run = out / "runs" / name
+    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(recipe), "--no-resume"]
+    for o in _overrides(name, manifest, out, grid, args.epochs):
         cmd += ["--set", o]
     shown = (
         "mpiexec -n 4 " if gy * gx > 1 else ""
-    ) + f"hyfi-train recipes/synthetic.yaml --set parallel.spatial={grid} ..."
+    ) + f"hyfi-train synthetic --set parallel.spatial={grid} ..."
     print(f"  $ {shown}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, check=False)
@@ -130,10 +132,20 @@ def main(argv: list[str] | None = None) -> int:
         args.slides, args.slide_size, args.size, args.epochs = 8, 768, 512, 1
 
     from hyfi_imaging.data.synthetic import write_synthetic_cohort
+    from hyfi_imaging.errors import HyfiError
     from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+    from hyfi_imaging.resources import recipe_path
+    from hyfi_imaging.train.config import load_recipe
 
     start = time.monotonic()
     out: Path = args.out
+    try:  # the recipe and its dataset card, checked before minutes of work
+        recipe = recipe_path("synthetic")
+        load_recipe(recipe, _overrides("full", out / "data_full", out, "2x2", args.epochs))
+    except HyfiError as err:
+        print(f"hyfi-demo: error: {err}", file=sys.stderr)
+        return 2
+    print(f"recipe: {recipe}")
     print(
         f"[1/4] {args.slides} synthetic slides of {args.slide_size}^2 px at 0.5 um/px -> {out / 'slides'}"
     )
@@ -171,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     print("[4/4] training: full resolution on a 2x2 tile grid (4 ranks), then 8x downsampled")
     results = {
         f"full resolution\n0.5 um/px, {args.size}^2, 2x2 tiles": _train(
-            "full", full.manifest, out, "2x2", args
+            recipe, "full", full.manifest, out, "2x2", args
         ),
         f"8x downsampled\n4 um/px, {small}^2": _train(
-            "down8", runs["down8"].manifest, out, "1x1", args
+            recipe, "down8", runs["down8"].manifest, out, "1x1", args
         ),
     }
     from hyfi_imaging.train.plots import plot_resolution_comparison

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
+import io
 import sys
 from pathlib import Path
 
@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", type=Path, metavar="RUN", help="training output directory or checkpoint")
     p.add_argument("--manifest", type=Path, required=True, help="manifest.csv from hyfi-preprocess")
     p.add_argument(
-        "--out", type=Path, required=True, help="CSV to write (slide_id, label, pred, p_<class>...)"
+        "--out",
+        type=Path,
+        required=True,
+        help="CSV to write: slide_id, label, status, pred, p_<class>... (one row per manifest "
+        "row; a slide left out, e.g. status failed, has an empty prediction)",
     )
     p.add_argument("--spatial", type=Layout.parse_grid, default=(1, 1), metavar="GYxGX")
     p.add_argument("--pipeline", type=int, default=1)
@@ -52,6 +56,8 @@ def _run_dir(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-predict``."""
+    from hyfi_imaging.atomic import write_atomic
+    from hyfi_imaging.data.dataset import left_out_line, manifest_rows
     from hyfi_imaging.errors import ConfigError, HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.config import load_recipe
@@ -60,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run_dir = _run_dir(args.run)
     try:
+        _, rows = manifest_rows(args.manifest)
+        left_out = left_out_line(args.manifest)
         if not (run_dir / "recipe.yaml").exists():
             raise ConfigError(
                 run_dir, "no recipe.yaml here", "give the train.out_dir of a hyfi-train run"
@@ -85,24 +93,33 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         trainer = Trainer(recipe)
         trainer.setup()
+        if trainer.pc.rank == 0 and left_out:  # once, before the long part
+            print(f"hyfi-predict: {left_out}", file=sys.stderr, flush=True)
         meta = trainer.load_weights(args.run)
         samples = trainer.samples
         probs = trainer.predict(args.manifest, list(range(len(samples))))
         if trainer.pc.rank == 0:
             classes = recipe.data.classes
+            buf = io.StringIO()
+            w = csv.writer(buf, lineterminator="\n")
+            w.writerow(["slide_id", "label", "status", "pred", *[f"p_{c}" for c in classes]])
+            # The samples are the manifest's ok rows in order; every other row is written
+            # too, with its status and no prediction, so the output accounts for every slide.
+            predicted = iter(zip(samples, probs, strict=True))
+            for row in rows:
+                if row.status != "ok":
+                    w.writerow([row.slide_id, row.label, row.status, "", *[""] * len(classes)])
+                    continue
+                s, p = next(predicted)
+                label = classes[s.label] if s.label >= 0 else ""
+                w.writerow(
+                    [s.slide_id, label, "ok", classes[int(p.argmax())], *[f"{v:.6f}" for v in p]]
+                )
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
-            with tmp.open("w", newline="") as f:
-                w = csv.writer(f)
-                w.writerow(["slide_id", "label", "pred", *[f"p_{c}" for c in classes]])
-                for s, p in zip(samples, probs, strict=True):
-                    label = classes[s.label] if s.label >= 0 else ""
-                    w.writerow(
-                        [s.slide_id, label, classes[int(p.argmax())], *[f"{v:.6f}" for v in p]]
-                    )
-            tmp.replace(args.out)
+            write_atomic(args.out, buf.getvalue())
             print(
-                f"hyfi-predict: {len(samples)} slides -> {args.out} (checkpoint step {meta['step']})"
+                f"hyfi-predict: {len(samples)} of {len(rows)} slides predicted -> {args.out} "
+                f"(checkpoint step {meta['step']})"
             )
         shutdown()
         return 0

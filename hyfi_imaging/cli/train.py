@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
+    from hyfi_imaging.data.dataset import left_out_line
     from hyfi_imaging.errors import HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.autoplan import fit_warning
@@ -90,10 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         preflight(recipe, start=start)
         warning = fit_warning(recipe)
+        manifests = (recipe.data.manifest, recipe.data.val_manifest)
+        left_out = [line for m in manifests if m and (line := left_out_line(m))]
     except HyfiError as err:
         if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-train: error: {err}", file=sys.stderr)
         return 2
+    for line in left_out if launch_rank() in (None, 0) else []:  # failed slides are not trained on
+        print(f"hyfi-train: {line}", file=sys.stderr, flush=True)
     if warning and launch_rank() in (None, 0):  # said once, before any rank allocates
         print(f"hyfi-train: warning: {warning}", file=sys.stderr, flush=True)
     if args.check:

@@ -111,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
-    p.add_argument("--break", dest="sabotage", choices=("halo-backward",), help=argparse.SUPPRESS)
     return p
 
 
@@ -144,16 +143,6 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
     )
 
 
-def _sabotage(kind: str) -> None:
-    """Deliberately break the exchange (tests use this to prove verification can fail)."""
-    from hyfi_imaging.parallel import halo
-
-    if kind == "halo-backward":
-        halo._reduce = lambda g, before, after, lo, hi, dim: g.narrow(
-            dim, before, g.shape[dim] - before - after
-        ).clone()
-
-
 def _run(args: argparse.Namespace) -> int:
     import torch
 
@@ -171,8 +160,6 @@ def _run(args: argparse.Namespace) -> int:
     # Fail on a bad name, option, cut or batch before any process group exists.
     plan.validate(create_model(args.model, **kwargs), batch)
     pc = init_parallel(layout)
-    if args.sabotage:
-        _sabotage(args.sabotage)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size)))
     report = run_verify(
         lambda: create_model(args.model, **kwargs),

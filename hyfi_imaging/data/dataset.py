@@ -26,11 +26,11 @@ call ``set_epoch`` *before* iterating, and do not use ``persistent_workers``
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
@@ -47,7 +47,18 @@ from hyfi_imaging.data.tiles import Halo, TileRegion, normalize_halo, tile_regio
 from hyfi_imaging.errors import ConfigError, SlideError
 from hyfi_imaging.io.base import BACKGROUND, SlideReader
 
-__all__ = ["UNLABELLED", "Sample", "TileDataset", "level_hw", "load_samples"]
+if TYPE_CHECKING:
+    from hyfi_imaging.preprocess.manifest import ManifestRow
+
+__all__ = [
+    "UNLABELLED",
+    "Sample",
+    "TileDataset",
+    "left_out_line",
+    "level_hw",
+    "load_samples",
+    "manifest_rows",
+]
 
 #: Label of a manifest row whose label is empty (an unlabelled slide).
 UNLABELLED = -1
@@ -100,15 +111,11 @@ def level_hw(image_hw: tuple[int, int], level: int) -> tuple[int, int]:
     return -(-image_hw[0] // f), -(-image_hw[1] // f)
 
 
-def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) -> list[Sample]:
-    """The usable rows (``status == "ok"``) of a ``manifest.csv`` (or its directory).
-
-    Store paths are resolved relative to the manifest's directory. Labels are
-    mapped through ``classes`` when given, else read as integers.
+def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
+    """The path and every row of a ``manifest.csv`` (or its directory), whatever their status.
 
     Raises:
-        ConfigError: missing or unreadable manifest, missing columns, bad
-            sizes or labels, or no usable row at all.
+        ConfigError: missing, unreadable or foreign manifest.
     """
     # Imported here: the preprocess package pulls in image libraries a worker never needs.
     from hyfi_imaging.preprocess.manifest import read_manifest
@@ -117,7 +124,7 @@ def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) 
     if path.is_dir():
         path = path / "manifest.csv"
     try:
-        rows = read_manifest(path)
+        return path, read_manifest(path)
     except OSError as err:
         raise ConfigError(
             str(path), f"cannot read the manifest ({err})", "run hyfi-preprocess first"
@@ -128,6 +135,40 @@ def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) 
             f"not a hyfi-preprocess manifest ({type(err).__name__}: {err})",
             "rewrite it with hyfi-preprocess",
         ) from err
+
+
+def left_out_line(manifest: str | Path) -> str | None:
+    """One line saying how many slides :func:`load_samples` leaves out and why; None if none.
+
+    Why: a slide that failed preprocessing is still a row of the manifest, and
+    a cohort that silently shrinks changes what a metric means. E.g.
+    ``"3 of 40 slides left out: status failed (see data/manifest.csv)"``; with
+    several statuses ``"... left out: 2 status failed, 1 status pending (...)"``.
+    """
+    path, rows = manifest_rows(manifest)
+    statuses = Counter(r.status or "(empty)" for r in rows if r.status != "ok")
+    n = sum(statuses.values())
+    if not n:
+        return None
+    if len(statuses) == 1:
+        why = f"status {next(iter(statuses))}"
+    else:
+        why = ", ".join(f"{k} status {s}" for s, k in sorted(statuses.items()))
+    return f"{n} of {len(rows)} slides left out: {why} (see {path})"
+
+
+def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) -> list[Sample]:
+    """The usable rows (``status == "ok"``) of a ``manifest.csv`` (or its directory).
+
+    Store paths are resolved relative to the manifest's directory. Labels are
+    mapped through ``classes`` when given, else read as integers. The rows left
+    out are counted by :func:`left_out_line`.
+
+    Raises:
+        ConfigError: missing or unreadable manifest, missing columns, bad
+            sizes or labels, or no usable row at all.
+    """
+    path, rows = manifest_rows(manifest)
     samples = []
     for line, row in enumerate(rows, start=2):
         if row.status != "ok":

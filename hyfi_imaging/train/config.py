@@ -215,7 +215,21 @@ def _card_defaults(raw: dict[str, Any], base: Path, where: Path) -> dict[str, An
 
 
 def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, compose, override and validate a recipe; ConfigError (one line) on any problem."""
+    """Read, compose, override and validate a recipe; ConfigError (one line) on any problem.
+
+    ``path`` is a recipe file, or the bare name of a shipped recipe
+    (``synthetic``; see :mod:`hyfi_imaging.resources`), which is how an installed
+    wheel without the repository's ``recipes/`` folder reaches them.
+    """
+    from hyfi_imaging.resources import find_recipe, recipe_names
+
+    path = find_recipe(Path(path))
+    if not path.exists():
+        raise ConfigError(
+            path,
+            "no such recipe file",
+            f"give a recipe's path, or a shipped recipe by name ({', '.join(recipe_names())})",
+        )
     raw = _read_yaml(path, "hyfi-train")
     raw = _card_defaults(raw, path.parent, path)
     raw = _merge(raw, parse_overrides(overrides or []))

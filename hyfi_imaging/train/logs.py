@@ -35,7 +35,6 @@ import io
 import json
 import math
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from hyfi_imaging.atomic import write_atomic
 from hyfi_imaging.train.metrics import EvalResult
 
 __all__ = ["CSV_NAME", "EVALS_NAME", "TENSORBOARD_DIR", "RunLogger", "read_metrics_csv"]
@@ -239,7 +239,7 @@ class RunLogger:
         if self.evals_path.exists():
             lines = self.evals_path.read_text(encoding="utf-8").splitlines(keepends=True)
             kept_lines = [ln for ln in lines if _jsonl_step(ln, default=step + 1) <= step]
-            _write_atomic(self.evals_path, "".join(kept_lines))
+            write_atomic(self.evals_path, "".join(kept_lines))
         # TensorBoard hides events at or after purge_step from older files of the run.
         self._purge_step = step + 1
         if self._writer is not None:
@@ -337,7 +337,7 @@ class RunLogger:
             self._csv = None
         header = io.StringIO()
         csv.writer(header, lineterminator="\n").writerow(self._columns)
-        _write_atomic(
+        write_atomic(
             self.csv_path, header.getvalue() + "".join(self._line(r) for r in self.history)
         )
 
@@ -391,14 +391,3 @@ def _jsonl_step(line: str, *, default: int) -> int:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return default  # a torn last line of a killed run
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -17,14 +17,16 @@ confusion), so the same functions redraw a run from its ``metrics.csv``.
 
 from __future__ import annotations
 
+import io
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from hyfi_imaging.atomic import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -54,19 +56,13 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def _save_atomic(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``fig`` to ``path`` through a temporary file in the same folder."""
+    """Write ``fig`` to ``path`` atomically, with the mode a plain ``open()`` would give."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fmt = target.suffix.lstrip(".").lower() or "png"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format=fmt, dpi=110)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, dpi=110)
+    return write_atomic(target, buf.getvalue())
 
 
 def _finite(value: object) -> float | None:

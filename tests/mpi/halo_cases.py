@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _worker import Case, emit, merge_ranks, parse_grid, run_cases, start
+from broken_halo import dropped_halo_gradients
 
 __all__ = ["ADJOINT", "FILL", "GRADCHECK", "case_names", "cases", "main"]
 
@@ -154,19 +155,12 @@ def _gradcheck(pc: Any, tile: tuple[int, int], halo: Halo) -> Case:
 
 
 def _sabotaged(fn: Callable[[], Case]) -> Case:
-    """Run ``fn`` with the exchange's backward broken as ``hyfi-verify --break`` breaks it.
+    """Run ``fn`` with the exchange's backward dropping the halo gradients.
 
     Proves the adjoint test has teeth: dropping the halo gradients must fail it.
     """
-    from hyfi_imaging.cli.verify import _sabotage
-    from hyfi_imaging.parallel import halo
-
-    saved = halo._reduce
-    try:
-        _sabotage("halo-backward")
+    with dropped_halo_gradients():
         return fn()
-    finally:
-        halo._reduce = saved
 
 
 def cases(pc: Any) -> dict[str, Callable[[], Case]]:

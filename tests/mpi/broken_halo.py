@@ -1,0 +1,57 @@
+"""The halo exchange broken on purpose: verification that cannot fail proves nothing.
+
+:func:`dropped_halo_gradients` makes the exchange's backward drop the halo
+gradients instead of adding them into their owners' borders, the one bug that
+no single-process test can see. The tests use it to prove that the adjoint
+test, the pipeline comparisons and ``hyfi-verify`` catch it.
+
+Why here and not a ``hyfi-verify`` option: a way to break the product belongs
+to the tests, not to a command users run. As a script this runs
+``hyfi-verify``'s own ``main`` with the exchange broken, so the test sees the
+real command's report and exit status::
+
+    mpiexec -n 2 python tests/mpi/broken_halo.py --model resnet20-v2 \\
+        --image-size 29x23 --spatial 1x2 --json
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["dropped_halo_gradients", "main"]
+
+
+def _drop(
+    g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int
+) -> torch.Tensor:
+    """Cut the halo off the gradient without sending it to its owner."""
+    return g.narrow(dim, before, g.shape[dim] - before - after).clone()
+
+
+@contextmanager
+def dropped_halo_gradients() -> Iterator[None]:
+    """Within the block, the halo exchange's backward loses every halo gradient."""
+    from hyfi_imaging.parallel import halo
+
+    saved = halo._reduce
+    halo._reduce = _drop
+    try:
+        yield
+    finally:
+        halo._reduce = saved
+
+
+def main() -> int:
+    """``hyfi-verify`` with the command-line arguments, the exchange broken."""
+    from hyfi_imaging.cli import verify
+
+    with dropped_halo_gradients():
+        return verify.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
