@@ -35,3 +35,18 @@ def test_global_pool_option() -> None:
     assert model(torch.randn(1, 3, 70, 90)).shape == (1, 2)
     with pytest.raises(ConfigError, match="global_pool"):
         create_model("resnet18", global_pool="median")
+
+
+SE_WORKER = Path(__file__).parent / "workers" / "squeeze_excite.py"
+
+
+@pytest.mark.parametrize(("grid", "size"), [((1, 2), (38, 45)), ((2, 2), (38, 45))])
+def test_squeeze_excite_matches_one_process(grid: tuple[int, int], size: tuple[int, int]) -> None:
+    """A global pool *inside* the network, its output used again on every tile (float64)."""
+    cmd = [str(Path(sys.executable).with_name("mpiexec")), "-n", str(grid[0] * grid[1]), sys.executable,
+           str(SE_WORKER), *map(str, (*grid, *size))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["max_rel_error"] < 1e-7, result

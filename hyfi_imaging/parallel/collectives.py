@@ -59,37 +59,48 @@ def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, partial: bool) -> torch.Tensor:
+        ctx.group, ctx.partial = group, partial
         return all_reduce_sum(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (all_reduce_sum(grad, ctx.group) if ctx.partial else grad), None, None
 
 
-def all_reduce_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum over ``group``; backward passes the (already complete) gradient through."""
-    return _AllReduceReplicated.apply(x, group)
+def all_reduce_replicated(x: torch.Tensor, group: Any, *, partial: bool = False) -> torch.Tensor:
+    """Sum over ``group``. Backward passes the gradient through when every rank holds it
+    whole (the head after the final pool); with ``partial`` (the pooled value is used
+    again on each tile, as squeeze-excite does) each rank holds its tile's share and
+    the shares are summed first.
+    """
+    return _AllReduceReplicated.apply(x, group, partial)
 
 
 class _AllReduceMaxReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, partial: bool) -> torch.Tensor:
         out = x.contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
         ctx.save_for_backward(x == out)
+        ctx.group, ctx.partial = group, partial
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (winner,) = ctx.saved_tensors
-        return grad * winner, None
+        if ctx.partial:
+            grad = all_reduce_sum(grad, ctx.group)
+        return grad * winner, None, None
 
 
-def all_reduce_max_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Maximum over ``group``; backward routes the (complete) gradient to the rank holding it.
+def all_reduce_max_replicated(
+    x: torch.Tensor, group: Any, *, partial: bool = False
+) -> torch.Tensor:
+    """Maximum over ``group``; backward routes the gradient to the rank holding it.
 
-    If two tiles hold exactly the same maximum both receive the gradient, where one
-    process would pick one; with real-valued activations this does not happen.
+    ``partial`` as in :func:`all_reduce_replicated`. If two tiles hold exactly
+    the same maximum both receive the gradient, where one process would pick
+    one; with real-valued activations this does not happen.
     """
-    return _AllReduceMaxReplicated.apply(x, group)
+    return _AllReduceMaxReplicated.apply(x, group, partial)

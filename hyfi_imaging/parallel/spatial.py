@@ -45,6 +45,7 @@ from hyfi_imaging.parallel.collectives import (
 )
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom, padded_hw
 from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.watch import watch_tiles
 from hyfi_imaging.parallel.windowed import Window
 
 __all__ = [
@@ -58,6 +59,8 @@ __all__ = [
     "spatialize",
 ]
 
+#: Side of the meta-device input the functional-op watch runs the model on.
+_PROBE = 512
 # Modules that mix pixels but have no spatial form: refused by name.
 _UNSUPPORTED = (
     nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
@@ -96,6 +99,8 @@ class SpatialContext:
         self.image_hw: tuple[int, int] | None = None
         self.sizes: dict[str, tuple[int, int]] = {}
         self.tile_param_names: set[str] = set()
+        #: Global pools whose output is used again on the tiles (squeeze-excite).
+        self.rejoined_pools: set[str] = set()
         self._reference: nn.Module | None = None
         self._in_chans = 3
         self._cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
@@ -462,7 +467,8 @@ class SpatialGlobalAvgPool2d(_SpatialMixin, nn.AdaptiveAvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
         local = self._mask(x, 0.0).sum(dim=(-2, -1), keepdim=True)
-        return all_reduce_replicated(local, self.hyfi_ctx.group) / (mh * mw)
+        partial = self.hyfi_path in self.hyfi_ctx.rejoined_pools
+        return all_reduce_replicated(local, self.hyfi_ctx.group, partial=partial) / (mh * mw)
 
 
 class SpatialGlobalMaxPool2d(_SpatialMixin, nn.AdaptiveMaxPool2d):
@@ -470,7 +476,8 @@ class SpatialGlobalMaxPool2d(_SpatialMixin, nn.AdaptiveMaxPool2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.adaptive_max_pool2d(self._mask(x, -math.inf), 1)
-        return all_reduce_max_replicated(local, self.hyfi_ctx.group)
+        partial = self.hyfi_path in self.hyfi_ctx.rejoined_pools
+        return all_reduce_max_replicated(local, self.hyfi_ctx.group, partial=partial)
 
 
 _SWAP: dict[type[nn.Module], type[nn.Module]] = {
@@ -523,20 +530,6 @@ def _check(name: str, m: nn.Module) -> None:
         )
 
 
-def _call_order(model: nn.Module, shape: tuple[int, ...]) -> list[str]:
-    order: list[str] = []
-    handles = [
-        mod.register_forward_pre_hook(lambda m, a, name=name: order.append(name))
-        for name, mod in model.named_modules()
-    ]
-    try:
-        _run_meta(model, shape)
-    finally:
-        for h in handles:
-            h.remove()
-    return order
-
-
 def spatialize(
     model: nn.Module,
     *,
@@ -557,19 +550,22 @@ def spatialize(
     for name, m in model.named_modules():
         _check(name or type(model).__name__, m)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
-    align = align or int(getattr(model, "total_stride", 0)) or _total_stride(model, in_chans)
+    reference = copy.deepcopy(model).to("meta")
+    # Which modules and parameters see tile data; refuses functions that mix pixels.
+    use = watch_tiles(reference, (1, in_chans, _PROBE, _PROBE), _has_spatial_form)
+    align = (
+        align
+        or int(getattr(model, "total_stride", 0))
+        or _total_stride(reference, in_chans, use.tile_modules)
+    )
     ctx = SpatialContext(grid, tile, neighbours, group, align=align)
-    ctx._reference = copy.deepcopy(model).to("meta")
+    ctx._reference = reference
     ctx._in_chans = in_chans
-    order = _call_order(ctx._reference, (1, in_chans, 64 * align, 64 * align))
-    modules = dict(model.named_modules())
-    pools = [i for i, n in enumerate(order) if _is_global_pool(modules[n])]
-    before_pool = set(order[: pools[0]] if pools else order)
-    for name, m in modules.items():
-        if name in before_pool:
-            ctx.tile_param_names.update(
-                f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)
-            )
+    ctx.tile_param_names = use.tile_params
+    ctx.rejoined_pools = use.rejoined_pools
+    for name, m in model.named_modules():
+        if name not in use.tile_modules:
+            continue  # e.g. a squeeze-excite convolution on the pooled vector: stays plain
         cls = _SWAP.get(type(m))
         if _is_global_pool(m):
             cls = (
@@ -585,13 +581,21 @@ def spatialize(
     return ctx
 
 
-def _total_stride(model: nn.Module, in_chans: int) -> int:
-    """Least common multiple of the cumulative strides, measured by tracing a large input."""
+def _has_spatial_form(m: nn.Module) -> bool:
+    return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
+
+
+def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str]) -> int:
+    """Least common multiple of the cumulative strides of the layers that see tiles.
+
+    Measured by tracing a large input on the meta device.
+    """
     probe = 4096
-    ref = copy.deepcopy(model).to("meta")
-    sizes, _ = _trace_sizes(ref, (1, in_chans, probe, probe))
+    sizes, _ = _trace_sizes(reference, (1, in_chans, probe, probe))
     align = 1
-    for name, m in ref.named_modules():
+    for name, m in reference.named_modules():
+        if name not in tile_modules:
+            continue
         if name in sizes and isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
             jump = max(1, round(probe / sizes[name][0]))
             align = math.lcm(align, jump * layer_geom(m)[0].stride, jump * layer_geom(m)[1].stride)

@@ -1,0 +1,351 @@
+"""Which tensors carry tile data, and what may touch them: the functional-op watch.
+
+Why: ``spatialize()`` swaps *modules* for their spatial forms, but a model's
+``forward`` can mix pixels with plain functions -- ``F.adaptive_avg_pool2d``,
+``x.mean((2, 3))``, ``torch.flip``, ``F.interpolate``, slicing -- which no
+module check sees. Each would run on a tile as if it were the whole image and
+give a wrong answer without a word (torchvision's densenet121 and mobilenet_v2
+did). So the model runs once on the meta device under a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` that follows the
+*tile-carrying* tensors (the input, and whatever is computed from it without
+a global pool) through every ATen op, and:
+
+* lets through what acts per pixel (ops tagged pointwise, channel reshapes,
+  channel concatenation, reductions and norms over channels only, permutes,
+  which move the spatial dims along);
+* lets the layers that have a spatial form (convolutions, pools, BatchNorm,
+  global pools, called as modules) do their own work: their internals are not
+  inspected, a global pool's output is replicated (no longer a tile);
+* refuses anything else on a tile -- a reduction or a reshape over the spatial
+  dims, a crop, a pad, an upsample, a flip, a functional convolution or pool,
+  an op it does not know -- with one line naming the module path, the op and
+  the fix. Unknown means refused: never silently wrong.
+
+It also reports which modules saw tile data and which parameters were used on
+it: ``spatialize`` swaps only those modules (a 1x1 convolution on a pooled
+squeeze-excite vector stays plain) and sums the gradients of exactly those
+parameters over the tiles (DESIGN.md invariant 5), wherever the global pools are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hyfi_imaging.errors import ConfigError
+
+__all__ = ["TileUse", "watch_tiles"]
+
+_aten = torch.ops.aten
+#: Ops that only reshape or move memory: fine if the spatial dims come out whole.
+_VIEWS = {
+    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default,
+    _aten.expand.default, _aten.clone.default, _aten._to_copy.default, _aten.detach.default,
+    _aten.alias.default, _aten.contiguous.default, _aten.lift_fresh.default,
+    _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default,
+    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.full_like.default, _aten.copy_.default,
+}  # fmt: skip
+#: Per-element ops ATen does not tag ``pointwise``.
+_POINTWISE_NAMES = {
+    "hardswish", "hardswish_", "where", "masked_fill", "masked_fill_", "native_dropout",
+    "_prelu_kernel", "prelu", "log_sigmoid_forward", "fill_", "zero_", "threshold", "threshold_",
+}  # fmt: skip
+_LAYER_NORM = {_aten.native_layer_norm.default, _aten.layer_norm.default}
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
+_SLICES = {_aten.slice.Tensor, _aten.select.int, _aten.narrow.default}
+#: Ops along one dimension (``args[1]``): per pixel when that dimension is not spatial.
+_ALONG = {_aten._softmax.default, _aten._log_softmax.default, _aten.cumsum.default}
+
+
+@dataclass
+class TileUse:
+    """What the watch found.
+
+    ``tile_modules``: modules that saw tile data. ``tile_params``: parameters
+    whose gradient is a per-tile share, summed over the tiles (used on tile
+    data, or on a pooled value that is used again on the tiles).
+    ``rejoined_pools``: global pools whose (replicated) output is used again on
+    the tiles, as squeeze-excite does: their backward sums the tiles' shares.
+    """
+
+    tile_modules: set[str] = field(default_factory=set)
+    tile_params: set[str] = field(default_factory=set)
+    rejoined_pools: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Tile:
+    """Where the spatial dims of a tile-carrying tensor are, and their sizes."""
+
+    dims: tuple[int, int]
+    hw: tuple[int, int]
+
+
+def _refuse(path: str, op: str, why: str, fix: str) -> ConfigError:
+    return ConfigError(f"module {path!r}", f"{op} {why}", fix)
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(
+        self, params: dict[int, str], known: Callable[[nn.Module], bool], use: TileUse
+    ) -> None:
+        super().__init__()
+        self.tiles: dict[int, tuple[torch.Tensor, _Tile]] = {}
+        # Replicated tensors (a global pool's output and what is computed from it alone),
+        # with the pools they come from; and the parameters used on each pool's lineage.
+        self.reps: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        self.lineage_params: dict[str, set[str]] = {}
+        self.params, self.known, self.use = params, known, use
+        self.stack: list[str] = [""]
+        self.root = "<model>"
+        self.inside = 0  # depth inside modules that have a spatial form
+
+    # -- taint -------------------------------------------------------------------------
+    def tile_of(self, t: object) -> _Tile | None:
+        if isinstance(t, torch.Tensor):
+            hit = self.tiles.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+        return None
+
+    def mark(self, t: object, tile: _Tile | None) -> None:
+        if isinstance(t, torch.Tensor) and tile is not None:
+            self.tiles[id(t)] = (t, tile)
+
+    def pools_of(self, t: object) -> frozenset[str]:
+        if isinstance(t, torch.Tensor):
+            hit = self.reps.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+        return frozenset()
+
+    def mark_replicated(self, t: object, pools: frozenset[str]) -> None:
+        if isinstance(t, torch.Tensor) and pools:
+            self.reps[id(t)] = (t, pools)
+
+    def on_lineage(self, pools: frozenset[str], names: Iterable[str]) -> None:
+        for p in pools:
+            self.lineage_params.setdefault(p, set()).update(names)
+
+    # -- module hooks --------------------------------------------------------------------
+    def enter(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.stack.append(path)
+        names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters()]
+        if self.inside == 0 and any(self.tile_of(a) for a in args):
+            self.use.tile_modules.add(path)
+            if self.known(module):
+                self.use.tile_params.update(names)
+        elif self.inside == 0 and self.known(module):
+            pools = frozenset().union(*(self.pools_of(a) for a in args))
+            self.on_lineage(pools, names)
+        if self.known(module):
+            self.inside += 1
+
+    def leave(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self.stack.pop()
+        if not self.known(module):
+            return
+        self.inside -= 1
+        if self.inside or not isinstance(out, torch.Tensor):
+            return
+        source = next((t for a in args if (t := self.tile_of(a)) is not None), None)
+        if source is None:
+            self.mark_replicated(out, frozenset().union(*(self.pools_of(a) for a in args)))
+        elif isinstance(module, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d):
+            self.mark_replicated(out, frozenset({path}))  # a global pool: every rank holds it
+        else:
+            h, w = (int(v) for v in out.shape[-2:])
+            self.mark(out, _Tile((out.dim() - 2, out.dim() - 1), (h, w)))
+
+    # -- ops -------------------------------------------------------------------------------
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside:
+            return out
+        flat, _ = tree_flatten((args, kwargs))
+        tiles = [t for a in flat if (t := self.tile_of(a)) is not None]
+        pools = frozenset().union(*(self.pools_of(a) for a in flat))
+        used = [self.params[id(a)] for a in flat if id(a) in self.params]
+        outs, _ = tree_flatten(out)
+        if not tiles:
+            self.on_lineage(pools, used)
+            for o in outs:
+                self.mark_replicated(o, pools)
+            return out
+        self.use.rejoined_pools |= pools  # a pooled value meets the tiles again
+        path = self.stack[-1] or self.root
+        self.use.tile_params.update(used)
+        result = self.classify(func, args, kwargs, tiles[0], out, path)
+        for o in outs:
+            self.mark(o, result)
+        return out
+
+    def classify(
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        tile: _Tile,
+        out: Any,
+        path: str,
+    ) -> _Tile | None:
+        """The tile layout of the op's output, or ConfigError if the op mixes pixels."""
+        name = str(func.overloadpacket.__name__)
+        x = args[0] if args else None
+        nd = x.dim() if isinstance(x, torch.Tensor) else 4
+        first = tree_flatten(out)[0][0] if tree_flatten(out)[0] else out
+        if torch.Tag.pointwise in func.tags or name in _POINTWISE_NAMES:
+            return tile
+        if func in _VIEWS:
+            if isinstance(first, torch.Tensor) and _keeps(first, tile):
+                return _Tile((first.dim() - 2, first.dim() - 1), tile.hw)
+            raise _refuse(
+                path,
+                f"aten.{name} to shape {tuple(first.shape) if isinstance(first, torch.Tensor) else '?'}",
+                f"reshapes the tiled feature map across its spatial dims {tile.hw}",
+                "reduce the map with nn.AdaptiveAvgPool2d(1) or nn.AdaptiveMaxPool2d(1) "
+                "(modules) before flattening it",
+            )
+        if func in (_aten.permute.default, _aten.transpose.int):
+            order = _permutation(func, args, nd)
+            return _Tile((order.index(tile.dims[0]), order.index(tile.dims[1])), tile.hw)
+        if func in _ALONG and int(args[1]) % nd not in tile.dims:
+            return tile
+        if torch.Tag.reduction in func.tags or func in _LAYER_NORM:
+            dims = _reduced_dims(func, args, kwargs, nd)
+            if not dims & set(tile.dims):
+                keep = isinstance(first, torch.Tensor) and first.dim() == nd
+                return _shifted(tile, dims, keep)
+            raise _refuse(
+                path,
+                f"aten.{name} over dims {sorted(dims)}",
+                "reduces over the spatial dims of a tile as if it were the whole image",
+                "use nn.AdaptiveAvgPool2d(1) / nn.AdaptiveMaxPool2d(1) modules for global pooling",
+            )
+        if func in (_aten.cat.default, _aten.stack.default) or func in _SPLITS:
+            dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            dim = dim % nd if func is not _aten.stack.default else dim
+            if dim not in tile.dims:
+                if func is _aten.stack.default:
+                    return _Tile(tuple(d + (d >= dim) for d in tile.dims), tile.hw)  # type: ignore[arg-type]
+                return tile
+        elif func in _SLICES:
+            dim = int(args[1]) % nd
+            if dim not in tile.dims:
+                return _shifted(tile, {dim}, func is not _aten.select.int)
+            if (
+                isinstance(first, torch.Tensor)
+                and isinstance(x, torch.Tensor)
+                and first.shape == x.shape
+            ):  # a slice that keeps everything: x[..., :]
+                return tile
+        what = {
+            "convolution": "a functional convolution (F.conv2d) on the tiled map",
+            "max_pool2d_with_indices": "a functional pool (F.max_pool2d) on the tiled map",
+            "avg_pool2d": "a functional pool (F.avg_pool2d) on the tiled map",
+            "constant_pad_nd": "a pad of the tile's borders, which are not the image's",
+        }.get(name, "mixes pixels of the tiled feature map (or is not known not to)")
+        raise _refuse(
+            path,
+            f"aten.{name}",
+            what,
+            "use the torch.nn module (Conv2d, MaxPool2d, AvgPool2d, BatchNorm2d, "
+            "AdaptiveAvgPool2d(1)) so that its spatial form runs, or run without spatial "
+            "parallelism",
+        )
+
+
+def _keeps(out: torch.Tensor, tile: _Tile) -> bool:
+    """Whether ``out`` keeps the (adjacent, last) spatial dims at the same size."""
+    return out.dim() >= 2 and tuple(out.shape[-2:]) == tile.hw and tile.dims[1] == tile.dims[0] + 1
+
+
+def _permutation(func: Any, args: Sequence[Any], nd: int) -> list[int]:
+    if func is _aten.permute.default:
+        return [int(d) % nd for d in args[1]]
+    a, b = int(args[1]) % nd, int(args[2]) % nd
+    order = list(range(nd))
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def _reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], nd: int) -> set[int]:
+    if func in _LAYER_NORM:
+        k = len(args[1])
+        return set(range(nd - k, nd))
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None or (isinstance(dim, Sequence) and len(dim) == 0):
+        return set(range(nd))
+    if isinstance(dim, int):
+        return {dim % nd}
+    if isinstance(dim, Sequence) and all(isinstance(d, int) for d in dim):
+        return {int(d) % nd for d in dim}
+    return set(range(nd))  # an overload without dims (e.g. max of all): everything
+
+
+def _shifted(tile: _Tile, removed: set[int], keep: bool) -> _Tile:
+    if keep:
+        return tile
+    dims = tuple(d - sum(r < d for r in removed) for d in tile.dims)
+    return _Tile((dims[0], dims[1]), tile.hw)
+
+
+def watch_tiles(
+    model: nn.Module, shape: tuple[int, ...], known: Callable[[nn.Module], bool]
+) -> TileUse:
+    """Run ``model`` (a meta copy) on a meta input of ``shape`` under the watch.
+
+    ``known(module)`` says which modules have a spatial form (their internals
+    are trusted). Returns the :class:`TileUse`; raises ConfigError naming the
+    module path and the op when a function mixes pixels of tile data.
+    """
+    use = TileUse()
+    params = {id(p): n for n, p in model.named_parameters()}
+    watch = _Watch(params, known, use)
+    watch.root = type(model).__name__
+    handles = []
+    for path, mod in model.named_modules():
+        handles.append(
+            mod.register_forward_pre_hook(lambda m, a, path=path: watch.enter(path, m, tuple(a)))
+        )
+        handles.append(
+            mod.register_forward_hook(lambda m, a, o, path=path: watch.leave(path, m, tuple(a), o))
+        )
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    x = torch.empty(shape, device="meta", dtype=dtype)
+    watch.mark(x, _Tile((len(shape) - 2, len(shape) - 1), tuple(shape[-2:])))  # type: ignore[arg-type]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), watch:
+            out = model(x)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    results, _ = tree_flatten(out)
+    reaching = frozenset().union(*(watch.pools_of(o) for o in results))
+    both = sorted(reaching & use.rejoined_pools)
+    if both:
+        raise ConfigError(
+            f"module {both[0]!r}",
+            "its pooled output is used both on the tiles and by the head",
+            "give the head its own global pool module",
+        )
+    for pool in use.rejoined_pools:
+        use.tile_params |= watch.lineage_params.get(pool, set())
+    return use

@@ -1,0 +1,120 @@
+"""The functional-op watch: a pixel-mixing function in a model's forward is refused, never run wrong.
+
+Each model below is spatialized through the public ``spatialize`` (no process
+group is needed to build the spatial form). Refused cases must name the module
+path and the op; allowed cases act per pixel or pool with modules. Their
+exactness on real grids is in ``test_global_pool_mpi.py`` (squeeze-excite).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.spatial import spatialize
+
+Fn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class Net(nn.Module):
+    """conv -> ``body`` (the user's functional code) -> module global pool -> linear."""
+
+    def __init__(self, body: Fn) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.body = body
+        self.excite = nn.Conv2d(4, 4, 1)
+        self.squeeze = nn.AdaptiveAvgPool2d(1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(self, self.conv(x))
+        if x.dim() == 4 and x.shape[-1] > 1:
+            x = self.pool(x)
+        return self.fc(torch.flatten(x, 1))
+
+
+def _spatialize(body: Fn) -> object:
+    return spatialize(Net(body), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+
+
+REFUSED: dict[str, tuple[Fn, str]] = {
+    "F.adaptive_avg_pool2d": (lambda m, x: F.adaptive_avg_pool2d(x, 1), "aten.mean"),
+    "x.mean((2, 3))": (lambda m, x: x.mean((2, 3)), "aten.mean over dims [2, 3]"),
+    "x.amax((2, 3))": (lambda m, x: x.amax((2, 3)), "aten.amax"),
+    "x.sum()": (lambda m, x: x * x.sum(), "aten.sum"),
+    "F.max_pool2d": (lambda m, x: F.max_pool2d(x, 2), "max_pool2d"),
+    "F.conv2d": (lambda m, x: F.conv2d(x, m.excite.weight, padding=0), "convolution"),
+    "torch.flip": (lambda m, x: torch.flip(x, (3,)), "aten.flip"),
+    "torch.roll": (lambda m, x: torch.roll(x, 1, 3), "aten.roll"),
+    "bilinear": (lambda m, x: F.interpolate(x, scale_factor=2, mode="bilinear"), "upsample"),
+    "nearest": (lambda m, x: F.interpolate(x, size=(33, 31)), "upsample"),
+    "reflect pad": (lambda m, x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "reflection_pad2d"),
+    "zero pad": (lambda m, x: F.pad(x, (1, 1, 1, 1)), "pad of the tile's borders"),
+    "flatten spatial": (lambda m, x: x.flatten(2).mean(2), "reshapes the tiled feature map"),
+    "crop": (lambda m, x: x[..., 1:, :], "aten.slice"),
+    "group norm": (lambda m, x: F.group_norm(x, 2), "group_norm"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_pixel_mixing_functions_are_refused_by_path_and_op(case: str) -> None:
+    body, op = REFUSED[case]
+    with pytest.raises(ConfigError, match=r"^module 'Net'|^module 'body'") as err:
+        _spatialize(body)
+    message = str(err.value)
+    assert op in message and "\n" not in message, message
+
+
+ALLOWED: dict[str, Fn] = {
+    "identity": lambda m, x: x,
+    "activations": lambda m, x: F.hardswish(torch.sigmoid(x) * F.silu(x) + F.gelu(x)),
+    "channel mean": lambda m, x: x - x.mean(1, keepdim=True),
+    "channel softmax": lambda m, x: torch.softmax(x, 1),
+    "LayerNorm2d (per pixel)": lambda m, x: F.layer_norm(x.permute(0, 2, 3, 1), (4,)).permute(
+        0, 3, 1, 2
+    ),
+    "channel concat and slice": lambda m, x: torch.cat([x, x], 1)[:, :4],
+    "channel reshape": lambda m, x: x.view(x.shape[0], 2, 2, *x.shape[-2:]).flatten(1, 2),
+    "full slice": lambda m, x: x[..., :, :],
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALLOWED))
+def test_per_pixel_functions_are_allowed(case: str) -> None:
+    ctx = _spatialize(ALLOWED[case])
+    assert ctx.tile_param_names == {"conv.weight", "conv.bias"}  # type: ignore[attr-defined]
+
+
+def test_squeeze_excite_keeps_its_excitation_plain_and_sums_its_gradients() -> None:
+    def squeeze_excite(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(m.excite(m.squeeze(x)))
+
+    net = Net(squeeze_excite)
+    ctx = spatialize(net, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+    assert type(net.excite) is nn.Conv2d  # acts on the pooled vector: no spatial form
+    assert type(net.conv).__name__ == "SpatialConv2d"
+    # The excitation's output is used again on each tile: its gradients are per-tile shares.
+    assert ctx.tile_param_names == {"conv.weight", "conv.bias", "excite.weight", "excite.bias"}
+    assert ctx.rejoined_pools == {"squeeze"}
+
+
+def test_a_pool_used_by_both_the_tiles_and_the_head_is_refused() -> None:
+    class Both(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.conv(x)
+            s = self.pool(x)
+            y = self.pool(x * torch.sigmoid(s))
+            return self.fc(torch.flatten(y + s, 1))
+
+    with pytest.raises(ConfigError, match="both on the tiles and by the head"):
+        spatialize(
+            Both(lambda m, x: x), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None
+        )
