@@ -118,3 +118,42 @@ def test_a_pool_used_by_both_the_tiles_and_the_head_is_refused() -> None:
         spatialize(
             Both(lambda m, x: x), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None
         )
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's channels-first LayerNorm: normalises each pixel over its channels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(
+            x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias
+        ).permute(0, 3, 1, 2)
+
+
+class Blur(nn.Module):
+    """A leaf module that mixes pixels through a function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(x, 3, stride=1, padding=1)
+
+
+class Scale(nn.Module):
+    """A leaf module hyfi-imaging has never heard of, acting per pixel (layer scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(4, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+def test_unknown_modules_are_judged_by_what_they_do() -> None:
+    def stack(*mods: nn.Module) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), *mods, nn.AdaptiveAvgPool2d(1))
+
+    ctx = spatialize(stack(LayerNorm2d(4), Scale()), grid=(2, 1), tile=(0, 0),
+                     neighbours=Neighbours(), group=None)  # fmt: skip
+    # Both act on tiles, so their parameters' gradients are per-tile shares (summed).
+    assert {"1.weight", "1.bias", "2.gamma"} <= ctx.tile_param_names
+    with pytest.raises(ConfigError, match=r"^module '1': aten.avg_pool2d a functional pool"):
+        spatialize(stack(Blur()), grid=(2, 1), tile=(0, 0), neighbours=Neighbours(), group=None)

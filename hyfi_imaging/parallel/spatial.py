@@ -61,19 +61,15 @@ __all__ = [
 
 #: Side of the meta-device input the functional-op watch runs the model on.
 _PROBE = 512
-# Modules that mix pixels but have no spatial form: refused by name.
+# Modules that mix pixels but have no spatial form: refused by name (the watch would
+# refuse their ops too; this names the module). nn.LayerNorm is not here: over channels
+# (timm's LayerNorm2d) it acts per pixel, which the watch lets through.
 _UNSUPPORTED = (
     nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.LPPool2d, nn.FractionalMaxPool2d, nn.Upsample,
-    nn.GroupNorm, nn.InstanceNorm2d, nn.LayerNorm, nn.LocalResponseNorm, nn.PixelShuffle,
+    nn.GroupNorm, nn.InstanceNorm2d, nn.LocalResponseNorm, nn.PixelShuffle,
     nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d,
     nn.ReplicationPad2d, nn.MultiheadAttention, nn.MaxUnpool2d,
-)  # fmt: skip
-# Leaf modules known to act pointwise (or on pooled features): left alone.
-_POINTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
-    nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Identity, nn.Flatten,
-    nn.Linear, nn.Dropout, nn.Softmax, nn.LogSoftmax,
 )  # fmt: skip
 
 
@@ -521,13 +517,7 @@ def _check(name: str, m: nn.Module) -> None:
         raise ConfigError(where, "subclasses a pixel-mixing layer", "use the plain torch.nn layer")
     if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
         layer_geom(m)  # refuses padding_mode != zeros and ceil_mode=True with a clear message
-    known = isinstance(m, (*_POINTWISE, *_SWAP, nn.Sequential)) or _is_global_pool(m)
-    if not known and not list(m.children()) and type(m).forward is not nn.Module.forward:
-        raise ConfigError(
-            where,
-            "is a leaf module hyfi-imaging does not know; it may mix pixels",
-            "build the model from torch.nn layers that spatialize() supports",
-        )
+    # Any other module is judged by what it does to tile data: see parallel/watch.py.
 
 
 def spatialize(

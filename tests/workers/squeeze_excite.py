@@ -1,4 +1,5 @@
-"""mpiexec worker: a squeeze-excite CNN (global pool *inside* the network), grid vs one process.
+"""mpiexec worker: squeeze-excite (a global pool *inside* the network), a channels-first
+LayerNorm and a layer scale (leaf modules hyfi-imaging does not know), grid vs one process.
 
 Usage: ``mpiexec -n N python tests/workers/squeeze_excite.py GY GX H W``. The
 excitation's 1x1 convolutions act on the pooled vector, which every tile holds
@@ -30,6 +31,25 @@ class SqueezeExcite(nn.Module):
         return x * torch.sigmoid(self.fc2(torch.relu(self.fc1(self.pool(x)))))
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """timm's channels-first LayerNorm (per pixel, over channels): a leaf module of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.layer_norm(
+            x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias
+        )
+        return y.permute(0, 3, 1, 2)
+
+
+class LayerScale(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, channels).view(channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 def build() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -38,6 +58,8 @@ def build() -> nn.Module:
         nn.ReLU(),
         SqueezeExcite(8),
         nn.Conv2d(8, 8, 3, padding=1),
+        LayerNorm2d(8),
+        LayerScale(8),
         nn.Hardswish(),
         SqueezeExcite(8),
         nn.AdaptiveAvgPool2d(1),
