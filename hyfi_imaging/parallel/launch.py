@@ -23,6 +23,7 @@ import errno
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -286,7 +287,12 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
             return f"{who}error: {where}{e.strerror}; {fix}.", False
     text = " ".join(str(e) for e in _chain(err)).lower()
     if any(k in text for k in _PEER_GONE):
+        # The peer's sockets close while it is still exiting: give the kernel a moment.
+        deadline = time.monotonic() + 3.0
         gone = [r for r in lost_ranks() if r != rank]
+        while not gone and _PEERS and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gone = [r for r in lost_ranks() if r != rank]
         what = (
             f"lost rank {', '.join(map(str, gone))} (pid "
             f"{', '.join(str(_PEERS[r][1]) for r in gone)} on {socket.gethostname()}), "

@@ -91,9 +91,9 @@ def run(cmd: list[str], *, timeout: float) -> Job:
     return Job(cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out, ended)
 
 
-def mpiexec(n: int, *args: str, timeout: float = 240.0) -> Job:
-    """``mpiexec -n N python ARGS`` (a script path or ``-m module``)."""
-    return run(["mpiexec", "-n", str(n), sys.executable, *args], timeout=timeout)
+def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...] = ()) -> Job:
+    """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``)."""
+    return run(["mpiexec", *options, "-n", str(n), sys.executable, *args], timeout=timeout)
 
 
 def torchrun(n: int, *args: str, timeout: float = 240.0) -> Job:
