@@ -50,3 +50,20 @@ def test_squeeze_excite_matches_one_process(grid: tuple[int, int], size: tuple[i
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["max_rel_error"] < 1e-7, result
+
+
+FUNCTIONAL_WORKER = Path(__file__).parent / "workers" / "functional_pools.py"
+
+
+@pytest.mark.parametrize(("grid", "size"), [((1, 2), (38, 45)), ((2, 2), (38, 45))])
+def test_functional_global_reductions_match_one_process(
+    grid: tuple[int, int], size: tuple[int, int]
+) -> None:
+    """x.mean((2, 3)), F.adaptive_{avg,max}_pool2d and x.amax((2, 3)) in forward (float64)."""
+    cmd = [str(Path(sys.executable).with_name("mpiexec")), "-n", str(grid[0] * grid[1]), sys.executable,
+           str(FUNCTIONAL_WORKER), *map(str, (*grid, *size))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["max_rel_error"] < 1e-6, result

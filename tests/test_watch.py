@@ -46,10 +46,9 @@ def _spatialize(body: Fn) -> object:
 
 
 REFUSED: dict[str, tuple[Fn, str]] = {
-    "F.adaptive_avg_pool2d": (lambda m, x: F.adaptive_avg_pool2d(x, 1), "aten.mean"),
-    "x.mean((2, 3))": (lambda m, x: x.mean((2, 3)), "aten.mean over dims [2, 3]"),
-    "x.amax((2, 3))": (lambda m, x: x.amax((2, 3)), "aten.amax"),
     "x.sum()": (lambda m, x: x * x.sum(), "aten.sum"),
+    "x.std((2, 3))": (lambda m, x: x.std((2, 3)), "aten.std"),
+    "mean over one spatial dim": (lambda m, x: x.mean(3), "aten.mean over dims [3]"),
     "F.max_pool2d": (lambda m, x: F.max_pool2d(x, 2), "max_pool2d"),
     "F.conv2d": (lambda m, x: F.conv2d(x, m.excite.weight, padding=0), "convolution"),
     "torch.flip": (lambda m, x: torch.flip(x, (3,)), "aten.flip"),
@@ -85,6 +84,21 @@ ALLOWED: dict[str, Fn] = {
     "channel reshape": lambda m, x: x.view(x.shape[0], 2, 2, *x.shape[-2:]).flatten(1, 2),
     "full slice": lambda m, x: x[..., :, :],
 }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda m, x: F.adaptive_avg_pool2d(x, 1),
+        lambda m, x: x.mean((2, 3)),
+        lambda m, x: x.amax((-2, -1), keepdim=True),
+        lambda m, x: F.adaptive_max_pool2d(x, (1, 1)),
+        lambda m, x: x * torch.sigmoid(x.sum((2, 3), keepdim=True)),
+    ],
+)
+def test_global_reductions_written_as_functions_get_their_spatial_form(body: Fn) -> None:
+    ctx = _spatialize(body)
+    assert ctx.functional_sites == {"#0"}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("case", sorted(ALLOWED))

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel import windowed
@@ -43,6 +45,7 @@ from hyfi_imaging.parallel.collectives import (
     all_reduce_replicated,
     all_reduce_sum,
 )
+from hyfi_imaging.parallel.functional import Frames, Site, SpatialFunctions, site_of
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom, padded_hw
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.watch import watch_tiles
@@ -97,6 +100,9 @@ class SpatialContext:
         self.tile_param_names: set[str] = set()
         #: Global pools whose output is used again on the tiles (squeeze-excite).
         self.rejoined_pools: set[str] = set()
+        #: Global reductions written as functions that reduce tiles (see parallel/functional.py).
+        self.functional_sites: set[str] = set()
+        self._functions: SpatialFunctions | None = None
         self._reference: nn.Module | None = None
         self._in_chans = 3
         self._cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
@@ -152,6 +158,30 @@ class SpatialContext:
                 f"spatial layer {path!r} has no traced size; call set_image_size() before forward"
             ) from None
 
+    def global_reduce(self, x: torch.Tensor, site: Site, name: str) -> torch.Tensor:
+        """The whole image's average, sum or maximum over the spatial dims, on every rank.
+
+        ``name`` is a global pool module's path or a functional site's name; its
+        traced true input size says which part of the tile is image. The local
+        reduction of the masked tile is all-reduced; backward sums the tiles'
+        shares when the result is used again on the tiles (``rejoined_pools``).
+        """
+        mh, mw = self.size_of(name)
+        th, tw = x.shape[-2:]
+        i, j = self.tile
+        partial = name in self.rejoined_pools
+        if site.kind == "max":
+            masked = _MaskTail.apply(x, mh - i * th, mw - j * tw, -math.inf)
+            local = F.adaptive_max_pool2d(masked, 1) if site.pool else masked.amax((-2, -1), True)
+            out = all_reduce_max_replicated(local, self.group, partial=partial)
+        else:
+            masked = _MaskTail.apply(x, mh - i * th, mw - j * tw, 0.0)
+            local = masked.sum(dim=(-2, -1), keepdim=True)
+            out = all_reduce_replicated(local, self.group, partial=partial)
+            if site.kind == "avg":
+                out = out / (mh * mw)
+        return out if site.keepdim else out.view(out.shape[:-2])
+
 
 def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
     """One forward pass on the meta device: no memory, no compute, only shapes.
@@ -197,12 +227,35 @@ def _trace_sizes(
             handles.append(
                 mod.register_forward_hook(lambda m, args, out, name=name: record(outs, name, out))
             )
+    frames = Frames(model, _has_spatial_form)
     try:
-        _run_meta(model, shape)
+        with _SiteSizes(frames, sizes):
+            _run_meta(model, shape)
     finally:
+        frames.remove()
         for h in handles:
             h.remove()
     return sizes, outs
+
+
+class _SiteSizes(TorchFunctionMode):
+    """Records the true input size of every functional site (see parallel/functional.py)."""
+
+    def __init__(self, frames: Frames, sizes: dict[str, tuple[int, int]]) -> None:
+        super().__init__()
+        self.frames, self.sizes = frames, sizes
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.frames.inside == 0 and site_of(func, args, kwargs) is not None:
+            self.sizes[self.frames.next_site()] = (int(args[0].shape[-2]), int(args[0].shape[-1]))
+        return func(*args, **kwargs)
 
 
 class _MaskTail(torch.autograd.Function):
@@ -461,19 +514,14 @@ class SpatialGlobalAvgPool2d(_SpatialMixin, nn.AdaptiveAvgPool2d):
     """Global average pooling: local sums, all-reduced; backward does not double-count."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
-        local = self._mask(x, 0.0).sum(dim=(-2, -1), keepdim=True)
-        partial = self.hyfi_path in self.hyfi_ctx.rejoined_pools
-        return all_reduce_replicated(local, self.hyfi_ctx.group, partial=partial) / (mh * mw)
+        return self.hyfi_ctx.global_reduce(x, Site("avg", True, True), self.hyfi_path)
 
 
 class SpatialGlobalMaxPool2d(_SpatialMixin, nn.AdaptiveMaxPool2d):
     """Global max pooling: local maxima (outside the image is -inf), all-reduced with MAX."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.adaptive_max_pool2d(self._mask(x, -math.inf), 1)
-        partial = self.hyfi_path in self.hyfi_ctx.rejoined_pools
-        return all_reduce_max_replicated(local, self.hyfi_ctx.group, partial=partial)
+        return self.hyfi_ctx.global_reduce(x, Site("max", True, True), self.hyfi_path)
 
 
 _SWAP: dict[type[nn.Module], type[nn.Module]] = {
@@ -553,6 +601,11 @@ def spatialize(
     ctx._in_chans = in_chans
     ctx.tile_param_names = use.tile_params
     ctx.rejoined_pools = use.rejoined_pools
+    ctx.functional_sites = use.functional_sites
+    if use.functional_sites:
+        ctx._functions = SpatialFunctions(
+            model, _has_spatial_form, use.functional_sites, ctx.global_reduce
+        )
     for name, m in model.named_modules():
         if name not in use.tile_modules:
             continue  # e.g. a squeeze-excite convolution on the pooled vector: stays plain

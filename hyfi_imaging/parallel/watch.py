@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.functional import Frames, site_of
 
 __all__ = ["TileUse", "watch_tiles"]
 
@@ -71,13 +73,16 @@ class TileUse:
     ``tile_modules``: modules that saw tile data. ``tile_params``: parameters
     whose gradient is a per-tile share, summed over the tiles (used on tile
     data, or on a pooled value that is used again on the tiles).
-    ``rejoined_pools``: global pools whose (replicated) output is used again on
-    the tiles, as squeeze-excite does: their backward sums the tiles' shares.
+    ``rejoined_pools``: global pools (module paths, or functional sites) whose
+    replicated output is used again on the tiles, as squeeze-excite does: their
+    backward sums the tiles' shares. ``functional_sites``: global reductions
+    written as functions that reduce tile data (see :mod:`.functional`).
     """
 
     tile_modules: set[str] = field(default_factory=set)
     tile_params: set[str] = field(default_factory=set)
     rejoined_pools: set[str] = field(default_factory=set)
+    functional_sites: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -103,9 +108,13 @@ class _Watch(TorchDispatchMode):
         self.reps: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         self.lineage_params: dict[str, set[str]] = {}
         self.params, self.known, self.use = params, known, use
-        self.stack: list[str] = [""]
         self.root = "<model>"
-        self.inside = 0  # depth inside modules that have a spatial form
+        self.frames: Frames | None = None  # set by watch_tiles
+
+    @property
+    def inside(self) -> int:
+        """Depth inside modules that have a spatial form (their internals are trusted)."""
+        return self.frames.inside if self.frames is not None else 0
 
     # -- taint -------------------------------------------------------------------------
     def tile_of(self, t: object) -> _Tile | None:
@@ -136,7 +145,6 @@ class _Watch(TorchDispatchMode):
 
     # -- module hooks --------------------------------------------------------------------
     def enter(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.stack.append(path)
         names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters()]
         if self.inside == 0 and any(self.tile_of(a) for a in args):
             self.use.tile_modules.add(path)
@@ -145,15 +153,9 @@ class _Watch(TorchDispatchMode):
         elif self.inside == 0 and self.known(module):
             pools = frozenset().union(*(self.pools_of(a) for a in args))
             self.on_lineage(pools, names)
-        if self.known(module):
-            self.inside += 1
 
     def leave(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        self.stack.pop()
-        if not self.known(module):
-            return
-        self.inside -= 1
-        if self.inside or not isinstance(out, torch.Tensor):
+        if not self.known(module) or self.inside or not isinstance(out, torch.Tensor):
             return
         source = next((t for a in args if (t := self.tile_of(a)) is not None), None)
         if source is None:
@@ -187,7 +189,7 @@ class _Watch(TorchDispatchMode):
                 self.mark_replicated(o, pools)
             return out
         self.use.rejoined_pools |= pools  # a pooled value meets the tiles again
-        path = self.stack[-1] or self.root
+        path = (self.frames.path if self.frames is not None else "") or self.root
         self.use.tile_params.update(used)
         result = self.classify(func, args, kwargs, tiles[0], out, path)
         for o in outs:
@@ -304,6 +306,41 @@ def _shifted(tile: _Tile, removed: set[int], keep: bool) -> _Tile:
     return _Tile((dims[0], dims[1]), tile.hw)
 
 
+class _Sites(TorchFunctionMode):
+    """The watch's function-level half: global reductions written as functions.
+
+    A site (see :mod:`.functional`) that reduces tile data is recorded and
+    runs unchecked; its output is replicated, like a global pool module's.
+    """
+
+    def __init__(self, watch: _Watch, frames: Frames) -> None:
+        super().__init__()
+        self.watch, self.frames = watch, frames
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        site = site_of(func, args, kwargs) if self.frames.inside == 0 else None
+        if site is None:
+            return func(*args, **kwargs)
+        name = self.frames.next_site()
+        if self.watch.tile_of(args[0]) is None:
+            return func(*args, **kwargs)
+        self.watch.use.functional_sites.add(name)
+        self.frames.inside += 1  # its own ops are the spatial form's business
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.frames.inside -= 1
+        self.watch.mark_replicated(out, frozenset({name}))
+        return out
+
+
 def watch_tiles(
     model: nn.Module, shape: tuple[int, ...], known: Callable[[nn.Module], bool]
 ) -> TileUse:
@@ -317,26 +354,20 @@ def watch_tiles(
     params = {id(p): n for n, p in model.named_parameters()}
     watch = _Watch(params, known, use)
     watch.root = type(model).__name__
-    handles = []
-    for path, mod in model.named_modules():
-        handles.append(
-            mod.register_forward_pre_hook(lambda m, a, path=path: watch.enter(path, m, tuple(a)))
-        )
-        handles.append(
-            mod.register_forward_hook(lambda m, a, o, path=path: watch.leave(path, m, tuple(a), o))
-        )
+    frames = Frames(model, known, on_enter=watch.enter, on_leave=watch.leave)
+    watch.frames = frames
+    sites = _Sites(watch, frames)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     x = torch.empty(shape, device="meta", dtype=dtype)
     watch.mark(x, _Tile((len(shape) - 2, len(shape) - 1), tuple(shape[-2:])))  # type: ignore[arg-type]
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), watch:
+        with torch.no_grad(), sites, watch:
             out = model(x)
     finally:
         model.train(was_training)
-        for h in handles:
-            h.remove()
+        frames.remove()
     results, _ = tree_flatten(out)
     reaching = frozenset().union(*(watch.pools_of(o) for o in results))
     both = sorted(reaching & use.rejoined_pools)
