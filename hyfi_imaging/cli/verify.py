@@ -27,6 +27,9 @@ examples:
   # AmoebaNet-D, 3 tiles in a column, double precision
   mpirun -np 3 hyfi-verify --model amoebanet-d-6-64 --image-size 257x190 --spatial 3x1 --dtype float64
 
+  # your own model (any nn.Module; spatial and data parallelism; pipeline needs a chain)
+  mpirun -np 4 hyfi-verify --model torchvision.models:resnet18 --image-size 256x224 --spatial 2x2
+
   # 2 pipeline stages, 1F1B over 4 micro-batches, every block checkpointed
   mpirun -np 2 hyfi-verify --model resnet50 --width 0.25 --image-size 96x80 --pipeline 2 \\
       --microbatches 4 --schedule 1f1b --checkpointing full
@@ -55,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="registered model name, e.g. resnet50")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="registered model name, e.g. resnet50, or a Python path module:function that "
+        "returns the model, e.g. torchvision.models:resnet18 (called with num_classes)",
+    )
     p.add_argument("--image-size", required=True, type=Layout.parse_grid, metavar="HxW")
     p.add_argument("--spatial", default=(1, 1), type=Layout.parse_grid, metavar="GYxGX")
     p.add_argument(

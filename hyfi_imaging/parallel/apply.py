@@ -106,6 +106,13 @@ def apply_spatial(
         apply_spatial(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Upsample(scale_factor=2)), pc)
         # ConfigError: module '1' (Upsample) mixes pixels and has no spatial (tiled) form
     """
+    done = next((n for n, m in model.named_modules() if hasattr(m, "hyfi_ctx")), None)
+    if done is not None:
+        raise ConfigError(
+            f"module {done or type(model).__name__!r}",
+            "is already spatial (apply_spatial or ParallelModel ran on this model)",
+            "pass the plain single-device model: ParallelModel applies apply_spatial itself",
+        )
     if pc.layout.sp_size == 1:
         log.info("apply_spatial: 1x1 grid, %s left as it is", type(model).__name__)
         return None
