@@ -32,9 +32,11 @@ WORKER = WORKERS / "user_model.py"
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 
 
-def _run(mode: str, grid: tuple[int, int], size: tuple[int, int]) -> tuple[int, dict[str, Any]]:
-    cmd = [MPIEXEC, "-n", str(grid[0] * grid[1]), sys.executable, str(WORKER), mode,
-           *map(str, (*grid, *size))]  # fmt: skip
+def _run(
+    mode: str, grid: tuple[int, int], size: tuple[int, int], dp: int = 1, m: int = 1
+) -> tuple[int, dict[str, Any]]:
+    cmd = [MPIEXEC, "-n", str(dp * grid[0] * grid[1]), sys.executable, str(WORKER), mode,
+           *map(str, (*grid, *size, dp, m))]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     lines = proc.stdout.strip().splitlines()
@@ -44,18 +46,21 @@ def _run(mode: str, grid: tuple[int, int], size: tuple[int, int]) -> tuple[int, 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(
-    ("mode", "grid"),
+    ("mode", "grid", "dp", "m"),
     [
-        ("classify", (1, 2)),
-        ("classify", (2, 2)),
-        ("dense", (1, 2)),
-        ("dense", (2, 2)),
-        ("dense-mse", (2, 1)),
+        ("classify", (1, 2), 1, 1),
+        ("classify", (2, 2), 1, 1),
+        ("dense", (1, 2), 1, 1),
+        ("dense", (2, 2), 1, 1),
+        ("dense-mse", (2, 1), 1, 1),
+        # data replicas and micro-batches: FSDP2's head/tile rule on the user's own modules
+        ("classify", (1, 2), 2, 2),
+        ("dense", (1, 2), 2, 2),
     ],
 )
-def test_user_model_matches_one_process(mode: str, grid: tuple[int, int]) -> None:
+def test_user_model_matches_one_process(mode: str, grid: tuple[int, int], dp: int, m: int) -> None:
     """Loss, outputs (a dense map stitched from tiles), input and parameter gradients, weights."""
-    code, result = _run(mode, grid, (38, 45))
+    code, result = _run(mode, grid, (38, 45), dp, m)
     assert code == 0, result
     assert result["ok"] and result["max_rel_error"] < 1e-9, result
     assert result["compared"] > 30
@@ -98,6 +103,23 @@ def test_verify_model_in_one_process() -> None:
     assert report.format("ResidualNet").startswith("hyfi-verify: OK: ResidualNet, ")
 
 
+def test_apply_spatial_leaves_a_1x1_grid_alone_and_refuses_a_spatial_model() -> None:
+    from hyfi_imaging import apply_spatial
+    from hyfi_imaging.parallel import Neighbours, spatialize
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+
+    model = _user_model().ResidualNet()
+    try:
+        pc = init_parallel(Layout())
+        assert apply_spatial(model, pc) is None
+        assert type(model.stem) is torch.nn.Conv2d
+        spatialize(model, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(right=1), group=None)
+        with pytest.raises(ConfigError, match=r"already spatial.*pass the plain"):
+            apply_spatial(model, pc)
+    finally:
+        shutdown()
+
+
 def test_pipeline_is_refused_for_a_model_that_is_not_a_chain() -> None:
     model = _user_model().ResidualNet()
     with pytest.raises(ConfigError, match=r"not a chain of layers.*use --pipeline 1"):
@@ -115,7 +137,7 @@ def test_create_model_from_a_python_path(monkeypatch: pytest.MonkeyPatch) -> Non
         create_model("no_such_module:build")
     with pytest.raises(ConfigError, match="unknown option depth"):
         create_model("user_model:build_classifier", depth=3)
-    with pytest.raises(ConfigError, match="not a torch.nn.Module"):
+    with pytest.raises(ConfigError, match=r"not a torch\.nn\.Module"):
         create_model("collections:OrderedDict")
 
 

@@ -1,6 +1,7 @@
 """Models a user writes (not chains, not registered), checked by ``hyfi_imaging.verify_model``.
 
-Usage: ``mpiexec -n N python tests/workers/user_model.py MODE GY GX H W``, MODE one of
+Usage: ``mpiexec -n N python tests/workers/user_model.py MODE GY GX H W [DP [M]]``
+(``DP`` data replicas, ``M`` micro-batches; ``N = DP x GY x GX``), MODE one of
 
 * ``classify``: :class:`ResidualNet`, whose ``forward`` is not its children in
   order (a residual, a squeeze-excite block with its own global pool, a
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> int:
 
     mode = argv[0]
     gy, gx, h, w = (int(v) for v in argv[1:5])
+    dp, m = (int(v) for v in [*argv[5:7], 1, 1][:2])
     torch.set_num_threads(1)
     options: dict[str, Any] = {}
     broken: AbstractContextManager[Any] = nullcontext()
@@ -116,14 +118,15 @@ def main(argv: list[str]) -> int:
         broken = dropped_halo_gradients()
     try:
         with broken:
-            report = verify_model(build, (h, w), Layout(sp=(gy, gx)), **options)
+            layout = Layout(dp=dp, sp=(gy, gx))
+            report = verify_model(build, (h, w), layout, batch=2 * m, microbatches=m, **options)
     except HyfiError as err:
         if torch.distributed.get_rank() == 0:
             print(json.dumps({"error": str(err)}))
         shutdown()
         return 2
     if torch.distributed.get_rank() == 0:
-        print(report.format(f"{mode} {h}x{w} on {gy}x{gx}"), file=sys.stderr)
+        print(report.format(f"{mode} {h}x{w} on dp={dp} x {gy}x{gx}, m={m}"), file=sys.stderr)
         failed = [c.name for c in report.comparisons if not c.ok]
         print(json.dumps({"ok": report.ok, "max_rel_error": report.max_rel_error,
                           "compared": len(report.comparisons), "failed": failed}))  # fmt: skip
