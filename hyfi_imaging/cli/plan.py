@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", type=Path, nargs="?", help="recipe YAML (or use --model)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe value, as hyfi-train")  # fmt: skip
-    p.add_argument("--model", help="registered model name (instead of a recipe)")
+    p.add_argument("--model", help="registered model name or module:function (instead of a recipe)")
     p.add_argument("--width", type=float, help="model width multiplier")
     p.add_argument("--num-classes", type=int, default=2)
     p.add_argument("--image-size", type=size_type(1), help="N or HxW (with --model)")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
+import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ __all__ = [
     "check_positive",
     "create_model",
     "get_model_entry",
+    "import_builder",
     "list_models",
     "register_model",
 ]
@@ -121,7 +123,10 @@ def get_model_entry(name: str) -> ModelEntry:
 
 def _accepted_kwargs(builder: Callable[..., nn.Module]) -> set[str] | None:
     """Keyword names ``builder`` accepts; None when it takes ``**kwargs``."""
-    params = inspect.signature(builder).parameters.values()
+    try:
+        params = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: let the call decide
+        return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return {
@@ -131,14 +136,49 @@ def _accepted_kwargs(builder: Callable[..., nn.Module]) -> set[str] | None:
     }
 
 
+def import_builder(path: str) -> Callable[..., nn.Module]:
+    """The function a ``"package.module:function"`` path names (``function`` may be dotted).
+
+    OK: ``import_builder("torchvision.models:resnet18")``.
+    Error: ``import_builder("torchvision.model:resnet18")`` raises ConfigError naming the
+    module that did not import and why.
+    """
+    module_name, _, attr = path.partition(":")
+    where = f"model {path!r}"
+    if not module_name or not attr:
+        raise ConfigError(where, "is not module:function", "write e.g. torchvision.models:resnet18")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(
+            where,
+            f"cannot import {module_name} ({err})",
+            "install the package, or put the module's folder on PYTHONPATH",
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")])
+            hint = f"did you mean {close[0]}?" if close else f"check the name in {module_name}"
+            raise ConfigError(where, f"{module_name} has no {attr}", hint)
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(where, f"{attr} is not callable", "name a function or class")
+    return obj
+
+
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """Build the registered model ``name``; ``kwargs`` override the variant's defaults.
 
-    OK: ``create_model("resnet50", num_classes=2, in_chans=1)``.
+    ``name`` may also be a Python path ``"package.module:function"`` (a
+    torchvision or timm builder, a function of your own): the function is
+    called with ``kwargs`` and must return an ``nn.Module``.
+
+    OK: ``create_model("resnet50", num_classes=2, in_chans=1)``;
+    ``create_model("torchvision.models:resnet18", num_classes=2)``.
     Error: ``create_model("resnet5")`` raises ConfigError naming ``resnet50`` and the others;
     ``create_model("resnet50", widht=2)`` raises ConfigError listing the accepted options.
     """
-    entry = get_model_entry(name)
+    entry = ModelEntry(name, import_builder(name)) if ":" in name else get_model_entry(name)
     accepted = _accepted_kwargs(entry.builder)
     if accepted is not None:
         unknown = sorted(set(kwargs) - accepted)
@@ -148,7 +188,14 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
                 f"unknown option {', '.join(unknown)}",
                 f"use one of: {', '.join(sorted(accepted - set(entry.defaults)))}",
             )
-    return entry.builder(**{**entry.defaults, **kwargs})
+    model = entry.builder(**{**entry.defaults, **kwargs})
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model {name!r}",
+            f"returned a {type(model).__name__}, not a torch.nn.Module",
+            "return the model from the function",
+        )
+    return model
 
 
 def check_positive(where: str, **values: float) -> None:

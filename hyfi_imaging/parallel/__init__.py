@@ -4,7 +4,8 @@ Why a package of small modules: each parallel concept is tested on its own —
 the pure halo geometry (``geometry``, no ``torch.distributed`` at all), the halo
 exchange (``halo``), spatial layers (``spatial``), collectives with the right
 adjoint (``collectives``), pipeline stages and balance (``pipeline``,
-``balance``), and the one object trainers use (``engine.ParallelModel``).
+``balance``), the one object trainers use (``engine.ParallelModel``), and the
+one-call doors for any model (``apply.apply_spatial``, ``verify.verify_model``).
 
 The public names below are imported lazily, so that importing the pure
 geometry does not start pulling in ``torch.distributed.pipelining``.
@@ -22,11 +23,15 @@ __all__ = [
     "ParallelModel",
     "ParallelPlan",
     "SpatialContext",
+    "apply_spatial",
     "halo_exchange",
     "init_parallel",
     "run_verify",
     "shutdown",
     "spatialize",
+    "tile_of",
+    "tiled_mean",
+    "verify_model",
 ]
 
 _WHERE = {
@@ -41,6 +46,10 @@ _WHERE = {
     "SpatialContext": "spatial",
     "spatialize": "spatial",
     "run_verify": "verify",
+    "verify_model": "verify",
+    "apply_spatial": "apply",
+    "tile_of": "apply",
+    "tiled_mean": "apply",
 }
 
 

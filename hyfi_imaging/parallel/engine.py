@@ -9,8 +9,13 @@ accumulates ``mean cross-entropy / (dp x micro-batches)`` over them.
 
 How the pieces compose, and why:
 
-* **Spatial inside the stage.** The whole model is spatialized first (so every
-  layer knows its true size at the given image size), then cut. Every spatial
+* **Any model on one stage.** A chain (a registered ``ChainModel``, an
+  ``nn.Sequential``) is cut into stages of its top-level children; any other
+  module (torchvision, timm, a user's class) is one stage, the model itself,
+  running its own ``forward`` (``pp > 1`` is refused for it before compute).
+* **Spatial inside the stage.** The whole model is spatialized first
+  (:func:`~.apply.apply_spatial`, so every layer knows its true size at the
+  given image size), then cut. Every spatial
   rank of a stage runs the same schedule on its tile; halos and BatchNorm
   statistics are exchanged inside the stage's forward over the ``sp`` group;
   activations and gradients go tile to tile over the ``pp`` group (the ``pp``
@@ -28,6 +33,9 @@ How the pieces compose, and why:
   over the *global* batch whatever ``dp`` and the micro-batch count; input
   gradients too (a per-replica mean would make them ``dp`` times too large).
   A gradient already in ``.grad`` is not rescaled (accumulation over steps works).
+  A loss that returns per-sample or per-pixel values is averaged; a dense
+  model's output is tiled like its input, and the mean over the image's pixels
+  is taken across tiles (:func:`~.apply.reduce_loss`).
 * **Sharding, data and the gradient rule: FSDP2** (:mod:`.sharding`) over the
   flattened ``dp x sy x sx`` mesh of the stage: parameters, gradients and
   optimizer state are sharded; each unit reduce-scatters its gradients as soon
@@ -64,20 +72,28 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import CheckpointedBlock
+from hyfi_imaging.parallel.apply import (
+    OutputMap,
+    apply_spatial,
+    cross_entropy,
+    input_channels,
+    output_map,
+    reduce_loss,
+    tile_of,
+)
 from hyfi_imaging.parallel.balance import BalanceBy, LayerCosts, measure_layers, partition
-from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
     check_balance,
+    is_chain,
     model_layers,
     parse_checkpointing,
     set_checkpointing,
@@ -85,7 +101,7 @@ from hyfi_imaging.parallel.pipeline import (
     stage_bounds,
 )
 from hyfi_imaging.parallel.sharding import apply_fsdp
-from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
+from hyfi_imaging.parallel.spatial import SpatialContext
 
 __all__ = [
     "ParallelModel",
@@ -153,6 +169,14 @@ class ParallelPlan:
 
     def check_model(self, model: nn.Module) -> None:
         """ConfigError unless the model can be cut and checkpointed as planned (no compute)."""
+        if self.layout.pp > 1 and not is_chain(model):
+            raise ConfigError(
+                f"--pipeline {self.layout.pp}",
+                f"{type(model).__name__} is not a chain of layers (its forward is not its "
+                "top-level children in order), so it cannot be cut into pipeline stages",
+                "use --pipeline 1 (spatial and data parallelism work for any model), or build it "
+                "as a hyfi_imaging.models.ChainModel or nn.Sequential",
+            )
         n = len(model_layers(model))
         if self.layout.pp > n:
             raise ConfigError(
@@ -224,7 +248,7 @@ class ParallelModel:
         plan: ParallelPlan,
         *,
         image_hw: tuple[int, int],
-        loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy,
     ) -> None:
         if pc.layout != plan.layout:
             raise ConfigError(
@@ -240,7 +264,7 @@ class ParallelModel:
         _, pp_i, _, _ = pc.coords
         self.stage_index, self.num_stages = pp_i, layout.pp
         self.is_first, self.is_last = pp_i == 0, pp_i == layout.pp - 1
-        self.in_chans = int(getattr(model, "in_chans", 3))
+        self.in_chans = input_channels(model)
         self.dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
         self.checkpointed = set_checkpointing(model, plan.checkpointing)
         layers = model_layers(model)
@@ -248,27 +272,30 @@ class ParallelModel:
         self._meta_model = copy.deepcopy(model).to("meta")
         plain = copy.deepcopy(model) if plan.balance is None and layout.pp > 1 else None
 
-        self.ctx: SpatialContext | None = None
-        if layout.sp_size > 1:
-            nb = Neighbours(
-                up=pc.peer(dy=-1), down=pc.peer(dy=1), left=pc.peer(dx=-1), right=pc.peer(dx=1)
-            )
-            self.ctx = spatialize(
-                model, grid=layout.sp, tile=pc.tile, neighbours=nb, group=pc.group("sp")
-            )
-            self.ctx.set_image_size(self.image_hw)
+        self.ctx: SpatialContext | None = apply_spatial(
+            model, pc, image_size=self.image_hw, in_chans=self.in_chans
+        )
+        if self.ctx is not None:
             ph, pw = self.ctx.padded_size(self.image_hw)
             self.padded_hw = (ph, pw)
             self.tile_hw = (ph // layout.sp[0], pw // layout.sp[1])
         else:
             self.padded_hw = self.tile_hw = self.image_hw
+        #: The output's map when the model is dense (its output is tiled too), else None.
+        self.out_map: OutputMap | None = output_map(
+            self._meta_model, self.in_chans, self.image_hw, self.tile_hw
+        )
 
         self.balance_info = self._choose_balance(plain)
         del plain
         self.balance = self.balance_info.balance
         start, stop = stage_bounds(self.balance)[pp_i]
-        self.stage_module = StageModule(layers[start:stop], index=pp_i)
-        self.stage_module.dtype = self.dtype
+        # A chain is cut into stages of its children; any other model is one stage, the
+        # model itself, running its own forward under its own parameter names.
+        self.stage_module: nn.Module = model
+        if is_chain(model):
+            self.stage_module = StageModule(layers[start:stop], index=pp_i)
+            self.stage_module.dtype = self.dtype
         if not self.is_first:
             _no_inplace_at_entry(self.stage_module)
         self.stage_module.to(pc.device)
@@ -324,7 +351,7 @@ class ParallelModel:
         fn, terms = self.loss_fn, n_micro * self.plan.layout.dp
 
         def loss(out: Tensor, target: Tensor) -> Tensor:
-            return fn(out, target) / terms
+            return reduce_loss(fn(out, target), self.ctx, self.out_map) / terms
 
         return loss
 
@@ -379,12 +406,14 @@ class ParallelModel:
                 f"{self.image_hw}",
                 "pass images of the planned size, or build a ParallelModel for this size",
             )
-        if self.ctx is None:
-            return images
-        ph, pw = self.padded_hw
-        padded = F.pad(images, (0, pw - images.shape[-1], 0, ph - images.shape[-2]))
-        rows, cols = self.ctx.tile_slice(self.image_hw)
-        return padded[..., rows, cols]
+        return tile_of(images, self.ctx, self.image_hw)
+
+    def target_of(self, target: Tensor) -> Tensor:
+        """This rank's part of a per-replica target: its tile of a per-pixel target of a dense
+        model's output map (``(N, h, w)`` for the whole image), else the target itself."""
+        if self.out_map is None or self.ctx is None:
+            return target
+        return self.out_map.tile_of(target, self.ctx)
 
     def _check_tiles(self, tiles: Tensor | None, batch: int | None) -> Tensor:
         want = (self.in_chans, *self.tile_hw)
@@ -404,13 +433,19 @@ class ParallelModel:
             tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
         return tiles.to(self.pc.device)
 
+    def _expect(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        """Tell a chain's stage the output shapes planned (the whole-model stage has no check)."""
+        if isinstance(self.stage_module, StageModule):
+            self.stage_module.expected = shapes
+
     # ------------------------------------------------------------------ training
 
     def train_step(self, tiles: Tensor | None, labels: Tensor) -> float:
         """Forward and backward of every micro-batch; returns the global batch's mean loss.
 
         ``tiles``: this rank's tiles of the per-replica batch (first-stage ranks;
-        others may pass None). ``labels``: the per-replica labels, on every rank.
+        others may pass None). ``labels``: the per-replica targets, on every rank
+        (a dense model's per-pixel targets for the whole image: each rank takes its tile).
         Gradients of the global batch's mean loss land in ``.grad`` (summed over
         ``sp``, over ``dp`` the mean of the replicas)
         (added to what is there); the optimizer is not stepped.
@@ -423,12 +458,13 @@ class ParallelModel:
             args = (self._check_tiles(tiles, batch),)
         pipe = self._pipe(batch // m, m, train=True)
         self.stage_module.train()
-        self.stage_module.expected = pipe.out_shapes
+        self._expect(pipe.out_shapes)
         snapshot = self._norm_snapshot() if self.plan.layout.dp > 1 else None
         losses: list[Tensor] = []
         # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
         # backward and adds them to the (sharded) gradients already there.
-        out = pipe.schedule.step(*args, target=labels.to(self.pc.device), losses=losses)
+        target = self.target_of(labels).to(self.pc.device)
+        out = pipe.schedule.step(*args, target=target, losses=losses)
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
         if snapshot is not None:
             self._sync_running_stats(snapshot)
@@ -454,7 +490,7 @@ class ParallelModel:
         pipe = self._pipe(batch // m, m, train=False)
         was_training = self.stage_module.training
         self.stage_module.eval()
-        self.stage_module.expected = pipe.out_shapes
+        self._expect(pipe.out_shapes)
         try:
             out = pipe.schedule.step(*args)
         finally:
@@ -552,8 +588,9 @@ class ParallelModel:
     # ------------------------------------------------------------------ parameters, state
 
     @property
-    def module(self) -> StageModule:
-        """This rank's stage (unwrapped): the original model's layers of this stage."""
+    def module(self) -> nn.Module:
+        """This rank's stage (unwrapped): the original model's layers of this stage (a
+        :class:`StageModule`), or the model itself when it is not a chain."""
         return self.stage_module
 
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -6,7 +6,9 @@ children run in order, each on the previous child's output. Any cut between
 children is therefore a valid stage boundary, and the stages chained again are
 the model, bit for bit (``tests/test_pipeline.py`` checks it). A *balance* is
 the number of children per stage, as in torchgpipe: ``(5, 6)`` gives stage 0
-the first five children and stage 1 the other six.
+the first five children and stage 1 the other six. Any other module (a
+torchvision or timm network, a user's own class) is one layer, the whole
+model: it runs its own ``forward``, on one stage (:func:`model_layers`).
 
 Why a :class:`StageModule` keeps the children under their original names:
 ``stage.state_dict()`` then has exactly the keys of the full model restricted
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.models.registry import CheckpointedBlock
+from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock
 
 __all__ = [
     "StageModule",
@@ -52,6 +54,7 @@ __all__ = [
     "cut_stages",
     "draw_plan",
     "even_balance",
+    "is_chain",
     "model_layers",
     "parse_checkpointing",
     "schedule_order",
@@ -62,11 +65,28 @@ __all__ = [
 ]
 
 
-def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The ``(name, child)`` pairs a pipeline is cut from: the model's top-level children.
+def is_chain(model: nn.Module) -> bool:
+    """Whether ``model.forward`` *is* its top-level children run in order.
 
-    Raises ConfigError for a model without children (nothing to cut).
+    True for :class:`~hyfi_imaging.models.ChainModel` (every registered model)
+    and ``nn.Sequential``. Any other module -- a torchvision or timm network, a
+    user's own class -- may call its children in another order, call one
+    twice, or apply functions between them (``torch.flatten`` before the
+    classifier), so its children are no pipeline.
     """
+    return isinstance(model, ChainModel | nn.Sequential)
+
+
+def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``(name, layer)`` pairs a pipeline is cut from.
+
+    For a chain (:func:`is_chain`): the model's top-level children. Any other
+    module is one layer, the whole model under its class name: it runs its own
+    ``forward`` and can only be one pipeline stage. Raises ConfigError for a
+    chain without children (nothing to run).
+    """
+    if not is_chain(model):
+        return [(type(model).__name__, model)]
     layers = list(model.named_children())
     if not layers:
         raise ConfigError(

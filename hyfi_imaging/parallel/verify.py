@@ -1,4 +1,4 @@
-"""Check a parallel layout against one process: the engine behind ``hyfi-verify``.
+"""Check a parallel layout against one process: the engine behind ``hyfi-verify`` and ``verify_model``.
 
 Every rank trains K SGD steps of its part of the model through
 :class:`~hyfi_imaging.parallel.engine.ParallelModel` (any ``dp x pp x sp``
@@ -9,6 +9,11 @@ micro-batches`` micro-batches, each with loss ``mean cross-entropy / (dp x
 micro-batches)``, accumulated -- exactly the semantics the engine promises,
 BatchNorm statistics per micro-batch included. The reference has no
 checkpointing, so checkpointing is checked not to change results.
+
+Any module is checked, not only registered chains: a model that is not a
+chain runs its own ``forward`` (one pipeline stage), with any loss
+``loss(output, target)``; a dense model's output map is compared tile by tile,
+stitched (:func:`verify_model` is the public door, for a user's own model).
 
 Each rank compares what it holds: the loss (every rank), outputs (last
 stage), input gradients (first stage; tiles gathered and stitched), the
@@ -31,14 +36,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from hyfi_imaging.parallel.collectives import all_agree
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.apply import cross_entropy, output_shape, reduce_loss
+from hyfi_imaging.parallel.apply import spatialize_for as spatial_context_for
+from hyfi_imaging.parallel.collectives import all_agree, group_device
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
-from hyfi_imaging.parallel.halo import Neighbours
-from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.launch import ParallelContext, init_parallel
+from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.sharding import full_tensor
-from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
+from hyfi_imaging.parallel.spatial import SpatialContext
 
 __all__ = [
     "Comparison",
@@ -47,7 +55,13 @@ __all__ = [
     "pad_image",
     "run_verify",
     "spatial_context_for",
+    "verify_model",
 ]
+
+#: ``loss(output, target)``: a scalar, or per-sample / per-pixel values (averaged).
+LossFn = Callable[[Tensor, Tensor], Tensor]
+#: ``target(output_shape, generator)``: random targets for outputs of that shape.
+TargetFn = Callable[[tuple[int, ...], torch.Generator], Tensor]
 
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-9)}
 
@@ -106,6 +120,19 @@ class VerifyReport:
         self.ok = all(c.ok for c in self.comparisons)
         self.max_rel_error = max((c.max_rel for c in self.comparisons), default=0.0)
 
+    def format(self, what: str) -> str:
+        """The report in words, as ``hyfi-verify`` prints it: a verdict about ``what``, then the
+        worst tensors (5 when everything matches, 15 otherwise)."""
+        status = "OK" if self.ok else "MISMATCH"
+        lines = [
+            f"hyfi-verify: {status}: {what}, {len(self.comparisons)} tensors compared, "
+            f"max relative error {self.max_rel_error:.3g}"
+        ]
+        for c in sorted(self.comparisons, key=lambda c: -c.max_rel)[: 5 if self.ok else 15]:
+            mark = "ok  " if c.ok else "FAIL"
+            lines.append(f"  {mark} {c.name:60s} max|a-b| {c.max_abs:.3g}  rel {c.max_rel:.3g}")
+        return "\n".join(lines)
+
     def to_json(self) -> dict[str, Any]:
         worst = sorted(self.comparisons, key=lambda c: -c.max_rel)[:10]
         return {
@@ -117,14 +144,6 @@ class VerifyReport:
             "losses": self.losses,
             "reference_losses": self.reference_losses,
         }
-
-
-def spatial_context_for(model: nn.Module, pc: ParallelContext, **kwargs: Any) -> SpatialContext:
-    """Spatialize ``model`` for this rank's tile of the layout's grid."""
-    nb = Neighbours(up=pc.peer(dy=-1), down=pc.peer(dy=1), left=pc.peer(dx=-1), right=pc.peer(dx=1))
-    return spatialize(
-        model, grid=pc.layout.sp, tile=pc.tile, neighbours=nb, group=pc.group("sp"), **kwargs
-    )
 
 
 def pad_image(x: torch.Tensor, padded_hw: tuple[int, int]) -> torch.Tensor:
@@ -142,6 +161,18 @@ def gather_tile_grid(tile: torch.Tensor, ctx: SpatialContext, group: Any) -> tor
     return torch.cat(rows, dim=-2)
 
 
+def default_target(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """Random class indices for :func:`~.apply.cross_entropy`: ``(N,)`` for ``(N, K)`` logits,
+    ``(N, h, w)`` for ``(N, K, h, w)`` maps."""
+    if len(shape) < 2:
+        raise ConfigError(
+            f"model output of shape {shape}",
+            "is not (N, K) logits or an (N, K, h, w) map, so no default target fits it",
+            "pass target=lambda shape, gen: ... and a loss for it",
+        )
+    return torch.randint(0, shape[1], (shape[0], *shape[2:]), generator=generator)
+
+
 def run_verify(
     build: Callable[[], nn.Module],
     pc: ParallelContext,
@@ -156,6 +187,8 @@ def run_verify(
     clip_grad: float | None = None,
     accumulate: int = 1,
     announce: Callable[[str], None] | None = None,
+    loss: LossFn | None = None,
+    target: TargetFn | None = None,
 ) -> VerifyReport:
     """Run ``steps`` SGD steps on ``pc``'s layout and in one process; compare on every rank.
 
@@ -165,58 +198,75 @@ def run_verify(
     step (and compares the norm). ``accumulate`` calls ``train_step`` that
     many times (fresh data each) per optimizer step, without zeroing
     gradients in between. ``announce`` receives the plan printout (on every
-    rank) before training starts.
+    rank) before training starts. ``loss(output, target)`` (default
+    :func:`~.apply.cross_entropy`) and ``target(output_shape, generator)``
+    (default :func:`default_target`) as for :func:`verify_model`.
     """
     plan = plan if plan is not None else ParallelPlan(pc.layout)
+    loss_fn = loss if loss is not None else cross_entropy
+    make_target = target if target is not None else default_target
     rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
     torch.manual_seed(seed)
     reference = build().to(dtype)
     plan.validate(reference, batch)
-    pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=image_hw)
+    pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=image_hw, loss_fn=loss_fn)
     report = VerifyReport(plan=pm.describe())
     if announce is not None:
         announce(report.plan)
     opt = torch.optim.SGD(pm.parameters(), lr=lr, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
     gen = torch.Generator().manual_seed(seed + 1)
-    in_chans = int(getattr(reference, "in_chans", 3))
-    num_classes = int(getattr(reference, "num_classes", 2))
+    in_chans = pm.in_chans
     dp, m = plan.layout.dp, plan.microbatches
     d = pc.coords[0]
     mine = slice(d * batch, (d + 1) * batch)
     mb = batch // m
+    out_shape = output_shape(reference, (dp * batch, in_chans, *image_hw))
+    if out_shape is None:
+        raise ConfigError(
+            type(reference).__name__, "does not return one tensor", "return the logits (or map)"
+        )
     ref_params = dict(reference.named_parameters())
     f64 = torch.float64
+
+    out_map, ctx = pm.out_map, pm.ctx
+
+    def whole(out: Tensor) -> Tensor:
+        """The output of this rank's replica: a dense model's tiles stitched and cropped."""
+        if out_map is None or ctx is None:
+            return out
+        return gather_tile_grid(out, ctx, pc.group("sp"))[..., : out_map.size[0], : out_map.size[1]]
+
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         for a in range(accumulate):
             tag = f"step{step}" if accumulate == 1 else f"step{step}.{a}"
             images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
-            labels = torch.randint(0, num_classes, (dp * batch,), generator=gen)
+            targets = make_target(out_shape, gen)
             tiles = None
             if pm.is_first:
                 tiles = pm.tile_of(images[mine]).clone().to(pc.device).requires_grad_(True)
-            loss = pm.train_step(tiles, labels[mine])
-            report.losses.append(loss)
+            value = pm.train_step(tiles, targets[mine])
+            report.losses.append(value)
 
             x = images.clone().requires_grad_(True)
             ref_loss, outs = 0.0, []
             for k in range(dp * m):
                 rows = slice(k * mb, (k + 1) * mb)
                 out = reference(x[rows])
-                part = F.cross_entropy(out, labels[rows]) / (dp * m)
+                part = reduce_loss(loss_fn(out, targets[rows]), None, None) / (dp * m)
                 part.backward()
                 ref_loss += float(part.detach())
                 outs.append(out.detach())
             report.reference_losses.append(ref_loss)
             report.add(
-                f"{tag}/loss", torch.tensor(loss, dtype=f64), torch.tensor(ref_loss, dtype=f64),
+                f"{tag}/loss", torch.tensor(value, dtype=f64), torch.tensor(ref_loss, dtype=f64),
                 rtol, atol,
             )  # fmt: skip
             if pm.is_last and pm.last_logits is not None:
                 want_out = torch.cat(outs)[mine]
-                report.add(f"{tag}/output[dp{d}]", pm.last_logits, want_out, rtol, atol)
+                report.add(f"{tag}/output[dp{d}]", whole(pm.last_logits), want_out, rtol, atol)
             if pm.is_first:
                 assert tiles is not None and tiles.grad is not None and x.grad is not None
                 grad = tiles.grad
@@ -243,7 +293,7 @@ def run_verify(
     logits = pm.predict(pm.tile_of(images[mine]).to(pc.device) if pm.is_first else None)
     reference.eval()
     with torch.no_grad():
-        report.add(f"predict/output[dp{d}]", logits, reference(images[mine]), rtol, atol)
+        report.add(f"predict/output[dp{d}]", whole(logits), reference(images[mine]), rtol, atol)
     ref_state = reference.state_dict()
     for name, value in pm.state_dict().items():
         report.add(f"final/{name}", full_tensor(value), ref_state[name], rtol, atol)
@@ -257,3 +307,92 @@ def run_verify(
     report.merge(gathered)
     report.ok = all_agree(report.ok)  # on the group's device: NCCL takes CUDA tensors only
     return report
+
+
+@torch.no_grad()
+def _broadcast_weights(model: nn.Module, pc: ParallelContext) -> None:
+    """Give every rank rank 0's parameters and buffers (a model built unseeded differs)."""
+    if pc.world_size == 1:
+        return
+    device = group_device()
+    for t in [*model.parameters(), *model.buffers()]:
+        buf = t.detach().to(device)
+        dist.broadcast(buf, src=0)  # the world: every rank holds the whole model
+        t.copy_(buf)
+
+
+def verify_model(
+    model: nn.Module | Callable[[], nn.Module],
+    image_size: tuple[int, int],
+    layout: Layout | ParallelContext | None = None,
+    *,
+    loss: LossFn | None = None,
+    target: TargetFn | None = None,
+    batch: int = 2,
+    steps: int = 2,
+    microbatches: int = 1,
+    dtype: torch.dtype = torch.float64,
+    lr: float = 0.1,
+    seed: int = 0,
+) -> VerifyReport:
+    """Prove that *any* model trains on a layout exactly as in one process: ``hyfi-verify`` for your model.
+
+    Run on every rank under ``mpirun``/``torchrun`` (or alone). ``model`` is a
+    module (deep-copied; every rank gets rank 0's weights) or a zero-argument
+    function that builds it (called with ``torch.manual_seed(seed)`` on every
+    rank). ``layout`` is a :class:`~.layout.Layout` (the process group is
+    started if needed, by :func:`~.launch.init_parallel`), a launched
+    :class:`~.launch.ParallelContext`, or None for one process. The model is
+    trained ``steps`` SGD steps in ``dtype`` on random images of
+    ``image_size`` through :class:`~.engine.ParallelModel` (the spatial tiles
+    of :func:`~.apply.apply_spatial`, data replicas, pipeline stages for a
+    chain), and the same steps in one process on the whole images; compared
+    are the loss, the outputs (a dense model's output map stitched from its
+    tiles), the input gradients, every parameter's gradient, the weights and
+    BatchNorm statistics after training, and eval-mode outputs.
+
+    ``loss(output, target)`` returns a scalar or per-sample/per-pixel values
+    (averaged; a dense model *must* return per-pixel values, whose mean over
+    the image is taken across tiles). Default: :func:`~.apply.cross_entropy`.
+    ``target(output_shape, generator)`` draws targets for the global batch's
+    output shape (default: class indices, :func:`default_target`).
+
+    Returns the :class:`VerifyReport` (``ok`` on every rank; the comparisons of
+    all ranks merged). The process group is left running.
+
+    OK::
+
+        report = verify_model(lambda: torchvision.models.resnet18(num_classes=3),
+                              (224, 192), Layout(sp=(2, 2)))   # mpirun -np 4
+        assert report.ok, report.format("resnet18")
+
+    Error::
+
+        verify_model(torchvision_resnet18, (224, 192), Layout(pp=2))
+        # ConfigError: --pipeline 2: ResNet is not a chain of layers ...
+    """
+    if isinstance(model, nn.Module):
+        template = model
+
+        def build() -> nn.Module:
+            copied = copy.deepcopy(template)
+            _broadcast_weights(copied, pc)
+            return copied
+
+    else:
+        build = model
+    pc = layout if isinstance(layout, ParallelContext) else init_parallel(layout or Layout())
+    plan = ParallelPlan(pc.layout, microbatches=microbatches)
+    return run_verify(
+        build,
+        pc,
+        image_hw=(int(image_size[0]), int(image_size[1])),
+        batch=batch,
+        steps=steps,
+        dtype=dtype,
+        lr=lr,
+        seed=seed,
+        plan=plan,
+        loss=loss,
+        target=target,
+    )

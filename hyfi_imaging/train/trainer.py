@@ -185,7 +185,6 @@ class Trainer:
         self.image_hw = level_hw(self.samples[0].image_hw, r.data.level)
         torch.manual_seed(r.train.seed)
         model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
-        self.align = int(getattr(model, "total_stride", 1))
         plan = ParallelPlan(
             layout=layout,
             microbatches=p.microbatches,
@@ -194,6 +193,9 @@ class Trainer:
             checkpointing=p.checkpointing,
         )
         self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw)
+        # Tiles are aligned to the stride spatialize() used (measured for a model that
+        # does not declare its total_stride), so that the data path reads the same tiles.
+        self.align = self.pm.ctx.align if self.pm.ctx is not None else 1
         params = list(self.pm.parameters())
         o = r.optim
         if o.name == "sgd":

@@ -1,0 +1,173 @@
+"""A user's own model, not a registered chain: ``verify_model``, ``apply_spatial`` and hyfi-train.
+
+The models (``tests/workers/user_model.py``) are written the way torchvision
+and timm write theirs -- ``forward`` is not the children in order, functions
+sit between modules -- so the old chain-only checker crashed on them. Each
+check runs under real ``mpiexec`` in float64 and compares with one process;
+the broken halo exchange proves the check can fail.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.models import create_model
+from hyfi_imaging.parallel.engine import ParallelPlan
+from hyfi_imaging.parallel.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "workers"
+WORKER = WORKERS / "user_model.py"
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+
+
+def _run(
+    mode: str, grid: tuple[int, int], size: tuple[int, int], dp: int = 1, m: int = 1
+) -> tuple[int, dict[str, Any]]:
+    cmd = [MPIEXEC, "-n", str(dp * grid[0] * grid[1]), sys.executable, str(WORKER), mode,
+           *map(str, (*grid, *size, dp, m))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    return proc.returncode, json.loads(lines[-1])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("mode", "grid", "dp", "m"),
+    [
+        ("classify", (1, 2), 1, 1),
+        ("classify", (2, 2), 1, 1),
+        ("dense", (1, 2), 1, 1),
+        ("dense", (2, 2), 1, 1),
+        ("dense-mse", (2, 1), 1, 1),
+        # data replicas and micro-batches: FSDP2's head/tile rule on the user's own modules
+        ("classify", (1, 2), 2, 2),
+        ("dense", (1, 2), 2, 2),
+    ],
+)
+def test_user_model_matches_one_process(mode: str, grid: tuple[int, int], dp: int, m: int) -> None:
+    """Loss, outputs (a dense map stitched from tiles), input and parameter gradients, weights."""
+    code, result = _run(mode, grid, (38, 45), dp, m)
+    assert code == 0, result
+    assert result["ok"] and result["max_rel_error"] < 1e-9, result
+    assert result["compared"] > 30
+
+
+@pytest.mark.mpi
+def test_verify_model_fails_on_a_broken_halo_exchange() -> None:
+    code, result = _run("broken", (1, 2), (38, 45))
+    assert code == 0, result
+    assert not result["ok"]
+    assert any("input_grad" in name for name in result["failed"]), result
+
+
+@pytest.mark.mpi
+def test_a_tile_mean_loss_on_a_dense_output_is_refused() -> None:
+    code, result = _run("dense-scalar-loss", (1, 2), (38, 45))
+    assert code == 2
+    assert "per-pixel" in result["error"], result
+
+
+def _user_model() -> Any:
+    sys.path.insert(0, str(WORKERS))
+    try:
+        import user_model
+    finally:
+        sys.path.remove(str(WORKERS))
+    return user_model
+
+
+def test_verify_model_in_one_process() -> None:
+    """No launcher: a world of one, the non-chain model runs its own forward (used to crash)."""
+    from hyfi_imaging import verify_model
+    from hyfi_imaging.parallel.launch import shutdown
+
+    try:
+        report = verify_model(_user_model().ResidualNet(), (30, 26), steps=1)
+    finally:
+        shutdown()
+    assert report.ok and report.max_rel_error == 0.0
+    assert report.format("ResidualNet").startswith("hyfi-verify: OK: ResidualNet, ")
+
+
+def test_apply_spatial_leaves_a_1x1_grid_alone_and_refuses_a_spatial_model() -> None:
+    from hyfi_imaging import apply_spatial
+    from hyfi_imaging.parallel import Neighbours, spatialize
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+
+    model = _user_model().ResidualNet()
+    try:
+        pc = init_parallel(Layout())
+        assert apply_spatial(model, pc) is None
+        assert type(model.stem) is torch.nn.Conv2d
+        spatialize(model, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(right=1), group=None)
+        with pytest.raises(ConfigError, match=r"already spatial.*pass the plain"):
+            apply_spatial(model, pc)
+    finally:
+        shutdown()
+
+
+def test_pipeline_is_refused_for_a_model_that_is_not_a_chain() -> None:
+    model = _user_model().ResidualNet()
+    with pytest.raises(ConfigError, match=r"not a chain of layers.*use --pipeline 1"):
+        ParallelPlan(Layout(pp=2)).validate(model, 2)
+    ParallelPlan(Layout(pp=1)).validate(model, 2)  # one stage: the model itself
+
+
+def test_create_model_from_a_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(WORKERS))
+    model = create_model("user_model:build_classifier", num_classes=2, width=0.5)
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 2)
+    with pytest.raises(ConfigError, match="did you mean build_classifier"):
+        create_model("user_model:build_clasifier")
+    with pytest.raises(ConfigError, match="cannot import no_such_module"):
+        create_model("no_such_module:build")
+    with pytest.raises(ConfigError, match="unknown option depth"):
+        create_model("user_model:build_classifier", depth=3)
+    with pytest.raises(ConfigError, match=r"not a torch\.nn\.Module"):
+        create_model("collections:OrderedDict")
+
+
+@pytest.mark.mpi
+def test_hyfi_train_accepts_a_model_as_module_function(tmp_path: Path) -> None:
+    """``model.name: user_model:build_classifier`` trained on 1x2 tiles (its stride is measured)."""
+    from hyfi_imaging.data.synthetic import write_synthetic_cohort
+    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+    labels = write_synthetic_cohort(tmp_path / "slides", 4, seed=5, size=(256, 256), lesions=2)
+    summary = run_preprocess(
+        [tmp_path / "slides"], tmp_path / "data", PreprocessOptions(mpp=1.0, size=(74, 90)),
+        labels_path=labels, progress=False, qc=False,
+    )  # fmt: skip
+    assert summary.manifest is not None
+    out = tmp_path / "run"
+    sets = [
+        f"data.manifest={summary.manifest}", f"train.out_dir={out}", "train.epochs=1",
+        "train.batch_size=1", "train.progress=false", "train.checkpoint_every_steps=2",
+        "model.name=user_model:build_classifier", "parallel.spatial=1x2",
+    ]  # fmt: skip
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "hyfi_imaging.cli.train",
+           str(ROOT / "recipes" / "synthetic.yaml")]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    path = os.pathsep.join(p for p in (str(WORKERS), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hyfi-train: done" in proc.stdout
+    with (out / "metrics.csv").open() as f:
+        losses = [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+    assert losses and all(math.isfinite(v) for v in losses)

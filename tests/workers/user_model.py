@@ -1,0 +1,138 @@
+"""Models a user writes (not chains, not registered), checked by ``hyfi_imaging.verify_model``.
+
+Usage: ``mpiexec -n N python tests/workers/user_model.py MODE GY GX H W [DP [M]]``
+(``DP`` data replicas, ``M`` micro-batches; ``N = DP x GY x GX``), MODE one of
+
+* ``classify``: :class:`ResidualNet`, whose ``forward`` is not its children in
+  order (a residual, a squeeze-excite block with its own global pool, a
+  functional ``torch.flatten`` before the classifier), cross-entropy;
+* ``dense``: :class:`DenseNet`, per-pixel logits at half resolution (no global
+  pool), the default per-pixel cross-entropy averaged over the image's pixels;
+* ``dense-mse``: the same model with a regression loss and float targets;
+* ``dense-scalar-loss``: the same model with ``F.cross_entropy``'s mean, one
+  number per tile: refused (exit 2, the error as JSON);
+* ``broken``: ``classify`` with the halo exchange's backward dropping its
+  gradients (``tests/mpi/broken_halo.py``): must *not* be ok.
+
+Prints one JSON line (rank 0). :func:`build_classifier` is also what the
+``hyfi-train`` test names as ``model.name: user_model:build_classifier``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, channels // 2, 1)
+        self.fc2 = nn.Conv2d(channels // 2, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.fc2(torch.relu(self.fc1(self.pool(x)))))
+
+
+class ResidualNet(nn.Module):
+    """A small classifier in torchvision's style: children called out of order, functions between."""
+
+    def __init__(self, num_classes: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, num_classes)  # declared first: children are not the order
+        self.stem = nn.Conv2d(3, width, 3, stride=2, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.body = nn.Sequential(
+            nn.Conv2d(width, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+        )
+        self.se = SqueezeExcite(width)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(torch.relu(self.bn(self.stem(x))))
+        x = torch.relu(x + self.se(self.body(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class DenseNet(nn.Module):
+    """Per-pixel logits at half the input's resolution: no global pool, the output is tiled."""
+
+    def __init__(self, num_classes: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.context = nn.Conv2d(width, width, 3, padding=2, dilation=2)
+        self.head = nn.Conv2d(width, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.down(torch.relu(self.bn1(self.conv1(x)))))
+        return self.head(y + torch.relu(self.context(y)))
+
+
+def build_classifier(num_classes: int = 3, width: float = 0.25) -> nn.Module:
+    """The ``module:function`` hyfi-train is given in the tests (``width`` as the recipe's)."""
+    return ResidualNet(num_classes=num_classes, width=max(2, 2 * round(16 * width)))
+
+
+def _float_target(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def _per_pixel_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean(dim=1)
+
+
+def main(argv: list[str]) -> int:
+    from hyfi_imaging import HyfiError, Layout, verify_model
+    from hyfi_imaging.parallel.launch import shutdown
+
+    mode = argv[0]
+    gy, gx, h, w = (int(v) for v in argv[1:5])
+    dp, m = (int(v) for v in [*argv[5:7], 1, 1][:2])
+    torch.set_num_threads(1)
+    options: dict[str, Any] = {}
+    broken: AbstractContextManager[Any] = nullcontext()
+    build: Any = ResidualNet
+    if mode.startswith("dense"):
+        build = DenseNet
+    if mode == "dense-mse":
+        options = {"loss": _per_pixel_mse, "target": _float_target}
+    if mode == "dense-scalar-loss":  # one number per tile: refused, not silently wrong
+        options = {"loss": torch.nn.functional.cross_entropy}
+    if mode == "broken":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
+        from broken_halo import dropped_halo_gradients
+
+        broken = dropped_halo_gradients()
+    try:
+        with broken:
+            layout = Layout(dp=dp, sp=(gy, gx))
+            report = verify_model(build, (h, w), layout, batch=2 * m, microbatches=m, **options)
+    except HyfiError as err:
+        if torch.distributed.get_rank() == 0:
+            print(json.dumps({"error": str(err)}))
+        shutdown()
+        return 2
+    if torch.distributed.get_rank() == 0:
+        print(report.format(f"{mode} {h}x{w} on dp={dp} x {gy}x{gx}, m={m}"), file=sys.stderr)
+        failed = [c.name for c in report.comparisons if not c.ok]
+        print(json.dumps({"ok": report.ok, "max_rel_error": report.max_rel_error,
+                          "compared": len(report.comparisons), "failed": failed}))  # fmt: skip
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
