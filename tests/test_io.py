@@ -15,7 +15,7 @@ from conftest import SyntheticSlides, reference_pyramid
 from PIL import Image
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io import ArrayReader, SlideReader, open_slide
+from hyfi_imaging.io import ArrayReader, SlideReader, open_slide, thumbnail
 from hyfi_imaging.io.openslide_reader import OpenSlideReader, mpp_from_resolution
 from hyfi_imaging.io.tiff_reader import TiffReader, ome_mpp
 from hyfi_imaging.io.zarr_store import ZarrReader, downsample_2x, read_hyfi_attrs, write_ome_zarr
@@ -431,3 +431,55 @@ def test_zarr_refuses_existing_and_reports_garbage(tmp_path: Path) -> None:
     for path in ("garbage.zarr", "partial.zarr"):
         with pytest.raises(SlideError, match="not a readable OME-Zarr"):
             open_slide(tmp_path / path)
+
+
+class _CountingSource:
+    """A region source over an array that remembers the largest region asked for."""
+
+    def __init__(self, image: np.ndarray) -> None:
+        self.image = image
+        self.largest = 0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        c, h, w = self.image.shape
+        return c, h, w
+
+    def read(self, y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+        self.largest = max(self.largest, (y1 - y0) * (x1 - x0))
+        return self.image[:, y0:y1, x0:x1].copy()
+
+
+def test_zarr_written_shard_by_shard_equals_the_whole_image(tmp_path: Path) -> None:
+    """A region source is asked for one shard at a time; levels equal the whole-image pyramid."""
+    image = _rng_image((3, 1000, 1301), seed=6)  # odd width: edge replication at the true edge
+    source = _CountingSource(image)
+    write_ome_zarr(tmp_path / "r.zarr", source, mpp=0.5, hyfi_attrs={}, chunk=64, shard=256)
+    write_ome_zarr(tmp_path / "a.zarr", image, mpp=0.5, hyfi_attrs={}, chunk=64, shard=256)
+    assert source.largest == 256 * 256
+    expected = reference_pyramid(np.moveaxis(image, 0, -1), 3)
+    for name in ("r.zarr", "a.zarr"):
+        group = zarr.open_group(tmp_path / name, mode="r")
+        for level, exp in enumerate(expected):
+            np.testing.assert_array_equal(np.asarray(group[str(level)][:]), exp)
+
+
+def test_thumbnail_reads_a_large_level_in_strips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A level without a smaller one is read in bounded strips, giving the whole-level result."""
+    import hyfi_imaging.io.base as base
+
+    image = _rng_image((3, 1536, 1024), seed=8)
+    whole, ds = thumbnail(ArrayReader(image), 128)  # one strip: the plain whole-level resize
+    assert whole.shape == (3, 128, 85) and ds == 12.0
+    monkeypatch.setattr(base, "THUMBNAIL_STRIP_BYTES", 3 * 1024 * 100)
+
+    class Counting(ArrayReader):
+        largest = 0
+
+        def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
+            Counting.largest = max(Counting.largest, h)
+            return super().read_region(level, y, x, h, w)
+
+    strips, ds = thumbnail(Counting(image), 128)
+    assert Counting.largest <= 100 and ds == 12.0
+    np.testing.assert_array_equal(strips, whole)  # 12 rows per output row: no fractional edges
