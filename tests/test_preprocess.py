@@ -556,3 +556,56 @@ def test_a_large_canvas_is_written_in_bounded_memory(cohort: Path, tmp_path: Pat
     py, px, ph, pw = attrs["placement"]
     assert np.asarray(image[:, py + ph // 2, px : px + pw]).min() < 200  # tissue was written
     assert (np.asarray(image[:, :py, :]) == 255).all()  # background above it
+
+
+def _descendants(pid: int) -> list[int]:
+    """All processes below ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc"
+)
+def test_kill_minus_nine_stops_the_workers_too(tmp_path: Path) -> None:
+    """kill -9 of a run with workers: forkserver, workers and resource tracker are gone in seconds."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        write_synthetic_slide(src / f"s{i}.svs", seed=40 + i, label=i % 2, size=(768, 768))
+    out = tmp_path / "out"
+    cmd = [*_cli(src, out), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(out.glob("*.zarr.tmp-*")):
+        time.sleep(0.02)
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_running(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in family if _running(p)]
+    for p in left:  # do not leave them behind if the test fails
+        os.kill(p, signal.SIGKILL)
+    assert len(family) >= 3 and not left, (family, left)

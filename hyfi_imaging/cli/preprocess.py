@@ -32,7 +32,7 @@ converted (subfolders without --recursive, other files) is listed with the
 reason at the end, in full in preprocess.log. Inputs, labels and free disk
 space (store size estimated as the uncompressed pyramid / 2) are checked
 before --out is created. The canvas is written shard by shard, so memory does
-not grow with --size.
+not grow with --size. Workers stop when the run is killed.
 
 Re-running the same command resumes: finished slides (same source, same
 options) are skipped. Exit status: 0 all slides converted, 1 some slides

@@ -2,7 +2,8 @@
 
 Why processes and ``forkserver``: decoding and resampling are CPU-bound, and zarr 3
 keeps an event-loop thread that a forked child would inherit half-alive; each
-worker therefore starts fresh and opens its own files. One bad slide is
+worker therefore starts fresh and opens its own files, and exits the moment
+the run is gone (:mod:`~hyfi_imaging.preprocess.lifeline`). One bad slide is
 reported and skipped, never fatal; the manifest is rewritten after every slide
 so an interrupted run still leaves an accurate (atomic) picture behind.
 
@@ -44,6 +45,7 @@ from hyfi_imaging.preprocess.discover import (
     SkippedInput,
     discover_slides,
 )
+from hyfi_imaging.preprocess.lifeline import exit_with
 from hyfi_imaging.preprocess.manifest import (
     ManifestRow,
     labels_from_names,
@@ -251,9 +253,15 @@ def _convert_all(
                 [
                     "hyfi_imaging.preprocess.convert",
                     "hyfi_imaging.preprocess.qc",
+                    "hyfi_imaging.preprocess.lifeline",
                 ]
             )
-            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            with ProcessPoolExecutor(
+                max_workers=workers,
+                mp_context=ctx,
+                initializer=exit_with,
+                initargs=(os.getpid(),),
+            ) as pool:
                 futures: dict[Future[ConvertResult], tuple[str, Path]] = {
                     pool.submit(convert_slide, source, out_dir, sid, options, qc_dir=qc_dir): (
                         sid,
