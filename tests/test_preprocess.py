@@ -450,7 +450,10 @@ def test_a_folder_is_scanned_by_content_and_what_is_skipped_is_listed(
     assert set(rows) == {"a", "multiplex", "scan_0042", "deep", "level0"}
     assert (rows["level0"].status, rows["level0"].mpp) == ("ok", 4.0)
     printed = capsys.readouterr().out
-    assert "further files of a DICOM series (converted through its largest file): 1" in printed
+    assert (
+        "further files of a DICOM series (converted through its largest file): 1 (dicom/level1.dcm)"
+        in printed
+    )
     assert "subfolders" not in printed
 
 

@@ -79,6 +79,8 @@ class SkippedInput:
     path: Path
     reason: str
     detail: str = ""
+    #: The path as shown on the console: relative to the folder named, ``/`` for folders.
+    shown: str = ""
 
     def line(self) -> str:
         """``path: detail`` for the log."""
@@ -103,7 +105,7 @@ class Discovery:
         """One line per reason: ``reason: count (the first names, ...)``."""
         lines = []
         for reason, items in self.groups().items():
-            shown = [_display(s.path) for s in items[:names]]
+            shown = [s.shown or s.path.name for s in items[:names]]
             more = ", ..." if len(items) > names else ""
             lines.append(f"{reason}: {len(items)} ({', '.join(shown)}{more})")
         return lines
@@ -111,10 +113,6 @@ class Discovery:
     def summary(self, names: int = 2) -> str:
         """All reasons on one line (for an error message)."""
         return "; ".join(self.summary_lines(names))
-
-
-def _display(path: Path) -> str:
-    return f"{path.name}/" if path.is_dir() else path.name
 
 
 def _is_store(path: Path) -> bool:
@@ -142,8 +140,12 @@ def discover_slides(
             seen.add(real)
             found.slides.append(path)
 
+    root = Path()  # the folder being scanned, for the names shown
+    roots: dict[Path, Path] = {}
+
     def skip(path: Path, reason: str, detail: str = "") -> None:
-        found.skipped.append(SkippedInput(path, reason, detail))
+        shown = os.path.relpath(path, roots.get(path, root)) + ("/" if path.is_dir() else "")
+        found.skipped.append(SkippedInput(path, reason, detail, shown))
 
     def scan(folder: Path, visited: frozenset[Path]) -> None:
         try:
@@ -181,12 +183,15 @@ def discover_slides(
             return
         if what.readable and what.series is not None:
             series[(path.parent.resolve(), what.series)].append(path)
+            roots[path] = root
             add(path)
         elif what.readable or path.name.lower().endswith(SLIDE_SUFFIXES):
             add(path)
         else:
             reason = what.reason
-            if reason.startswith("DICOM"):
+            if reason.startswith("DICOM whole-slide"):
+                skip(path, "DICOM whole-slide images this OpenSlide cannot open", reason)
+            elif reason.startswith("DICOM"):
                 skip(path, "DICOM files that are not whole-slide images", reason)
             elif what.kind == "other":
                 skip(path, "files whose content is not an image", reason)
@@ -195,6 +200,7 @@ def discover_slides(
 
     for item in inputs:
         if item.is_dir() and not _is_store(item):
+            root = item
             scan(item, frozenset({item.resolve()}))
         elif item.exists():
             add(item)

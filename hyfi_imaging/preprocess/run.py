@@ -148,7 +148,7 @@ def run_preprocess(
         for stale in remove_stale_temporaries(out_dir):
             log.info("removed an unfinished store from an interrupted run: %s", stale)
         for item in found.skipped:
-            log.info("skipped %s", item.line())
+            log.info("not a slide, passed over: %s", item.line())
         summary = _convert_all(
             todo,
             results,
