@@ -12,10 +12,14 @@ import pytest
 import tifffile
 import zarr
 from conftest import SyntheticSlides, reference_pyramid
+from dicom_files import write_ct_slice, write_wsi_level
 from PIL import Image
 
+from hyfi_imaging.data.synthetic import render_synthetic
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io import ArrayReader, SlideReader, open_slide
+from hyfi_imaging.io import ArrayReader, SlideReader, open_slide, thumbnail
+from hyfi_imaging.io.detect import recognise
+from hyfi_imaging.io.dicom import WSI_SOP_CLASS, read_dicom_header
 from hyfi_imaging.io.openslide_reader import OpenSlideReader, mpp_from_resolution
 from hyfi_imaging.io.tiff_reader import TiffReader, ome_mpp
 from hyfi_imaging.io.zarr_store import ZarrReader, downsample_2x, read_hyfi_attrs, write_ome_zarr
@@ -209,6 +213,78 @@ def test_open_slide_chooses_by_content_not_extension(
     for name, (cls, fmt) in expected.items():
         with open_slide(tmp_path / name) as reader:
             assert (type(reader), reader.format) == (cls, fmt), name
+
+
+def test_recognise_by_content_says_what_a_file_is(
+    synthetic_slides: SyntheticSlides, tmp_path: Path
+) -> None:
+    """Names never decide: a TIFF called .qptiff or with no extension is a slide; the rest say why not."""
+    import zipfile
+
+    shutil.copy(synthetic_slides.slides["generic"].path, tmp_path / "scan.qptiff")
+    shutil.copy(synthetic_slides.slides["aperio"].path, tmp_path / "no-extension")
+    Image.fromarray(_rng_image((8, 8, 3))).save(tmp_path / "pic.dat", format="PNG")
+    Image.fromarray(_rng_image((8, 8, 3))).save(tmp_path / "anim.png", format="GIF")
+    Image.fromarray(_rng_image((8, 8, 3))).save(tmp_path / "old.bmp", format="BMP")
+    write_ct_slice(tmp_path / "ct.dcm")
+    (tmp_path / "report.pdf").write_bytes(b"%PDF-1.7\n%...")
+    with zipfile.ZipFile(tmp_path / "slides.zip", "w") as z:
+        z.writestr("a.txt", "x")
+    (tmp_path / "notes.txt").write_text("BM looks like a bitmap, but is not")
+    (tmp_path / "empty").write_bytes(b"")
+    expected = {
+        "scan.qptiff": ("tiff", True, ""),
+        "no-extension": ("tiff", True, ""),
+        "pic.dat": ("png", True, ""),
+        "anim.png": ("gif", False, "GIF image"),
+        "old.bmp": ("bmp", False, "BMP image"),
+        "ct.dcm": ("dicom", False, "DICOM CT image, not a whole-slide image"),
+        "report.pdf": ("pdf", False, "PDF document"),
+        "slides.zip": ("zip", False, "ZIP archive"),
+        "notes.txt": ("other", False, "not recognised"),
+        "empty": ("other", False, "not recognised"),
+    }
+    for name, (kind, readable, words) in expected.items():
+        what = recognise(tmp_path / name)
+        assert (what.kind, what.readable) == (kind, readable), name
+        assert words in what.reason, (name, what.reason)
+    with pytest.raises(SlideError, match="unsupported format: DICOM CT image"):
+        open_slide(tmp_path / "ct.dcm")
+    with pytest.raises(SlideError, match="file not found"):
+        recognise(tmp_path / "absent")
+
+
+def test_dicom_whole_slide_series_opens_from_any_of_its_files(tmp_path: Path) -> None:
+    """A two-level DICOM WSI series (one file per level) reads back exactly through OpenSlide."""
+    image = render_synthetic(seed=7, label=1, size=(600, 700)).image
+    level1 = np.moveaxis(downsample_2x(np.moveaxis(image, -1, 0)), 0, -1)
+    write_wsi_level(tmp_path / "l0.dcm", image, series="1.2.3", instance="1.2.3.1", mpp=0.5)
+    write_wsi_level(
+        tmp_path / "l1.dcm",
+        level1,
+        series="1.2.3",
+        instance="1.2.3.2",
+        mpp=1.0,
+        referenced_series="1.2.999",  # an undefined-length sequence before the series UID
+    )
+    header = read_dicom_header(tmp_path / "l1.dcm")
+    assert header is not None and header.is_wsi and header.sop_class == WSI_SOP_CLASS
+    assert header.series_uid == "1.2.3"  # not the referenced series inside the sequence
+    for name in ("l0.dcm", "l1.dcm"):
+        what = recognise(tmp_path / name)
+        assert (what.kind, what.readable, what.series) == ("dicom", True, "1.2.3")
+        with open_slide(tmp_path / name) as reader:
+            assert (reader.format, reader.mpp) == ("dicom", 0.5)
+            assert reader.level_dimensions == ((600, 700), (300, 350))
+            np.testing.assert_array_equal(
+                reader.read_region(0, 0, 0, 600, 700), np.moveaxis(image, -1, 0)
+            )
+            np.testing.assert_array_equal(
+                reader.read_region(1, 0, 0, 300, 350), np.moveaxis(level1, -1, 0)
+            )
+    assert read_dicom_header(tmp_path / "l0.dcm") is not None
+    (tmp_path / "plain.bin").write_bytes(b"\x00" * 200)
+    assert read_dicom_header(tmp_path / "plain.bin") is None
 
 
 def _one_line(err: SlideError) -> str:
@@ -431,3 +507,55 @@ def test_zarr_refuses_existing_and_reports_garbage(tmp_path: Path) -> None:
     for path in ("garbage.zarr", "partial.zarr"):
         with pytest.raises(SlideError, match="not a readable OME-Zarr"):
             open_slide(tmp_path / path)
+
+
+class _CountingSource:
+    """A region source over an array that remembers the largest region asked for."""
+
+    def __init__(self, image: np.ndarray) -> None:
+        self.image = image
+        self.largest = 0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        c, h, w = self.image.shape
+        return c, h, w
+
+    def read(self, y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+        self.largest = max(self.largest, (y1 - y0) * (x1 - x0))
+        return self.image[:, y0:y1, x0:x1].copy()
+
+
+def test_zarr_written_shard_by_shard_equals_the_whole_image(tmp_path: Path) -> None:
+    """A region source is asked for one shard at a time; levels equal the whole-image pyramid."""
+    image = _rng_image((3, 1000, 1301), seed=6)  # odd width: edge replication at the true edge
+    source = _CountingSource(image)
+    write_ome_zarr(tmp_path / "r.zarr", source, mpp=0.5, hyfi_attrs={}, chunk=64, shard=256)
+    write_ome_zarr(tmp_path / "a.zarr", image, mpp=0.5, hyfi_attrs={}, chunk=64, shard=256)
+    assert source.largest == 256 * 256
+    expected = reference_pyramid(np.moveaxis(image, 0, -1), 3)
+    for name in ("r.zarr", "a.zarr"):
+        group = zarr.open_group(tmp_path / name, mode="r")
+        for level, exp in enumerate(expected):
+            np.testing.assert_array_equal(np.asarray(group[str(level)][:]), exp)
+
+
+def test_thumbnail_reads_a_large_level_in_strips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A level without a smaller one is read in bounded strips, giving the whole-level result."""
+    import hyfi_imaging.io.base as base
+
+    image = _rng_image((3, 1536, 1024), seed=8)
+    whole, ds = thumbnail(ArrayReader(image), 128)  # one strip: the plain whole-level resize
+    assert whole.shape == (3, 128, 85) and ds == 12.0
+    monkeypatch.setattr(base, "THUMBNAIL_STRIP_BYTES", 3 * 1024 * 100)
+
+    class Counting(ArrayReader):
+        largest = 0
+
+        def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
+            Counting.largest = max(Counting.largest, h)
+            return super().read_region(level, y, x, h, w)
+
+    strips, ds = thumbnail(Counting(image), 128)
+    assert Counting.largest <= 100 and ds == 12.0
+    np.testing.assert_array_equal(strips, whole)  # 12 rows per output row: no fractional edges

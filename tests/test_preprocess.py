@@ -1,4 +1,5 @@
-"""hyfi-preprocess on real synthetic slides: pixels, provenance, bad input, resume, kill -9."""
+"""hyfi-preprocess on real synthetic slides: pixels, provenance, bad input, resume, kill -9,
+folder scans by content, bounded memory, disk space, and nothing created for a run that cannot start."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from dicom_files import write_ct_slice, write_wsi_level
 
 from hyfi_imaging.cli.preprocess import main as preprocess_main
 from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
-from hyfi_imaging.io.zarr_store import read_hyfi_attrs
+from hyfi_imaging.io.base import ArrayReader
+from hyfi_imaging.io.zarr_store import downsample_2x, read_hyfi_attrs
 from hyfi_imaging.preprocess import PreprocessOptions, read_labels, read_manifest, run_preprocess
+from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
 
 SIZE = (1024, 1280)
@@ -240,6 +244,26 @@ def test_unwritable_output_and_missing_input_stop_before_work(
         == 2
     )
     assert "no such file" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_that_cannot_start_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Missing input, labels or disk space: one line, exit 2, and --out is not created."""
+    slide = write_synthetic_slide(tmp_path / "s.svs", seed=1, label=0, size=(512, 512)).path
+    out = tmp_path / "deep" / "out"
+    cases = {
+        "no such file": [str(tmp_path / "data" / "nope")],
+        "cannot read the labels file": [str(slide), "--labels", str(tmp_path / "absent.csv")],
+        "is not a regular expression": [str(slide), "--label-from-name", "(unclosed"],
+        "not enough free disk space": [str(slide), "--size", "3000000"],
+    }
+    for words, args in cases.items():
+        assert preprocess_main([*args, "--out", str(out), "--quiet"]) == 2, words
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and words in err, err
+        assert not (tmp_path / "deep").exists(), words
 
 
 def test_resume_skips_finished_slides_by_metadata(cohort: Path, tmp_path: Path) -> None:
@@ -371,3 +395,220 @@ def test_integer_reductions_average_whole_blocks(cohort: Path, tmp_path: Path) -
     means = block.reshape(3, ph, 8, pw, 8).mean(axis=(2, 4))
     # Read from a pyramid level (itself rounded 2x2 means): within 1.5 grey levels.
     assert np.abs(image[:, py : py + ph, px : px + pw] - means).max() <= 1.5
+
+
+def _dicom_series(folder: Path) -> None:
+    """A two-file DICOM whole-slide series (level 0 and level 1) in ``folder``."""
+    folder.mkdir()
+    image = render_synthetic(seed=9, label=1, size=(768, 768)).image
+    level1 = np.moveaxis(downsample_2x(np.moveaxis(image, -1, 0)), 0, -1)
+    write_wsi_level(folder / "level0.dcm", image, series="1.2.9", instance="1.2.9.1", mpp=0.5)
+    write_wsi_level(folder / "level1.dcm", level1, series="1.2.9", instance="1.2.9.2", mpp=1.0)
+
+
+def test_a_folder_is_scanned_by_content_and_what_is_skipped_is_listed(
+    cohort: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(cohort / "a.svs", src / "a.svs")
+    shutil.copy(cohort / "c.ome.tiff", src / "multiplex.qptiff")  # an extension not listed before
+    shutil.copy(cohort / "b.svs", src / "scan_0042")  # no extension at all
+    (src / "notes.txt").write_text("not a slide")
+    (src / "clinical.csv").write_text("id,age\n")
+    write_ct_slice(src / "ct.dcm")
+    (src / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    (src / "more").mkdir()
+    shutil.copy(cohort / "a.svs", src / "more" / "deep.svs")
+    _dicom_series(src / "dicom")
+    out = tmp_path / "out"
+    args = [str(src), "--out", str(out), "--mpp", "4", "--size", "256", "--quiet"]
+
+    assert preprocess_main(args) == 0
+    assert {r.slide_id for r in read_manifest(out / "manifest.csv")} == {
+        "a",
+        "multiplex",
+        "scan_0042",
+    }
+    printed = capsys.readouterr().out
+    assert "skipped 6 paths that are not slides" in printed
+    for line in (
+        "subfolders, not searched without --recursive: 2 (dicom/, more/)",
+        "files whose content is not an image: 2 (clinical.csv, notes.txt)",
+        "DICOM files that are not whole-slide images: 1 (ct.dcm)",
+        "hidden files: 1 (.DS_Store)",
+    ):
+        assert line in printed, printed
+    log = (out / "preprocess.log").read_text()
+    for name in ("more", "dicom", "notes.txt", "clinical.csv", ".DS_Store"):
+        assert str(src / name) in log
+    assert f"{src / 'ct.dcm'}: DICOM CT image, not a whole-slide image" in log
+
+    # With --recursive: the subfolder's slide, and the DICOM series as one slide.
+    assert preprocess_main([*args, "--recursive"]) == 0
+    rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    assert set(rows) == {"a", "multiplex", "scan_0042", "deep", "level0"}
+    assert (rows["level0"].status, rows["level0"].mpp) == ("ok", 4.0)
+    printed = capsys.readouterr().out
+    assert (
+        "further files of a DICOM series (converted through its largest file): 1 (dicom/level1.dcm)"
+        in printed
+    )
+    assert "subfolders" not in printed
+
+
+def test_discovery_keeps_slide_parts_and_its_own_output_apart(cohort: Path, tmp_path: Path) -> None:
+    """A MIRAX data folder, a store, the output folder and a symlink loop are handled, not listed as slides."""
+    from hyfi_imaging.preprocess.discover import discover_slides
+
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(cohort / "a.svs", src / "a.svs")
+    (src / "m.mrxs").write_text("[GENERAL]\n")  # unrecognised, but named as a slide: tried
+    (src / "m").mkdir()
+    (src / "m" / "Slidedat.ini").write_text("[GENERAL]\n")
+    (src / "done.zarr").mkdir()
+    (src / "done.zarr" / "zarr.json").write_text("{}")
+    (src / "out").mkdir()
+    (src / "sub").mkdir()
+    (src / "sub" / "loop").symlink_to(src, target_is_directory=True)
+    found = discover_slides([src, src / "a.svs"], recursive=True, out_dir=src / "out")
+    assert [p.name for p in found.slides] == ["a.svs", "m.mrxs"]  # named twice, listed once
+    reasons = {s.path.name: s.reason for s in found.skipped}
+    assert set(reasons) == {"done.zarr", "out"}
+    assert reasons["out"] == "the output folder (--out)"
+
+
+def test_no_slides_found_says_what_was_skipped(
+    cohort: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    (src / "batch1").mkdir(parents=True)
+    shutil.copy(cohort / "a.svs", src / "batch1" / "a.svs")
+    (src / "readme.md").write_text("# slides are in batch1")
+    assert preprocess_main([str(src), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "no slide files found (skipped subfolders, not searched without --recursive" in err
+    assert "readme.md" in err and "add --recursive" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_canvas_regions_join_without_seams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards and render tiles of an upsampled crop join into the canvas rendered in one piece."""
+    import hyfi_imaging.preprocess.canvas as canvas_module
+
+    image = np.moveaxis(render_synthetic(seed=4, label=1, size=(300, 400)).image, -1, 0)
+    reader = ArrayReader(np.ascontiguousarray(image))
+    plan = CropPlan((17, 23, 250, 333), (40, 30, 750, 999), 0, None, (0, 0, 300, 400))
+    canvas = CanvasRenderer(reader, plan, (800, 1100))
+    whole = canvas.read(0, 0, 800, 1100)
+    assert (whole[:, :40] == 255).all() and (whole[:, :, :30] == 255).all()
+    monkeypatch.setattr(canvas_module, "_RENDER_TILE", 97)
+    pieces = np.concatenate(
+        [
+            np.concatenate(
+                [canvas.read(y, x, y + 256, min(x + 256, 1100)) for x in range(0, 1100, 256)], 2
+            )
+            for y in range(0, 800, 256)
+        ],
+        1,
+    )[:, :800]
+    # Bilinear weights are continuous: tiles differ from one piece by float rounding at most.
+    assert np.abs(pieces.astype(int) - whole).max() <= 1
+
+
+def test_a_large_canvas_is_written_in_bounded_memory(cohort: Path, tmp_path: Path) -> None:
+    """Peak memory grows by a few shards, not by the canvas.
+
+    An 8192² RGB canvas is 192 MiB (plus 64 MiB of pyramid). A subprocess imports
+    everything first, then converts one slide onto it with 2048² shards; its peak
+    RSS may grow by at most half the canvas. Measured: 59 MiB (about 50 of them do
+    not depend on the canvas size); before the canvas was written in shards, 487 MiB.
+    glibc's mmap threshold is fixed so that freed buffers leave the resident set at
+    once and the peak measures live memory.
+    """
+    out = tmp_path / "out"
+    script = (
+        "import resource, sys\n"
+        "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot\n"
+        "import zarr, tifffile, openslide, skimage.morphology, scipy.ndimage\n"
+        "import hyfi_imaging.preprocess.run, hyfi_imaging.preprocess.qc\n"
+        "from hyfi_imaging.cli.preprocess import main\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "code = main(sys.argv[1:])\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(code, (after - before) * 1024)\n"
+    )
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_ARENA_MAX": "2"}
+    args = ["--mpp", "0.25", "--size", "8192", "--shard", "2048", "--chunk", "512", "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(cohort / "a.svs"), "--out", str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    code, grown = done.stdout.split()[-2:]
+    assert code == "0", done.stderr
+    canvas_bytes = 3 * 8192 * 8192
+    assert int(grown) < canvas_bytes / 2, f"peak RSS grew by {int(grown) / 2**20:.0f} MiB"
+    image = zarr.open_group(out / "a.zarr", mode="r")["0"]
+    assert image.shape == (3, 8192, 8192)
+    attrs = read_hyfi_attrs(out / "a.zarr") or {}
+    py, px, ph, pw = attrs["placement"]
+    assert np.asarray(image[:, py + ph // 2, px : px + pw]).min() < 200  # tissue was written
+    assert (np.asarray(image[:, :py, :]) == 255).all()  # background above it
+
+
+def _descendants(pid: int) -> list[int]:
+    """All processes below ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc"
+)
+def test_kill_minus_nine_stops_the_workers_too(tmp_path: Path) -> None:
+    """kill -9 of a run with workers: forkserver, workers and resource tracker are gone in seconds."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        write_synthetic_slide(src / f"s{i}.svs", seed=40 + i, label=i % 2, size=(768, 768))
+    out = tmp_path / "out"
+    cmd = [*_cli(src, out), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(out.glob("*.zarr.tmp-*")):
+        time.sleep(0.02)
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_running(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in family if _running(p)]
+    for p in left:  # do not leave them behind if the test fails
+        os.kill(p, signal.SIGKILL)
+    assert len(family) >= 3 and not left, (family, left)

@@ -26,6 +26,14 @@ examples:
   # take pyramid level 2 as it is, centre-crop tissue that does not fit
   hyfi-preprocess slides/ --out data/l2 --level 2 --size 4096 --fit crop
 
+Files in a folder are recognised by content (TIFF, SVS, NDPI, QPTIFF, DICOM
+whole-slide images, MRXS, PNG, JPEG, ...), not by name; whatever is not
+converted (subfolders without --recursive, other files) is listed with the
+reason at the end, in full in preprocess.log. Inputs, labels and free disk
+space (store size estimated as the uncompressed pyramid / 2) are checked
+before --out is created. The canvas is written shard by shard, so memory does
+not grow with --size. Workers stop when the run is killed.
+
 Re-running the same command resumes: finished slides (same source, same
 options) are skipped. Exit status: 0 all slides converted, 1 some slides
 failed (see manifest.csv and preprocess.log), 2 the run could not start.
@@ -35,7 +43,7 @@ failed (see manifest.csv and preprocess.log), 2 the run could not start.
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hyfi-preprocess",
-        description="Convert whole-slide images (SVS, NDPI, MRXS, SCN, (OME-)TIFF, PNG/JPEG) into "
+        description="Convert whole-slide images (SVS, NDPI, MRXS, SCN, DICOM, (OME-)TIFF, PNG/JPEG) into "
         "chunked, sharded OME-Zarr v3 images at a chosen resolution, with tissue masks, a "
         "manifest and QC pictures.",
         epilog=EXAMPLES,
@@ -76,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="take labels from file names, e.g. '^(normal|tumor)_' for CAMELYON16 training slides",
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
-    p.add_argument("--recursive", action="store_true", help="search directories recursively")
+    p.add_argument(
+        "--recursive",
+        action="store_true",
+        help="search subfolders too (without it they are listed as skipped)",
+    )
     p.add_argument("--chunk", type=int, default=512, help="zarr chunk side (default: 512)")
     p.add_argument(
         "--shard",
@@ -115,13 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         chunk=args.chunk,
         shard=args.shard,
     )
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        logfile = logging.FileHandler(args.out / "preprocess.log")
-        logfile.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(logfile)
-    except OSError:
-        pass  # run_preprocess reports the unwritable directory in one line
+    # delay=True: the log file is opened at the first record, which run_preprocess
+    # emits only after it has checked everything and created --out.
+    logfile = logging.FileHandler(args.out / "preprocess.log", delay=True)
+    logfile.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(logfile)
     try:
         summary = run_preprocess(
             args.inputs,
@@ -149,6 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  contact sheet: {summary.contact_sheet}")
     for res in summary.failed:
         print(f"  FAILED {res.error}")
+    if summary.skipped:
+        from hyfi_imaging.preprocess.discover import Discovery
+
+        print(
+            f"  skipped {len(summary.skipped)} paths that are not slides "
+            f"(all listed in {args.out / 'preprocess.log'}):"
+        )
+        for line in Discovery(skipped=summary.skipped).summary_lines():
+            print(f"    {line}")
     return 1 if summary.failed else 0
 
 

@@ -10,6 +10,7 @@ tile plus halo at the border of an image never needs special cases upstream.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -17,6 +18,7 @@ import numpy as np
 
 __all__ = [
     "BACKGROUND",
+    "THUMBNAIL_STRIP_BYTES",
     "ArrayReader",
     "SlideReader",
     "clip_region",
@@ -192,12 +194,22 @@ def read_filled(
     return paste_region(inside, y, x, h, w, box, reader.background)
 
 
+#: Bytes of source pixels :func:`thumbnail` decodes at once (a strip of rows).
+THUMBNAIL_STRIP_BYTES = 64 << 20
+
+
 def thumbnail(reader: SlideReader, max_size: int) -> tuple[np.ndarray, float]:
     """A ``(C, h, w)`` thumbnail whose longer side is at most ``max_size``.
 
     Reads the smallest pyramid level that is still at least as large as the
-    thumbnail, then resizes it with area averaging. Returns the thumbnail and
-    its downsample relative to level 0 (level-0 pixels per thumbnail pixel).
+    thumbnail and area-averages it down. The level is read in strips of rows
+    (about ``THUMBNAIL_STRIP_BYTES`` each), because a slide without a pyramid,
+    or a 65536² canvas, has no small level: reading it whole would hold
+    gigabytes. The box filter never reaches outside a strip's rows, so the
+    strips give the pixels of one whole-level resize, up to floating-point
+    ties at pixel edges (a level that fits one strip, the usual case, gives
+    exactly those pixels). Returns the thumbnail
+    and its downsample relative to level 0 (level-0 pixels per thumbnail pixel).
     """
     from PIL import Image
 
@@ -208,16 +220,27 @@ def thumbnail(reader: SlideReader, max_size: int) -> tuple[np.ndarray, float]:
         if ds <= scale:
             level = i
     lh, lw = reader.level_dimensions[level]
-    region = reader.read_region(level, 0, 0, lh, lw)
     th, tw = max(1, round(h0 / max(scale, 1.0))), max(1, round(w0 / max(scale, 1.0)))
     if (th, tw) == (lh, lw):
-        return region, h0 / th
-    img = Image.fromarray(
-        np.moveaxis(region, 0, -1).squeeze(-1)
-        if region.shape[0] == 1
-        else np.moveaxis(region, 0, -1)
-    )
-    img = img.resize((tw, th), Image.Resampling.BOX)
-    arr = np.asarray(img)
-    arr = arr[None] if arr.ndim == 2 else np.moveaxis(arr, -1, 0)
-    return np.ascontiguousarray(arr), h0 / th
+        return reader.read_region(level, 0, 0, lh, lw), h0 / th
+    rows_per_out = lh / th
+    strip_rows = max(1, THUMBNAIL_STRIP_BYTES // max(1, reader.channels * lw))
+    step = max(1, math.floor(strip_rows / rows_per_out))
+    out = np.empty((reader.channels, th, tw), dtype=np.uint8)
+    for r0 in range(0, th, step):
+        r1 = min(th, r0 + step)
+        top, bottom = r0 * rows_per_out, min(lh, r1 * rows_per_out)
+        y0, y1 = math.floor(top), min(lh, math.ceil(bottom))
+        strip = reader.read_region(level, y0, 0, y1 - y0, lw)
+        box = (0.0, top - y0, float(lw), bottom - y0)
+        out[:, r0:r1] = np.stack(
+            [
+                np.asarray(
+                    Image.fromarray(np.ascontiguousarray(c)).resize(
+                        (tw, r1 - r0), Image.Resampling.BOX, box=box
+                    )
+                )
+                for c in strip
+            ]
+        )
+    return out, h0 / th

@@ -12,8 +12,14 @@ directory with ``zarr.json``           :class:`ZarrReader`
 PNG / JPEG magic                       Pillow (:func:`open_image`)
 TIFF / BigTIFF, vendor format          :class:`OpenSlideReader`
 TIFF / BigTIFF, generic or OME         :class:`TiffReader` (tifffile)
+DICOM whole-slide image (``DICM``)     :class:`OpenSlideReader` (OpenSlide >= 4)
 anything else OpenSlide detects        :class:`OpenSlideReader` (e.g. MRXS)
 =====================================  ===============================
+
+Other formats are recognised by their magic bytes too (JPEG 2000, GIF, BMP,
+WebP, CZI, PDF, archives, DICOM objects that are not slides, ...), so that a
+folder scan can say *what* a skipped file is, not only that it was skipped:
+:func:`recognise` answers "can a reader here open it, and if not, why not".
 
 Generic TIFF goes to tifffile rather than OpenSlide because tifffile also sees
 SubIFD pyramids and reads tiles through a zarr view (measured faster).
@@ -24,20 +30,76 @@ starts no zarr event loop.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.base import SlideReader
 
-__all__ = ["open_slide", "sniff_format"]
+__all__ = ["FORMAT_NAMES", "Recognised", "open_slide", "recognise", "sniff_format"]
 
-_TIFF_MAGICS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
-_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-_JPEG_MAGIC = b"\xff\xd8\xff"
+#: (offset, magic bytes, kind), first match wins.
+_MAGICS: tuple[tuple[int, bytes, str], ...] = (
+    (0, b"\x89PNG\r\n\x1a\n", "png"),
+    (0, b"\xff\xd8\xff", "jpeg"),
+    (0, b"II*\x00", "tiff"),
+    (0, b"MM\x00*", "tiff"),
+    (0, b"II+\x00", "tiff"),  # BigTIFF
+    (0, b"MM\x00+", "tiff"),
+    (128, b"DICM", "dicom"),
+    (0, b"\x00\x00\x00\x0cjP  \r\n\x87\n", "jpeg2000"),
+    (0, b"\xffO\xffQ", "jpeg2000"),  # raw J2K codestream
+    (0, b"GIF87a", "gif"),
+    (0, b"GIF89a", "gif"),
+    (0, b"ZISRAWFILE", "czi"),
+    (0, b"%PDF-", "pdf"),
+    (0, b"PK\x03\x04", "zip"),
+    (0, b"\x1f\x8b", "gzip"),
+    (0, b"7z\xbc\xaf\x27\x1c", "7z"),
+    (0, b"\x89HDF\r\n\x1a\n", "hdf5"),
+    (0, b"SQLite format 3\x00", "sqlite"),
+    (0, b"\x00\x05\x16\x07", "appledouble"),
+)
+
+#: What each :func:`sniff_format` kind is, in words.
+FORMAT_NAMES = {
+    "zarr": "OME-Zarr store",
+    "png": "PNG image",
+    "jpeg": "JPEG image",
+    "tiff": "TIFF",
+    "dicom": "DICOM file",
+    "jpeg2000": "JPEG 2000 image",
+    "gif": "GIF image",
+    "bmp": "BMP image",
+    "webp": "WebP image",
+    "czi": "Zeiss CZI file",
+    "pdf": "PDF document",
+    "zip": "ZIP archive",
+    "gzip": "gzip archive",
+    "7z": "7-Zip archive",
+    "hdf5": "HDF5 file",
+    "sqlite": "SQLite database",
+    "appledouble": "macOS resource fork (AppleDouble)",
+    "other": "unrecognised content",
+}
+
+_READABLE = ("zarr", "png", "jpeg", "tiff")
+
+
+def _sniff_bytes(head: bytes) -> str:
+    for offset, magic, kind in _MAGICS:
+        if head[offset : offset + len(magic)] == magic:
+            return kind
+    if head[:2] == b"BM" and head[6:10] == b"\x00\x00\x00\x00":  # reserved bytes are zero
+        return "bmp"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return "other"
 
 
 def sniff_format(path: str | os.PathLike[str]) -> str:
-    """Classify ``path`` by content: ``"zarr"``, ``"png"``, ``"jpeg"``, ``"tiff"`` or ``"other"``.
+    """Classify ``path`` by content: ``"zarr"``, ``"png"``, ``"jpeg"``, ``"tiff"``, ``"dicom"``,
+    another key of :data:`FORMAT_NAMES` (recognised, no reader here), or ``"other"``.
 
     Raises:
         SlideError: the path does not exist or cannot be read.
@@ -53,18 +115,72 @@ def sniff_format(path: str | os.PathLike[str]) -> str:
         )
     try:
         with open(p, "rb") as f:
-            head = f.read(8)
+            head = f.read(132)
     except FileNotFoundError:
         raise SlideError(str(p), "file not found", "check the path") from None
     except OSError as err:
         raise SlideError(str(p), f"cannot read file ({err.strerror})", "check permissions") from err
-    if head.startswith(_PNG_MAGIC):
-        return "png"
-    if head.startswith(_JPEG_MAGIC):
-        return "jpeg"
-    if head[:4] in _TIFF_MAGICS:
-        return "tiff"
-    return "other"
+    return _sniff_bytes(head)
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """What a file's content is, and whether a reader here opens it.
+
+    Attributes:
+        kind: :func:`sniff_format`'s word for the content.
+        readable: :func:`open_slide` has a reader for it (it may still turn
+            out damaged when opened).
+        reason: why not, in words, when not readable (e.g. ``"DICOM CT
+            image, not a whole-slide image"``); empty when readable.
+        series: for DICOM, the series UID: the files of one series are one slide.
+    """
+
+    kind: str
+    readable: bool
+    reason: str = ""
+    series: str | None = None
+
+
+def recognise(path: str | os.PathLike[str]) -> Recognised:
+    """Look at a file's content (never its name) and say whether it is an image we read.
+
+    Cheap: a few bytes, a DICOM header, or OpenSlide's format detection (which
+    reads headers only); no pixels are decoded.
+
+    Raises:
+        SlideError: the path does not exist or cannot be read.
+    """
+    p = Path(path)
+    kind = sniff_format(p)
+    if kind in _READABLE:
+        return Recognised(kind, True)
+    if kind == "dicom":
+        from hyfi_imaging.io.dicom import read_dicom_header
+
+        try:
+            header = read_dicom_header(p)
+        except OSError as err:
+            raise SlideError(
+                str(p), f"cannot read file ({err.strerror})", "check permissions"
+            ) from err
+        if header is None or not header.is_wsi:
+            what = header.kind if header is not None else "object"
+            return Recognised(kind, False, f"DICOM {what}, not a whole-slide image")
+        if _openslide_vendor(p) != "dicom":
+            return Recognised(
+                kind,
+                False,
+                "DICOM whole-slide image that OpenSlide cannot open (OpenSlide >= 4.0 reads "
+                "DICOM with JPEG, JPEG 2000 or uncompressed RGB tiles)",
+                header.series_uid,
+            )
+        return Recognised(kind, True, series=header.series_uid)
+    if _openslide_vendor(p) is not None:  # MRXS, VMS/VMU, Sakura (SQLite), ...
+        return Recognised(kind, True)
+    if kind == "other":
+        return Recognised(kind, False, "content not recognised as an image")
+    return Recognised(kind, False, f"{FORMAT_NAMES[kind]}, a format hyfi-imaging does not read")
 
 
 def _openslide_vendor(path: Path) -> str | None:
@@ -138,8 +254,10 @@ def open_slide(path: str | os.PathLike[str], *, mpp_override: float | None = Non
             _check_tiff_complete(p)
 
         return OpenSlideReader(p, mpp_override=mpp_override)
+    what = FORMAT_NAMES.get(kind, kind) if kind != "dicom" else recognise(p).reason
     raise SlideError(
         str(p),
-        "unsupported format (not TIFF, PNG, JPEG, OME-Zarr or an OpenSlide format)",
+        f"unsupported format: {what} (hyfi-imaging reads TIFF, PNG, JPEG, OME-Zarr, "
+        "DICOM whole-slide images and OpenSlide formats)",
         "convert it to TIFF or OME-Zarr",
     )

@@ -9,6 +9,15 @@ Each shard is written in one piece: a sharded array rewritten piecemeal would
 re-encode the whole shard for every partial write, and concurrent writers of
 one shard would lose data.
 
+Why the writer takes a :class:`RegionSource` and not only an array: a 65536²
+RGB canvas is 12.9 GB, and a worker that holds it (plus its pyramid) runs a
+machine out of memory. Level 0 is therefore asked for one shard at a time,
+and each coarser level is built from the level below it, read back from the
+store one shard-sized piece at a time, so memory is bounded by a few shards
+whatever the image size. Pieces are cut at even offsets, so the 2x2
+averaging of a piece equals that of the whole level (an odd last row or
+column is only ever at the true image edge).
+
 The group follows NGFF 0.5: ``attributes.ome`` holds ``version`` and
 ``multiscales`` (axes ``c, y, x``, one scale transform per level in
 micrometres), and every level array carries ``dimension_names`` matching the
@@ -26,7 +35,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -35,8 +44,10 @@ from hyfi_imaging.io.base import BACKGROUND, read_filled
 
 __all__ = [
     "NGFF_VERSION",
+    "RegionSource",
     "ZarrReader",
     "downsample_2x",
+    "level_shapes",
     "read_hyfi_attrs",
     "write_ome_zarr",
 ]
@@ -65,6 +76,67 @@ def downsample_2x(image: np.ndarray) -> np.ndarray:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+@runtime_checkable
+class RegionSource(Protocol):
+    """An image too large to hold, produced one region at a time.
+
+    ``shape`` is ``(C, H, W)``; ``read(y0, x0, y1, x1)`` returns the uint8
+    ``(C, y1 - y0, x1 - x0)`` pixels of that region (inside the image).
+    """
+
+    @property
+    def shape(self) -> tuple[int, int, int]: ...
+
+    def read(self, y0: int, x0: int, y1: int, x1: int) -> np.ndarray: ...
+
+
+class _ArraySource:
+    """An in-memory ``(C, H, W)`` array served as a :class:`RegionSource`."""
+
+    def __init__(self, image: np.ndarray) -> None:
+        self.image = image
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        c, h, w = self.image.shape
+        return int(c), int(h), int(w)
+
+    def read(self, y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+        return self.image[:, y0:y1, x0:x1]
+
+
+def level_shapes(h: int, w: int, *, chunk: int, pyramid_levels: int) -> list[tuple[int, int]]:
+    """``(h, w)`` of every level :func:`write_ome_zarr` writes for an ``h x w`` image.
+
+    Level ``l`` is ``ceil(h / 2**l) x ceil(w / 2**l)``; a level whose shorter
+    side would fall below ``chunk / 2`` is not written (level 0 always is).
+    """
+    shapes = [(h, w)]
+    while len(shapes) < pyramid_levels:
+        ph, pw = shapes[-1]
+        nh, nw = -(-ph // 2), -(-pw // 2)
+        if min(nh, nw) < chunk / 2:
+            break
+        shapes.append((nh, nw))
+    return shapes
+
+
+def _downsampled_block(finer: Any, y0: int, x0: int, y1: int, x1: int, piece: int) -> np.ndarray:
+    """Rows ``[y0, y1)`` x columns ``[x0, x1)`` of the level below ``finer``, by 2x2 averaging.
+
+    ``finer`` is read ``2 * piece`` pixels square at a time (even offsets, so
+    each piece averages exactly the pixels the whole level would).
+    """
+    fh, fw = finer.shape[1:]
+    out = np.empty((finer.shape[0], y1 - y0, x1 - x0), dtype=np.uint8)
+    for py in range(y0, y1, piece):
+        for px in range(x0, x1, piece):
+            qy, qx = min(py + piece, y1), min(px + piece, x1)
+            block = np.asarray(finer[:, 2 * py : min(2 * qy, fh), 2 * px : min(2 * qx, fw)])
+            out[:, py - y0 : qy - y0, px - x0 : qx - x0] = downsample_2x(block)
+    return out
 
 
 def _shard_blocks(h: int, w: int, sh: int, sw: int) -> Iterator[tuple[int, int, int, int]]:
@@ -101,7 +173,7 @@ def _multiscales(name: str, mpp: float | None, n_levels: int) -> dict[str, Any]:
 
 def write_ome_zarr(
     path: str | os.PathLike[str],
-    image: np.ndarray,
+    image: np.ndarray | RegionSource,
     *,
     mpp: float | None,
     hyfi_attrs: dict[str, Any],
@@ -115,7 +187,9 @@ def write_ome_zarr(
     Args:
         path: the group to create; must not exist (write to a temporary path
             and rename it for atomicity).
-        image: uint8 ``(C, H, W)`` level-0 pixels.
+        image: uint8 ``(C, H, W)`` level-0 pixels, or a :class:`RegionSource`
+            that produces them one shard at a time (memory then stays at a
+            few shards, however large the image).
         mpp: microns per level-0 pixel, or None when unknown (axes then carry no unit).
         hyfi_attrs: JSON-able provenance stored as ``attributes["hyfi"]``.
         chunk: inner chunk side (the unit of decoding).
@@ -123,7 +197,7 @@ def write_ome_zarr(
             rounded up to whole chunks, so small images get one shard.
         pyramid_levels: at most this many levels; level ``l`` is downsampled
             ``2**l``. Levels whose shorter side would fall below ``chunk / 2``
-            are not written (level 0 always is).
+            are not written (level 0 always is; see :func:`level_shapes`).
         name: the multiscale's ``name``.
 
     Raises:
@@ -133,8 +207,14 @@ def write_ome_zarr(
     import zarr
     from zarr.codecs import ZstdCodec
 
-    if image.ndim != 3 or image.dtype != np.uint8:
-        raise ValueError(f"write_ome_zarr needs uint8 (C, H, W), got {image.dtype} {image.shape}")
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.dtype != np.uint8:
+            raise ValueError(
+                f"write_ome_zarr needs uint8 (C, H, W), got {image.dtype} {image.shape}"
+            )
+        source: RegionSource = _ArraySource(image)
+    else:
+        source = image
     if chunk <= 0 or shard <= 0 or shard % chunk:
         raise ValueError(f"shard ({shard}) must be a positive multiple of chunk ({chunk})")
     if mpp is not None and not mpp > 0:
@@ -149,16 +229,10 @@ def write_ome_zarr(
         )
 
     group = zarr.open_group(zarr.storage.LocalStore(out), mode="w-", zarr_format=3)
-    c = image.shape[0]
-    level_image = image
-    n_levels = 0
-    for level in range(pyramid_levels):
-        if level > 0:
-            h, w = level_image.shape[1:]
-            if min(-(-h // 2), -(-w // 2)) < chunk / 2:
-                break
-            level_image = downsample_2x(level_image)
-        h, w = level_image.shape[1:]
+    c, h0, w0 = source.shape
+    shapes = level_shapes(h0, w0, chunk=chunk, pyramid_levels=pyramid_levels)
+    finer: Any = None
+    for level, (h, w) in enumerate(shapes):
         sh = min(shard, _round_up(h, chunk))
         sw = min(shard, _round_up(w, chunk))
         arr = group.create_array(
@@ -172,8 +246,19 @@ def write_ome_zarr(
             dimension_names=("c", "y", "x"),
         )
         for y0, x0, y1, x1 in _shard_blocks(h, w, sh, sw):
-            arr[:, y0:y1, x0:x1] = level_image[:, y0:y1, x0:x1]
-        n_levels += 1
+            if finer is None:
+                block = source.read(y0, x0, y1, x1)
+                if block.shape != (c, y1 - y0, x1 - x0) or block.dtype != np.uint8:
+                    raise ValueError(
+                        f"region source returned {block.dtype} {block.shape} for "
+                        f"y={y0}:{y1} x={x0}:{x1}, expected uint8 {(c, y1 - y0, x1 - x0)}"
+                    )
+            else:
+                block = _downsampled_block(finer, y0, x0, y1, x1, max(chunk, shard // 2))
+            arr[:, y0:y1, x0:x1] = block
+            del block
+        finer = arr
+    n_levels = len(shapes)
     # Written last: attributes mark a complete store.
     group.attrs.update(
         {

@@ -8,9 +8,14 @@ place it on a fixed-size canvas. What makes this module more than a script:
   (canvas pixels) are stored with the image, so any prediction on the canvas maps
   back onto the slide: canvas ``(py + u, px + v)`` is source
   ``(sy + u * sh / ph, sx + v * sw / pw)``.
-* **Bounded memory.** The crop is resampled in bands of output rows, reading
-  from the finest pyramid level that is not coarser than the target, so a
-  16K canvas from a 40x slide never holds the 40x crop in memory.
+* **Bounded memory.** The canvas is never held whole (a 65536² canvas is
+  12.9 GB): the store writer asks a
+  :class:`~hyfi_imaging.preprocess.canvas.CanvasRenderer` for one shard at a
+  time, read from the finest pyramid level that is not coarser than the
+  target. Memory is a few shards plus one render tile, whatever ``--size`` is.
+* **Disk space.** Before a slide is written, the free space is checked
+  against :func:`estimate_store_bytes` (uncompressed pyramid / an assumed
+  zstd ratio), so a full disk is a one-line failure, not a half-written store.
 * **Atomic, resumable output.** The store is written under a temporary name and
   renamed into place; an existing store is only replaced once the new one is
   complete. A store counts as done only when its recorded parameters and
@@ -19,6 +24,7 @@ place it on a fixed-size canvas. What makes this module more than a script:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -28,18 +34,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from PIL import Image
 
-from hyfi_imaging.errors import HyfiError, SlideError
+from hyfi_imaging.errors import ConfigError, HyfiError, SlideError, problem
 from hyfi_imaging.io import open_slide, thumbnail
 from hyfi_imaging.io.base import SlideReader
-from hyfi_imaging.io.zarr_store import read_hyfi_attrs, write_ome_zarr
+from hyfi_imaging.io.zarr_store import ZarrReader, level_shapes, read_hyfi_attrs, write_ome_zarr
+from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
 
 __all__ = [
+    "ASSUMED_COMPRESSION",
     "ConvertResult",
+    "CropPlan",
     "PreprocessOptions",
+    "check_disk_space",
     "convert_slide",
+    "estimate_store_bytes",
+    "free_bytes",
     "is_done",
     "plan_crop",
     "source_fingerprint",
@@ -47,8 +58,14 @@ __all__ = [
 ]
 
 FitPolicy = Literal["fit", "crop"]
-_BAND_ROWS = 1024
 _TMP_MARK = ".tmp-"
+
+#: Assumed zstd compression ratio of a store, for the disk-space check: an assumption,
+#: not a measurement on real slides (none are at hand). Lossless coding of H&E tissue
+#: pixels typically gains 1.5-2.5x and white glass more than 50x, and a canvas is rarely
+#: all tissue, so 2 errs towards needing more space. (The synthetic slides compress
+#: about 13x: their texture is smoother than tissue, so they are no guide.)
+ASSUMED_COMPRESSION = 2.0
 
 
 @dataclass(frozen=True)
@@ -91,17 +108,6 @@ class ConvertResult:
     error: str = ""
     qc: str = ""
     megapixels: float = 0.0
-
-
-@dataclass(frozen=True)
-class CropPlan:
-    """Where the crop comes from and where it goes."""
-
-    source_box: tuple[int, int, int, int]  # y, x, h, w in level-0 source pixels
-    placement: tuple[int, int, int, int]  # y, x, h, w in canvas pixels
-    read_level: int
-    mpp: float | None
-    tissue_box: tuple[int, int, int, int]
 
 
 def store_path(out_dir: Path, slide_id: str) -> Path:
@@ -217,40 +223,47 @@ def plan_crop(
     return CropPlan((sy, sx, sh, sw), placement, level, mpp, box), mask, thumb_ds
 
 
-def render_crop(reader: SlideReader, plan: CropPlan) -> np.ndarray:
-    """Resample ``plan.source_box`` to ``plan.placement``'s size, in bands of output rows."""
-    sy, sx, sh, sw = plan.source_box
-    _, _, ph, pw = plan.placement
-    ds = reader.level_downsamples[plan.read_level]
-    out = np.empty((reader.channels, ph, pw), dtype=np.uint8)
-    # Source level coordinates of the crop.
-    ly0, lx0, lh, lw = sy / ds, sx / ds, sh / ds, sw / ds
-    per_row = lh / ph
-    x_read0 = math.floor(lx0)
-    x_read1 = math.ceil(lx0 + lw)
-    for r0 in range(0, ph, _BAND_ROWS):
-        r1 = min(ph, r0 + _BAND_ROWS)
-        top, bottom = ly0 + r0 * per_row, ly0 + r1 * per_row
-        y_read0, y_read1 = math.floor(top), math.ceil(bottom)
-        block = reader.read_region(
-            plan.read_level, y_read0, x_read0, y_read1 - y_read0, x_read1 - x_read0
+def estimate_store_bytes(options: PreprocessOptions, channels: int = 3) -> int:
+    """Disk bytes one slide's store is expected to need (pyramid / ``ASSUMED_COMPRESSION``).
+
+    Every level is counted uncompressed, then divided by the assumed zstd
+    ratio; the QC picture and metadata are a few hundred kB and ignored.
+    """
+    h, w = options.size
+    raw = sum(
+        channels * lh * lw
+        for lh, lw in level_shapes(h, w, chunk=options.chunk, pyramid_levels=options.pyramid_levels)
+    )
+    return math.ceil(raw / ASSUMED_COMPRESSION)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or would: its nearest existing parent)."""
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check_disk_space(
+    out_dir: Path, options: PreprocessOptions, slides: int, channels: int = 3
+) -> None:
+    """Raise a one-line error when ``slides`` new stores will not fit into ``out_dir``."""
+    need = slides * estimate_store_bytes(options, channels)
+    free = free_bytes(out_dir)
+    if need > free:
+        h, w = options.size
+        raise ConfigError(
+            out_dir,
+            f"not enough free disk space: {slides} slide(s) on a {h}x{w} canvas need about "
+            f"{_gb(need)} (uncompressed pyramid / {ASSUMED_COMPRESSION:g}, the assumed zstd "
+            f"ratio), {_gb(free)} are free",
+            "free some space, choose another --out, or a smaller --size",
         )
-        box = (lx0 - x_read0, top - y_read0, lx0 - x_read0 + lw, bottom - y_read0)
-        out[:, r0:r1] = _resample(block, box, (r1 - r0, pw))
-    return out
-
-
-def _resample(
-    block: np.ndarray, box: tuple[float, float, float, float], out_hw: tuple[int, int]
-) -> np.ndarray:
-    """Area-resample the ``box`` (x0, y0, x1, y1) of a ``(C, h, w)`` block to ``out_hw``."""
-    h, w = out_hw
-    if box == (0, 0, block.shape[2], block.shape[1]) and block.shape[1:] == (h, w):
-        return block
-    channels = [Image.fromarray(np.ascontiguousarray(c)) for c in block]
-    downscale = (box[2] - box[0]) >= w
-    resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
-    return np.stack([np.asarray(c.resize((w, h), resample, box=box)) for c in channels])
 
 
 def _atomic_replace(tmp: Path, final: Path) -> None:
@@ -271,6 +284,18 @@ def remove_stale_temporaries(out_dir: Path) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def _disk_full(err: BaseException) -> bool:
+    """True when ``err`` or an exception it wraps (zarr re-raises) is ENOSPC."""
+    seen: BaseException | None = err
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def convert_slide(
@@ -299,11 +324,8 @@ def convert_slide(
             )
         with open_slide(source, mpp_override=options.mpp_override) as reader:
             plan, mask, mask_ds = plan_crop(reader, options)
-            crop = render_crop(reader, plan)
             canvas_h, canvas_w = options.size
-            canvas = np.full((reader.channels, canvas_h, canvas_w), reader.background, np.uint8)
-            py, px, ph, pw = plan.placement
-            canvas[:, py : py + ph, px : px + pw] = crop
+            canvas = CanvasRenderer(reader, plan, options.size)
             attrs = {
                 "source": str(source.resolve()),
                 "source_format": reader.format,
@@ -321,6 +343,7 @@ def convert_slide(
                 "params": options.record(),
                 "fingerprint": source_fingerprint(source),
             }
+            check_disk_space(out_dir, options, 1, reader.channels)
             write_ome_zarr(
                 tmp,
                 canvas,
@@ -333,9 +356,12 @@ def convert_slide(
             )
             qc_path = ""
             if qc_dir is not None:
-                qc_path = str(
-                    write_slide_qc(qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, canvas)
-                )
+                with ZarrReader(tmp) as written:
+                    qc_path = str(
+                        write_slide_qc(
+                            qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, written
+                        )
+                    )
         _atomic_replace(tmp, final)
         return ConvertResult(
             slide_id,
@@ -351,6 +377,18 @@ def convert_slide(
     except HyfiError as err:
         return ConvertResult(slide_id, str(source), "", "failed", error=str(err))
     except Exception as err:  # one bad slide must never stop the others
+        if _disk_full(err):
+            return ConvertResult(
+                slide_id,
+                str(source),
+                "",
+                "failed",
+                error=problem(
+                    out_dir,
+                    f"the disk filled up while writing {slide_id} (nothing of it was kept)",
+                    "free some space and re-run the same command to resume",
+                ),
+            )
         what = f"{type(err).__name__}: {err}".replace("\n", " ")
         return ConvertResult(
             slide_id,

@@ -22,7 +22,8 @@ from skimage import morphology
 from hyfi_imaging.io.base import SlideReader, thumbnail
 
 if TYPE_CHECKING:
-    from hyfi_imaging.preprocess.convert import ConvertResult, CropPlan
+    from hyfi_imaging.preprocess.canvas import CropPlan
+    from hyfi_imaging.preprocess.convert import ConvertResult
 
 __all__ = ["write_contact_sheet", "write_slide_qc"]
 
@@ -40,9 +41,13 @@ def write_slide_qc(
     mask: np.ndarray,
     mask_ds: float,
     plan: CropPlan,
-    canvas: np.ndarray,
+    canvas: SlideReader,
 ) -> Path:
-    """Write the QC picture of one slide and return its path."""
+    """Write the QC picture of one slide and return its path.
+
+    ``canvas`` reads the written output (its OME-Zarr store): the canvas is
+    never held in memory, and the picture shows what training will read.
+    """
     thumb, ds = thumbnail(reader, _QC_SIZE)
     left = _to_pil(thumb)
     # Tissue outline: mask boundary, resized to this thumbnail.
@@ -60,8 +65,7 @@ def write_slide_qc(
     draw.rectangle(
         [sx / ds, sy / ds, (sx + sw) / ds - 1, (sy + sh) / ds - 1], outline=(220, 0, 0), width=2
     )
-    step = max(1, int(np.ceil(max(canvas.shape[1:]) / _QC_SIZE)))
-    right = _to_pil(canvas[:, ::step, ::step])
+    right = _to_pil(thumbnail(canvas, _QC_SIZE)[0])
     height = max(left.height, right.height)
     sheet = Image.new("RGB", (left.width + right.width + 8, height), (255, 255, 255))
     sheet.paste(left, (0, 0))

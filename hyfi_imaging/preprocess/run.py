@@ -2,9 +2,16 @@
 
 Why processes and ``forkserver``: decoding and resampling are CPU-bound, and zarr 3
 keeps an event-loop thread that a forked child would inherit half-alive; each
-worker therefore starts fresh and opens its own files. One bad slide is
+worker therefore starts fresh and opens its own files, and exits the moment
+the run is gone (:mod:`~hyfi_imaging.preprocess.lifeline`). One bad slide is
 reported and skipped, never fatal; the manifest is rewritten after every slide
 so an interrupted run still leaves an accurate (atomic) picture behind.
+
+Why everything is checked before anything is written: a mistyped input, a
+missing labels file or a disk too small for the stores must not leave an
+empty output folder behind (a later run would take it for a started one). So
+inputs, labels and free disk space are all checked first; only then is the
+output folder created.
 """
 
 from __future__ import annotations
@@ -26,9 +33,19 @@ from hyfi_imaging.errors import ConfigError, problem
 from hyfi_imaging.preprocess.convert import (
     ConvertResult,
     PreprocessOptions,
+    check_disk_space,
     convert_slide,
+    is_done,
     remove_stale_temporaries,
+    store_path,
 )
+from hyfi_imaging.preprocess.discover import (
+    SLIDE_SUFFIXES,
+    SUBFOLDER,
+    SkippedInput,
+    discover_slides,
+)
+from hyfi_imaging.preprocess.lifeline import exit_with
 from hyfi_imaging.preprocess.manifest import (
     ManifestRow,
     labels_from_names,
@@ -42,24 +59,6 @@ __all__ = ["SLIDE_SUFFIXES", "PreprocessSummary", "discover_slides", "run_prepro
 
 log = logging.getLogger("hyfi_imaging.preprocess")
 
-#: File name endings picked up when a directory is given (files named explicitly are always tried).
-SLIDE_SUFFIXES = (
-    ".svs",
-    ".tif",
-    ".tiff",
-    ".ndpi",
-    ".mrxs",
-    ".scn",
-    ".vms",
-    ".vmu",
-    ".bif",
-    ".svslide",
-    ".btf",
-    ".png",
-    ".jpg",
-    ".jpeg",
-)
-
 
 @dataclass
 class PreprocessSummary:
@@ -68,6 +67,8 @@ class PreprocessSummary:
     results: list[ConvertResult] = field(default_factory=list)
     manifest: Path | None = None
     contact_sheet: Path | None = None
+    #: Paths in the named folders that are not slides, with the reason.
+    skipped: list[SkippedInput] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -81,24 +82,6 @@ class PreprocessSummary:
             f"{len(self.results)} slides: {self.count('ok')} converted, "
             f"{self.count('skipped')} already done, {self.count('failed')} failed"
         )
-
-
-def discover_slides(inputs: Sequence[Path], *, recursive: bool = False) -> list[Path]:
-    """Files named on the command line, plus slide files found in named directories."""
-    found: list[Path] = []
-    for item in inputs:
-        if item.is_dir() and not (item / "zarr.json").exists():
-            pattern = "**/*" if recursive else "*"
-            found.extend(
-                p
-                for p in sorted(item.glob(pattern))
-                if p.is_file() and p.name.lower().endswith(SLIDE_SUFFIXES)
-            )
-        elif item.exists():
-            found.append(item)
-        else:
-            raise ConfigError(item, "no such file or directory", "check the slide path")
-    return found
 
 
 def _check_writable(out_dir: Path) -> None:
@@ -136,25 +119,49 @@ def run_preprocess(
     """Convert every slide in ``inputs`` into ``out_dir``; see ``hyfi-preprocess --help``.
 
     Raises :class:`ConfigError` only for problems that stop the whole run
-    (unwritable output, unreadable labels file, no slides); everything that
-    concerns one slide is recorded in its result and the manifest.
+    (missing input, no slides, unreadable labels file, too little disk space,
+    unwritable output); these are all found before ``out_dir`` is created.
+    Everything that concerns one slide is recorded in its result and the manifest.
     """
+    found = discover_slides(inputs, recursive=recursive, out_dir=out_dir)
+    if not found.slides:
+        fix = (
+            "add --recursive to search subfolders"
+            if any(s.reason == SUBFOLDER for s in found.skipped)
+            else f"name slide files, or folders holding slides ({', '.join(SLIDE_SUFFIXES)}, "
+            "DICOM whole-slide images, OME-Zarr; recognised by content)"
+        )
+        passed = f" (skipped {found.summary()})" if found.skipped else ""
+        raise ConfigError(", ".join(map(str, inputs)), f"no slide files found{passed}", fix)
+    labels = (
+        read_labels(labels_path, id_column=id_column, label_column=label_column)
+        if labels_path
+        else {}
+    )
+    if label_from_name:
+        labels = {**labels_from_names(found.slides, label_from_name), **labels}
+    results, todo = _assign_ids(found.slides, labels, labels_path, label_from_name)
+    pending = sum(not is_done(store_path(out_dir, sid), src, options) for sid, src in todo)
+    check_disk_space(out_dir, options, pending)
     _check_writable(out_dir)
     with _exclusive(out_dir):
-        return _run_locked(
-            inputs,
+        for stale in remove_stale_temporaries(out_dir):
+            log.info("removed an unfinished store from an interrupted run: %s", stale)
+        for item in found.skipped:
+            log.info("not a slide, passed over: %s", item.line())
+        summary = _convert_all(
+            todo,
+            results,
             out_dir,
             options,
-            labels_path=labels_path,
-            id_column=id_column,
-            label_column=label_column,
-            label_from_name=label_from_name,
+            labels,
             workers=workers,
-            recursive=recursive,
             qc=qc,
             progress=progress,
             on_result=on_result,
         )
+    summary.skipped = found.skipped
+    return summary
 
 
 @contextlib.contextmanager
@@ -172,38 +179,13 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         yield
 
 
-def _run_locked(
-    inputs: Sequence[Path],
-    out_dir: Path,
-    options: PreprocessOptions,
-    *,
+def _assign_ids(
+    slides: list[Path],
+    labels: dict[str, str],
     labels_path: Path | None,
-    id_column: str | None,
-    label_column: str | None,
     label_from_name: str | None,
-    workers: int,
-    recursive: bool,
-    qc: bool,
-    progress: bool,
-    on_result: Callable[[ConvertResult], None] | None,
-) -> PreprocessSummary:
-    for stale in remove_stale_temporaries(out_dir):
-        log.info("removed an unfinished store from an interrupted run: %s", stale)
-    labels = (
-        read_labels(labels_path, id_column=id_column, label_column=label_column)
-        if labels_path
-        else {}
-    )
-    slides = discover_slides(inputs, recursive=recursive)
-    if label_from_name:
-        labels = {**labels_from_names(slides, label_from_name), **labels}
-    if not slides:
-        raise ConfigError(
-            ", ".join(map(str, inputs)),
-            "no slide files found",
-            f"name slide files, or directories holding files ending in {', '.join(SLIDE_SUFFIXES)}",
-        )
-    qc_dir = out_dir / "qc" if qc else None
+) -> tuple[dict[str, ConvertResult], list[tuple[str, Path]]]:
+    """Slide ids of the slides to convert, and failed results for duplicates and unlabelled."""
     results: dict[str, ConvertResult] = {}
     todo: list[tuple[str, Path]] = []
     for source in slides:
@@ -229,7 +211,22 @@ def _run_locked(
             )
         else:
             todo.append((sid, source))
+    return results, todo
 
+
+def _convert_all(
+    todo: list[tuple[str, Path]],
+    results: dict[str, ConvertResult],
+    out_dir: Path,
+    options: PreprocessOptions,
+    labels: dict[str, str],
+    *,
+    workers: int,
+    qc: bool,
+    progress: bool,
+    on_result: Callable[[ConvertResult], None] | None,
+) -> PreprocessSummary:
+    qc_dir = out_dir / "qc" if qc else None
     manifest = out_dir / "manifest.csv"
 
     def record(res: ConvertResult) -> None:
@@ -253,9 +250,18 @@ def _run_locked(
             # preload pays the imaging imports once instead of once per worker (0.46 s CPU each).
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(
-                ["hyfi_imaging.preprocess.convert", "hyfi_imaging.preprocess.qc"]
+                [
+                    "hyfi_imaging.preprocess.convert",
+                    "hyfi_imaging.preprocess.qc",
+                    "hyfi_imaging.preprocess.lifeline",
+                ]
             )
-            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            with ProcessPoolExecutor(
+                max_workers=workers,
+                mp_context=ctx,
+                initializer=exit_with,
+                initargs=(os.getpid(),),
+            ) as pool:
                 futures: dict[Future[ConvertResult], tuple[str, Path]] = {
                     pool.submit(convert_slide, source, out_dir, sid, options, qc_dir=qc_dir): (
                         sid,

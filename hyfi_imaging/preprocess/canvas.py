@@ -1,0 +1,133 @@
+"""The output canvas of one slide, rendered a region at a time.
+
+Why regions: a 65536² RGB canvas is 12.9 GB, and a worker that builds it in
+memory before writing runs the machine out of memory without a warning. The
+store writer instead asks :class:`CanvasRenderer` for one shard at a time; the
+renderer fills the background and resamples the part of the tissue crop that
+falls into the shard, in tiles of at most ``_RENDER_TILE`` output pixels each
+read from at most about ``_SOURCE_TILE`` source pixels per side. Memory is
+then one shard plus one tile, whatever the canvas size.
+
+Tiles must join without seams. Box downsampling never reaches outside its
+box, so a tile needs no neighbours; bilinear upsampling reaches one source
+pixel beyond, so its reads carry a 2-pixel margin (at the crop's edge that
+margin is the slide around the crop, or background outside the slide). A
+crop at scale 1 on whole pixels is copied, not resampled, so ``--level N``
+output equals the source pixels exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from hyfi_imaging.io.base import SlideReader
+
+__all__ = ["CanvasRenderer", "CropPlan", "render_crop"]
+
+#: Output pixels per side resampled at once.
+_RENDER_TILE = 1024
+#: Source pixels per side read at once (a strongly reducing resample gets smaller tiles).
+_SOURCE_TILE = 4096
+
+
+@dataclass(frozen=True)
+class CropPlan:
+    """Where the crop comes from and where it goes."""
+
+    source_box: tuple[int, int, int, int]  # y, x, h, w in level-0 source pixels
+    placement: tuple[int, int, int, int]  # y, x, h, w in canvas pixels
+    read_level: int
+    mpp: float | None
+    tissue_box: tuple[int, int, int, int]
+
+
+def render_crop(
+    reader: SlideReader, plan: CropPlan, window: tuple[int, int, int, int] | None = None
+) -> np.ndarray:
+    """Resample ``plan.source_box`` to ``plan.placement``'s size; only ``window`` of it.
+
+    ``window`` is ``(r0, c0, r1, c1)`` in crop pixels (default: all of it). The
+    window is rendered in tiles of at most ``_RENDER_TILE`` output pixels, each
+    from one read of at most about ``_SOURCE_TILE`` source pixels per side, so
+    memory does not grow with the crop. Upsampling (bilinear) reads a 2-pixel
+    margin so tile edges see their neighbours; downsampling (box) never
+    reaches outside its box. A crop at scale 1 on whole pixels is copied as is.
+    """
+    sy, sx, sh, sw = plan.source_box
+    _, _, ph, pw = plan.placement
+    r0, c0, r1, c1 = window if window is not None else (0, 0, ph, pw)
+    ds = reader.level_downsamples[plan.read_level]
+    ly0, lx0, lh, lw = sy / ds, sx / ds, sh / ds, sw / ds
+    per_row, per_col = lh / ph, lw / pw
+    out = np.empty((reader.channels, r1 - r0, c1 - c0), dtype=np.uint8)
+    if per_row == 1.0 and per_col == 1.0 and ly0.is_integer() and lx0.is_integer():
+        return reader.read_region(plan.read_level, int(ly0) + r0, int(lx0) + c0, r1 - r0, c1 - c0)
+    downscale = lw >= pw
+    resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
+    margin = 0 if downscale else 2
+    step = max(16, min(_RENDER_TILE, math.floor(_SOURCE_TILE / max(per_row, per_col, 1.0))))
+    for a0 in range(r0, r1, step):
+        a1 = min(r1, a0 + step)
+        top, bottom = ly0 + a0 * per_row, ly0 + a1 * per_row
+        ya, yb = math.floor(top) - margin, math.ceil(bottom) + margin
+        for b0 in range(c0, c1, step):
+            b1 = min(c1, b0 + step)
+            left, right = lx0 + b0 * per_col, lx0 + b1 * per_col
+            xa, xb = math.floor(left) - margin, math.ceil(right) + margin
+            block = reader.read_region(plan.read_level, ya, xa, yb - ya, xb - xa)
+            box = (left - xa, top - ya, right - xa, bottom - ya)
+            out[:, a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = _resample(
+                block, box, (a1 - a0, b1 - b0), resample
+            )
+    return out
+
+
+def _resample(
+    block: np.ndarray,
+    box: tuple[float, float, float, float],
+    out_hw: tuple[int, int],
+    resample: Image.Resampling,
+) -> np.ndarray:
+    """Resample the ``box`` (x0, y0, x1, y1) of a ``(C, h, w)`` block to ``out_hw``."""
+    h, w = out_hw
+    return np.stack(
+        [
+            np.asarray(Image.fromarray(np.ascontiguousarray(c)).resize((w, h), resample, box=box))
+            for c in block
+        ]
+    )
+
+
+class CanvasRenderer:
+    """The output canvas of one slide, rendered on demand one region at a time.
+
+    A :class:`~hyfi_imaging.io.zarr_store.RegionSource`: the background value
+    everywhere except the placement, where :func:`render_crop` puts the
+    resampled tissue crop. The store writer asks for one shard at a time, so
+    the canvas itself never exists in memory.
+    """
+
+    def __init__(self, reader: SlideReader, plan: CropPlan, size: tuple[int, int]) -> None:
+        self.reader = reader
+        self.plan = plan
+        self._shape = (reader.channels, size[0], size[1])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self._shape
+
+    def read(self, y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
+        """Canvas pixels ``[y0, y1) x [x0, x1)`` as uint8 ``(C, h, w)``."""
+        out = np.full((self._shape[0], y1 - y0, x1 - x0), self.reader.background, np.uint8)
+        py, px, ph, pw = self.plan.placement
+        iy0, ix0 = max(y0, py), max(x0, px)
+        iy1, ix1 = min(y1, py + ph), min(x1, px + pw)
+        if iy0 < iy1 and ix0 < ix1:
+            out[:, iy0 - y0 : iy1 - y0, ix0 - x0 : ix1 - x0] = render_crop(
+                self.reader, self.plan, (iy0 - py, ix0 - px, iy1 - py, ix1 - px)
+            )
+        return out
