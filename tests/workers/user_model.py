@@ -27,18 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pooling_blocks import SqueezeExcite  # the worker beside this one
 from torch import nn
-
-
-class SqueezeExcite(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc1 = nn.Conv2d(channels, channels // 2, 1)
-        self.fc2 = nn.Conv2d(channels // 2, channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(self.fc2(torch.relu(self.fc1(self.pool(x)))))
 
 
 class ResidualNet(nn.Module):
