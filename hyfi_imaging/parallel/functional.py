@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Frames", "Site", "SpatialFunctions", "site_of"]
+__all__ = ["Frames", "Site", "SiteMode", "SpatialFunctions", "site_of"]
 
 _KINDS = {
     "adaptive_avg_pool2d": "avg",
@@ -132,7 +132,41 @@ class Frames:
         self.handles.clear()
 
 
-class SpatialFunctions(TorchFunctionMode):
+class SiteMode(TorchFunctionMode):
+    """A function mode that names every site the same way, in traces and at run time.
+
+    The counting rule lives here once (sites outside layers with a spatial
+    form, named by :meth:`Frames.next_site`): the shape trace, the watch and
+    the run-time replacement must agree on it call for call. Subclasses say
+    what happens at a site in :meth:`at_site`; every other call runs as is.
+    """
+
+    def __init__(self, frames: Frames) -> None:
+        super().__init__()
+        self.frames = frames
+
+    def at_site(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
+    ) -> Any:
+        """What a site call does; default: run it."""
+        return func(*args, **kwargs)
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.frames.inside == 0:
+            site = site_of(func, args, kwargs)
+            if site is not None:
+                return self.at_site(func, args, kwargs, site, self.frames.next_site())
+        return func(*args, **kwargs)
+
+
+class SpatialFunctions(SiteMode):
     """At run time: the tile sites of a spatialized model, replaced by their spatial form.
 
     Active while any module of the model runs (entered by the outermost
@@ -147,9 +181,8 @@ class SpatialFunctions(TorchFunctionMode):
         sites: set[str],
         reduce: Callable[[torch.Tensor, Site, str], torch.Tensor],
     ) -> None:
-        super().__init__()
+        super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
         self.sites, self.reduce = sites, reduce
-        self.frames = Frames(model, known, on_enter=self._entering, on_leave=self._left)
 
     def _entering(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.frames.stack:
@@ -159,18 +192,9 @@ class SpatialFunctions(TorchFunctionMode):
         if not self.frames.stack:
             self.__exit__(None, None, None)
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
+    def at_site(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
     ) -> Any:
-        kwargs = kwargs or {}
-        if self.frames.inside == 0:
-            site = site_of(func, args, kwargs)
-            if site is not None:
-                name = self.frames.next_site()
-                if name in self.sites:
-                    return self.reduce(args[0], site, name)
+        if name in self.sites:
+            return self.reduce(args[0], site, name)
         return func(*args, **kwargs)

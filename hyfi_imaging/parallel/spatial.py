@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel import windowed
@@ -45,7 +44,7 @@ from hyfi_imaging.parallel.collectives import (
     all_reduce_replicated,
     all_reduce_sum,
 )
-from hyfi_imaging.parallel.functional import Frames, Site, SpatialFunctions, site_of
+from hyfi_imaging.parallel.functional import Frames, Site, SiteMode, SpatialFunctions
 from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom, padded_hw
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.watch import watch_tiles
@@ -238,23 +237,17 @@ def _trace_sizes(
     return sizes, outs
 
 
-class _SiteSizes(TorchFunctionMode):
+class _SiteSizes(SiteMode):
     """Records the true input size of every functional site (see parallel/functional.py)."""
 
     def __init__(self, frames: Frames, sizes: dict[str, tuple[int, int]]) -> None:
-        super().__init__()
-        self.frames, self.sizes = frames, sizes
+        super().__init__(frames)
+        self.sizes = sizes
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
+    def at_site(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
     ) -> Any:
-        kwargs = kwargs or {}
-        if self.frames.inside == 0 and site_of(func, args, kwargs) is not None:
-            self.sizes[self.frames.next_site()] = (int(args[0].shape[-2]), int(args[0].shape[-1]))
+        self.sizes[name] = (int(args[0].shape[-2]), int(args[0].shape[-1]))
         return func(*args, **kwargs)
 
 

@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.functional import Frames, site_of
+from hyfi_imaging.parallel.functional import Frames, Site, SiteMode
 
 __all__ = ["TileUse", "watch_tiles"]
 
@@ -306,7 +305,7 @@ def _shifted(tile: _Tile, removed: set[int], keep: bool) -> _Tile:
     return _Tile((dims[0], dims[1]), tile.hw)
 
 
-class _Sites(TorchFunctionMode):
+class _Sites(SiteMode):
     """The watch's function-level half: global reductions written as functions.
 
     A site (see :mod:`.functional`) that reduces tile data is recorded and
@@ -314,21 +313,12 @@ class _Sites(TorchFunctionMode):
     """
 
     def __init__(self, watch: _Watch, frames: Frames) -> None:
-        super().__init__()
-        self.watch, self.frames = watch, frames
+        super().__init__(frames)
+        self.watch = watch
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
+    def at_site(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
     ) -> Any:
-        kwargs = kwargs or {}
-        site = site_of(func, args, kwargs) if self.frames.inside == 0 else None
-        if site is None:
-            return func(*args, **kwargs)
-        name = self.frames.next_site()
         if self.watch.tile_of(args[0]) is None:
             return func(*args, **kwargs)
         self.watch.use.functional_sites.add(name)
