@@ -171,3 +171,23 @@ def test_unknown_modules_are_judged_by_what_they_do() -> None:
     assert {"1.weight", "1.bias", "2.gamma"} <= ctx.tile_param_names
     with pytest.raises(ConfigError, match=r"^module '1': aten.avg_pool2d a functional pool"):
         spatialize(stack(Blur()), grid=(2, 1), tile=(0, 0), neighbours=Neighbours(), group=None)
+
+
+def test_a_functional_pool_in_a_module_used_on_tiles_and_on_pooled_data_is_refused() -> None:
+    class MeanScale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * x.mean((2, 3), keepdim=True)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.scale = MeanScale()
+            self.pool = nn.AdaptiveAvgPool2d(1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.scale(self.conv(x))  # on the tiles
+            return self.scale(self.pool(y)).flatten(1)  # again, on the pooled vector
+
+    with pytest.raises(ConfigError, match=r"^module 'scale'.*one call and on pooled data"):
+        spatialize(Twice(), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)

@@ -247,7 +247,13 @@ class _SiteSizes(SiteMode):
     def at_site(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
     ) -> Any:
-        self.sizes[name] = (int(args[0].shape[-2]), int(args[0].shape[-1]))
+        hw = (int(args[0].shape[-2]), int(args[0].shape[-1]))
+        if self.sizes.setdefault(name, hw) != hw:
+            raise ConfigError(
+                f"module {name.rsplit('#', 1)[0]!r}",
+                "a global reduction in its forward runs on inputs of different sizes",
+                "give each call site its own module",
+            )
         return func(*args, **kwargs)
 
 

@@ -315,11 +315,21 @@ class _Sites(SiteMode):
     def __init__(self, watch: _Watch, frames: Frames) -> None:
         super().__init__(frames)
         self.watch = watch
+        self.seen: dict[str, bool] = {}
 
     def at_site(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
     ) -> Any:
-        if self.watch.tile_of(args[0]) is None:
+        tiled = self.watch.tile_of(args[0]) is not None
+        if self.seen.setdefault(name, tiled) != tiled:  # one name, one run-time behaviour
+            path = name.rsplit("#", 1)[0] or self.watch.root
+            raise ConfigError(
+                f"module {path!r}",
+                f"its global reduction ({getattr(func, '__name__', func)}) runs on tile data in "
+                "one call and on pooled data in another",
+                "give each use its own module instance",
+            )
+        if not tiled:
             return func(*args, **kwargs)
         self.watch.use.functional_sites.add(name)
         self.frames.inside += 1  # its own ops are the spatial form's business
