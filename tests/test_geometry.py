@@ -641,3 +641,84 @@ def test_ceil_mode_max_pool_lengths_match_pytorch() -> None:
         geom = layer_geom(module)[0]
         for n in range(max(k - 2 * p, 1), 40):
             assert geom.out_length(n) == module(torch.zeros(1, 1, n, n)).shape[-1], (k, s, p, n)
+
+
+# ---------------------------------------------------------------- resampling (pads, interpolation)
+
+
+def _resample_options() -> Iterator[tuple[str, dict[str, object]]]:
+    for mode in ("nearest", "nearest-exact", "bilinear"):
+        corners = (None, True) if mode == "bilinear" else (None,)
+        for align_corners in corners:
+            for key, value in (
+                ("size", (1, 3)), ("scale_factor", 2), ("scale_factor", 0.5),
+                ("scale_factor", 1.7), ("size", (2, 5)),
+            ):  # fmt: skip
+                yield "interpolate", {"mode": mode, "align_corners": align_corners, key: value}
+    for pad in ((1, 2), (0, 3), (-1, 2), (2, -1)):
+        yield "pad", {"pad": (*pad, *pad[::-1]), "value": 0.5}
+
+
+@pytest.mark.parametrize(("op", "options"), list(_resample_options()))
+def test_tiled_resampling_equals_the_whole_image(op: str, options: dict[str, object]) -> None:
+    """Every rank's halo window and gather, stitched, is the op on the whole image.
+
+    Brute force over sizes, axes and tile counts, ranks simulated: each window
+    is cut from the zero-filled padded axis, as the halo exchange delivers it.
+    The image varies along the axis under test only, so a line through the
+    middle of the other axis is that axis' whole answer.
+    """
+    from hyfi_imaging.parallel.functional import Resample, source_coords
+
+    fn = torch.nn.functional
+    for n in (5, 9, 16, 23):
+        opts = dict(options)
+        if isinstance(size := opts.get("size"), tuple):
+            opts["size"] = (size[0] * n // 3 + 1, size[1] * n // 3 + 2)
+        res = Resample(op, tuple(sorted(opts.items())))
+        n_in = (n, n + 3)
+        probe = fn.pad if op == "pad" else fn.interpolate
+        n_out = tuple(probe(torch.zeros(1, 1, *n_in), **opts).shape[-2:])  # type: ignore[operator]
+        coords = source_coords(res, n_in, n_out)  # type: ignore[arg-type]
+        for a in (0, 1):
+            line = torch.randn(n_in[a], dtype=torch.float64)
+            image = line.view(-1, 1).expand(n_in) if a == 0 else line.view(1, -1).expand(n_in)
+            whole = probe(image.reshape(1, 1, *n_in), **opts)[0, 0]  # type: ignore[operator]
+            ref = whole[:, n_out[1] // 2] if a == 0 else whole[n_out[0] // 2]
+            for tiles in (1, 2, 3):
+                t_in = -(-n_in[a] // (tiles * 2)) * 2
+                if (tiles - 1) * t_in >= n_in[a]:
+                    continue
+                try:
+                    t_out = g.resampled_tile(
+                        t_in, n_in[a], n_out[a], scales=op == "interpolate", where="t"
+                    )
+                    plans = [
+                        g.resample_1d(coords[a], n_in[a], t_in, t_out, tiles, k, where="t")
+                        for k in range(tiles)
+                    ]
+                except ConfigError:
+                    continue  # refused (the tiles cannot hold it): never wrong
+                padded = torch.zeros((tiles + 2) * t_in, dtype=torch.float64)
+                padded[t_in : t_in + n_in[a]] = line
+                got = []
+                for k, p in enumerate(plans):
+                    window = padded[(k + 1) * t_in - p.before : (k + 2) * t_in + p.after]
+                    w = torch.tensor(p.weight, dtype=torch.float64)
+                    inside = torch.tensor(p.inside, dtype=torch.float64)
+                    v = window[list(p.first)] * (1 - w) + window[list(p.second)] * w
+                    got.append(v * inside + (1 - inside) * float(opts.get("value") or 0))
+                stitched = torch.cat(got)[: n_out[a]]
+                torch.testing.assert_close(stitched, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_flip_or_a_map_that_outgrows_its_tiles_is_refused() -> None:
+    flip = [float(15 - r) for r in range(16)]
+    with pytest.raises(ConfigError, match="past its neighbour"):
+        g.resample_1d(flip, 16, 4, 4, 4, 0, where="module 'm' (F.x)")
+    grow = [float(r - 3) if r >= 3 else None for r in range(19)]
+    with pytest.raises(ConfigError, match="tiles \\(2 x 8 px\\) hold 16"):
+        g.resample_1d(grow, 16, 8, 8, 2, 0, where="module 'm' (F.pad)")
+    with pytest.raises(ConfigError, match="3-fold"):
+        g.resampled_tile(5, 45, 15, scales=True, where="m")
+    assert g.resampled_tile(19, 37, 75, scales=True, where="m") == 38

@@ -53,10 +53,15 @@ REFUSED: dict[str, tuple[Fn, str]] = {
     "F.conv2d": (lambda m, x: F.conv2d(x, m.excite.weight, padding=0), "convolution"),
     "torch.flip": (lambda m, x: torch.flip(x, (3,)), "aten.flip"),
     "torch.roll": (lambda m, x: torch.roll(x, 1, 3), "aten.roll"),
-    "bilinear": (lambda m, x: F.interpolate(x, scale_factor=2, mode="bilinear"), "upsample"),
-    "nearest": (lambda m, x: F.interpolate(x, size=(33, 31)), "upsample"),
+    "bicubic": (lambda m, x: F.interpolate(x, scale_factor=2, mode="bicubic"), "bicubic"),
+    "antialias": (
+        lambda m, x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True),
+        "antialias",
+    ),
+    "area": (lambda m, x: F.interpolate(x, size=(7, 9), mode="area"), "whole image's size"),
     "reflect pad": (lambda m, x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "reflection_pad2d"),
-    "zero pad": (lambda m, x: F.pad(x, (1, 1, 1, 1)), "pad of the tile's borders"),
+    "replicate pad": (lambda m, x: F.pad(x, (1, 1, 0, 0), mode="replicate"), "replication_pad2d"),
+    "pad of channels": (lambda m, x: F.pad(x, (0, 0, 0, 0, 1, 1))[:, :4], "constant_pad_nd"),
     "flatten spatial": (lambda m, x: x.flatten(2).mean(2), "reshapes the tiled feature map"),
     "crop": (lambda m, x: x[..., 1:, :], "aten.slice"),
     "group norm": (lambda m, x: F.group_norm(x, 2), "group_norm"),
@@ -99,6 +104,24 @@ ALLOWED: dict[str, Fn] = {
 def test_global_reductions_written_as_functions_get_their_spatial_form(body: Fn) -> None:
     ctx = _spatialize(body)
     assert ctx.functional_sites == {"#0"}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda m, x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+        lambda m, x: F.interpolate(x, size=(33, 31), mode="bilinear", align_corners=True),
+        lambda m, x: F.interpolate(x, size=(33, 31)),
+        lambda m, x: F.interpolate(x, scale_factor=(0.5, 1.5), mode="nearest-exact"),
+        lambda m, x: F.pad(x, (1, 1, 1, 1)),
+        lambda m, x: F.pad(x, (2, -1), value=0.5),
+        lambda m, x: nn.Upsample(scale_factor=2)(x),
+    ],
+)
+def test_pads_and_interpolations_get_their_spatial_form(body: Fn) -> None:
+    """Their exactness on real grids: ``test_resample_mpi.py``."""
+    ctx = _spatialize(body)
+    assert len(ctx.functional_sites) == 1  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("case", sorted(ALLOWED))

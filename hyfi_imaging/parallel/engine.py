@@ -67,6 +67,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -76,7 +77,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.apply import (
     OutputMap,
@@ -88,7 +89,7 @@ from hyfi_imaging.parallel.apply import (
     tile_of,
 )
 from hyfi_imaging.parallel.balance import BalanceBy, LayerCosts, measure_layers, partition
-from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.launch import ParallelContext, error_chain
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
@@ -464,7 +465,8 @@ class ParallelModel:
         # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
         # backward and adds them to the (sharded) gradients already there.
         target = self.target_of(labels).to(self.pc.device)
-        out = pipe.schedule.step(*args, target=target, losses=losses)
+        with _own_errors():
+            out = pipe.schedule.step(*args, target=target, losses=losses)
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
         if snapshot is not None:
             self._sync_running_stats(snapshot)
@@ -492,7 +494,8 @@ class ParallelModel:
         self.stage_module.eval()
         self._expect(pipe.out_shapes)
         try:
-            out = pipe.schedule.step(*args)
+            with _own_errors():
+                out = pipe.schedule.step(*args)
         finally:
             self.stage_module.train(was_training)
         if self.is_last:
@@ -669,6 +672,19 @@ class ParallelModel:
         if shown < layout.world_size:
             lines.append(f"  ... ({layout.world_size - shown} more ranks)")
         return "\n".join(lines)
+
+
+@contextmanager
+def _own_errors() -> Iterator[None]:
+    """A HyfiError raised inside a pipeline stage comes out as itself (one line), not
+    wrapped in ``torch.distributed.pipelining``'s RuntimeError with a traceback."""
+    try:
+        yield
+    except RuntimeError as err:
+        cause = next((e for e in error_chain(err) if isinstance(e, HyfiError)), None)
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def _fingerprint(t: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Global reductions written as functions: where they are, and their spatial form.
+"""Functions that mix pixels across tiles: where they are, and their spatial form.
 
 Why: models pool with functions as often as with modules -- torchvision's
 DenseNet and MobileNetV2 end with ``F.adaptive_avg_pool2d(x, 1)``, many
@@ -14,6 +14,15 @@ time, where :class:`SpatialFunctions` replaces exactly those calls by masked
 local reductions and an all-reduce (``SpatialContext.global_reduce``), like the
 global-pool modules. Calls inside layers that have a spatial form are not
 counted: those layers do their own work.
+
+The same holds for *resampling* sites (:class:`Resample`): ``F.pad`` with a
+constant (the pad lies at the image border, not at every tile's) and
+``F.interpolate`` (nearest, nearest-exact, bilinear; any size or scale factor,
+either ``align_corners``), also inside ``nn.Upsample`` and ``nn.ZeroPad2d``.
+Each output pixel reads at most two input pixels per axis; :func:`source_coords`
+asks PyTorch itself where (the same function on an index ramp, so its rounding
+rules are never re-implemented) and ``SpatialContext.resample`` fetches them
+with one halo exchange.
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Frames", "Site", "SiteMode", "SpatialFunctions", "site_of"]
+__all__ = ["Frames", "Resample", "Site", "SiteMode", "SpatialFunctions", "site_of", "source_coords"]
 
 _KINDS = {
     "adaptive_avg_pool2d": "avg",
@@ -49,11 +59,66 @@ class Site:
     pool: bool  # F.adaptive_*_pool2d (True) or a tensor reduction (False)
 
 
-def site_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Site | None:
-    """The :class:`Site` if ``func(*args, **kwargs)`` reduces a 4-D map over both spatial dims."""
+@dataclass(frozen=True)
+class Resample:
+    """A pad (``op="pad"``) or interpolation (``op="interpolate"``) of a 4-D map.
+
+    ``options`` holds the call's arguments but the input, by keyword, so that
+    :func:`source_coords` can ask PyTorch where each output pixel reads.
+    """
+
+    op: str
+    options: tuple[tuple[str, Any], ...]
+
+    @property
+    def linear(self) -> bool:
+        """Whether an output pixel mixes two inputs per axis (bilinear)."""
+        return dict(self.options).get("mode") == "bilinear"
+
+    @property
+    def value(self) -> float:
+        """The fill of a pad (0 for interpolation)."""
+        return float(dict(self.options).get("value") or 0.0)
+
+
+_INTERPOLATE = (
+    "size",
+    "scale_factor",
+    "mode",
+    "align_corners",
+    "recompute_scale_factor",
+    "antialias",
+)
+#: Modes whose output pixel reads at most two inputs per axis; bicubic and area are refused.
+_MODES = ("nearest", "nearest-exact", "bilinear")
+
+
+def _bound(names: Sequence[str], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**dict(zip(names, args[1:], strict=False)), **kwargs}
+
+
+def _resample_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Resample | None:
+    if name == "pad":
+        opts = _bound(("pad", "mode", "value"), args, kwargs)
+        pad = tuple(int(p) for p in opts.get("pad", ()))
+        if opts.get("mode", "constant") != "constant" or len(pad) not in (2, 4):
+            return None  # reflect/replicate/circular, or pads of channels: the watch refuses
+        return Resample("pad", (("pad", pad), ("value", opts.get("value"))))
+    opts = _bound(_INTERPOLATE, args, kwargs)
+    if opts.get("mode", "nearest") not in _MODES or opts.get("antialias"):
+        return None  # the watch refuses the ATen op it becomes
+    opts.setdefault("mode", "nearest")
+    return Resample("interpolate", tuple(sorted(opts.items())))
+
+
+def site_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Site | Resample | None:
+    """The :class:`Site` if ``func(*args, **kwargs)`` reduces a 4-D map over both spatial
+    dims, the :class:`Resample` if it pads or interpolates one, else None."""
     name = getattr(func, "__name__", "")
     kind = _KINDS.get(name)
     x = args[0] if args else kwargs.get("input")
+    if name in ("pad", "interpolate") and isinstance(x, torch.Tensor) and x.dim() == 4:
+        return _resample_of(name, args, kwargs)
     if kind is None or not isinstance(x, torch.Tensor) or x.dim() != 4:
         return None
     if name.startswith(("adaptive", "_adaptive")):
@@ -69,6 +134,48 @@ def site_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Site | No
     if dims != {2, 3}:
         return None
     return Site(kind, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False)), False)
+
+
+def source_coords(
+    res: Resample, n_in: tuple[int, int], n_out: tuple[int, int]
+) -> tuple[list[float | None], list[float | None]]:
+    """Per axis (height, width): the input coordinate each output index reads.
+
+    ``None`` where the output lies in a pad. An integer coordinate reads one
+    pixel; ``i + f`` reads ``i`` and ``i + 1`` with weights ``1 - f`` and ``f``
+    (bilinear). Interpolation runs PyTorch's own 1-D form of the same call on an
+    index ramp (``arange(n)`` in float64), so sizes, scale factors and
+    ``align_corners`` follow PyTorch's rules exactly.
+    """
+    opts = dict(res.options)
+    if res.op == "pad":
+        pad = opts["pad"]
+        left, top = pad[0], pad[2] if len(pad) == 4 else 0
+        return (
+            [float(r - top) if 0 <= r - top < n_in[0] else None for r in range(n_out[0])],
+            [float(c - left) if 0 <= c - left < n_in[1] else None for c in range(n_out[1])],
+        )
+    mode = "linear" if opts["mode"] == "bilinear" else opts["mode"]
+    coords: list[list[float | None]] = []
+    for axis in (0, 1):
+        one: dict[str, Any] = {
+            "mode": mode,
+            "align_corners": opts.get("align_corners"),
+            "recompute_scale_factor": opts.get("recompute_scale_factor"),
+        }
+        size, scale = opts.get("size"), opts.get("scale_factor")
+        if scale is not None and not isinstance(scale, (int, float)):
+            scale = scale[axis]
+        if size is not None:
+            one["size"] = size if isinstance(size, int) else size[axis]
+        else:
+            one["scale_factor"] = scale
+        ramp = torch.arange(n_in[axis], dtype=torch.float64).view(1, 1, -1)
+        out = F.interpolate(ramp, **one).view(-1)
+        if out.numel() != n_out[axis]:
+            raise RuntimeError(f"1-D interpolation gave {out.numel()} outputs, not {n_out[axis]}")
+        coords.append([float(v) for v in out.tolist()])
+    return coords[0], coords[1]
 
 
 class Frames:
@@ -146,7 +253,12 @@ class SiteMode(TorchFunctionMode):
         self.frames = frames
 
     def at_site(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        site: Site | Resample,
+        name: str,
     ) -> Any:
         """What a site call does; default: run it."""
         return func(*args, **kwargs)
@@ -167,7 +279,8 @@ class SiteMode(TorchFunctionMode):
 
 
 class SpatialFunctions(SiteMode):
-    """At run time: the tile sites of a spatialized model, replaced by their spatial form.
+    """At run time: the tile sites of a spatialized model, replaced by their spatial form
+    (``run(x, site, name)``: ``SpatialContext.run_site``).
 
     Active while any module of the model runs (entered by the outermost
     module's pre-hook, left by its hook), so pipeline stages that call the
@@ -179,10 +292,10 @@ class SpatialFunctions(SiteMode):
         model: nn.Module,
         known: Callable[[nn.Module], bool],
         sites: set[str],
-        reduce: Callable[[torch.Tensor, Site, str], torch.Tensor],
+        run: Callable[[torch.Tensor, Site | Resample, str], torch.Tensor],
     ) -> None:
         super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
-        self.sites, self.reduce = sites, reduce
+        self.sites, self.run = sites, run
 
     def _entering(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.frames.stack:
@@ -193,8 +306,13 @@ class SpatialFunctions(SiteMode):
             self.__exit__(None, None, None)
 
     def at_site(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        site: Site | Resample,
+        name: str,
     ) -> Any:
         if name in self.sites:
-            return self.reduce(args[0], site, name)
+            return self.run(args[0] if args else kwargs["input"], site, name)
         return func(*args, **kwargs)

@@ -37,6 +37,7 @@ the image (0 for conv, -inf before max-pool); that is the spatial layers' job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -55,6 +56,7 @@ __all__ = [
     "GridPlan",
     "Halo1D",
     "LayerGeom",
+    "Resample1D",
     "Span",
     "TilePlan",
     "decompose",
@@ -65,6 +67,8 @@ __all__ = [
     "padded_hw",
     "plan_chain",
     "plan_layer",
+    "resample_1d",
+    "resampled_tile",
     "split",
     "split_balanced",
 ]
@@ -771,3 +775,123 @@ def plan_chain(
             )
         )
     return tuple(plans)
+
+
+# -- resampling: pads and interpolations of the whole image ---------------------------------
+
+
+def resampled_tile(
+    t_in: int, n_in: int, n_out: int, *, scales: bool, where: str, axis: str = "axis"
+) -> int:
+    """Tile length of a pad's (``scales`` False) or interpolation's output along one axis.
+
+    A pad keeps the tile. An interpolation scales it by the size ratio rounded to
+    an integer (U-Net's ``size=skip.shape`` at odd sizes: 75 from 37 is 2), so
+    that the output tiles line up with the tiles of the same resolution
+    elsewhere in the model (a skip connection). :func:`resample_1d` checks that
+    the tiles hold the whole output.
+
+    OK: ``resampled_tile(19, 37, 75, scales=True, where="up")`` -> 38.
+    Error: ``resampled_tile(5, 45, 15, scales=True, where="down")`` (5 is not a multiple of 3).
+    """
+    if not scales or n_out == n_in:
+        return t_in
+    if n_out > n_in:
+        return t_in * round(n_out / n_in)
+    factor = round(n_in / n_out)
+    if t_in % factor:
+        raise ConfigError(
+            where,
+            f"shrinks the {axis} {factor}-fold but its tiles are {t_in} px",
+            f"pass an align that is a multiple of {factor} (spatialize(align=...))",
+        )
+    return t_in // factor
+
+
+@dataclass(frozen=True)
+class Resample1D:
+    """One axis of a pad or interpolation, for one rank.
+
+    The rank extends its tile by ``before``/``after`` halo pixels (the same on
+    every rank); output ``r`` of its tile is ``(1 - weight[r]) * in[first[r]] +
+    weight[r] * in[second[r]]`` in local indices of the extended tile, or
+    outside the input (a pad, or past the output's end) where ``inside[r]`` is
+    False.
+    """
+
+    before: int
+    after: int
+    first: tuple[int, ...]
+    second: tuple[int, ...]
+    weight: tuple[float, ...]
+    inside: tuple[bool, ...]
+
+
+def _taps(coord: float, n_in: int) -> tuple[int, int, float]:
+    first = min(max(math.floor(coord), 0), n_in - 1)
+    frac = coord - first
+    return (first, first + 1, frac) if frac > 0 and first + 1 < n_in else (first, first, 0.0)
+
+
+def resample_1d(
+    coords: Sequence[float | None],
+    n_in: int,
+    t_in: int,
+    t_out: int,
+    tiles: int,
+    rank: int,
+    *,
+    where: str,
+    axis: str = "axis",
+) -> Resample1D:
+    """Plan one axis of a resampling for tile ``rank`` of ``tiles``.
+
+    ``coords[r]`` is the input coordinate output ``r`` reads (``None``: a pad),
+    over the whole image. The halo is the widest any rank needs, so that all
+    exchange the same strips; it may reach the neighbouring tile only.
+
+    OK: an upsampling by 2 (bilinear) reads 1 px beyond its tile on each side.
+    Error: a flip (``coords[r] = n - 1 - r``) reads from the far tile.
+    """
+    n_out = len(coords)
+    if tiles * t_out < n_out:
+        raise ConfigError(
+            where,
+            f"gives {n_out} px along the {axis} but the tiles ({tiles} x {t_out} px) hold "
+            f"{tiles * t_out}",
+            "pad the input before the model instead, or give the tiles room: a larger align "
+            "(apply_spatial(..., align=N))",
+        )
+    before = after = 0
+    for q in range(tiles):
+        for r in range(q * t_out, min((q + 1) * t_out, n_out)):
+            c = coords[r]
+            if c is not None:
+                first, second, _ = _taps(c, n_in)
+                before, after = (
+                    max(before, q * t_in - first),
+                    max(after, second + 1 - (q + 1) * t_in),
+                )
+    if tiles > 1 and max(before, after) > t_in:
+        raise ConfigError(
+            where,
+            f"reads pixels {max(before, after)} px beyond a tile of {t_in} px along the {axis}, "
+            "past its neighbour (a flip, roll or shift of the whole image)",
+            "use fewer tiles along that axis, or do it on the input before the model",
+        )
+    origin = rank * t_in - before
+    first_, second_, weight_, inside_ = [], [], [], []
+    for r in range(rank * t_out, (rank + 1) * t_out):
+        c = coords[r] if r < n_out else None
+        if c is None:
+            first, second, frac = before, before, 0.0  # any local pixel: its weight is 0
+        else:
+            first, second, frac = _taps(c, n_in)
+            first, second = first - origin, second - origin
+        first_.append(first)
+        second_.append(second)
+        weight_.append(frac)
+        inside_.append(c is not None)
+    return Resample1D(
+        max(before, 0), max(after, 0), tuple(first_), tuple(second_), tuple(weight_), tuple(inside_)
+    )

@@ -40,6 +40,7 @@ from hyfi_imaging.parallel.memory import fix_malloc_threshold
 __all__ = [
     "ParallelContext",
     "detect_launcher",
+    "error_chain",
     "exit_now",
     "fail_fast",
     "failure_line",
@@ -251,7 +252,8 @@ def lost_ranks() -> list[int]:
     return [r for r, (h, pid) in enumerate(_PEERS) if h == host and not _alive(pid)]
 
 
-def _chain(err: BaseException) -> list[BaseException]:
+def error_chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the errors it was raised from (causes, then contexts), each once."""
     seen: list[BaseException] = []
     e: BaseException | None = err
     while e is not None and e not in seen:
@@ -261,7 +263,7 @@ def _chain(err: BaseException) -> list[BaseException]:
 
 
 def _first_line(err: BaseException) -> str:
-    for e in _chain(err):
+    for e in error_chain(err):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         if lines:
             return lines[0]
@@ -271,11 +273,12 @@ def _first_line(err: BaseException) -> str:
 def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool]:
     """The one line to print for ``err`` on ``rank`` (None: stay quiet) and whether a trace helps."""
     who = "" if rank is None else f"rank {rank}: "
+    err = next((e for e in error_chain(err) if isinstance(e, HyfiError)), err)
     if isinstance(err, HyfiError):
         if err.collective and rank not in (None, 0):
             return None, False
         return (f"error: {err}" if err.collective else f"{who}error: {err}"), False
-    for e in _chain(err):
+    for e in error_chain(err):
         if isinstance(e, OSError) and e.strerror:
             where = f"{e.filename}: " if e.filename else ""
             fix = (
@@ -285,7 +288,7 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
                 else "check that path and its permissions"
             )
             return f"{who}error: {where}{e.strerror}; {fix}.", False
-    text = " ".join(str(e) for e in _chain(err)).lower()
+    text = " ".join(str(e) for e in error_chain(err)).lower()
     if any(k in text for k in _PEER_GONE):
         # The peer's sockets close while it is still exiting: give the kernel a moment.
         deadline = time.monotonic() + 3.0

@@ -44,9 +44,23 @@ from hyfi_imaging.parallel.collectives import (
     all_reduce_replicated,
     all_reduce_sum,
 )
-from hyfi_imaging.parallel.functional import Frames, Site, SiteMode, SpatialFunctions
-from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom, padded_hw
-from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.functional import (
+    Frames,
+    Resample,
+    Site,
+    SiteMode,
+    SpatialFunctions,
+    source_coords,
+)
+from hyfi_imaging.parallel.geometry import (
+    LayerGeom,
+    Resample1D,
+    layer_geom,
+    padded_hw,
+    resample_1d,
+    resampled_tile,
+)
+from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
 from hyfi_imaging.parallel.watch import watch_tiles
 from hyfi_imaging.parallel.windowed import Window
 
@@ -65,12 +79,14 @@ __all__ = [
 _PROBE = 512
 # Modules that mix pixels but have no spatial form: refused by name (the watch would
 # refuse their ops too; this names the module). nn.LayerNorm is not here: over channels
-# (timm's LayerNorm2d) it acts per pixel, which the watch lets through.
+# (timm's LayerNorm2d) it acts per pixel, which the watch lets through. nn.Upsample,
+# nn.ZeroPad2d and nn.ConstantPad2d are not here either: their F.interpolate / F.pad
+# calls run in their spatial form (parallel/functional.py).
 _UNSUPPORTED = (
     nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.LPPool2d, nn.FractionalMaxPool2d, nn.Upsample,
+    nn.LPPool2d, nn.FractionalMaxPool2d,
     nn.GroupNorm, nn.InstanceNorm2d, nn.LocalResponseNorm, nn.PixelShuffle,
-    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d,
+    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad2d,
     nn.ReplicationPad2d, nn.MultiheadAttention, nn.MaxUnpool2d,
 )  # fmt: skip
 
@@ -106,6 +122,10 @@ class SpatialContext:
         self._in_chans = 3
         self._cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
         self._out_cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+        self._resamples: dict[tuple[Any, ...], tuple[Resample1D, Resample1D]] = {}
+        # The pads and interpolations as called on the whole image (``size=skip.shape``
+        # on a tile is the tile's size): their arguments come from the trace.
+        self._traced_resamples: dict[tuple[int, int], dict[str, Resample]] = {}
 
     def padded_size(self, image_hw: tuple[int, int]) -> tuple[int, int]:
         """Image size after global padding (:func:`~hyfi_imaging.parallel.geometry.padded_hw`)."""
@@ -140,8 +160,9 @@ class SpatialContext:
                     f"px, aligned to the model's total stride {self.align})",
                     f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
                 )
-        sizes, outs = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+        sizes, outs, resamples = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
         self._out_cache[image_hw] = outs
+        self._traced_resamples[image_hw] = resamples
         return sizes
 
     def out_size_of(self, path: str) -> tuple[int, int]:
@@ -156,6 +177,69 @@ class SpatialContext:
             raise RuntimeError(
                 f"spatial layer {path!r} has no traced size; call set_image_size() before forward"
             ) from None
+
+    def run_site(self, x: torch.Tensor, site: Site | Resample, name: str) -> torch.Tensor:
+        """The spatial form of a functional site (see parallel/functional.py)."""
+        if isinstance(site, Resample):
+            return self.resample(x, name)
+        return self.global_reduce(x, site, name)
+
+    def _resample_plan(
+        self, res: Resample, name: str, tile_hw: tuple[int, int]
+    ) -> tuple[Resample1D, Resample1D]:
+        assert self.image_hw is not None
+        key = (name, self.image_hw, tile_hw)
+        if key not in self._resamples:
+            n_in, n_out = self.size_of(name), self.out_size_of(name)
+            path, fn = name.rsplit("#", 1)[0], f"F.{res.op}"
+            where = f"module {path!r} ({fn})" if path else fn
+            coords = source_coords(res, n_in, n_out)
+            axes = []
+            for a, axis in enumerate(("height", "width")):
+                t_out = resampled_tile(
+                    tile_hw[a], n_in[a], n_out[a], scales=res.op == "interpolate", where=where,
+                    axis=axis,
+                )  # fmt: skip
+                axes.append(
+                    resample_1d(
+                        coords[a],
+                        n_in[a],
+                        tile_hw[a],
+                        t_out,
+                        self.grid[a],
+                        self.tile[a],
+                        where=where,
+                        axis=axis,
+                    )
+                )
+            self._resamples[key] = (axes[0], axes[1])
+        return self._resamples[key]
+
+    def resample(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Site ``name``'s pad or interpolation of the whole image, computed on this rank's tile.
+
+        The call's arguments are those traced on the whole image (a ``size``
+        taken from another map's shape at run time would be a tile's size).
+
+        The tile (outside the image masked to 0) is extended by the halo the
+        plan asks for (one exchange; backward returns the halo's gradient to
+        its owner), then each axis gathers the one or two input pixels every
+        output pixel reads and weighs them; a pad's fill is added where the
+        output reads nothing. The same ops on every rank: one graph everywhere.
+        """
+        assert self.image_hw is not None
+        res = self._traced_resamples[self.image_hw][name]  # the whole image's call
+        th, tw = (int(v) for v in x.shape[-2:])
+        ph, pw = self._resample_plan(res, name, (th, tw))
+        (mh, mw), (i, j) = self.size_of(name), self.tile
+        masked = _MaskTail.apply(x, mh - i * th, mw - j * tw, 0.0)
+        ext = halo_exchange(masked, (ph.before, ph.after, pw.before, pw.after), self.neighbours)
+        y = _gather(_gather(ext, -2, ph, res.linear), -1, pw, res.linear)
+        if res.value:
+            inside_h = torch.tensor(ph.inside, dtype=y.dtype, device=y.device).view(-1, 1)
+            inside_w = torch.tensor(pw.inside, dtype=y.dtype, device=y.device).view(1, -1)
+            y = y + res.value * (1 - inside_h * inside_w)
+        return y
 
     def global_reduce(self, x: torch.Tensor, site: Site, name: str) -> torch.Tensor:
         """The whole image's average, sum or maximum over the spatial dims, on every rank.
@@ -182,6 +266,21 @@ class SpatialContext:
         return out if site.keepdim else out.view(out.shape[:-2])
 
 
+def _gather(t: torch.Tensor, dim: int, axis: Resample1D, linear: bool) -> torch.Tensor:
+    """Along ``dim``: ``(1 - w) * t[first] + w * t[second]``, 0 where the output reads nothing."""
+    shape = [1] * t.dim()
+    shape[dim] = -1
+    index = torch.tensor(axis.first, device=t.device)
+    inside = torch.tensor(axis.inside, dtype=t.dtype, device=t.device)
+    if not linear:
+        return t.index_select(dim, index) * inside.view(shape)
+    weight = torch.tensor(axis.weight, dtype=t.dtype, device=t.device)
+    second = torch.tensor(axis.second, device=t.device)
+    return t.index_select(dim, index) * (inside * (1 - weight)).view(shape) + t.index_select(
+        dim, second
+    ) * (inside * weight).view(shape)
+
+
 def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
     """One forward pass on the meta device: no memory, no compute, only shapes.
 
@@ -200,10 +299,12 @@ def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
 
 def _trace_sizes(
     model: nn.Module, shape: tuple[int, ...]
-) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-    """Input and output (h, w) of every spatial module, from one pass on the meta device."""
+) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]], dict[str, Resample]]:
+    """Input and output (h, w) of every spatial module and functional site, and the
+    pads and interpolations as called on the whole image, from one pass on the meta device."""
     sizes: dict[str, tuple[int, int]] = {}
     outs: dict[str, tuple[int, int]] = {}
+    resamples: dict[str, Resample] = {}
     handles = []
 
     def record(table: dict[str, tuple[int, int]], name: str, x: Any) -> None:
@@ -228,33 +329,52 @@ def _trace_sizes(
             )
     frames = Frames(model, _has_spatial_form)
     try:
-        with _SiteSizes(frames, sizes):
+        with _SiteSizes(frames, sizes, outs, resamples):
             _run_meta(model, shape)
     finally:
         frames.remove()
         for h in handles:
             h.remove()
-    return sizes, outs
+    return sizes, outs, resamples
 
 
 class _SiteSizes(SiteMode):
-    """Records the true input size of every functional site (see parallel/functional.py)."""
+    """Records the true input size of every functional site (parallel/functional.py), and a
+    pad's or interpolation's output size and call."""
 
-    def __init__(self, frames: Frames, sizes: dict[str, tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        frames: Frames,
+        sizes: dict[str, tuple[int, int]],
+        outs: dict[str, tuple[int, int]],
+        resamples: dict[str, Resample],
+    ) -> None:
         super().__init__(frames)
-        self.sizes = sizes
+        self.sizes, self.outs, self.resamples = sizes, outs, resamples
 
     def at_site(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        site: Site | Resample,
+        name: str,
     ) -> Any:
-        hw = (int(args[0].shape[-2]), int(args[0].shape[-1]))
-        if self.sizes.setdefault(name, hw) != hw:
-            raise ConfigError(
-                f"module {name.rsplit('#', 1)[0]!r}",
-                "a global reduction in its forward runs on inputs of different sizes",
-                "give each call site its own module",
-            )
-        return func(*args, **kwargs)
+        x = args[0] if args else kwargs["input"]
+        out = func(*args, **kwargs)
+        sizes = [(self.sizes, x)]
+        if isinstance(site, Resample):
+            sizes.append((self.outs, out))
+            self.resamples[name] = site
+        for table, t in sizes:
+            hw = (int(t.shape[-2]), int(t.shape[-1]))
+            if table.setdefault(name, hw) != hw:
+                raise ConfigError(
+                    f"module {name.rsplit('#', 1)[0]!r}",
+                    "a function in its forward that mixes pixels runs on inputs of different sizes",
+                    "give each call site its own module",
+                )
+        return out
 
 
 class _MaskTail(torch.autograd.Function):
@@ -603,7 +723,7 @@ def spatialize(
     ctx.functional_sites = use.functional_sites
     if use.functional_sites:
         ctx._functions = SpatialFunctions(
-            model, _has_spatial_form, use.functional_sites, ctx.global_reduce
+            model, _has_spatial_form, use.functional_sites, ctx.run_site
         )
     for name, m in model.named_modules():
         if name not in use.tile_modules:
@@ -633,7 +753,7 @@ def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str]) -
     Measured by tracing a large input on the meta device.
     """
     probe = 4096
-    sizes, _ = _trace_sizes(reference, (1, in_chans, probe, probe))
+    sizes, _, _ = _trace_sizes(reference, (1, in_chans, probe, probe))
     align = 1
     for name, m in reference.named_modules():
         if name not in tile_modules:

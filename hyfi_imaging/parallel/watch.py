@@ -16,10 +16,15 @@ a global pool) through every ATen op, and:
 * lets the layers that have a spatial form (convolutions, pools, BatchNorm,
   global pools, called as modules) do their own work: their internals are not
   inspected, a global pool's output is replicated (no longer a tile);
+* lets the functions that have a spatial form (global reductions,
+  ``F.pad`` with a constant, ``F.interpolate`` nearest or bilinear: see
+  :mod:`.functional`) run; a reduction's output is replicated, a pad's or an
+  interpolation's is a tile again;
 * refuses anything else on a tile -- a reduction or a reshape over the spatial
-  dims, a crop, a pad, an upsample, a flip, a functional convolution or pool,
-  an op it does not know -- with one line naming the module path, the op and
-  the fix. Unknown means refused: never silently wrong.
+  dims, a crop by slicing, a reflect pad, a bicubic upsample, a flip, a
+  functional convolution or pool, an op it does not know -- with one line
+  naming the module path, the op and the fix. Unknown means refused: never
+  silently wrong.
 
 It also reports which modules saw tile data and which parameters were used on
 it: ``spatialize`` swaps only those modules (a 1x1 convolution on a pooled
@@ -39,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.functional import Frames, Site, SiteMode
+from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode
 
 __all__ = ["TileUse", "watch_tiles"]
 
@@ -254,20 +259,49 @@ class _Watch(TorchDispatchMode):
                 and first.shape == x.shape
             ):  # a slice that keeps everything: x[..., :]
                 return tile
-        what = {
-            "convolution": "a functional convolution (F.conv2d) on the tiled map",
-            "max_pool2d_with_indices": "a functional pool (F.max_pool2d) on the tiled map",
-            "avg_pool2d": "a functional pool (F.avg_pool2d) on the tiled map",
-            "constant_pad_nd": "a pad of the tile's borders, which are not the image's",
-        }.get(name, "mixes pixels of the tiled feature map (or is not known not to)")
-        raise _refuse(
-            path,
-            f"aten.{name}",
-            what,
-            "use the torch.nn module (Conv2d, MaxPool2d, AvgPool2d, BatchNorm2d, "
-            "AdaptiveAvgPool2d(1)) so that its spatial form runs, or run without spatial "
-            "parallelism",
-        )
+        what, fix = _REFUSALS.get(name, (_UNKNOWN, _USE_MODULES))
+        raise _refuse(path, f"aten.{name}", what, fix)
+
+
+_USE_MODULES = (
+    "use the torch.nn module (Conv2d, MaxPool2d, AvgPool2d, BatchNorm2d, AdaptiveAvgPool2d(1)) "
+    "so that its spatial form runs, or run without spatial parallelism"
+)
+_UNKNOWN = "mixes pixels of the tiled feature map (or is not known not to)"
+_EDGE_PAD = (
+    "has no exact tiled form (a tile's edge is not the image's)",
+    "use F.pad(..., mode='constant') or a zero-padded Conv2d",
+)
+_INTERPOLATION = (
+    "is an interpolation with no tiled form (bicubic, area or antialias)",
+    "use F.interpolate / nn.Upsample with mode 'nearest' or 'bilinear' (antialias=False)",
+)
+#: What each refused ATen op is, and what to do instead (default: :data:`_UNKNOWN`).
+_REFUSALS: dict[str, tuple[str, str]] = {
+    "convolution": ("a functional convolution (F.conv2d) on the tiled map", _USE_MODULES),
+    "max_pool2d_with_indices": ("a functional pool (F.max_pool2d) on the tiled map", _USE_MODULES),
+    "avg_pool2d": ("a functional pool (F.avg_pool2d) on the tiled map", _USE_MODULES),
+    "constant_pad_nd": (
+        "a pad that is not F.pad of the last two dims (or of a tile, not the image)",
+        "pad with F.pad(x, (left, right, top, bottom)) or nn.ZeroPad2d/nn.ConstantPad2d",
+    ),
+    "reflection_pad2d": _EDGE_PAD,
+    "replication_pad2d": _EDGE_PAD,
+    "_pad_circular": _EDGE_PAD,
+    "upsample_bicubic2d": _INTERPOLATION,
+    "_upsample_bilinear2d_aa": _INTERPOLATION,
+    "_upsample_bicubic2d_aa": _INTERPOLATION,
+    "_adaptive_avg_pool2d": (
+        "adaptive pooling to more than 1x1 depends on the whole image's size",
+        "pool globally (output size 1)",
+    ),
+    "flip": ("a flip of the whole image reads pixels from the far tiles", "flip the input"),
+    "roll": ("a roll of the whole image reads pixels from the far tiles", "roll the input"),
+    "slice": (
+        "a crop of the tiled map (x[..., a:b, c:d])",
+        "crop with F.pad and negative pads (its spatial form is exact), or crop the input",
+    ),
+}
 
 
 def _keeps(out: torch.Tensor, tile: _Tile) -> bool:
@@ -306,10 +340,12 @@ def _shifted(tile: _Tile, removed: set[int], keep: bool) -> _Tile:
 
 
 class _Sites(SiteMode):
-    """The watch's function-level half: global reductions written as functions.
+    """The watch's function-level half: global reductions, pads and interpolations.
 
-    A site (see :mod:`.functional`) that reduces tile data is recorded and
-    runs unchecked; its output is replicated, like a global pool module's.
+    A site (see :mod:`.functional`) that reads tile data is recorded and runs
+    unchecked (its spatial form does the work at run time): a reduction's
+    output is replicated, like a global pool module's; a pad's or an
+    interpolation's output is a tile again, of its new size.
     """
 
     def __init__(self, watch: _Watch, frames: Frames) -> None:
@@ -318,15 +354,20 @@ class _Sites(SiteMode):
         self.seen: dict[str, bool] = {}
 
     def at_site(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], site: Site, name: str
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        site: Site | Resample,
+        name: str,
     ) -> Any:
-        tiled = self.watch.tile_of(args[0]) is not None
+        tiled = self.watch.tile_of(args[0] if args else kwargs.get("input")) is not None
         if self.seen.setdefault(name, tiled) != tiled:  # one name, one run-time behaviour
             path = name.rsplit("#", 1)[0] or self.watch.root
             raise ConfigError(
                 f"module {path!r}",
-                f"its global reduction ({getattr(func, '__name__', func)}) runs on tile data in "
-                "one call and on pooled data in another",
+                f"its {getattr(func, '__name__', func)} call runs on tile data in one call and "
+                "on pooled data in another",
                 "give each use its own module instance",
             )
         if not tiled:
@@ -337,7 +378,11 @@ class _Sites(SiteMode):
             out = func(*args, **kwargs)
         finally:
             self.frames.inside -= 1
-        self.watch.mark_replicated(out, frozenset({name}))
+        if isinstance(site, Resample):
+            hw = (int(out.shape[-2]), int(out.shape[-1]))
+            self.watch.mark(out, _Tile((out.dim() - 2, out.dim() - 1), hw))
+        else:
+            self.watch.mark_replicated(out, frozenset({name}))
         return out
 
 

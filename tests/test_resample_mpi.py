@@ -1,0 +1,48 @@
+"""Pads and interpolations of the whole image run exactly on a tile grid (float64, mpiexec).
+
+U-Net decoders (``F.interpolate(x, size=skip.shape[-2:])`` in every mode,
+``nn.Upsample`` + ``F.pad`` to the skip), asymmetric and non-zero pads, a crop
+by negative pad and a downsampling interpolation, at odd sizes where the
+ratio of sizes is not an integer (75 from 37): each must equal one process,
+through ``hyfi_imaging.verify_model`` (outputs, input and parameter gradients,
+weights after two steps). Their refusals and the per-axis arithmetic are in
+``test_watch.py`` and ``test_geometry.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import have_mpiexec, json_line, mpiexec
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(not have_mpiexec(), reason="mpiexec is not installed"),
+]
+WORKER = Path(__file__).parent / "workers" / "resample_models.py"
+
+CASES = [
+    ("unet-nearest", (2, 2), (90, 75)),
+    ("unet-nearest-exact", (1, 2), (45, 37)),
+    ("unet-bilinear", (2, 2), (90, 75)),
+    ("unet-bilinear-corners", (2, 1), (45, 37)),
+    ("unet-pad", (2, 2), (90, 75)),
+    ("unet-pad", (1, 3), (30, 70)),
+    ("pads", (2, 2), (90, 75)),
+    ("pads", (1, 2), (45, 37)),
+]
+
+
+@pytest.mark.parametrize(("model", "grid", "size"), CASES)
+def test_pads_and_interpolations_match_one_process(
+    model: str, grid: tuple[int, int], size: tuple[int, int]
+) -> None:
+    """The worst relative errors (~1e-7) are on a bias gradient BatchNorm makes ~1e-16."""
+    job = mpiexec(grid[0] * grid[1], str(WORKER), model, *map(str, (*grid, *size)))
+    result = json_line(job)
+    assert job.returncode == 0 and "error" not in result, job.describe()
+    assert result["ok"] and result["max_rel_error"] < 1e-6, result
