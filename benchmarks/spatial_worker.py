@@ -83,11 +83,11 @@ def _install_halo_counter() -> None:
 
     real = halo._exchange
 
-    def counting(sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]]) -> None:
+    def counting(sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]]) -> Any:
         for _, t in sends:
             _SENT[_PHASE["name"]] += t.numel() * t.element_size()
             _MESSAGES[_PHASE["name"]] += 1
-        real(sends, recvs)
+        return real(sends, recvs)
 
     halo._exchange = counting
 

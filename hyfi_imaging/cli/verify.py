@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         "keeping convolution outputs (default none)",
     )
     p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="compute each convolution's interior while its halos are in flight",
+    )
+    p.add_argument(
         "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"
     )
     p.add_argument(
@@ -148,6 +153,7 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
         balance=balance,
         checkpointing=args.checkpointing,
         balance_by=by,  # type: ignore[arg-type]
+        overlap=args.overlap,
     )
 
 

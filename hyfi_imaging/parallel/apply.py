@@ -82,6 +82,7 @@ def apply_spatial(
     image_size: tuple[int, int] | None = None,
     in_chans: int | None = None,
     align: int | None = None,
+    overlap: bool = False,
 ) -> SpatialContext | None:
     """Make ``model`` (in place) compute this rank's tile of ``pc.layout.sp``; returns the context.
 
@@ -92,7 +93,8 @@ def apply_spatial(
     ``ctx.set_image_size`` before the first forward). Feed each rank
     :func:`tile_of` the batch. ``in_chans`` defaults to
     :func:`input_channels`; ``align`` (the total stride tiles are aligned to)
-    is measured when the model has no ``total_stride``.
+    is measured when the model has no ``total_stride``. ``overlap``: each
+    convolution computes its interior while its halos are in flight.
 
     OK::
 
@@ -116,7 +118,9 @@ def apply_spatial(
     if pc.layout.sp_size == 1:
         log.info("apply_spatial: 1x1 grid, %s left as it is", type(model).__name__)
         return None
-    ctx = spatialize_for(model, pc, in_chans=in_chans or input_channels(model), align=align)
+    ctx = spatialize_for(
+        model, pc, in_chans=in_chans or input_channels(model), align=align, overlap=overlap
+    )
     if image_size is not None:
         ctx.set_image_size((int(image_size[0]), int(image_size[1])))
     gy, gx = pc.layout.sp

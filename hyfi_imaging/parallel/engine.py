@@ -124,7 +124,9 @@ class ParallelPlan:
     every layer (``balance_by``: ``"time"`` or ``"memory"``) and cuts where the
     slowest (largest) stage is smallest. ``checkpointing`` is ``"none"``,
     ``"full"`` (every block), ``"every:N"`` (every N-th block) or ``"selective"``
-    (every block, convolution outputs kept).
+    (every block, convolution outputs kept). ``overlap`` computes each spatial
+    convolution's interior while its halos are in flight (and its weight
+    gradient while the halo gradients are): same results, less exposed waiting.
 
     OK::
 
@@ -142,6 +144,7 @@ class ParallelPlan:
     balance: tuple[int, ...] | None = None
     checkpointing: str = "none"
     balance_by: BalanceBy = "time"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -274,7 +277,7 @@ class ParallelModel:
         plain = copy.deepcopy(model) if plan.balance is None and layout.pp > 1 else None
 
         self.ctx: SpatialContext | None = apply_spatial(
-            model, pc, image_size=self.image_hw, in_chans=self.in_chans
+            model, pc, image_size=self.image_hw, in_chans=self.in_chans, overlap=plan.overlap
         )
         if self.ctx is not None:
             ph, pw = self.ctx.padded_size(self.image_hw)

@@ -404,9 +404,17 @@ def split(n: int, parts: int, *, align: int = 1, axis: str = "axis") -> tuple[Sp
             f"tiles of {tile} leave tile {parts - 1} with nothing of the image "
             f"(it would start at {(parts - 1) * tile} >= {n})",
             f"use at most {most} tiles along {axis}, or a {axis} length of at least "
-            f"{(parts - 1) * align + 1}",
+            f"{_next_splittable(n, parts, align)}",
         )
     return tuple(Span(r * tile, (r + 1) * tile) for r in range(parts))
+
+
+def _next_splittable(n: int, parts: int, align: int) -> int:
+    """The least length ``>= n`` whose equal tiles leave none of ``parts`` empty."""
+    m = n
+    while (parts - 1) * (-(-m // (parts * align)) * align) >= m:
+        m += 1
+    return m
 
 
 def split_balanced(n: int, parts: int, *, axis: str = "axis") -> tuple[Span, ...]:

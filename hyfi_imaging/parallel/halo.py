@@ -23,7 +23,7 @@ sub-volumes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,15 +54,42 @@ class Neighbours:
 Strips = tuple[torch.Tensor | None, ...]  # received (before, after) per dimension; None = fill
 
 
-def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-    """Every halo message passes here (benchmarks count bytes by wrapping it)."""
+def _exchange(
+    sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+) -> Callable[[], None]:
+    """Post one phase's messages; returns the function that waits for them.
+
+    Every halo message passes here (benchmarks count bytes by wrapping it).
+    """
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
     for _, t in recvs:
         assert t.is_contiguous(), "receive buffers must be contiguous"
     ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait() -> None:
+        for req in reqs:
             req.wait()
+
+    return wait
+
+
+def _overlapped(
+    sends: list[tuple[int, torch.Tensor]],
+    recvs: list[tuple[int, torch.Tensor]],
+    overlap: Callable[[], None] | None,
+) -> Callable[[], None] | None:
+    """Exchange one phase; run ``overlap`` while its messages are in flight (if any are).
+
+    Returns ``overlap`` again when this phase had nothing to send or receive
+    (a later phase, or the caller, runs it), else None: it has run.
+    """
+    wait = _exchange(sends, recvs)
+    if overlap is not None and (sends or recvs):
+        overlap()
+        overlap = None
+    wait()
+    return overlap
 
 
 def _buffer(like: torch.Tensor) -> torch.Tensor:
@@ -136,6 +163,7 @@ def extend(
     *,
     fill: float = 0.0,
     valid: Sequence[int] | None = None,
+    overlap: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, Strips]:
     """``x`` surrounded by its halo, and the strips received (no autograd).
 
@@ -145,10 +173,16 @@ def extend(
     ``fill`` before anything is sent. Returns ``(extended, strips)`` with
     ``strips`` the received tensors, ``(before, after)`` per dimension, None
     where the halo is fill.
+
+    ``overlap(extended)``, if given, runs once while the first messages are in
+    flight, when the extended tile holds its core but not yet its halos (a
+    layer computes the outputs that read the core only: communication overlaps
+    computation).
     """
     pairs = _pairs(halo)
     nd = len(pairs)
     ext = _new_ext(x, pairs, fill, valid)
+    pending = None if overlap is None else (lambda: overlap(ext))
     got: list[torch.Tensor | None] = []
     for k, ((before, after), (lo, hi)) in enumerate(
         zip(pairs, neighbours.pairs()[-nd:], strict=True)
@@ -173,9 +207,11 @@ def extend(
                 buf = _buffer(region.narrow(dim, before + n, after))
                 recvs.append((hi, buf))
                 strips[1] = buf
-        _exchange(sends, recvs)
+        pending = _overlapped(sends, recvs, pending)
         _put(region, dim, before, after, tuple(strips), fill)
         got += strips
+    if pending is not None:
+        pending()
     return ext, tuple(got)
 
 
@@ -198,16 +234,23 @@ def rebuild(
 
 
 def _reduce(
-    g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int
-) -> torch.Tensor:
+    g: torch.Tensor,
+    before: int,
+    after: int,
+    lo: int | None,
+    hi: int | None,
+    dim: int,
+    overlap: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Adjoint of one dimension of :func:`extend`, in place in ``g``; returns the core view.
 
     The halo slices of ``g`` go to their owners; what comes back is added into
     the core's borders (the core and the halos do not overlap). No tile-sized
-    copy is made: the result is a view of ``g``.
+    copy is made: the result is a view of ``g``. Returns it and ``overlap``
+    unless it ran while this dimension's messages were in flight.
     """
     if before == 0 and after == 0:
-        return g
+        return g, overlap
     n = g.shape[dim] - before - after
     core = g.narrow(dim, before, n)
     sends, recvs = [], []
@@ -224,12 +267,12 @@ def _reduce(
         if before:
             from_hi = _buffer(core.narrow(dim, n - before, before))
             recvs.append((hi, from_hi))
-    _exchange(sends, recvs)
+    overlap = _overlapped(sends, recvs, overlap)
     if from_lo is not None:
         core.narrow(dim, 0, after).add_(from_lo)
     if from_hi is not None:
         core.narrow(dim, n - before, before).add_(from_hi)
-    return core
+    return core, overlap
 
 
 def return_halo_grads(
@@ -238,6 +281,7 @@ def return_halo_grads(
     neighbours: Neighbours,
     *,
     valid: Sequence[int] | None = None,
+    overlap: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Adjoint of :func:`extend`: the gradient of the tile from that of the extended tile.
 
@@ -245,14 +289,17 @@ def return_halo_grads(
     rows with their corners); outside the image (``valid``) the gradient is 0.
     Works **in place** in ``grad`` (which must be the caller's own tensor) and
     returns a view of it: a backward that allocated the extended gradient pays
-    no further tile-sized copy.
+    no further tile-sized copy. ``overlap()``, if given, runs once while the
+    first messages are in flight (a layer computes its weight gradient).
     """
     pairs = _pairs(halo)
     nd = len(pairs)
     g = grad
     for k in reversed(range(nd)):
         lo, hi = neighbours.pairs()[-nd:][k]
-        g = _reduce(g, *pairs[k], lo, hi, g.dim() - nd + k)
+        g, overlap = _reduce(g, *pairs[k], lo, hi, g.dim() - nd + k, overlap)
+    if overlap is not None:
+        overlap()
     if valid is not None:
         fill_tail(g, valid, 0.0)
     return g

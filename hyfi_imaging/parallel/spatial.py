@@ -106,10 +106,13 @@ class SpatialContext:
         group: Any,
         *,
         align: int,
+        overlap: bool = False,
     ) -> None:
         self.grid, self.tile, self.neighbours, self.group, self.align = (
             grid, tile, neighbours, group, align,
         )  # fmt: skip
+        #: Convolutions compute their interior while their halos are in flight.
+        self.overlap = overlap
         self.image_hw: tuple[int, int] | None = None
         self.sizes: dict[str, tuple[int, int]] = {}
         self.tile_param_names: set[str] = set()
@@ -467,6 +470,7 @@ class _SpatialMixin:
             kernel=(self.hyfi_geoms[0].kernel, self.hyfi_geoms[1].kernel),
             stride=(self.hyfi_geoms[0].stride, self.hyfi_geoms[1].stride),
             dilation=(self.hyfi_geoms[0].dilation, self.hyfi_geoms[1].dilation),
+            overlap=self.hyfi_ctx.overlap,
         )
 
 
@@ -696,6 +700,7 @@ def spatialize(
     group: Any,
     in_chans: int | None = None,
     align: int | None = None,
+    overlap: bool = False,
 ) -> SpatialContext:
     """Turn ``model`` (in place) into its spatial form for tile ``tile`` of ``grid``.
 
@@ -715,7 +720,7 @@ def spatialize(
         or int(getattr(model, "total_stride", 0))
         or _total_stride(reference, in_chans, use.tile_modules)
     )
-    ctx = SpatialContext(grid, tile, neighbours, group, align=align)
+    ctx = SpatialContext(grid, tile, neighbours, group, align=align, overlap=overlap)
     ctx._reference = reference
     ctx._in_chans = in_chans
     ctx.tile_param_names = use.tile_params

@@ -25,6 +25,7 @@ cast them, once, and backward uses those casts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ class Window:
     kernel: tuple[int, int]
     stride: tuple[int, int]
     dilation: tuple[int, int]
+    #: Compute while the halos are in flight (convolutions): the outputs that read the
+    #: tile only in forward, the weight gradient in backward.
+    overlap: bool = False
 
     def extended_shape(self, tile: torch.Size) -> tuple[int, ...]:
         t, b, lft, r = self.halo
@@ -67,9 +71,60 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def _extend(x: torch.Tensor, win: Window) -> tuple[torch.Tensor, Strips]:
-    ext, strips = extend(x, win.halo, win.neighbours, fill=win.fill, valid=win.valid)
+def _extend(
+    x: torch.Tensor, win: Window, overlap: Callable[[torch.Tensor], None] | None = None
+) -> tuple[torch.Tensor, Strips]:
+    ext, strips = extend(
+        x, win.halo, win.neighbours, fill=win.fill, valid=win.valid, overlap=overlap
+    )
     return ext[..., : win.need[0], : win.need[1]], strips
+
+
+def _outputs(win: Window, tile: torch.Size) -> tuple[tuple[int, int, int], ...]:
+    """Per axis: the output count, and the first and end output that read the tile only."""
+    axes = []
+    for a in (0, 1):
+        before, n = win.halo[2 * a], tile[-2 + a]
+        extent = win.dilation[a] * (win.kernel[a] - 1) + 1
+        m = (win.need[a] - extent) // win.stride[a] + 1
+        first = min(m, -(-before // win.stride[a]))
+        end = max(first, min(m, (before + n - extent) // win.stride[a] + 1))
+        axes.append((m, first, end))
+    return tuple(axes)
+
+
+def _conv_overlapped(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, win: Window, groups: int
+) -> tuple[torch.Tensor, Strips]:
+    """The convolution, its interior computed while the halos are in flight, then its border.
+
+    Output ``o`` reads extended rows ``[o*s, o*s + extent)``; the interior
+    outputs read the tile's own rows and columns only, so they need no halo.
+    Every output is computed once, by the same kernel on the same inputs.
+    """
+    (mh, h0, h1), (mw, w0, w1) = _outputs(win, x.shape)
+    (sh, sw), (eh, ew) = (
+        win.stride,
+        (
+            win.dilation[0] * (win.kernel[0] - 1) + 1,
+            win.dilation[1] * (win.kernel[1] - 1) + 1,
+        ),
+    )
+    out: list[torch.Tensor] = []
+
+    def region(xe: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
+        if r1 <= r0 or c1 <= c0:
+            return
+        part = xe[..., r0 * sh : (r1 - 1) * sh + eh, c0 * sw : (c1 - 1) * sw + ew]
+        y = F.conv2d(part, weight, bias, win.stride, 0, win.dilation, groups)
+        if not out:
+            out.append(y.new_empty((*y.shape[:-2], mh, mw)))
+        out[0][..., r0:r1, c0:c1] = y
+
+    xe, strips = _extend(x, win, overlap=lambda ext: region(ext, h0, h1, w0, w1))
+    for r0, r1, c0, c1 in ((0, h0, 0, mw), (h1, mh, 0, mw), (h0, h1, 0, w0), (h0, h1, w1, mw)):
+        region(xe, r0, r1, c0, c1)
+    return out[0], strips
 
 
 def _rebuild(x: torch.Tensor, strips: Strips, win: Window) -> torch.Tensor:
@@ -77,12 +132,17 @@ def _rebuild(x: torch.Tensor, strips: Strips, win: Window) -> torch.Tensor:
     return ext[..., : win.need[0], : win.need[1]]
 
 
-def _tile_grad(g_need: torch.Tensor, tile: torch.Size, win: Window) -> torch.Tensor:
+def _tile_grad(
+    g_need: torch.Tensor,
+    tile: torch.Size,
+    win: Window,
+    overlap: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Gradient of the tile from that of the read part of the extended tile."""
     full = win.extended_shape(tile)
     pad = (0, full[-1] - g_need.shape[-1], 0, full[-2] - g_need.shape[-2])
     g_ext = F.pad(g_need, pad) if any(pad) else g_need
-    return return_halo_grads(g_ext, win.halo, win.neighbours, valid=win.valid)
+    return return_halo_grads(g_ext, win.halo, win.neighbours, valid=win.valid, overlap=overlap)
 
 
 def _save_strips(ctx: Any, x: torch.Tensor, strips: Strips, *params: torch.Tensor | None) -> None:
@@ -113,8 +173,11 @@ class _Conv(torch.autograd.Function):
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            xe, strips = _extend(x, win)
-            y = F.conv2d(xe, weight, bias, win.stride, 0, win.dilation, groups)
+            if win.overlap:
+                y, strips = _conv_overlapped(x, weight, bias, win, groups)
+            else:
+                xe, strips = _extend(x, win)
+                y = F.conv2d(xe, weight, bias, win.stride, 0, win.dilation, groups)
         _save_strips(ctx, x, strips, weight)
         ctx.win, ctx.groups, ctx.has_bias = win, groups, bias is not None
         return y
@@ -125,25 +188,33 @@ class _Conv(torch.autograd.Function):
         win: Window = ctx.win
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         xe = _rebuild(x, strips, win)
-        gi, gw, gb = _aten.convolution_backward(
-            gy.to(xe.dtype),
-            xe,
-            weight,
-            [weight.shape[0]] if ctx.has_bias else None,
-            list(win.stride),
-            [0, 0],
-            list(win.dilation),
-            False,
-            [0, 0],
-            ctx.groups,
-            [bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)],
-        )
+        gy = gy.to(xe.dtype)
+
+        def grads(x_: bool, w_: bool, b_: bool) -> tuple[Any, ...]:
+            return _aten.convolution_backward(
+                gy, xe, weight, [weight.shape[0]] if ctx.has_bias else None, list(win.stride),
+                [0, 0], list(win.dilation), False, [0, 0], ctx.groups, [x_, w_, b_],
+            )  # fmt: skip
+
+        need_w, need_b = bool(need_w), bool(need_b and ctx.has_bias)
+        held: list[Any] = [None, None, None]
+        gx: torch.Tensor | None = None
+        if win.overlap and need_x:
+            # The halo gradients travel to their owners while the weight gradient is computed
+            # (the overlap always runs: at the end when no message is sent).
+            def weight_grads() -> None:
+                held[:] = grads(False, need_w, need_b)
+
+            gx = _tile_grad(grads(True, False, False)[0], x.shape, win, overlap=weight_grads)
+        else:
+            held[:] = grads(bool(need_x), need_w, need_b)
+            gx = _tile_grad(held[0], x.shape, win) if need_x else None
         x_dtype, w_dtype = ctx.dtypes
-        gx = _tile_grad(gi, x.shape, win).to(x_dtype) if need_x else None
+        gw, gb = held[1], held[2]
         return (
-            gx,
+            gx.to(x_dtype) if gx is not None else None,
             gw.to(w_dtype) if need_w else None,
-            gb.to(w_dtype) if need_b and ctx.has_bias else None,
+            gb.to(w_dtype) if need_b else None,
             None,
             None,
         )

@@ -79,6 +79,8 @@ class ParallelConfig(_Strict):
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
     balance: list[int] | None = None
     checkpointing: str = "none"
+    #: Compute each convolution's interior while its halos are in flight.
+    overlap: bool = False
 
     @field_validator("spatial", mode="before")
     @classmethod

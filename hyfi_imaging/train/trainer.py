@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,8 +34,12 @@ import torch.nn.functional as F
 import yaml
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.train.config import Recipe
+from hyfi_imaging.train.config import ParallelConfig, Recipe
 from hyfi_imaging.train.rundir import StartMode
+
+if TYPE_CHECKING:
+    from hyfi_imaging.parallel.engine import ParallelPlan
+    from hyfi_imaging.parallel.layout import Layout
 
 __all__ = ["Trainer", "lr_at", "preflight"]
 
@@ -129,7 +133,6 @@ def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
 def _check_layout(recipe: Recipe, image_hw: tuple[int, int]) -> None:
     """The engine's checks that need no process group, on a meta-device model."""
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel.engine import ParallelPlan
     from hyfi_imaging.parallel.geometry import padded_hw
     from hyfi_imaging.parallel.layout import Layout
 
@@ -137,14 +140,22 @@ def _check_layout(recipe: Recipe, image_hw: tuple[int, int]) -> None:
     with torch.device("meta"):
         model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
     padded_hw(image_hw, p.spatial, int(getattr(model, "total_stride", 1)))
-    plan = ParallelPlan(
-        layout=Layout(dp=p.data, pp=p.pipeline, sp=p.spatial),
+    plan = plan_of(p, Layout(dp=p.data, pp=p.pipeline, sp=p.spatial))
+    plan.validate(model, recipe.train.batch_size)
+
+
+def plan_of(p: ParallelConfig, layout: Layout) -> ParallelPlan:
+    """The :class:`ParallelPlan` a recipe's ``parallel`` section describes."""
+    from hyfi_imaging.parallel.engine import ParallelPlan
+
+    return ParallelPlan(
+        layout=layout,
         microbatches=p.microbatches,
         schedule=p.schedule,
         balance=tuple(p.balance) if p.balance else None,
         checkpointing=p.checkpointing,
+        overlap=p.overlap,
     )
-    plan.validate(model, recipe.train.batch_size)
 
 
 @dataclass
@@ -171,7 +182,7 @@ class Trainer:
         """Start the process group, build the parallel model, optimiser and data split."""
         from hyfi_imaging.data.dataset import level_hw, load_samples
         from hyfi_imaging.models import create_model
-        from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
+        from hyfi_imaging.parallel.engine import ParallelModel
         from hyfi_imaging.parallel.launch import init_parallel
         from hyfi_imaging.parallel.layout import Layout
 
@@ -185,13 +196,7 @@ class Trainer:
         self.image_hw = level_hw(self.samples[0].image_hw, r.data.level)
         torch.manual_seed(r.train.seed)
         model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
-        plan = ParallelPlan(
-            layout=layout,
-            microbatches=p.microbatches,
-            schedule=p.schedule,
-            balance=tuple(p.balance) if p.balance else None,
-            checkpointing=p.checkpointing,
-        )
+        plan = plan_of(p, layout)
         self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw)
         # Tiles are aligned to the stride spatialize() used (measured for a model that
         # does not declare its total_stride), so that the data path reads the same tiles.

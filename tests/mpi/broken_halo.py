@@ -17,7 +17,7 @@ real command's report and exit status::
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,10 +26,16 @@ __all__ = ["dropped_halo_gradients", "main"]
 
 
 def _drop(
-    g: torch.Tensor, before: int, after: int, lo: int | None, hi: int | None, dim: int
-) -> torch.Tensor:
+    g: torch.Tensor,
+    before: int,
+    after: int,
+    lo: int | None,
+    hi: int | None,
+    dim: int,
+    overlap: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Cut the halo off the gradient without sending it to its owner."""
-    return g.narrow(dim, before, g.shape[dim] - before - after).clone()
+    return g.narrow(dim, before, g.shape[dim] - before - after).clone(), overlap
 
 
 @contextmanager

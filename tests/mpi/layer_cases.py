@@ -18,7 +18,8 @@ from __future__ import annotations
 import copy
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _worker import Case, combine, compare, emit, merge_ranks, parse_grid, run_cases, start
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["API", "LAYERS", "SIZES", "LayerSpec", "case_names", "cases", "main"]
 
@@ -148,7 +150,47 @@ def _sum_tile_grads(model: Any, names: set[str], group: Any) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
+class _InFlight(TorchDispatchMode):
+    """Counts convolution kernels (forward, backward) run while halo messages are in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = 0
+        self.counts = {"forward": 0, "backward": 0, "phases with messages": 0}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.open and func is torch.ops.aten.convolution.default:
+            self.counts["forward"] += 1
+        if self.open and func is torch.ops.aten.convolution_backward.default:
+            self.counts["backward"] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        from hyfi_imaging.parallel import halo
+
+        real = halo._exchange
+
+        def posted(sends: Any, recvs: Any) -> Callable[[], None]:
+            wait = real(sends, recvs)
+            self.open += 1
+            self.counts["phases with messages"] += bool(sends or recvs)
+
+            def done() -> None:
+                self.open -= 1
+                wait()
+
+            return done
+
+        halo._exchange = posted  # type: ignore[assignment]
+        try:
+            with self:
+                yield
+        finally:
+            halo._exchange = real  # type: ignore[assignment]
+
+
+def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int, overlap: bool = False) -> Case:
     from hyfi_imaging.parallel.verify import gather_tile_grid, pad_image, spatial_context_for
 
     reference = spec.build()
@@ -165,6 +207,8 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
     # are tested there on their own).
     model.in_chans = C
     ctx = spatial_context_for(model, pc, in_chans=C)
+    ctx.overlap = overlap
+    flight = _InFlight()
     reference.double()
     model.double()
     ctx.set_image_size(hw)
@@ -190,11 +234,13 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
         ref_x = x.clone().requires_grad_(True)
         ref_y = reference(ref_x)
         tile = pad_image(x, ctx.padded_size(hw))[..., rows, cols].clone().requires_grad_(True)
-        y = model(tile)
+        with flight.watching():
+            y = model(tile)
         if spec.head:
             labels = torch.randint(0, 3, (x.shape[0],), generator=gen)
             F.cross_entropy(ref_y, labels).backward()
-            F.cross_entropy(y, labels).backward()
+            with flight.watching():
+                F.cross_entropy(y, labels).backward()
             got_y = y
         else:
             grad_y = torch.randn(ref_y.shape, generator=gen, dtype=torch.float64)
@@ -207,7 +253,8 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
                     "detail": f"tiles of {th}x{tw} outputs cannot cover the {ho}x{wo} output",
                 }
             grad_full = F.pad(grad_y, (0, grid[1] * tw - wo, 0, grid[0] * th - ho))
-            y.backward(_tile_of(grad_full, grid, pc.tile).contiguous())
+            with flight.watching():
+                y.backward(_tile_of(grad_full, grid, pc.tile).contiguous())
             got_y = gather_tile_grid(y.detach(), ctx, group)[..., :ho, :wo]
         _sum_tile_grads(model, ctx.tile_param_names, group)
         assert tile.grad is not None and ref_x.grad is not None
@@ -229,6 +276,16 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int) -> Case:
             parts.append(compare(f"step{step}/buffer/{name}", b, ref_buffers[name], spec.rtol))
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
+    # Overlap computes while messages are in flight; without it, nothing does.
+    sends = flight.counts["phases with messages"] > 0
+    computed = flight.counts["forward"] > 0 and flight.counts["backward"] > 0
+    parts.append(
+        {
+            "ok": computed == (overlap and sends),
+            "max_rel": 0.0,
+            "detail": f"convolutions run while halos were in flight: {flight.counts}",
+        }
+    )
     return combine(parts)
 
 
@@ -250,18 +307,27 @@ def _api(pc: Any, kind: str) -> Case:
 API: list[str] = ["float64-conv-bias", "in-chans-keyword"]
 
 
+#: Convolution cases run again with communication overlapped (``overlap/<name>/<size>``).
+OVERLAP = [name for name in LAYERS if name.startswith("conv")]
+
+
 def cases(pc: Any) -> dict[str, Callable[[], Case]]:
     """Every (layer, size) case for this grid, keyed by the name the test expects."""
     out: dict[str, Callable[[], Case]] = {f"api/{k}": (lambda k=k: _api(pc, k)) for k in API}
     for index, (name, spec) in enumerate(LAYERS.items()):
         for hw in SIZES:
             out[f"{name}/{hw[0]}x{hw[1]}"] = lambda s=spec, h=hw, i=index: _run(pc, s, h, 10 * i)
+            if name in OVERLAP:
+                out[f"overlap/{name}/{hw[0]}x{hw[1]}"] = lambda s=spec, h=hw, i=index: _run(
+                    pc, s, h, 10 * i, overlap=True
+                )
     return out
 
 
 def case_names() -> list[str]:
     """Names :func:`cases` produces (for pytest, without processes)."""
-    return [f"api/{k}" for k in API] + [f"{name}/{h}x{w}" for name in LAYERS for h, w in SIZES]
+    names = [f"api/{k}" for k in API] + [f"{n}/{h}x{w}" for n in LAYERS for h, w in SIZES]
+    return names + [f"overlap/{n}/{h}x{w}" for n in OVERLAP for h, w in SIZES]
 
 
 def main(argv: list[str]) -> None:
