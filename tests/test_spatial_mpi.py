@@ -139,6 +139,7 @@ MODELS: list[tuple[str, list[str], str, str]] = [
     ("resnet50", ["--width", "0.25"], "75x43", "2x1"),
     ("resnet20-v2", [], "29x23", "1x3"),
     ("resnet20-v2", [], "29x23", "3x1"),
+    ("resnet18", ["--width", "0.25", "--overlap"], "75x90", "2x2"),
     ("amoebanet-d-3-8", [], "70x131", "1x2"),
     ("amoebanet-d-3-8", [], "131x133", "2x2"),
 ]

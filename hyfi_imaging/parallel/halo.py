@@ -175,14 +175,26 @@ def extend(
     where the halo is fill.
 
     ``overlap(extended)``, if given, runs once while the first messages are in
-    flight, when the extended tile holds its core but not yet its halos (a
-    layer computes the outputs that read the core only: communication overlaps
-    computation).
+    flight, when the extended tile holds its core and the fill past the grid's
+    edges but not yet the halos from neighbours (a layer computes the outputs
+    that do not read those: communication overlaps computation).
     """
     pairs = _pairs(halo)
     nd = len(pairs)
     ext = _new_ext(x, pairs, fill, valid)
-    pending = None if overlap is None else (lambda: overlap(ext))
+    pending = None
+    if overlap is not None:
+        # Halos past the grid's edge are fill and known now: the overlapped computation
+        # then gets those borders right and only the sides with a neighbour wait.
+        for k, ((before, after), (lo, hi)) in enumerate(
+            zip(pairs, neighbours.pairs()[-nd:], strict=True)
+        ):
+            dim = ext.dim() - nd + k
+            if lo is None and before:
+                ext.narrow(dim, 0, before).fill_(fill)
+            if hi is None and after:
+                ext.narrow(dim, ext.shape[dim] - after, after).fill_(fill)
+        pending = lambda: overlap(ext)  # noqa: E731
     got: list[torch.Tensor | None] = []
     for k, ((before, after), (lo, hi)) in enumerate(
         zip(pairs, neighbours.pairs()[-nd:], strict=True)

@@ -96,11 +96,15 @@ def _outputs(win: Window, tile: torch.Size) -> tuple[tuple[int, int, int], ...]:
 def _conv_overlapped(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, win: Window, groups: int
 ) -> tuple[torch.Tensor, Strips]:
-    """The convolution, its interior computed while the halos are in flight, then its border.
+    """The convolution computed while the halos are in flight, then its border redone.
 
-    Output ``o`` reads extended rows ``[o*s, o*s + extent)``; the interior
-    outputs read the tile's own rows and columns only, so they need no halo.
-    Every output is computed once, by the same kernel on the same inputs.
+    Output ``o`` reads extended rows ``[o*s, o*s + extent)``. While the halos
+    travel, the whole convolution runs on the extended tile whose halos are not
+    there yet: the outputs that read the tile's own rows and columns (and the
+    fill past the grid's edges) are right, those that read a neighbour's halo
+    are not. Once the halos have arrived, those border bands alone are computed
+    again and written over. No interior
+    copy, and the extra work is the border (a few rows and columns per tile).
     """
     (mh, h0, h1), (mw, w0, w1) = _outputs(win, x.shape)
     (sh, sw), (eh, ew) = (
@@ -112,19 +116,24 @@ def _conv_overlapped(
     )
     out: list[torch.Tensor] = []
 
-    def region(xe: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
-        if r1 <= r0 or c1 <= c0:
-            return
-        part = xe[..., r0 * sh : (r1 - 1) * sh + eh, c0 * sw : (c1 - 1) * sw + ew]
-        y = F.conv2d(part, weight, bias, win.stride, 0, win.dilation, groups)
-        if not out:
-            out.append(y.new_empty((*y.shape[:-2], mh, mw)))
-        out[0][..., r0:r1, c0:c1] = y
+    def whole(ext: torch.Tensor) -> None:
+        need = ext[..., : win.need[0], : win.need[1]]
+        out.append(F.conv2d(need, weight, bias, win.stride, 0, win.dilation, groups))
 
-    xe, strips = _extend(x, win, overlap=lambda ext: region(ext, h0, h1, w0, w1))
-    for r0, r1, c0, c1 in ((0, h0, 0, mw), (h1, mh, 0, mw), (h0, h1, 0, w0), (h0, h1, w1, mw)):
-        region(xe, r0, r1, c0, c1)
-    return out[0], strips
+    xe, strips = _extend(x, win, overlap=whole)
+    y = out[0]
+    nb = win.neighbours
+    bands = (
+        (nb.up, 0, h0, 0, mw),
+        (nb.down, h1, mh, 0, mw),
+        (nb.left, h0 if nb.up is not None else 0, h1 if nb.down is not None else mh, 0, w0),
+        (nb.right, h0 if nb.up is not None else 0, h1 if nb.down is not None else mh, w1, mw),
+    )
+    for peer, r0, r1, c0, c1 in bands:  # the sides whose halo came from a neighbour
+        if peer is not None and r1 > r0 and c1 > c0:
+            part = xe[..., r0 * sh : (r1 - 1) * sh + eh, c0 * sw : (c1 - 1) * sw + ew]
+            y[..., r0:r1, c0:c1] = F.conv2d(part, weight, bias, win.stride, 0, win.dilation, groups)
+    return y, strips
 
 
 def _rebuild(x: torch.Tensor, strips: Strips, win: Window) -> torch.Tensor:
