@@ -1,7 +1,7 @@
 """Pads and interpolations of the whole image run exactly on a tile grid (float64, mpiexec).
 
 U-Net decoders (``F.interpolate(x, size=skip.shape[-2:])`` in every mode,
-``nn.Upsample`` + ``F.pad`` to the skip), asymmetric and non-zero pads, a crop
+``nn.Upsample`` or ``nn.ConvTranspose2d`` + ``F.pad`` to the skip), asymmetric and non-zero pads, a crop
 by negative pad and a downsampling interpolation, at odd sizes where the
 ratio of sizes is not an integer (75 from 37): each must equal one process,
 through ``hyfi_imaging.verify_model`` (outputs, input and parameter gradients,
@@ -32,6 +32,8 @@ CASES = [
     ("unet-bilinear-corners", (2, 1), (45, 37)),
     ("unet-pad", (2, 2), (90, 75)),
     ("unet-pad", (1, 3), (30, 70)),
+    ("unet-transposed", (2, 2), (90, 75)),
+    ("unet-transposed", (1, 3), (30, 70)),
     ("pads", (2, 2), (90, 75)),
     ("pads", (1, 2), (45, 37)),
 ]

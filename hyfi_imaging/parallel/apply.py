@@ -105,8 +105,8 @@ def apply_spatial(
 
     Error::
 
-        apply_spatial(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Upsample(scale_factor=2)), pc)
-        # ConfigError: module '1' (Upsample) mixes pixels and has no spatial (tiled) form
+        apply_spatial(nn.Sequential(nn.Conv2d(3, 8, 3), nn.PixelShuffle(2)), pc)
+        # ConfigError: module '1' (PixelShuffle) mixes pixels and has no spatial (tiled) form
     """
     done = next((n for n, m in model.named_modules() if hasattr(m, "hyfi_ctx")), None)
     if done is not None:

@@ -71,6 +71,7 @@ __all__ = [
     "resampled_tile",
     "split",
     "split_balanced",
+    "transposed_halo",
 ]
 
 
@@ -903,3 +904,21 @@ def resample_1d(
     return Resample1D(
         max(before, 0), max(after, 0), tuple(first_), tuple(second_), tuple(weight_), tuple(inside_)
     )
+
+
+# -- transposed convolution -------------------------------------------------------------------
+
+
+def transposed_halo(kernel: int, stride: int, padding: int, dilation: int = 1) -> tuple[int, int]:
+    """Input rows before and after a tile that a transposed convolution's output tile reads.
+
+    Output ``o`` sums ``x[i] * w[j]`` over ``i*stride - padding + j*dilation = o``;
+    the output tile of an input tile ``[q*t, (q+1)*t)`` is ``[q*t*stride,
+    (q+1)*t*stride)``. It reads inputs from ``floor(((k-1)*d - p) / s)`` rows
+    before the tile to ``ceil(p / s)`` rows after it.
+
+    OK: ``transposed_halo(2, 2, 0)`` -> ``(0, 0)``; ``transposed_halo(3, 2, 1)`` -> ``(0, 1)``.
+    """
+    before = max(0, ((kernel - 1) * dilation - padding) // stride)
+    after = max(0, -(-padding // stride))
+    return before, after

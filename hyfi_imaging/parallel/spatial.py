@@ -59,6 +59,7 @@ from hyfi_imaging.parallel.geometry import (
     padded_hw,
     resample_1d,
     resampled_tile,
+    transposed_halo,
 )
 from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
 from hyfi_imaging.parallel.watch import watch_tiles
@@ -69,6 +70,7 @@ __all__ = [
     "SpatialBatchNorm2d",
     "SpatialContext",
     "SpatialConv2d",
+    "SpatialConvTranspose2d",
     "SpatialGlobalAvgPool2d",
     "SpatialGlobalMaxPool2d",
     "SpatialMaxPool2d",
@@ -83,7 +85,7 @@ _PROBE = 512
 # nn.ZeroPad2d and nn.ConstantPad2d are not here either: their F.interpolate / F.pad
 # calls run in their spatial form (parallel/functional.py).
 _UNSUPPORTED = (
-    nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d,
     nn.LPPool2d, nn.FractionalMaxPool2d,
     nn.GroupNorm, nn.InstanceNorm2d, nn.LocalResponseNorm, nn.PixelShuffle,
     nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad2d,
@@ -481,6 +483,54 @@ class SpatialConv2d(_SpatialMixin, nn.Conv2d):
         return windowed.conv(x, self.weight, self.bias, self._window(x, 0.0), self.groups)
 
 
+class SpatialConvTranspose2d(_SpatialMixin, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` on a tile: the output tile is ``stride`` times the input tile.
+
+    The input tile (outside the image set to 0) gets the halo the output tile
+    reads (:func:`~.geometry.transposed_halo`, one exchange whose backward
+    returns the halo's gradient to its owner); the transposed convolution runs
+    without padding and the tile's outputs are cut out of its result. The
+    global output size comes from the trace, so ``output_padding`` and a
+    ``forward(x, output_size)`` (a tile's size at run time) need not be read.
+    """
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        ctx, path = self.hyfi_ctx, self.hyfi_path
+        th, tw = (int(v) for v in x.shape[-2:])
+        halo: list[int] = []
+        crop: list[tuple[int, int]] = []
+        for a, (t, axis) in enumerate(((th, "height"), (tw, "width"))):
+            k, s, p, d = (int(v[a]) for v in (self.kernel_size, self.stride, self.padding, self.dilation))  # fmt: skip
+            before, after = transposed_halo(k, s, p, d)
+            n_out, tiles = ctx.out_size_of(path)[a], ctx.grid[a]
+            if max(before, after) > t and tiles > 1:
+                raise ConfigError(
+                    path,
+                    f"needs a halo of {max(before, after)} px but tiles are only {t} px along "
+                    f"the {axis}",
+                    "use fewer tiles along that axis or a larger image",
+                )
+            if tiles * t * s < n_out:
+                raise ConfigError(
+                    path,
+                    f"gives {n_out} px along the {axis} but the tiles hold {tiles * t * s}",
+                    "give the tiles room: a larger align (apply_spatial(..., align=N))",
+                )
+            halo += [before, after]
+            crop.append((before * s + p, t * s))
+        masked = self._mask(x, 0.0)
+        ext = halo_exchange(masked, (halo[0], halo[1], halo[2], halo[3]), ctx.neighbours)
+        y = F.conv_transpose2d(
+            ext, self.weight, None, self.stride, 0, 0, self.groups, self.dilation
+        )
+        (r0, nh), (c0, nw) = crop
+        short = (max(0, c0 + nw - y.shape[-1]), max(0, r0 + nh - y.shape[-2]))
+        if any(short):  # kernels narrower than the stride leave the last rows empty
+            y = F.pad(y, (0, short[0], 0, short[1]))
+        y = y[..., r0 : r0 + nh, c0 : c0 + nw]
+        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+
+
 class SpatialMaxPool2d(_SpatialMixin, nn.MaxPool2d):
     """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
 
@@ -649,6 +699,7 @@ class SpatialGlobalMaxPool2d(_SpatialMixin, nn.AdaptiveMaxPool2d):
 
 _SWAP: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv2d: SpatialConv2d,
+    nn.ConvTranspose2d: SpatialConvTranspose2d,
     nn.MaxPool2d: SpatialMaxPool2d,
     nn.AvgPool2d: SpatialAvgPool2d,
     nn.BatchNorm2d: SpatialBatchNorm2d,

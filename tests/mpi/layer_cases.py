@@ -67,6 +67,10 @@ def _conv(k: Any, s: Any = 1, p: Any = 0, **kw: Any) -> nn.Module:
     return nn.Conv2d(C, C, k, stride=s, padding=p, **kw)
 
 
+def _tconv(k: Any, s: Any = 1, p: Any = 0, **kw: Any) -> nn.Module:
+    return nn.ConvTranspose2d(C, C, k, stride=s, padding=p, **kw)
+
+
 def _head(*layers: nn.Module) -> Callable[[], nn.Module]:
     return _seq(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(C, 3))
 
@@ -89,6 +93,14 @@ LAYERS: dict[str, LayerSpec] = {
     "conv1x7-p0x3": LayerSpec(_seq(_conv((1, 7), 1, (0, 3))), 1),
     "conv-same-k2": LayerSpec(_seq(_conv(2, 1, "same")), 1),
     "conv-same-k4-d2": LayerSpec(_seq(_conv(4, 1, "same", dilation=2)), 1),
+    "tconv2x2-s2": LayerSpec(_seq(_tconv(2, 2)), 1),
+    "tconv3x3-s2-p1-op1": LayerSpec(_seq(_tconv(3, 2, 1, output_padding=1)), 1),
+    "tconv4x4-s2-p1": LayerSpec(_seq(_tconv(4, 2, 1, bias=False)), 1),
+    "tconv1x1-s2": LayerSpec(_seq(_tconv(1, 2)), 1),
+    "tconv3x3-s1-p1": LayerSpec(_seq(_tconv(3, 1, 1)), 1),
+    "tconv5x5-s3-p2-op2": LayerSpec(_seq(_tconv(5, 3, 2, output_padding=2)), 1),
+    "tconv3x3-s2-p2-d2-g2": LayerSpec(_seq(_tconv(3, 2, 2, dilation=2, groups=2)), 1),
+    "tconv-conv": LayerSpec(_seq(_tconv(2, 2), nn.ReLU(), _conv(3, 2, 1)), 2),
     "maxpool3x3-s2-p1": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1)), 2),
     "maxpool2x2-s2-ceil": LayerSpec(_seq(nn.MaxPool2d(2, 2, ceil_mode=True)), 2),
     "maxpool3x3-s2-p1-ceil": LayerSpec(_seq(nn.MaxPool2d(3, 2, 1, ceil_mode=True)), 2),
@@ -196,7 +208,7 @@ def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int, overlap: bool
     reference = spec.build()
     torch.manual_seed(seed)  # the same weights on every rank, whatever ran before
     for m in reference.modules():
-        if isinstance(m, nn.Conv2d | nn.Linear | nn.BatchNorm2d):
+        if isinstance(m, nn.Conv2d | nn.ConvTranspose2d | nn.Linear | nn.BatchNorm2d):
             m.reset_parameters()
         if isinstance(m, nn.BatchNorm2d):  # a non-trivial affine map
             nn.init.uniform_(m.weight, 0.5, 1.5)

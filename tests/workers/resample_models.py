@@ -10,6 +10,8 @@ JSON line on rank 0.
   (torchvision/segmentation style; 75 from 37 at odd sizes);
 * ``unet-pad``: the original U-Net's decoder, ``nn.Upsample(scale_factor=2)``
   then ``F.pad`` to the skip's size (the difference split left/right);
+* ``unet-transposed``: the same with learned upsampling, ``nn.ConvTranspose2d``
+  (2x2 stride 2, and 3x3 stride 2 padding 1 output_padding 1);
 * ``pads``: ``nn.ZeroPad2d`` and ``nn.ConstantPad2d`` (asymmetric, a non-zero
   fill) after a valid convolution, a crop by negative ``F.pad``,
   ``nn.Upsample(scale_factor=2, mode="bilinear")`` and a downsampling
@@ -44,12 +46,15 @@ class UNet(nn.Module):
         self.pool1, self.pool2 = nn.MaxPool2d(2), nn.MaxPool2d(2)
         self.mid = _block(2 * width, 2 * width)
         self.up2, self.up1 = nn.Upsample(scale_factor=2), nn.Upsample(scale_factor=2)
+        if mode == "transposed":  # learned upsampling: 2x2/s2, and 3x3/s2/p1 (output_padding 1)
+            self.up2 = nn.ConvTranspose2d(2 * width, 2 * width, 2, stride=2)
+            self.up1 = nn.ConvTranspose2d(width, width, 3, stride=2, padding=1, output_padding=1)
         self.dec2 = _block(4 * width, width)
         self.dec1 = _block(2 * width, width)
         self.head = nn.Conv2d(width, classes, 1)
 
     def _up(self, x: torch.Tensor, skip: torch.Tensor, up: nn.Module) -> torch.Tensor:
-        if self.mode == "pad":
+        if self.mode in ("pad", "transposed"):
             x = up(x)
             dy, dx = skip.shape[-2] - x.shape[-2], skip.shape[-1] - x.shape[-1]
             x = F.pad(x, (dx // 2, dx - dx // 2, dy // 2, dy - dy // 2))
@@ -99,6 +104,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "unet-bilinear": partial(UNet, "bilinear"),
     "unet-bilinear-corners": partial(UNet, "bilinear-corners"),
     "unet-pad": partial(UNet, "pad"),
+    "unet-transposed": partial(UNet, "transposed"),
     "pads": Pads,
 }
 
