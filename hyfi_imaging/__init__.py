@@ -21,8 +21,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+from hyfi_imaging.compat import allow_torchvision_without_ops
 from hyfi_imaging.errors import HyfiError, SlideError
 from hyfi_imaging.io import open_slide
+
+allow_torchvision_without_ops()  # see hyfi_imaging/compat.py
 
 __all__ = [
     "HyfiError",

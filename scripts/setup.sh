@@ -14,6 +14,6 @@ fi
 stamp=.venv/.hyfi-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[dev,test,mpich]"
+  .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[dev,test,mpich,zoo]"
   touch "$stamp"
 fi

@@ -34,6 +34,7 @@ parameters over the tiles (DESIGN.md invariant 5), wherever the global pools are
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,8 @@ _SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.defau
 _SLICES = {_aten.slice.Tensor, _aten.select.int, _aten.narrow.default}
 #: Ops along one dimension (``args[1]``): per pixel when that dimension is not spatial.
 _ALONG = {_aten._softmax.default, _aten._log_softmax.default, _aten.cumsum.default}
+#: Matrix products: per pixel when the pixels are the rows of the first factor.
+_MATMUL = {_aten.mm.default, _aten.addmm.default}
 
 
 @dataclass
@@ -91,10 +94,16 @@ class TileUse:
 
 @dataclass
 class _Tile:
-    """Where the spatial dims of a tile-carrying tensor are, and their sizes."""
+    """Where the spatial dims of a tile-carrying tensor are, and their sizes.
+
+    ``flat``: the spatial dims (and those before them) are merged into dim 0, as
+    ``nn.Linear`` does to a channels-last map (rows are pixels); ``flat`` is the
+    shape they had, to which a view must restore them.
+    """
 
     dims: tuple[int, int]
     hw: tuple[int, int]
+    flat: tuple[int, ...] | None = None
 
 
 def _refuse(path: str, op: str, why: str, fix: str) -> ConfigError:
@@ -111,6 +120,8 @@ class _Watch(TorchDispatchMode):
         # with the pools they come from; and the parameters used on each pool's lineage.
         self.reps: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         self.lineage_params: dict[str, set[str]] = {}
+        # Tensors computed from parameters alone (a reshaped layer scale), with their names.
+        self.derived: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         self.params, self.known, self.use = params, known, use
         self.root = "<model>"
         self.frames: Frames | None = None  # set by watch_tiles
@@ -138,6 +149,20 @@ class _Watch(TorchDispatchMode):
             if hit is not None and hit[0] is t:
                 return hit[1]
         return frozenset()
+
+    def params_of(self, t: object) -> frozenset[str]:
+        """Names of the parameters ``t`` is, or is computed from (without tile data)."""
+        if isinstance(t, torch.Tensor):
+            if id(t) in self.params:
+                return frozenset({self.params[id(t)]})
+            hit = self.derived.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+        return frozenset()
+
+    def mark_derived(self, t: object, names: frozenset[str]) -> None:
+        if isinstance(t, torch.Tensor) and names:
+            self.derived[id(t)] = (t, names)
 
     def mark_replicated(self, t: object, pools: frozenset[str]) -> None:
         if isinstance(t, torch.Tensor) and pools:
@@ -185,12 +210,13 @@ class _Watch(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         tiles = [t for a in flat if (t := self.tile_of(a)) is not None]
         pools = frozenset().union(*(self.pools_of(a) for a in flat))
-        used = [self.params[id(a)] for a in flat if id(a) in self.params]
+        used = frozenset().union(*(self.params_of(a) for a in flat))
         outs, _ = tree_flatten(out)
         if not tiles:
             self.on_lineage(pools, used)
             for o in outs:
                 self.mark_replicated(o, pools)
+                self.mark_derived(o, used)  # e.g. a layer scale reshaped to (1, C, 1, 1)
             return out
         self.use.rejoined_pools |= pools  # a pooled value meets the tiles again
         path = (self.frames.path if self.frames is not None else "") or self.root
@@ -216,9 +242,17 @@ class _Watch(TorchDispatchMode):
         first = tree_flatten(out)[0][0] if tree_flatten(out)[0] else out
         if torch.Tag.pointwise in func.tags or name in _POINTWISE_NAMES:
             return tile
-        if func in _VIEWS:
-            if isinstance(first, torch.Tensor) and _keeps(first, tile):
+        if func in _VIEWS and isinstance(first, torch.Tensor) and isinstance(x, torch.Tensor):
+            if tile.flat is None and _keeps(first, tile):
                 return _Tile((first.dim() - 2, first.dim() - 1), tile.hw)
+            flat = _rows_of_pixels(x, first, tile)
+            if flat is not None:
+                return flat
+        if func in _MATMUL and tile.flat is not None:
+            rows, other = (args[1], args[2]) if func is _aten.addmm.default else (args[0], args[1])
+            if self.tile_of(rows) is tile and self.tile_of(other) is None:
+                return tile  # (pixels, C) @ (C, D): per pixel, as nn.Linear on channels-last
+        if func in _VIEWS:
             raise _refuse(
                 path,
                 f"aten.{name} to shape {tuple(first.shape) if isinstance(first, torch.Tensor) else '?'}",
@@ -302,6 +336,21 @@ _REFUSALS: dict[str, tuple[str, str]] = {
         "crop with F.pad and negative pads (its spatial form is exact), or crop the input",
     ),
 }
+
+
+def _rows_of_pixels(x: torch.Tensor, out: torch.Tensor, tile: _Tile) -> _Tile | None:
+    """A view that merges the spatial dims, and those before them, into rows (or undoes it)."""
+    if tile.flat is not None:
+        if tuple(out.shape) == (*tile.flat, *x.shape[1:]):
+            return _Tile((len(tile.flat) - 2, len(tile.flat) - 1), tile.hw)
+        return tile if tuple(out.shape) == tuple(x.shape) else None
+    d0, d1 = tile.dims
+    if d1 != d0 + 1:
+        return None
+    lead = tuple(int(v) for v in x.shape[: d1 + 1])
+    if tuple(out.shape) == (math.prod(lead), *x.shape[d1 + 1 :]):
+        return _Tile((0, 0), tile.hw, lead)
+    return None
 
 
 def _keeps(out: torch.Tensor, tile: _Tile) -> bool:

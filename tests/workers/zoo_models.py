@@ -1,0 +1,93 @@
+"""mpiexec worker: models people already use (torchvision, timm), grid vs one process.
+
+Usage: ``mpiexec -n N python tests/workers/zoo_models.py GY GX H W NAME [NAME ...]``;
+for each NAME of :data:`ZOO`, ``hyfi_imaging.verify_model`` in float64 (two SGD
+steps: outputs, input and parameter gradients, weights, BatchNorm statistics)
+or the refusal it gives. One JSON line on rank 0: ``{name: {"ok": ..., ...}}``.
+
+Tests as data: each entry says how to build the model and what must happen:
+``"exact"`` or a substring of the one-line refusal. Dropout and stochastic
+depth are set to 0 where the constructor allows it: a random mask drawn per
+tile cannot equal the one drawn per image (the masks per sample, drop-path,
+are equal on every tile, since every rank draws the same numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _tv(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(num_classes=3, **kwargs)  # type: ignore[no-any-return]
+
+    return build
+
+
+def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=3, **kwargs)  # type: ignore[no-any-return]
+
+    return build
+
+
+#: name -> (builder, expected: "exact" or a substring of the refusal).
+ZOO: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "tv-resnet18": (_tv("resnet18"), "exact"),
+    "tv-resnext50_32x4d": (_tv("resnext50_32x4d"), "exact"),
+    "tv-wide_resnet50_2": (_tv("wide_resnet50_2"), "exact"),
+    "tv-densenet121": (_tv("densenet121"), "exact"),
+    "tv-efficientnet_b0": (_tv("efficientnet_b0", dropout=0.0, stochastic_depth_prob=0.0), "exact"),
+    "tv-regnet_y_400mf": (_tv("regnet_y_400mf"), "exact"),
+    "tv-convnext_tiny": (_tv("convnext_tiny", stochastic_depth_prob=0.0), "exact"),
+    "tv-mobilenet_v3_small": (_tv("mobilenet_v3_small", dropout=0.0), "exact"),
+    "tv-mobilenet_v2": (_tv("mobilenet_v2", dropout=0.0), "exact"),
+    "timm-resnet18": (_timm("resnet18"), "exact"),
+    "timm-efficientnet_b0": (_timm("efficientnet_b0"), "exact"),
+    "timm-mobilenetv3_small_050": (_timm("mobilenetv3_small_050"), "exact"),
+    "timm-convnext_atto": (_timm("convnext_atto"), "exact"),
+    "timm-regnetx_002": (_timm("regnetx_002"), "exact"),
+    "timm-resnet18-avgmax": (_timm("resnet18", global_pool="avgmax"), "exact"),
+    "timm-resnet18-groupnorm": (_timm("resnet18", norm_layer="groupnorm"), "exact"),
+    "timm-efficientnet_b0-groupnorm": (_timm("efficientnet_b0", norm_layer="groupnorm"), "exact"),
+    "timm-tf_efficientnet_b0": (_timm("tf_efficientnet_b0"), "exact"),
+}
+
+
+def main(argv: list[str]) -> int:
+    from hyfi_imaging import HyfiError, Layout, verify_model
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+
+    gy, gx, h, w = (int(v) for v in argv[:4])
+    torch.set_num_threads(1)
+    pc = init_parallel(Layout(sp=(gy, gx)))
+    results: dict[str, Any] = {}
+    for name in argv[4:]:
+        build, _ = ZOO[name]
+        try:
+            report = verify_model(build, (h, w), pc, batch=2)
+            failed = [c.name for c in report.comparisons if not c.ok]
+            results[name] = {"ok": report.ok, "max_rel_error": report.max_rel_error,
+                             "compared": len(report.comparisons), "failed": failed[:5]}  # fmt: skip
+        except HyfiError as err:
+            results[name] = {"ok": False, "error": str(err)}
+        except Exception as err:  # a crash is a failure of its own kind: never "refused"
+            results[name] = {"ok": False, "crash": f"{type(err).__name__}: {err}"[:500]}
+    if pc.rank == 0:
+        print(json.dumps(results))
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
