@@ -60,6 +60,7 @@ __all__ = [
     "Span",
     "TilePlan",
     "decompose",
+    "dynamic_same",
     "halo_1d",
     "layer_geom",
     "out_length",
@@ -71,6 +72,7 @@ __all__ = [
     "resampled_tile",
     "split",
     "split_balanced",
+    "tf_same_padding",
     "transposed_halo",
 ]
 
@@ -296,11 +298,30 @@ def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
     return (int(value[0]), int(value[1]))
 
 
-def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
+def dynamic_same(module: nn.Module) -> bool:
+    """Whether ``module`` pads TensorFlow-style by its input's size (timm's ``Conv2dSame``)."""
+    return type(module).__name__ == "Conv2dSame" and type(module).__module__.startswith("timm.")
+
+
+def tf_same_padding(n: int, kernel: int, stride: int, dilation: int = 1) -> tuple[int, int]:
+    """TensorFlow's 'SAME' padding of an axis of length ``n``: ``(start, end)``, the odd pixel
+    at the end (timm's ``pad_same``).
+
+    OK: ``tf_same_padding(7, 3, 2)`` -> ``(1, 1)``; ``tf_same_padding(8, 3, 2)`` -> ``(0, 1)``.
+    """
+    total = max((-(-n // stride) - 1) * stride + (kernel - 1) * dilation + 1 - n, 0)
+    return total // 2, total - total // 2
+
+
+def layer_geom(
+    module: nn.Module, size: Sequence[int] | None = None, *, tf_same: bool | None = None
+) -> tuple[LayerGeom, LayerGeom]:
     """``(y, x)`` window geometry of a ``Conv2d``, ``MaxPool2d`` or ``AvgPool2d``.
 
     Conv ``padding='valid'`` is 0 and ``'same'`` is ``d(k-1)`` split as PyTorch
-    does (the odd pixel at the end). Refused with ConfigError: other modules,
+    does (the odd pixel at the end); a TF-'SAME' convolution (:func:`dynamic_same`)
+    pads by its input ``size`` (:func:`tf_same_padding`; ``tf_same`` overrides the
+    detection, for its spatial form). Refused with ConfigError: other modules,
     non-zero conv ``padding_mode`` (a tile border has no reflection to copy)
     and ``ceil_mode=True`` on avg-pools (the divisor of an overhanging window has no tiled form).
     """
@@ -347,6 +368,10 @@ def layer_geom(module: nn.Module) -> tuple[LayerGeom, LayerGeom]:
             f"{type(module).__name__} has no window geometry",
             "pass a Conv2d, MaxPool2d or AvgPool2d",
         )
+    if dynamic_same(module) if tf_same is None else tf_same:
+        if size is None:
+            raise ConfigError(where(), "pads by its input's size (TF 'SAME')", "pass size=(h, w)")
+        pads = [tf_same_padding(size[a], kernel[a], stride[a], dilation[a]) for a in (0, 1)]
     ceil = bool(getattr(module, "ceil_mode", False))
     y, x = (
         LayerGeom(

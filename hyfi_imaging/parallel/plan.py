@@ -138,7 +138,7 @@ def _strips(model: nn.Module, trace: SavedActivations, grid: tuple[int, int]) ->
         if not isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d) or len(shape) != 4:
             continue
         side: list[int] = []
-        for g, tiles in zip(layer_geom(m), grid, strict=True):
+        for g, tiles in zip(layer_geom(m, shape[-2:]), grid, strict=True):
             before, after = g.padding, max(0, g.extent - g.padding - g.stride)
             side.append(0 if tiles == 1 else before + after if tiles > 2 else max(before, after))
         h, w = shape[-2:]

@@ -55,6 +55,7 @@ from hyfi_imaging.parallel.functional import (
 from hyfi_imaging.parallel.geometry import (
     LayerGeom,
     Resample1D,
+    dynamic_same,
     layer_geom,
     padded_hw,
     resample_1d,
@@ -73,6 +74,7 @@ __all__ = [
     "SpatialConvTranspose2d",
     "SpatialGlobalAvgPool2d",
     "SpatialGlobalMaxPool2d",
+    "SpatialGroupNorm",
     "SpatialMaxPool2d",
     "spatialize",
 ]
@@ -87,7 +89,7 @@ _PROBE = 512
 _UNSUPPORTED = (
     nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d,
     nn.LPPool2d, nn.FractionalMaxPool2d,
-    nn.GroupNorm, nn.InstanceNorm2d, nn.LocalResponseNorm, nn.PixelShuffle,
+    nn.InstanceNorm2d, nn.LocalResponseNorm, nn.PixelShuffle,
     nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad2d,
     nn.ReplicationPad2d, nn.MultiheadAttention, nn.MaxUnpool2d,
 )  # fmt: skip
@@ -483,6 +485,15 @@ class SpatialConv2d(_SpatialMixin, nn.Conv2d):
         return windowed.conv(x, self.weight, self.bias, self._window(x, 0.0), self.groups)
 
 
+class SpatialConv2dSame(SpatialConv2d):
+    """timm's ``Conv2dSame`` (TensorFlow 'SAME' padding, by the input's size): its window
+    geometry is that of the whole image's input at this layer, from the trace."""
+
+    def _window(self, x: torch.Tensor, fill: float) -> Window:
+        self.hyfi_geoms = layer_geom(self, self.hyfi_ctx.size_of(self.hyfi_path), tf_same=True)
+        return super()._window(x, fill)
+
+
 class SpatialConvTranspose2d(_SpatialMixin, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on a tile: the output tile is ``stride`` times the input tile.
 
@@ -683,6 +694,65 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
         return y
 
 
+class SpatialGroupNorm(_SpatialMixin, nn.GroupNorm):
+    """GroupNorm with statistics over the whole image: per sample and group, all tiles.
+
+    Two-pass like :class:`SpatialBatchNorm2d` (mean, then centred squares),
+    outside the image excluded; the sums are all-reduced with a backward that
+    sums the tiles' gradient shares (each tile's output depends on every
+    tile's pixels through the statistics). Written as tensor operations:
+    autograd gives the exact adjoint.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, th, tw = x.shape
+        g = self.num_groups
+        (mh, mw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
+        count = (c // g) * mh * mw
+        group = self.hyfi_ctx.group
+        dims = (2, 3, 4)
+        xm = self._mask(x, 0.0).view(n, g, c // g, th, tw)
+        mean = all_reduce_replicated(xm.sum(dim=dims, dtype=_acc(x)), group, partial=True) / count
+        centred = xm - mean.to(x.dtype).view(n, g, 1, 1, 1)
+        centred = _MaskTail.apply(centred.view(n, c, th, tw), mh - i * th, mw - j * tw, 0.0)
+        centred = centred.view(n, g, c // g, th, tw)
+        squares = centred.square().sum(dim=dims, dtype=_acc(x))
+        var = all_reduce_replicated(squares, group, partial=True) / count
+        y = (centred * torch.rsqrt(var + self.eps).to(x.dtype).view(n, g, 1, 1, 1)).view(x.shape)
+        if self.affine:
+            y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        return y
+
+
+def _norm_act(norm: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
+    """The spatial form of a norm + activation layer (timm's ``BatchNormAct2d``,
+    ``GroupNormAct``): the spatial norm, then the layer's own ``drop`` and ``act``."""
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(norm.forward(self, x)))
+
+    return type(f"Spatial{base.__name__}", (norm, base), {"forward": forward})
+
+
+def _plain_equivalent(m: nn.Module) -> type[nn.Module] | None:
+    """The torch.nn layer a known subclass computes exactly (timm's ``GroupNorm``, whose
+    forward is ``F.group_norm``), else None."""
+    cls = type(m)
+    if cls.__module__.startswith("timm.") and cls.__name__ == "GroupNorm":
+        return nn.GroupNorm
+    return None
+
+
+def _is_norm_act(m: nn.Module) -> bool:
+    """timm's norm + activation layers: a BatchNorm2d/GroupNorm subclass whose forward
+    normalises, then applies its ``drop`` and ``act`` modules (per pixel, judged by the watch)."""
+    return (
+        type(m).__name__ in ("BatchNormAct2d", "GroupNormAct")
+        and isinstance(getattr(m, "act", None), nn.Module)
+        and isinstance(getattr(m, "drop", None), nn.Module)
+    )
+
+
 class SpatialGlobalAvgPool2d(_SpatialMixin, nn.AdaptiveAvgPool2d):
     """Global average pooling: local sums, all-reduced; backward does not double-count."""
 
@@ -703,6 +773,7 @@ _SWAP: dict[type[nn.Module], type[nn.Module]] = {
     nn.MaxPool2d: SpatialMaxPool2d,
     nn.AvgPool2d: SpatialAvgPool2d,
     nn.BatchNorm2d: SpatialBatchNorm2d,
+    nn.GroupNorm: SpatialGroupNorm,
 }
 
 
@@ -733,6 +804,8 @@ def _check(name: str, m: nn.Module) -> None:
         )
     if isinstance(m, nn.MaxPool2d) and m.return_indices:
         raise ConfigError(where, "return_indices=True is not supported", "use return_indices=False")
+    if _is_norm_act(m) or _plain_equivalent(m) is not None or dynamic_same(m):
+        return  # a known timm layer with a spatial form (see _norm_act, SpatialConv2dSame)
     if isinstance(m, nn.BatchNorm2d) and type(m) is not nn.BatchNorm2d:
         raise ConfigError(where, "is a BatchNorm2d subclass", "use plain nn.BatchNorm2d")
     if isinstance(m, tuple(_SWAP)) and type(m) not in _SWAP:
@@ -784,7 +857,10 @@ def spatialize(
     for name, m in model.named_modules():
         if name not in use.tile_modules:
             continue  # e.g. a squeeze-excite convolution on the pooled vector: stays plain
-        cls = _SWAP.get(type(m))
+        cls = SpatialConv2dSame if dynamic_same(m) else _SWAP.get(_plain_equivalent(m) or type(m))
+        if _is_norm_act(m):
+            norm = SpatialBatchNorm2d if isinstance(m, nn.BatchNorm2d) else SpatialGroupNorm
+            cls = _norm_act(norm, type(m))
         if _is_global_pool(m):
             cls = (
                 SpatialGlobalAvgPool2d
@@ -794,7 +870,7 @@ def spatialize(
         if cls is not None:
             m.__class__ = cls
             m.hyfi_path, m.hyfi_ctx = name, ctx
-            if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+            if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d) and not dynamic_same(m):
                 m.hyfi_geoms = layer_geom(m)  # type: ignore[assignment]
     return ctx
 
@@ -816,5 +892,6 @@ def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str]) -
             continue
         if name in sizes and isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
             jump = max(1, round(probe / sizes[name][0]))
-            align = math.lcm(align, jump * layer_geom(m)[0].stride, jump * layer_geom(m)[1].stride)
+            gy, gx = layer_geom(m, sizes[name])
+            align = math.lcm(align, jump * gy.stride, jump * gx.stride)
     return align

@@ -1,0 +1,93 @@
+"""Models people already use -- torchvision and timm -- exact on a tile grid, or refused.
+
+Tests as data: each row is a grid, an image size and the models run on it in
+one ``mpiexec`` launch (``tests/workers/zoo_models.py``, float64,
+``hyfi_imaging.verify_model``: outputs, input and parameter gradients,
+weights and BatchNorm statistics after two SGD steps), with what each must
+give: ``"exact"`` or a substring of its one-line refusal. What they cover:
+BatchNorm, GroupNorm (timm ``GroupNorm``) and timm's ``BatchNormAct2d``;
+squeeze-excite (modules, hard-sigmoid gates); functional global pools
+(``F.adaptive_avg_pool2d``, timm's ``avgmax``); ``nn.Linear`` on a
+channels-last map and layer scales (ConvNeXt); TF-'SAME' padding that depends
+on the input size (timm ``Conv2dSame``); grouped and depthwise convolutions.
+Rows marked slow run the heavier models (``pytest -m slow``).
+
+Needs the ``zoo`` extra (torchvision, timm), which ``scripts/setup.sh`` installs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import have_mpiexec, mpiexec
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(not have_mpiexec(), reason="mpiexec is not installed"),
+]
+WORKER = Path(__file__).parent / "workers" / "zoo_models.py"
+HALO = "needs a halo of 2 px"  # a 5x5 depthwise convolution on 1-px tiles: refused, not wrong
+
+#: (grid, image size, {model: expected}, slow)
+ROWS: list[tuple[str, str, dict[str, str], bool]] = [
+    ("2x2", "64x72", {"timm-regnetx_002": "exact", "tv-mobilenet_v3_small": HALO}, False),
+    ("1x2", "64x128", {
+        "tv-efficientnet_b0": "exact", "tv-mobilenet_v3_small": "exact",
+        "timm-efficientnet_b0": "exact", "timm-tf_efficientnet_b0": "exact",
+        "timm-resnet18-groupnorm": "exact",
+    }, False),
+    ("1x2", "64x192", {"tv-convnext": "exact", "timm-convnext_atto": "exact"}, False),
+    ("2x2", "64x72", {
+        "tv-resnet18": "exact", "tv-mobilenet_v2": "exact", "timm-resnet18-avgmax": "exact",
+        "timm-resnet18-groupnorm": "exact", "tv-resnext50_32x4d": "exact",
+        "tv-wide_resnet50_2": "exact", "tv-densenet121": "exact", "tv-regnet_y_400mf": "exact",
+        "timm-resnet18": "exact", "tv-efficientnet_b0": HALO, "timm-efficientnet_b0": HALO,
+        "timm-mobilenetv3_small_050": HALO, "timm-tf_efficientnet_b0": HALO,
+    }, True),
+    ("2x2", "128x136", {
+        "tv-efficientnet_b0": "exact", "timm-mobilenetv3_small_050": "exact",
+        "timm-tf_efficientnet_b0": "exact",
+    }, True),
+    ("1x2", "192x200", {"tv-densenet121": "exact", "tv-convnext": "exact"}, True),
+]  # fmt: skip
+
+
+def _params() -> list[Any]:
+    out = []
+    for grid, size, models, slow in ROWS:
+        marks = [pytest.mark.slow] if slow else []
+        out.append(pytest.param(grid, size, models, marks=marks, id=f"{grid}-{size}-{len(models)}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo() -> None:
+    pytest.importorskip("torchvision", reason="the zoo extra is not installed")
+    pytest.importorskip("timm", reason="the zoo extra is not installed")
+
+
+@pytest.mark.parametrize(("grid", "size", "models"), _params())
+def test_zoo_models_are_exact_or_refused(
+    zoo: None, grid: str, size: str, models: dict[str, str]
+) -> None:
+    gy, gx = (int(v) for v in grid.split("x"))
+    h, w = (int(v) for v in size.split("x"))
+    job = mpiexec(gy * gx, str(WORKER), *map(str, (gy, gx, h, w)), *models, timeout=900)
+    assert job.returncode == 0, job.describe()
+    results = json.loads(job.stdout.strip().splitlines()[-1])
+    wrong = {}
+    for name, expected in models.items():
+        got = results[name]
+        if expected == "exact":
+            ok = got.get("ok") is True and got["max_rel_error"] < 1e-3
+        else:  # refused with one line that says why; never run and wrong
+            ok = expected in got.get("error", "") and "\n" not in got["error"]
+        if not ok:
+            wrong[name] = got
+    assert not wrong, json.dumps(wrong, indent=1)
