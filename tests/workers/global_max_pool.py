@@ -8,7 +8,7 @@ import sys
 import torch
 
 from hyfi_imaging.models import create_model
-from hyfi_imaging.parallel.launch import init_parallel, shutdown
+from hyfi_imaging.parallel.launch import exit_now, init_parallel, shutdown
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.verify import run_verify
 
@@ -25,3 +25,4 @@ if __name__ == "__main__":
     if pc.rank == 0:
         print(json.dumps({"ok": report.ok, "max_rel_error": report.max_rel_error}))
     shutdown()
+    exit_now(0)  # without interpreter teardown: gloo's threads can abort it after the work

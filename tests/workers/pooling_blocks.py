@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyfi_imaging.parallel.launch import init_parallel, shutdown
+from hyfi_imaging.parallel.launch import exit_now, init_parallel, shutdown
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.verify import run_verify
 
@@ -122,3 +122,4 @@ if __name__ == "__main__":
         print(json.dumps({"ok": report.ok, "max_rel_error": report.max_rel_error,
                           "worst": worst.name}))  # fmt: skip
     shutdown()
+    exit_now(0)  # without interpreter teardown: gloo's threads can abort it after the work

@@ -125,4 +125,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from hyfi_imaging.parallel.launch import exit_now
+
+    # Without interpreter teardown: gloo's threads can abort it after all work is done.
+    exit_now(main(sys.argv[1:]))
