@@ -317,6 +317,12 @@ class ParallelModel:
                 tiles=layout.sp_size,
                 reshard_after_forward=plan.microbatches == 1,
             )
+            # FSDP2 hands a unit its input as a view made by a custom Function, which an
+            # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).
+            units = dict(self.stage_module.named_modules())
+            for path in self.fsdp_units:
+                if path in units and units[path] is not self.stage_module:
+                    _no_inplace_at_entry(units[path])
         self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
         self.last_logits: Tensor | None = None
 
@@ -774,11 +780,11 @@ def running_stats_merge(
 
 
 def _no_inplace_at_entry(stage: nn.Module) -> None:
-    """Turn off ``inplace`` on the op a stage starts with.
+    """Turn off ``inplace`` on the op a stage (or an FSDP unit) starts with.
 
     A received activation is an autograd leaf; an in-place op on it (ResNet's
     top-level ``relu`` when a cut falls right before it) is refused by
-    autograd. Out of place gives the same values.
+    autograd, as on the view FSDP2 hands a unit. Out of place gives the same values.
     """
     for m in stage.modules():
         if m is stage:

@@ -63,6 +63,7 @@ from hyfi_imaging.parallel.geometry import (
     transposed_halo,
 )
 from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
+from hyfi_imaging.parallel.randomness import install_rng_sync
 from hyfi_imaging.parallel.watch import watch_tiles
 from hyfi_imaging.parallel.windowed import Window
 
@@ -122,6 +123,9 @@ class SpatialContext:
         self.tile_param_names: set[str] = set()
         #: Global pools whose output is used again on the tiles (squeeze-excite).
         self.rejoined_pools: set[str] = set()
+        #: Modules that draw random numbers in training (drop-path), synchronised over the
+        #: tiles before they draw (see parallel/randomness.py).
+        self.random_modules: set[str] = set()
         #: Global reductions written as functions that reduce tiles (see parallel/functional.py).
         self.functional_sites: set[str] = set()
         self._functions: SpatialFunctions | None = None
@@ -731,7 +735,9 @@ def _norm_act(norm: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.drop(norm.forward(self, x)))
 
-    return type(f"Spatial{base.__name__}", (norm, base), {"forward": forward})
+    return type(
+        f"Spatial{base.__name__}", (norm, base), {"forward": forward, "hyfi_norm_act": True}
+    )
 
 
 def _plain_equivalent(m: nn.Module) -> type[nn.Module] | None:
@@ -838,7 +844,9 @@ def spatialize(
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
     reference = copy.deepcopy(model).to("meta")
     # Which modules and parameters see tile data; refuses functions that mix pixels.
-    use = watch_tiles(reference, (1, in_chans, _PROBE, _PROBE), _has_spatial_form)
+    use = watch_tiles(
+        reference, (1, in_chans, _PROBE, _PROBE), _has_spatial_form, norms=_is_norm_act
+    )
     align = (
         align
         or int(getattr(model, "total_stride", 0))
@@ -850,6 +858,8 @@ def spatialize(
     ctx.tile_param_names = use.tile_params
     ctx.rejoined_pools = use.rejoined_pools
     ctx.functional_sites = use.functional_sites
+    ctx.random_modules = use.random_modules
+    install_rng_sync(model, use.random_modules, group)  # drop-path: one draw per image
     if use.functional_sites:
         ctx._functions = SpatialFunctions(
             model, _has_spatial_form, use.functional_sites, ctx.run_site
@@ -876,6 +886,10 @@ def spatialize(
 
 
 def _has_spatial_form(m: nn.Module) -> bool:
+    """Layers whose forward is their spatial form's business. Not timm's norm + activation
+    layers: their normalisation is (the watch's ``norms``), their ``drop`` and ``act`` are not."""
+    if _is_norm_act(m) or getattr(m, "hyfi_norm_act", False):
+        return False
     return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
 
 

@@ -45,6 +45,7 @@ from hyfi_imaging.parallel.collectives import all_agree, group_device
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.launch import ParallelContext, init_parallel
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.randomness import rng_state, set_rng_state
 from hyfi_imaging.parallel.sharding import full_tensor
 from hyfi_imaging.parallel.spatial import SpatialContext
 
@@ -210,6 +211,14 @@ def run_verify(
     reference = build().to(dtype)
     plan.validate(reference, batch)
     pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=image_hw, loss_fn=loss_fn)
+    drawing = sorted(pm.ctx.random_modules) if pm.ctx is not None else []
+    if drawing and plan.layout.pp > 1:
+        raise ConfigError(
+            f"module {drawing[0] or type(reference).__name__!r}",
+            "draws random numbers in training (dropout, drop-path), which each pipeline stage "
+            "draws from its own generator, in another order than one process",
+            "check with one pipeline stage, or with the model's drop rates set to 0",
+        )
     report = VerifyReport(plan=pm.describe())
     if announce is not None:
         announce(report.plan)
@@ -247,12 +256,17 @@ def run_verify(
             tiles = None
             if pm.is_first:
                 tiles = pm.tile_of(images[mine]).clone().to(pc.device).requires_grad_(True)
+            # Random layers (drop-path, dropout) draw in the reference what each replica drew.
+            drawn_from = rng_state(pc.device)
             value = pm.train_step(tiles, targets[mine])
             report.losses.append(value)
+            drawn_to = rng_state(pc.device)
 
             x = images.clone().requires_grad_(True)
             ref_loss, outs = 0.0, []
             for k in range(dp * m):
+                if k % m == 0:
+                    set_rng_state(drawn_from, pc.device)
                 rows = slice(k * mb, (k + 1) * mb)
                 out = reference(x[rows])
                 part = reduce_loss(loss_fn(out, targets[rows]), None, None) / (dp * m)
@@ -260,6 +274,7 @@ def run_verify(
                 ref_loss += float(part.detach())
                 outs.append(out.detach())
             report.reference_losses.append(ref_loss)
+            set_rng_state(drawn_to, pc.device)
             report.add(
                 f"{tag}/loss", torch.tensor(value, dtype=f64), torch.tensor(ref_loss, dtype=f64),
                 rtol, atol,

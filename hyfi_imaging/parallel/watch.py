@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode
+from hyfi_imaging.parallel.randomness import draws_random
 
 __all__ = ["TileUse", "watch_tiles"]
 
@@ -71,6 +72,13 @@ _SLICES = {_aten.slice.Tensor, _aten.select.int, _aten.narrow.default}
 _ALONG = {_aten._softmax.default, _aten._log_softmax.default, _aten.cumsum.default}
 #: Matrix products: per pixel when the pixels are the rows of the first factor.
 _MATMUL = {_aten.mm.default, _aten.addmm.default}
+#: Fresh tensors of a given shape (``x.new_empty(shape)``): a tile only if the shape is one.
+_NEW = {"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"}
+#: The normalisation of a layer with a spatial norm form (timm's BatchNormAct2d, GroupNormAct).
+_NORMS = {
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "native_batch_norm",
+    "native_group_norm",
+}  # fmt: skip
 
 
 @dataclass
@@ -84,12 +92,16 @@ class TileUse:
     replicated output is used again on the tiles, as squeeze-excite does: their
     backward sums the tiles' shares. ``functional_sites``: global reductions
     written as functions that reduce tile data (see :mod:`.functional`).
+    ``random_modules``: modules whose own forward draws random numbers in
+    training that reach the output (drop-path, dropout): they must draw alike
+    on every tile (see :mod:`.randomness`); ``""`` is the model itself.
     """
 
     tile_modules: set[str] = field(default_factory=set)
     tile_params: set[str] = field(default_factory=set)
     rejoined_pools: set[str] = field(default_factory=set)
     functional_sites: set[str] = field(default_factory=set)
+    random_modules: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -112,9 +124,17 @@ def _refuse(path: str, op: str, why: str, fix: str) -> ConfigError:
 
 class _Watch(TorchDispatchMode):
     def __init__(
-        self, params: dict[int, str], known: Callable[[nn.Module], bool], use: TileUse
+        self,
+        params: dict[int, str],
+        known: Callable[[nn.Module], bool],
+        use: TileUse,
+        norms: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         super().__init__()
+        # Random tensors (drawn, or computed from draws without tile data), and the modules
+        # whose own normalisation has a spatial form (see _NORMS).
+        self.randoms: dict[int, torch.Tensor] = {}
+        self.norms, self.norm_paths = norms, set[str]()
         self.tiles: dict[int, tuple[torch.Tensor, _Tile]] = {}
         # Replicated tensors (a global pool's output and what is computed from it alone),
         # with the pools they come from; and the parameters used on each pool's lineage.
@@ -175,6 +195,8 @@ class _Watch(TorchDispatchMode):
     # -- module hooks --------------------------------------------------------------------
     def enter(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters()]
+        if self.norms is not None and self.norms(module):
+            self.norm_paths.add(path)
         if self.inside == 0 and any(self.tile_of(a) for a in args):
             self.use.tile_modules.add(path)
             if self.known(module):
@@ -212,6 +234,8 @@ class _Watch(TorchDispatchMode):
         pools = frozenset().union(*(self.pools_of(a) for a in flat))
         used = frozenset().union(*(self.params_of(a) for a in flat))
         outs, _ = tree_flatten(out)
+        if self.random_draw(func, flat, tiles, outs):
+            return out
         if not tiles:
             self.on_lineage(pools, used)
             for o in outs:
@@ -225,6 +249,31 @@ class _Watch(TorchDispatchMode):
         for o in outs:
             self.mark(o, result)
         return out
+
+    def random_draw(
+        self, func: Any, flat: list[Any], tiles: list[_Tile], outs: list[Any]
+    ) -> bool:
+        """Random numbers: a draw per pixel of a tile is refused; one per sample or channel
+        (drop-path, ``Dropout2d``, dropout in the head) is recorded, for its module to draw
+        alike on every tile (:mod:`.randomness`). True when ``func`` drew."""
+        path = (self.frames.path if self.frames is not None else "") or self.root
+        if draws_random(func):
+            if tiles:
+                raise _refuse(path, f"aten.{func.overloadpacket.__name__}", *_PER_PIXEL)
+            self.use.random_modules.add(self.frames.path if self.frames is not None else "")
+            self.randoms.update((id(o), o) for o in outs if isinstance(o, torch.Tensor))
+            return True
+        drawn = [a for a in flat if isinstance(a, torch.Tensor) and self.randoms.get(id(a)) is a]
+        if drawn and not tiles:
+            self.randoms.update((id(o), o) for o in outs if isinstance(o, torch.Tensor))
+        ref = next((a for a in flat if self.tile_of(a) is not None), None)
+        for r in drawn if isinstance(ref, torch.Tensor) else []:
+            tile = self.tile_of(ref)
+            assert tile is not None
+            aligned = [d - (ref.dim() - r.dim()) for d in tile.dims]  # broadcast from the right
+            if any(0 <= d < r.dim() and r.shape[d] > 1 for d in aligned):
+                raise _refuse(path, f"aten.{func.overloadpacket.__name__} of a random mask", *_PER_PIXEL)
+        return False
 
     def classify(
         self,
@@ -242,6 +291,10 @@ class _Watch(TorchDispatchMode):
         first = tree_flatten(out)[0][0] if tree_flatten(out)[0] else out
         if torch.Tag.pointwise in func.tags or name in _POINTWISE_NAMES:
             return tile
+        if name in _NORMS and self.frames is not None and self.frames.path in self.norm_paths:
+            return tile  # the layer's spatial form normalises over the whole image
+        if name in _NEW and isinstance(first, torch.Tensor):
+            return tile if tile.flat is None and _keeps(first, tile) else None
         if func in _VIEWS and isinstance(first, torch.Tensor) and isinstance(x, torch.Tensor):
             if tile.flat is None and _keeps(first, tile):
                 return _Tile((first.dim() - 2, first.dim() - 1), tile.hw)
@@ -297,6 +350,12 @@ class _Watch(TorchDispatchMode):
         raise _refuse(path, f"aten.{name}", what, fix)
 
 
+_PER_PIXEL = (
+    "draws random numbers per pixel of the tiled map (dropout or DropBlock on the feature map): "
+    "a tile's draws are not the whole image's",
+    "drop whole samples or channels (drop-path, nn.Dropout2d), drop after the global pool, "
+    "or set that rate to 0",
+)
 _USE_MODULES = (
     "use the torch.nn module (Conv2d, MaxPool2d, AvgPool2d, BatchNorm2d, AdaptiveAvgPool2d(1)) "
     "so that its spatial form runs, or run without spatial parallelism"
@@ -435,35 +494,67 @@ class _Sites(SiteMode):
         return out
 
 
+def _watch_once(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    known: Callable[[nn.Module], bool],
+    norms: Callable[[nn.Module], bool] | None,
+    params: dict[int, str],
+    use: TileUse,
+) -> tuple[_Watch, Any]:
+    """One meta-device pass of ``model`` under the watch, in the modules' current modes."""
+    watch = _Watch(params, known, use, norms)
+    watch.root = type(model).__name__
+    frames = Frames(model, known, on_enter=watch.enter, on_leave=watch.leave)
+    watch.frames = frames
+    x = torch.empty(shape, device="meta", dtype=dtype)
+    watch.mark(x, _Tile((len(shape) - 2, len(shape) - 1), tuple(shape[-2:])))  # type: ignore[arg-type]
+    try:
+        with torch.no_grad(), _Sites(watch, frames), watch:
+            out = model(x)
+    finally:
+        frames.remove()
+    return watch, out
+
+
 def watch_tiles(
-    model: nn.Module, shape: tuple[int, ...], known: Callable[[nn.Module], bool]
+    model: nn.Module,
+    shape: tuple[int, ...],
+    known: Callable[[nn.Module], bool],
+    *,
+    norms: Callable[[nn.Module], bool] | None = None,
 ) -> TileUse:
     """Run ``model`` (a meta copy) on a meta input of ``shape`` under the watch.
 
     ``known(module)`` says which modules have a spatial form (their internals
-    are trusted). Returns the :class:`TileUse`; raises ConfigError naming the
-    module path and the op when a function mixes pixels of tile data.
+    are trusted); ``norms(module)``, which modules' own normalisation has one
+    while their children (an activation, a dropout) are judged as usual. The
+    model runs twice, in eval and in training mode (where drop-path and
+    dropout draw), the layers with a spatial form in eval mode both times.
+    Returns the :class:`TileUse`; raises ConfigError naming the module path
+    and the op when a function mixes pixels of tile data.
     """
     use = TileUse()
     params = {id(p): n for n, p in model.named_parameters()}
-    watch = _Watch(params, known, use)
-    watch.root = type(model).__name__
-    frames = Frames(model, known, on_enter=watch.enter, on_leave=watch.leave)
-    watch.frames = frames
-    sites = _Sites(watch, frames)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    x = torch.empty(shape, device="meta", dtype=dtype)
-    watch.mark(x, _Tile((len(shape) - 2, len(shape) - 1), tuple(shape[-2:])))  # type: ignore[arg-type]
-    was_training = model.training
-    model.eval()
+    modes = {m: m.training for m in model.modules()}
+    lineage: dict[str, set[str]] = {}
+    reaching: frozenset[str] = frozenset()
     try:
-        with torch.no_grad(), sites, watch:
-            out = model(x)
+        for training in (False, True):
+            model.train(training)
+            for m in model.modules():
+                if known(m) or (norms is not None and norms(m)):
+                    m.training = False  # their own forward is the spatial form's business
+            watch, out = _watch_once(model, shape, dtype, known, norms, params, use)
+            results, _ = tree_flatten(out)
+            reaching = reaching.union(*(watch.pools_of(o) for o in results))
+            for pool, names in watch.lineage_params.items():
+                lineage.setdefault(pool, set()).update(names)
     finally:
-        model.train(was_training)
-        frames.remove()
-    results, _ = tree_flatten(out)
-    reaching = frozenset().union(*(watch.pools_of(o) for o in results))
+        for m, mode in modes.items():
+            m.training = mode
     both = sorted(reaching & use.rejoined_pools)
     if both:
         raise ConfigError(
@@ -472,5 +563,5 @@ def watch_tiles(
             "give the head its own global pool module",
         )
     for pool in use.rejoined_pools:
-        use.tile_params |= watch.lineage_params.get(pool, set())
+        use.tile_params |= lineage.get(pool, set())
     return use
