@@ -65,6 +65,12 @@ REFUSED: dict[str, tuple[Fn, str]] = {
     "flatten spatial": (lambda m, x: x.flatten(2).mean(2), "reshapes the tiled feature map"),
     "crop": (lambda m, x: x[..., 1:, :], "aten.slice"),
     "group norm": (lambda m, x: F.group_norm(x, 2), "group_norm"),
+    # Random draws per pixel of a tile (the watch also runs the model in training mode).
+    "dropout on the map": (lambda m, x: F.dropout(x, 0.5, m.training), "per pixel"),
+    "per-pixel random mask": (
+        lambda m, x: x * (torch.rand(x.shape, device=x.device) < 0.9),
+        "aten.mul of a random mask draws random numbers per pixel",
+    ),
 }
 
 
@@ -128,6 +134,22 @@ def test_pads_and_interpolations_get_their_spatial_form(body: Fn) -> None:
 def test_per_pixel_functions_are_allowed(case: str) -> None:
     ctx = _spatialize(ALLOWED[case])
     assert ctx.tile_param_names == {"conv.weight", "conv.bias"}  # type: ignore[attr-defined]
+
+
+#: Masks per sample or per channel: exact when every tile draws alike (the module drawing
+#: them synchronises the generator over the tiles, see parallel/randomness.py).
+DRAWS: dict[str, Fn] = {
+    "drop-path": lambda m, x: x * x.new_empty((x.shape[0], 1, 1, 1)).bernoulli_(0.8) / 0.8,
+    "channel dropout": lambda m, x: F.dropout2d(x, 0.5, m.training),
+    "dropout after the pool": lambda m, x: F.dropout(m.pool(x), 0.5, m.training),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DRAWS))
+def test_random_masks_per_sample_or_channel_draw_alike_on_every_tile(case: str) -> None:
+    ctx = _spatialize(DRAWS[case])
+    assert ctx.random_modules == {""}  # type: ignore[attr-defined]  # Net's own forward draws
+    assert len(ctx.rng_hooks) == 1  # type: ignore[attr-defined]
 
 
 def test_squeeze_excite_keeps_its_excitation_plain_and_sums_its_gradients() -> None:
@@ -214,3 +236,32 @@ def test_a_functional_pool_in_a_module_used_on_tiles_and_on_pooled_data_is_refus
 
     with pytest.raises(ConfigError, match=r"^module 'scale'.*one call and on pooled data"):
         spatialize(Twice(), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's norm + activation layer: BatchNorm, then its own ``drop`` and ``act`` modules."""
+
+    def __init__(self, channels: int, drop: nn.Module) -> None:
+        super().__init__(channels)
+        self.drop, self.act = drop, nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         self.training, 0.1, self.eps)  # fmt: skip
+        return self.act(self.drop(x))
+
+
+def test_a_norm_act_layer_gets_a_spatial_norm_and_its_drop_is_judged() -> None:
+    def net(drop: nn.Module) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), BatchNormAct2d(4, drop),
+                             nn.AdaptiveAvgPool2d(1))  # fmt: skip
+
+    model = net(nn.Dropout2d(0.2))
+    ctx = spatialize(model, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+    assert type(model[1]).__name__ == "SpatialBatchNormAct2d"
+    assert {"1.weight", "1.bias"} <= ctx.tile_param_names
+    assert ctx.random_modules == {"1.drop"}
+    # Dropout per pixel inside the layer (timm's drop_layer, e.g. DropBlock) is no longer hidden.
+    with pytest.raises(ConfigError, match=r"^module '1.drop': aten.*per pixel"):
+        spatialize(net(nn.Dropout(0.2)), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(),
+                   group=None)  # fmt: skip

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel import windowed
@@ -126,6 +127,7 @@ class SpatialContext:
         #: Modules that draw random numbers in training (drop-path), synchronised over the
         #: tiles before they draw (see parallel/randomness.py).
         self.random_modules: set[str] = set()
+        self.rng_hooks: list[RemovableHandle] = []
         #: Global reductions written as functions that reduce tiles (see parallel/functional.py).
         self.functional_sites: set[str] = set()
         self._functions: SpatialFunctions | None = None
@@ -859,7 +861,7 @@ def spatialize(
     ctx.rejoined_pools = use.rejoined_pools
     ctx.functional_sites = use.functional_sites
     ctx.random_modules = use.random_modules
-    install_rng_sync(model, use.random_modules, group)  # drop-path: one draw per image
+    ctx.rng_hooks = install_rng_sync(model, use.random_modules, group)  # one draw per image
     if use.functional_sites:
         ctx._functions = SpatialFunctions(
             model, _has_spatial_form, use.functional_sites, ctx.run_site
