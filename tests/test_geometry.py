@@ -630,14 +630,19 @@ def test_module_errors() -> None:
     with pytest.raises(ConfigError, match="padding_mode='reflect'"):
         layer_geom(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
     with pytest.raises(
-        ConfigError, match=r"^AvgPool2d\(kernel_size=3.*ceil_mode=True is not supported"
+        ConfigError, match=r"^AvgPool2d\(kernel_size=3.*ceil_mode=True, padding and count_"
     ):
-        layer_geom(nn.AvgPool2d(3, 2, ceil_mode=True))
+        layer_geom(nn.AvgPool2d(3, 2, 1, ceil_mode=True))
+    # Without padding, or without counting it, the divisor is the window's pixels in the image.
+    layer_geom(nn.AvgPool2d(3, 2, ceil_mode=True))
+    layer_geom(nn.AvgPool2d(2, 2, 1, ceil_mode=True, count_include_pad=False))
 
 
-def test_ceil_mode_max_pool_lengths_match_pytorch() -> None:
+@pytest.mark.parametrize("pool", [nn.MaxPool2d, nn.AvgPool2d])
+def test_ceil_mode_pool_lengths_match_pytorch(pool: type[nn.Module]) -> None:
     for k, s, p in [(2, 2, 0), (3, 2, 1), (3, 2, 0), (3, 3, 1), (5, 4, 2)]:
-        module = nn.MaxPool2d(k, s, p, ceil_mode=True)
+        extra = {"count_include_pad": False} if pool is nn.AvgPool2d else {}
+        module = pool(k, s, p, ceil_mode=True, **extra)
         geom = layer_geom(module)[0]
         for n in range(max(k - 2 * p, 1), 40):
             assert geom.out_length(n) == module(torch.zeros(1, 1, n, n)).shape[-1], (k, s, p, n)

@@ -94,6 +94,9 @@ ALLOWED: dict[str, Fn] = {
     "channel concat and slice": lambda m, x: torch.cat([x, x], 1)[:, :4],
     "channel reshape": lambda m, x: x.view(x.shape[0], 2, 2, *x.shape[-2:]).flatten(1, 2),
     "full slice": lambda m, x: x[..., :, :],
+    "channel split and chunk": lambda m, x: torch.cat(
+        [*torch.split(x, [1, 3], 1)[::-1], *x.chunk(2, 1)], 1
+    )[:, :4],
 }
 
 

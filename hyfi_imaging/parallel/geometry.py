@@ -323,7 +323,8 @@ def layer_geom(
     pads by its input ``size`` (:func:`tf_same_padding`; ``tf_same`` overrides the
     detection, for its spatial form). Refused with ConfigError: other modules,
     non-zero conv ``padding_mode`` (a tile border has no reflection to copy)
-    and ``ceil_mode=True`` on avg-pools (the divisor of an overhanging window has no tiled form).
+    and ``ceil_mode=True`` on avg-pools that count their padding (the divisor of an
+    overhanging window has no tiled form).
     """
     from torch import nn
 
@@ -351,13 +352,22 @@ def layer_geom(
         else:
             pads = [(p, p) for p in _pair(module.padding)]  # type: ignore[arg-type]
     elif isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
-        # Max-pool's ceil_mode only adds windows that overhang the end, which see
-        # -inf there like any padding; avg-pool's divisor for them has no tiled form.
-        if module.ceil_mode and isinstance(module, nn.AvgPool2d):
+        # ceil_mode only adds windows that overhang the end, which see -inf there (max)
+        # or are divided by their pixels inside the image (avg, as PyTorch does, ResNet-D's
+        # shortcut) -- except an average that counts padding: it counts the padding before
+        # the end but not the overhang past it, a divisor the tiles have no form for.
+        if (
+            isinstance(module, nn.AvgPool2d)
+            and module.ceil_mode
+            and module.count_include_pad
+            and module.divisor_override is None
+            and any(_pair(module.padding))
+        ):
             raise ConfigError(
                 where(),
-                "AvgPool2d with ceil_mode=True is not supported by spatial tiling",
-                "use ceil_mode=False",
+                "AvgPool2d with ceil_mode=True, padding and count_include_pad=True is not "
+                "supported by spatial tiling",
+                "use count_include_pad=False, padding=0 or ceil_mode=False",
             )
         kernel, stride = _pair(module.kernel_size), _pair(module.stride)
         pads = [(p, p) for p in _pair(module.padding)]

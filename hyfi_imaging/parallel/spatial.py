@@ -561,10 +561,10 @@ class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         win = self._window(x, 0.0)
         exclude = None
-        if not (self.count_include_pad or self.divisor_override) and any(
-            g.padding for g in self.hyfi_geoms
-        ):
-            # Divide by the number of window pixels inside the image, as PyTorch does.
+        padded = any(g.padding for g in self.hyfi_geoms) and not self.count_include_pad
+        if not self.divisor_override and (padded or self.ceil_mode):
+            # Divide by the number of window pixels inside the image, as PyTorch does (for a
+            # window overhanging the end in ceil_mode too; layer_geom refuses what differs).
             (i, j), (th, tw) = self.hyfi_ctx.tile, x.shape[-2:]
             origin = (i * th - win.halo[0], j * tw - win.halo[2])
             exclude = (origin, self.hyfi_ctx.size_of(self.hyfi_path))
@@ -819,7 +819,10 @@ def _check(name: str, m: nn.Module) -> None:
     if isinstance(m, tuple(_SWAP)) and type(m) not in _SWAP:
         raise ConfigError(where, "subclasses a pixel-mixing layer", "use the plain torch.nn layer")
     if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
-        layer_geom(m)  # refuses padding_mode != zeros and ceil_mode=True with a clear message
+        try:
+            layer_geom(m)  # refuses padding_mode != zeros, an avg-pool's ceil_mode divisor
+        except ConfigError as err:
+            raise ConfigError(where, err.what, err.fix) from None
     # Any other module is judged by what it does to tile data: see parallel/watch.py.
 
 

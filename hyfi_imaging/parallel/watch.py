@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode
 from hyfi_imaging.parallel.randomness import draws_random
 
@@ -330,7 +330,8 @@ class _Watch(TorchDispatchMode):
                 "use nn.AdaptiveAvgPool2d(1) / nn.AdaptiveMaxPool2d(1) modules for global pooling",
             )
         if func in (_aten.cat.default, _aten.stack.default) or func in _SPLITS:
-            dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            at = 2 if func in _SPLITS else 1  # split(x, sizes, dim), cat(tensors, dim)
+            dim = int(args[at] if len(args) > at else kwargs.get("dim", 0))
             dim = dim % nd if func is not _aten.stack.default else dim
             if dim not in tile.dims:
                 if func is _aten.stack.default:
@@ -547,7 +548,19 @@ def watch_tiles(
             for m in model.modules():
                 if known(m) or (norms is not None and norms(m)):
                     m.training = False  # their own forward is the spatial form's business
-            watch, out = _watch_once(model, shape, dtype, known, norms, params, use)
+            try:
+                watch, out = _watch_once(model, shape, dtype, known, norms, params, use)
+            except HyfiError:
+                raise
+            except Exception as err:  # the model's own code failed: say so in one line
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                raise ConfigError(
+                    f"model {type(model).__name__}",
+                    f"fails on a {'x'.join(map(str, shape))} input on the meta device "
+                    f"({'training' if training else 'eval'} mode): {type(err).__name__}: {first}",
+                    "spatial tiling needs a model that runs on any image size (convolutional "
+                    "up to its global pool) and on the meta device",
+                ) from err
             results, _ = tree_flatten(out)
             reaching = reaching.union(*(watch.pools_of(o) for o in results))
             for pool, names in watch.lineage_params.items():

@@ -108,6 +108,11 @@ LAYERS: dict[str, LayerSpec] = {
     "avgpool3x3-s2-p1-excl": LayerSpec(_seq(nn.AvgPool2d(3, 2, 1, count_include_pad=False)), 2),
     "avgpool3x3-s1-p1-excl": LayerSpec(_seq(nn.AvgPool2d(3, 1, 1, count_include_pad=False)), 1),
     "avgpool2x2-s2": LayerSpec(_seq(nn.AvgPool2d(2, 2)), 2),
+    # ResNet-D's shortcut (timm avg_down): windows overhanging an odd end, divided by their pixels.
+    "avgpool2x2-s2-ceil-excl": LayerSpec(
+        _seq(nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)), 2
+    ),
+    "avgpool3x3-s2-ceil": LayerSpec(_seq(nn.AvgPool2d(3, 2, ceil_mode=True)), 2),
     "avgpool3x3-s2-p1-div5": LayerSpec(_seq(nn.AvgPool2d(3, 2, 1, divisor_override=5)), 2),
     "bn": LayerSpec(_seq(nn.BatchNorm2d(C)), 1, **BN_STEPS),
     "bn-tilted": LayerSpec(_seq(nn.BatchNorm2d(C)), 1, **BN_STEPS, scale=(1.0, 10.0, 100.0, 1.0)),
