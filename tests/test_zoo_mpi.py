@@ -10,7 +10,10 @@ squeeze-excite (modules, hard-sigmoid gates); functional global pools
 (``F.adaptive_avg_pool2d``, timm's ``avgmax``); ``nn.Linear`` on a
 channels-last map and layer scales (ConvNeXt); TF-'SAME' padding that depends
 on the input size (timm ``Conv2dSame``); grouped and depthwise convolutions.
-Rows marked slow run the heavier models (``pytest -m slow``).
+Random layers keep their rates: drop-path, stochastic depth and dropout
+in the head are exact (one draw per image, the same on every tile); DropBlock
+(a mask per pixel) is refused. Rows marked slow run the heavier models
+(``pytest -m slow``).
 
 Needs the ``zoo`` extra (torchvision, timm), which ``scripts/setup.sh`` installs.
 """
@@ -33,28 +36,41 @@ pytestmark = [
 ]
 WORKER = Path(__file__).parent / "workers" / "zoo_models.py"
 HALO = "needs a halo of 2 px"  # a 5x5 depthwise convolution on 1-px tiles: refused, not wrong
+#: What the refused models are refused for (one line naming the module path, the op, the fix).
+REFUSED = {
+    "timm-resnet18-dropblock": "draws random numbers per pixel",  # DropBlock: a mask per pixel
+    "timm-convnextv2_atto": "aten.linalg_vector_norm over dims",  # GRN: a norm over the image
+    "timm-nf_resnet26": "(ScaledStdConv2d): subclasses a pixel-mixing layer",
+    "tv-inception_v3": "a functional pool (F.avg_pool2d)",
+    "timm-mixnet_s": "needs a halo of 5 px",  # its 11x11 depthwise conv on 4-px tiles
+}
 
 #: (grid, image size, {model: expected}, slow)
 ROWS: list[tuple[str, str, dict[str, str], bool]] = [
-    ("2x2", "64x72", {"timm-regnetx_002": "exact", "tv-mobilenet_v3_small": HALO}, False),
+    ("2x2", "64x72", {
+        "timm-regnetx_002": "exact", "tv-mobilenet_v3_small": HALO,
+        "timm-resnet18-droppath": "exact",
+    }, False),
     ("1x2", "64x128", {
         "tv-efficientnet_b0": "exact", "tv-mobilenet_v3_small": "exact",
         "timm-efficientnet_b0": "exact", "timm-tf_efficientnet_b0": "exact",
-        "timm-resnet18-groupnorm": "exact",
+        "timm-resnet18-groupnorm": "exact", "timm-resnet26d": "exact", **REFUSED,
     }, False),
     ("1x2", "64x192", {"tv-convnext": "exact", "timm-convnext_atto": "exact"}, False),
     ("2x2", "64x72", {
         "tv-resnet18": "exact", "tv-mobilenet_v2": "exact", "timm-resnet18-avgmax": "exact",
-        "timm-resnet18-groupnorm": "exact", "tv-resnext50_32x4d": "exact",
-        "tv-wide_resnet50_2": "exact", "tv-densenet121": "exact", "tv-regnet_y_400mf": "exact",
-        "timm-resnet18": "exact", "tv-efficientnet_b0": HALO, "timm-efficientnet_b0": HALO,
-        "timm-mobilenetv3_small_050": HALO, "timm-tf_efficientnet_b0": HALO,
+        "timm-resnet18-catavgmax": "exact", "timm-resnet18-groupnorm": "exact",
+        "tv-resnext50_32x4d": "exact", "tv-wide_resnet50_2": "exact", "tv-densenet121": "exact",
+        "tv-regnet_y_400mf": "exact", "timm-resnet18": "exact", "tv-efficientnet_b0": HALO,
+        "timm-efficientnet_b0": HALO, "timm-mobilenetv3_small_050": HALO,
+        "timm-tf_efficientnet_b0": HALO,
     }, True),
     ("2x2", "128x136", {
         "tv-efficientnet_b0": "exact", "timm-mobilenetv3_small_050": "exact",
         "timm-tf_efficientnet_b0": "exact",
     }, True),
     ("1x2", "192x200", {"tv-densenet121": "exact", "tv-convnext": "exact"}, True),
+    ("1x2", "64x320", {"timm-mixnet_s": "exact"}, True),
 ]  # fmt: skip
 
 

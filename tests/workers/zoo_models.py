@@ -5,16 +5,17 @@ for each NAME of :data:`ZOO`, ``hyfi_imaging.verify_model`` in float64 (two SGD
 steps: outputs, input and parameter gradients, weights, BatchNorm statistics)
 or the refusal it gives. One JSON line on rank 0: ``{name: {"ok": ..., ...}}``.
 
-Dropout and stochastic
-depth are set to 0 where the constructor allows it: a random mask drawn per
-tile cannot equal the one drawn per image (the masks per sample, drop-path,
-are equal on every tile, since every rank draws the same numbers).
+Dropout, drop-path and stochastic depth keep their rates (or get one where
+the default is 0): the masks per sample (and dropout after the global pool)
+must be drawn alike on every tile, and the reference draws what the tiles drew
+(``parallel/randomness.py``). A mask per pixel (DropBlock) must be refused.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,8 @@ def _tv_convnext() -> nn.Module:
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
     widths = [(8, 16), (16, 32), (32, 64), (64, None)]
-    return ConvNeXt([CNBlockConfig(a, b, 1) for a, b in widths], num_classes=3)
+    blocks = [CNBlockConfig(a, b, 1) for a, b in widths]
+    return ConvNeXt(blocks, stochastic_depth_prob=0.3, num_classes=3)
 
 
 def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
@@ -55,19 +57,27 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "tv-resnext50_32x4d": _tv("resnext50_32x4d"),
     "tv-wide_resnet50_2": _tv("wide_resnet50_2"),
     "tv-densenet121": _tv("densenet121"),
-    "tv-efficientnet_b0": _tv("efficientnet_b0", dropout=0.0, stochastic_depth_prob=0.0),
+    "tv-efficientnet_b0": _tv("efficientnet_b0"),  # dropout 0.2, stochastic depth 0.2
     "tv-regnet_y_400mf": _tv("regnet_y_400mf"),
     "tv-convnext": _tv_convnext,
-    "tv-mobilenet_v3_small": _tv("mobilenet_v3_small", dropout=0.0),
-    "tv-mobilenet_v2": _tv("mobilenet_v2", dropout=0.0),
+    "tv-mobilenet_v3_small": _tv("mobilenet_v3_small"),  # Dropout(0.2, inplace=True) in the head
+    "tv-mobilenet_v2": _tv("mobilenet_v2"),
+    "tv-inception_v3": _tv("inception_v3", aux_logits=False, init_weights=False),
     "timm-resnet18": _timm("resnet18"),
-    "timm-efficientnet_b0": _timm("efficientnet_b0"),
-    "timm-mobilenetv3_small_050": _timm("mobilenetv3_small_050"),
-    "timm-convnext_atto": _timm("convnext_atto"),
+    "timm-resnet18-droppath": _timm("resnet18", drop_path_rate=0.3, drop_rate=0.3),
+    "timm-resnet18-dropblock": _timm("resnet18", drop_block_rate=0.2),
+    "timm-resnet26d": _timm("resnet26d"),
+    "timm-efficientnet_b0": _timm("efficientnet_b0", drop_rate=0.2, drop_path_rate=0.2),
+    "timm-mobilenetv3_small_050": _timm("mobilenetv3_small_050", drop_rate=0.2),
+    "timm-mixnet_s": _timm("mixnet_s"),
+    "timm-convnext_atto": _timm("convnext_atto", drop_path_rate=0.2),
+    "timm-convnextv2_atto": _timm("convnextv2_atto"),
     "timm-regnetx_002": _timm("regnetx_002"),
     "timm-resnet18-avgmax": _timm("resnet18", global_pool="avgmax"),
+    "timm-resnet18-catavgmax": _timm("resnet18", global_pool="fastcatavgmax"),
     "timm-resnet18-groupnorm": _timm("resnet18", norm_layer="groupnorm"),
     "timm-tf_efficientnet_b0": _timm("tf_efficientnet_b0"),
+    "timm-nf_resnet26": _timm("nf_resnet26"),
 }
 
 
@@ -81,6 +91,7 @@ def main(argv: list[str]) -> int:
     results: dict[str, Any] = {}
     for name in argv[4:]:
         build = ZOO[name]
+        began = time.perf_counter()
         try:
             report = verify_model(build, (h, w), pc, batch=2)
             failed = [c.name for c in report.comparisons if not c.ok]
@@ -90,6 +101,7 @@ def main(argv: list[str]) -> int:
             results[name] = {"ok": False, "error": str(err)}
         except Exception as err:  # a crash is a failure of its own kind: never "refused"
             results[name] = {"ok": False, "crash": f"{type(err).__name__}: {err}"[:500]}
+        results[name]["seconds"] = round(time.perf_counter() - began, 1)
     if pc.rank == 0:
         print(json.dumps(results))
     shutdown()
