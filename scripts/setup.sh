@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install hyfi-imaging with everything it needs, and what
-# its checks need (the dev extra: ruff, mypy; the test extra: pytest).
+# its checks need (the dev extra: ruff, mypy; the test extra: pytest; the zoo extra:
+# torchvision and timm, whose models tests/test_zoo_mpi.py checks).
 # Needs only python3 (>= 3.10) and pip. torch is pinned: an unpinned torch pulls
 # gigabytes of CUDA packages on a CPU machine. On a GPU cluster, install the
 # torch build that matches your CUDA first, then `pip install -e .` and use the
@@ -14,6 +15,8 @@ fi
 stamp=.venv/.hyfi-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[dev,test,mpich,zoo]"
+  # torchvision is pinned to the release built for this torch (the zoo extra is not pinned).
+  .venv/bin/python -m pip install --quiet "torch==2.13.0" "torchvision==0.28.0" \
+    -e ".[dev,test,mpich,zoo]"
   touch "$stamp"
 fi
