@@ -250,9 +250,7 @@ class _Watch(TorchDispatchMode):
             self.mark(o, result)
         return out
 
-    def random_draw(
-        self, func: Any, flat: list[Any], tiles: list[_Tile], outs: list[Any]
-    ) -> bool:
+    def random_draw(self, func: Any, flat: list[Any], tiles: list[_Tile], outs: list[Any]) -> bool:
         """Random numbers: a draw per pixel of a tile is refused; one per sample or channel
         (drop-path, ``Dropout2d``, dropout in the head) is recorded, for its module to draw
         alike on every tile (:mod:`.randomness`). True when ``func`` drew."""
@@ -267,12 +265,15 @@ class _Watch(TorchDispatchMode):
         if drawn and not tiles:
             self.randoms.update((id(o), o) for o in outs if isinstance(o, torch.Tensor))
         ref = next((a for a in flat if self.tile_of(a) is not None), None)
-        for r in drawn if isinstance(ref, torch.Tensor) else []:
-            tile = self.tile_of(ref)
-            assert tile is not None
+        tile = self.tile_of(ref)
+        if not drawn or not isinstance(ref, torch.Tensor) or tile is None:
+            return False
+        for r in drawn:
             aligned = [d - (ref.dim() - r.dim()) for d in tile.dims]  # broadcast from the right
             if any(0 <= d < r.dim() and r.shape[d] > 1 for d in aligned):
-                raise _refuse(path, f"aten.{func.overloadpacket.__name__} of a random mask", *_PER_PIXEL)
+                raise _refuse(
+                    path, f"aten.{func.overloadpacket.__name__} of a random mask", *_PER_PIXEL
+                )
         return False
 
     def classify(
