@@ -9,7 +9,9 @@ BatchNorm, GroupNorm (timm ``GroupNorm``) and timm's ``BatchNormAct2d``;
 squeeze-excite (modules, hard-sigmoid gates); functional global pools
 (``F.adaptive_avg_pool2d``, timm's ``avgmax``); ``nn.Linear`` on a
 channels-last map and layer scales (ConvNeXt); TF-'SAME' padding that depends
-on the input size (timm ``Conv2dSame``); grouped and depthwise convolutions.
+on the input size (timm ``Conv2dSame``); grouped and depthwise convolutions;
+ResNet-D's ``AvgPool2d(ceil_mode=True)``; timm ``GroupNorm1`` and an average
+pool as token mixer (PoolFormer, whose head calls its children directly).
 Random layers keep their rates: drop-path, stochastic depth and dropout
 in the head are exact (one draw per image, the same on every tile); DropBlock
 (a mask per pixel) is refused. Rows marked slow run the heavier models
@@ -56,7 +58,9 @@ ROWS: list[tuple[str, str, dict[str, str], bool]] = [
         "timm-efficientnet_b0": "exact", "timm-tf_efficientnet_b0": "exact",
         "timm-resnet18-groupnorm": "exact", "timm-resnet26d": "exact", **REFUSED,
     }, False),
-    ("1x2", "64x192", {"tv-convnext": "exact", "timm-convnext_atto": "exact"}, False),
+    ("1x2", "64x192", {
+        "tv-convnext": "exact", "timm-convnext_atto": "exact", "timm-poolformer_s12": "exact",
+    }, False),
     ("2x2", "64x72", {
         "tv-resnet18": "exact", "tv-mobilenet_v2": "exact", "timm-resnet18-avgmax": "exact",
         "timm-resnet18-catavgmax": "exact", "timm-resnet18-groupnorm": "exact",

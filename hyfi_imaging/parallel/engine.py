@@ -101,7 +101,7 @@ from hyfi_imaging.parallel.pipeline import (
     stage_boundaries,
     stage_bounds,
 )
-from hyfi_imaging.parallel.sharding import apply_fsdp
+from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
 from hyfi_imaging.parallel.spatial import SpatialContext
 
 __all__ = [
@@ -316,6 +316,7 @@ class ParallelModel:
                 tile_names=None if self.ctx is None else self.ctx.tile_param_names,
                 tiles=layout.sp_size,
                 reshard_after_forward=plan.microbatches == 1,
+                called=called_modules(self._meta_model, (1, self.in_chans, *self.image_hw)),
             )
             # FSDP2 hands a unit its input as a view made by a custom Function, which an
             # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).

@@ -25,12 +25,18 @@ which sums over the mesh and divides by a per-unit factor:
 
 So a unit must not mix the two kinds: units are the top-level layers, split
 into their children where a layer mixes them or holds more than
-:data:`MAX_UNIT_BYTES` of parameters.
+:data:`MAX_UNIT_BYTES` of parameters. A unit must also be *called*: FSDP2
+gathers its parameters in its forward pre-hook, and a model may call a
+module's children without the module (timm's MetaFormer head:
+``self.head.norm(x)``), which left them sharded; such a module is no unit,
+its children are judged instead (:func:`called_modules`).
 On Gloo the reductions are forced to plain sums with separate scaling (Gloo
 has no ``PREMUL_SUM``).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -41,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
 
-__all__ = ["apply_fsdp", "full_tensor", "shard_units"]
+__all__ = ["apply_fsdp", "called_modules", "full_tensor", "shard_units"]
 
 TILE, HEAD = "tile", "head"
 
@@ -68,8 +74,35 @@ def _nbytes(params: list[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def called_modules(model: nn.Module, input_shape: tuple[int, ...]) -> set[str]:
+    """Paths of the modules whose forward runs when ``model`` (on the meta device, or a
+    meta copy is made) runs on an input of ``input_shape``, in eval mode."""
+    if any(p.device.type != "meta" for p in model.parameters()):
+        model = copy.deepcopy(model).to("meta")
+    called: set[str] = set()
+    handles = [
+        m.register_forward_pre_hook(lambda m, a, path=path: called.add(path))
+        for path, m in model.named_modules()
+    ]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.empty(input_shape, device="meta", dtype=dtype))
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return called
+
+
 def shard_units(
-    stage: nn.Module, tile_names: set[str] | None, *, max_bytes: int = MAX_UNIT_BYTES
+    stage: nn.Module,
+    tile_names: set[str] | None,
+    *,
+    max_bytes: int = MAX_UNIT_BYTES,
+    called: set[str] | None = None,
 ) -> list[tuple[str, nn.Module, str, int]]:
     """``(path, module, kind, bytes)`` of each FSDP unit below ``stage``, innermost first.
 
@@ -79,7 +112,9 @@ def shard_units(
     rest. ``kind`` says whether the gradient is summed over tiles (``tile_names``;
     None: all) or the parameters form the replicated head; ``bytes`` are the
     unit's own parameters (without those of units inside it). ConfigError when
-    one module holds both kinds directly.
+    one module holds both kinds directly. With ``called`` (see :func:`called_modules`),
+    a module not in it is no unit: its children are visited instead, and its own
+    parameters are left to the stage's root unit.
     """
     units: list[tuple[str, nn.Module, str, int]] = []
     claimed: set[int] = set()
@@ -87,6 +122,10 @@ def shard_units(
     def visit(prefix: str, module: nn.Module) -> None:
         own = [p for p in module.parameters() if id(p) not in claimed]
         if not own:
+            return
+        if called is not None and prefix.rstrip(".") not in called:
+            for name, child in module.named_children():
+                visit(f"{prefix}{name}.", child)
             return
         kinds = _kinds(prefix, module, tile_names, recurse=True)
         if len(kinds) > 1 or _nbytes(own) > max_bytes:
@@ -126,17 +165,27 @@ def apply_fsdp(
     tile_names: set[str] | None,
     tiles: int,
     reshard_after_forward: bool,
+    called: set[str] | None = None,
 ) -> list[str]:
     """Shard ``stage`` in place over ``mesh`` (FSDP2); returns the unit paths, root last.
 
     ``tiles`` is the number of spatial ranks (``sp``) in the mesh: the divide
-    factor of head units. Call once, before creating the optimizer (its
-    parameters become sharded DTensors).
+    factor of head units; ``called`` as for :func:`shard_units`. Call once,
+    before creating the optimizer (its parameters become sharded DTensors).
     """
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
-    units = shard_units(stage, tile_names)
-    root_kind = next(iter(_kinds("", stage, tile_names, recurse=False)), TILE)
-    units.append(("(stage)", stage, root_kind, 0))
+    units = shard_units(stage, tile_names, called=called)
+    inner = {id(p) for _, module, _, _ in units for p in module.parameters()}
+    rest = [n for n, p in stage.named_parameters() if id(p) not in inner]
+    root_kinds = {TILE if tile_names is None or n in tile_names else HEAD for n in rest}
+    if len(root_kinds) > 1:
+        raise ConfigError(
+            f"module {type(stage).__name__!r}",
+            "keeps parameters used both before and after the global pool outside any module "
+            "its forward calls",
+            "call the modules that hold them (or split them into two modules)",
+        )
+    units.append(("(stage)", stage, next(iter(root_kinds), TILE), 0))
     for _, module, kind, _ in units:
         sharded: FSDPModule = fully_shard(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward

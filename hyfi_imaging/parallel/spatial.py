@@ -743,10 +743,10 @@ def _norm_act(norm: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
 
 
 def _plain_equivalent(m: nn.Module) -> type[nn.Module] | None:
-    """The torch.nn layer a known subclass computes exactly (timm's ``GroupNorm``, whose
-    forward is ``F.group_norm``), else None."""
+    """The torch.nn layer a known subclass computes exactly (timm's ``GroupNorm`` and
+    ``GroupNorm1``, whose forward is ``F.group_norm``), else None."""
     cls = type(m)
-    if cls.__module__.startswith("timm.") and cls.__name__ == "GroupNorm":
+    if cls.__module__.startswith("timm.") and cls.__name__ in ("GroupNorm", "GroupNorm1"):
         return nn.GroupNorm
     return None
 
