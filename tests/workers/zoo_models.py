@@ -76,7 +76,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "timm-resnet18-avgmax": _timm("resnet18", global_pool="avgmax"),
     "timm-resnet18-catavgmax": _timm("resnet18", global_pool="fastcatavgmax"),
     "timm-resnet18-groupnorm": _timm("resnet18", norm_layer="groupnorm"),
-    "timm-tf_efficientnet_b0": _timm("tf_efficientnet_b0"),
+    "timm-tf_efficientnet_b0": _timm("tf_efficientnet_b0", drop_rate=0.2, drop_path_rate=0.2),
     "timm-nf_resnet26": _timm("nf_resnet26"),
     "timm-poolformer_s12": _timm("poolformer_s12", drop_path_rate=0.2),
 }
