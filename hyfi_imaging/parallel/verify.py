@@ -212,12 +212,16 @@ def run_verify(
     plan.validate(reference, batch)
     pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=image_hw, loss_fn=loss_fn)
     drawing = sorted(pm.ctx.random_modules) if pm.ctx is not None else []
-    if drawing and plan.layout.pp > 1:
+    if drawing and (plan.layout.pp > 1 or pc.device.type != "cpu"):
+        why = (
+            "each pipeline stage draws from its own generator, in another order than one process"
+            if plan.layout.pp > 1
+            else f"the ranks draw on {pc.device.type} and the one-process reference on the CPU"
+        )
         raise ConfigError(
             f"module {drawing[0] or type(reference).__name__!r}",
-            "draws random numbers in training (dropout, drop-path), which each pipeline stage "
-            "draws from its own generator, in another order than one process",
-            "check with one pipeline stage, or with the model's drop rates set to 0",
+            f"draws random numbers in training (dropout, drop-path), and {why}",
+            "check with the model's drop rates set to 0 (or on CPU with one pipeline stage)",
         )
     report = VerifyReport(plan=pm.describe())
     if announce is not None:
