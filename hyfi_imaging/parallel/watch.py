@@ -5,7 +5,7 @@ Why: ``spatialize()`` swaps *modules* for their spatial forms, but a model's
 ``x.mean((2, 3))``, ``torch.flip``, ``F.interpolate``, slicing -- which no
 module check sees. Each would run on a tile as if it were the whole image and
 give a wrong answer without a word (torchvision's densenet121 and mobilenet_v2
-did). So the model runs once on the meta device under a
+did). So the model runs on the meta device under a
 :class:`~torch.utils._python_dispatch.TorchDispatchMode` that follows the
 *tile-carrying* tensors (the input, and whatever is computed from it without
 a global pool) through every ATen op, and:
@@ -25,6 +25,11 @@ a global pool) through every ATen op, and:
   functional convolution or pool, an op it does not know -- with one line
   naming the module path, the op and the fix. Unknown means refused: never
   silently wrong.
+
+The model runs twice, in eval and in training mode, because dropout,
+drop-path and DropBlock draw only in training: a random draw per pixel of a
+tile is refused, one per sample or channel is recorded for its module to draw
+alike on every tile (:mod:`.randomness`).
 
 It also reports which modules saw tile data and which parameters were used on
 it: ``spatialize`` swaps only those modules (a 1x1 convolution on a pooled
