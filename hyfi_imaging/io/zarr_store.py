@@ -72,6 +72,7 @@ __all__ = [
     "StorePixels",
     "ZarrReader",
     "downsample_2x",
+    "level_hw",
     "level_shapes",
     "read_hyfi_attrs",
     "read_store_pixels",
@@ -183,16 +184,25 @@ class _ArraySource:
         return self.image[:, y0:y1, x0:x1]
 
 
+def level_hw(image_hw: tuple[int, int], level: int) -> tuple[int, int]:
+    """``(h, w)`` of level ``level`` of a store of ``image_hw``: ``ceil(H / 2**l) x ceil(W / 2**l)``.
+
+    Pixel ``i`` of that level covers level-0 pixels ``[i·2**l, (i+1)·2**l)``
+    (:func:`downsample_2x`); the scale transform is exactly ``2**l``.
+    """
+    f = 2**level
+    return -(-int(image_hw[0]) // f), -(-int(image_hw[1]) // f)
+
+
 def level_shapes(h: int, w: int, *, chunk: int, pyramid_levels: int) -> list[tuple[int, int]]:
     """``(h, w)`` of every level :func:`write_ome_zarr` writes for an ``h x w`` image.
 
-    Level ``l`` is ``ceil(h / 2**l) x ceil(w / 2**l)``; a level whose shorter
-    side would fall below ``chunk / 2`` is not written (level 0 always is).
+    Level ``l`` is :func:`level_hw`; a level whose shorter side would fall
+    below ``chunk / 2`` is not written (level 0 always is).
     """
     shapes = [(h, w)]
     while len(shapes) < pyramid_levels:
-        ph, pw = shapes[-1]
-        nh, nw = -(-ph // 2), -(-pw // 2)
+        nh, nw = level_hw((h, w), len(shapes))
         if min(nh, nw) < chunk / 2:
             break
         shapes.append((nh, nw))
