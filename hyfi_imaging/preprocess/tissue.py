@@ -13,10 +13,11 @@ Intensity images (fluorescence, multiplex, grayscale, 16-bit scientific; see
 tissue where there is signal. Each channel used (all of them, or the one
 ``channel`` names, e.g. DAPI) is scaled to ``[0, 1]`` between its own 1st and
 99.9th percentile on the thumbnail, so a dim marker counts as much as a bright
-one whatever the bit depth; the tissue signal is their per-pixel maximum,
-thresholded by Otsu. The floor here: the two classes Otsu finds must differ by
-at least ``_MIN_SEPARATION`` standard deviations of the darker one, which noise
-on an empty slide never does (Gaussian noise split by Otsu: about 2.7).
+one whatever the bit depth, and thresholded by Otsu on its own. The floor
+here: a channel counts only when the two classes Otsu finds differ by at least
+``_MIN_SEPARATION`` standard deviations of the darker one, which noise never
+does (Gaussian noise split by Otsu: about 2.7); the tissue is the union of the
+channels that count, none of them meaning a blank slide.
 """
 
 from __future__ import annotations
@@ -59,23 +60,27 @@ def _bright_field(image: np.ndarray) -> np.ndarray | None:
 
 
 def _intensity(image: np.ndarray, channel: int | None) -> np.ndarray | None:
-    """Tissue of an intensity thumbnail (signal over a dark background); None for a blank one."""
-    signal = np.zeros(image.shape[1:], dtype=np.float32)
+    """Tissue of an intensity thumbnail (signal over a dark background); None for a blank one.
+
+    Each channel is thresholded on its own (Otsu) and kept only when its two
+    classes stand apart; the tissue is the union of the kept channels, so a
+    channel of pure noise (an empty marker) adds nothing.
+    """
+    found: np.ndarray | None = None
     for c in range(image.shape[0]) if channel is None else (channel,):
         v = image[c].astype(np.float32)
         lo, hi = (float(q) for q in np.percentile(v, _SIGNAL_PERCENTILES))
-        if hi > lo:
-            np.maximum(
-                signal, np.clip((v - np.float32(lo)) / np.float32(hi - lo), 0, 1), out=signal
-            )
-    if float(signal.max() - signal.min()) <= 0.0:
-        return None
-    mask = signal > float(filters.threshold_otsu(signal))
-    back = signal[~mask]
-    spread = float(back.std()) if back.size else 0.0
-    if float(signal[mask].mean() - (back.mean() if back.size else 0.0)) < _MIN_SEPARATION * spread:
-        return None
-    return mask
+        if not hi > lo:
+            continue
+        signal = np.clip((v - np.float32(lo)) / np.float32(hi - lo), 0, 1)
+        mask = signal > float(filters.threshold_otsu(signal))
+        back = signal[~mask]
+        if not mask.any() or back.size == 0:
+            continue
+        if float(signal[mask].mean() - back.mean()) < _MIN_SEPARATION * float(back.std()):
+            continue
+        found = mask if found is None else found | mask
+    return found
 
 
 def tissue_mask(
