@@ -23,6 +23,7 @@ rounded back to the integer type (:func:`cast_to`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ __all__ = [
     "dtype_range",
     "is_rgb",
     "resize_channels",
+    "rgb_equivalent_side",
     "supported_dtype",
 ]
 
@@ -94,6 +96,16 @@ def default_channels(channels: int, *, rgb: bool) -> tuple[tuple[str, ...], tupl
     if channels == 1:
         return names, ("FFFFFF",)
     return names, tuple(PALETTE[i % len(PALETTE)] for i in range(channels))
+
+
+def rgb_equivalent_side(side: float, channels: int, itemsize: int) -> float:
+    """The side of a square of these pixels that holds no more bytes than an 8-bit RGB ``side``².
+
+    Memory budgets (shards, render tiles) are sized for 8-bit RGB; pixels of
+    more bytes (16-bit, many channels) get a proportionally smaller square,
+    those of 3 bytes or fewer the same one.
+    """
+    return side * math.sqrt(3 / max(3, channels * itemsize))
 
 
 def cast_to(values: np.ndarray, dtype: np.dtype[np.generic]) -> np.ndarray:

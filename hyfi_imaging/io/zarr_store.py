@@ -62,6 +62,7 @@ from hyfi_imaging.io.pixels import (
     default_channels,
     dtype_range,
     is_rgb,
+    rgb_equivalent_side,
     supported_dtype,
 )
 
@@ -142,11 +143,9 @@ def shard_side(shard: int, chunk: int, channels: int, itemsize: int) -> int:
     below one) until it holds no more bytes than an 8-bit RGB shard of side
     ``shard``; 8-bit RGB and smaller pixels keep ``shard``.
     """
-    per_pixel = channels * itemsize
-    if per_pixel <= 3:
+    if channels * itemsize <= 3:
         return shard
-    side = math.floor(shard * math.sqrt(3 / per_pixel) / chunk) * chunk
-    return max(chunk, side)
+    return max(chunk, math.floor(rgb_equivalent_side(shard, channels, itemsize) / chunk) * chunk)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -5,8 +5,9 @@ memory before writing runs the machine out of memory without a warning. The
 store writer instead asks :class:`CanvasRenderer` for one shard at a time; the
 renderer fills the background and resamples the part of the tissue crop that
 falls into the shard, in tiles of at most ``_RENDER_TILE`` output pixels each
-read from at most about ``_SOURCE_TILE`` source pixels per side. Memory is
-then one shard plus one tile, whatever the canvas size.
+read from at most about ``_SOURCE_TILE`` source pixels per side (fewer for
+pixels of more than 3 bytes: the read holds no more bytes than an 8-bit RGB
+one). Memory is then one shard plus one tile, whatever the canvas size.
 
 Tiles must join without seams. Box downsampling never reaches outside its
 box, so a tile needs no neighbours; bilinear upsampling reaches one source
@@ -29,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from hyfi_imaging.io.base import SlideReader
-from hyfi_imaging.io.pixels import resize_channels
+from hyfi_imaging.io.pixels import resize_channels, rgb_equivalent_side
 
 __all__ = ["CanvasRenderer", "CropPlan", "render_crop"]
 
@@ -74,7 +75,8 @@ def render_crop(
     downscale = lw >= pw
     resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
     margin = 0 if downscale else 2
-    step = max(16, min(_RENDER_TILE, math.floor(_SOURCE_TILE / max(per_row, per_col, 1.0))))
+    source_side = rgb_equivalent_side(_SOURCE_TILE, reader.channels, reader.dtype.itemsize)
+    step = max(16, min(_RENDER_TILE, math.floor(source_side / max(per_row, per_col, 1.0))))
     for a0 in range(r0, r1, step):
         a1 = min(r1, a0 + step)
         top, bottom = ly0 + a0 * per_row, ly0 + a1 * per_row
