@@ -16,7 +16,7 @@ Three modes, set in the dataset card (``normalize:``) or the recipe
   each channel, from the statistics ``hyfi-preprocess`` stored with the image
   (``attributes.hyfi_stats``: the coarsest pyramid level, tissue placement
   only), so no pixels are read to find them. ``low`` and ``high`` must be
-  percentiles the store holds (:data:`~hyfi_imaging.io.zarr_store.STAT_PERCENTILES`).
+  percentiles the store holds (:data:`~hyfi_imaging.io.channels.STAT_PERCENTILES`).
 
 ``clip`` (default on) clips to ``[0, 1]`` afterwards. Every step is one
 elementwise float32 operation, so a tile's pixels equal the whole image's.
@@ -32,8 +32,8 @@ from typing import Any, Literal
 import numpy as np
 
 from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.io.channels import STAT_PERCENTILES, stat_percentile
 from hyfi_imaging.io.pixels import dtype_range
-from hyfi_imaging.io.zarr_store import STAT_PERCENTILES, stat_percentile
 
 __all__ = ["NormalizeMode", "Normalization", "Window"]
 
