@@ -301,6 +301,9 @@ def test_qc_picture_shows_chosen_channels_in_their_colours(tmp_path: Path) -> No
     )
     with pytest.raises(ConfigError, match="neither RRGGBB nor a colour name"):
         QcChannels.parse("DAPI:bleu")
+    with pytest.raises(SystemExit) as exited:  # the command line says so before anything runs
+        preprocess_main([str(tmp_path), "--out", str(tmp_path / "x"), "--qc-channels", "DAPI:bleu"])
+    assert exited.value.code == 2 and not (tmp_path / "x").exists()
 
 
 def test_tissue_on_intensity_images_by_channel(tmp_path: Path) -> None:

@@ -58,7 +58,10 @@ failed (see manifest.csv and preprocess.log), 2 the run could not start.
 def _qc_channels(text: str) -> QcChannels:
     from hyfi_imaging.preprocess.qc import QcChannels
 
-    return QcChannels.parse(text)
+    try:
+        return QcChannels.parse(text)
+    except HyfiError as err:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
