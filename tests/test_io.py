@@ -21,6 +21,7 @@ from hyfi_imaging.io import ArrayReader, SlideReader, open_slide, thumbnail
 from hyfi_imaging.io.detect import recognise
 from hyfi_imaging.io.dicom import WSI_SOP_CLASS, read_dicom_header
 from hyfi_imaging.io.openslide_reader import OpenSlideReader, mpp_from_resolution
+from hyfi_imaging.io.pixels import RGB_NAMES
 from hyfi_imaging.io.tiff_reader import TiffReader, ome_mpp
 from hyfi_imaging.io.zarr_store import ZarrReader, downsample_2x, read_hyfi_attrs, write_ome_zarr
 
@@ -77,7 +78,7 @@ def test_open_slide_reads_every_kind_exactly(synthetic_slides: SyntheticSlides, 
         assert isinstance(reader, cls) and isinstance(reader, SlideReader)
         assert reader.format == fmt
         assert reader.level_dimensions == LEVELS
-        assert reader.level_downsamples == (1.0, 2.0, 4.0)
+        assert reader.level_downsamples == ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0))
         assert reader.mpp == mpp and reader.mpp_source == source
         assert reader.channels == 3 and reader.background == 255
         _assert_reads_like(reader, synthetic_slides.levels)
@@ -166,17 +167,16 @@ def test_tiff_layouts_gray_planar_rgba_uint16(tmp_path: Path) -> None:
 
     with open_slide(tmp_path / "planar.tif") as r:
         np.testing.assert_array_equal(r.read_region(0, 0, 0, 300, 400), chw)
-    with open_slide(tmp_path / "gray.tif") as r:  # grayscale is replicated to RGB
-        assert r.channels == 3
-        np.testing.assert_array_equal(
-            r.read_region(0, 5, 6, 100, 100), np.stack([chw[0, 5:105, 6:106]] * 3)
-        )
+    with open_slide(tmp_path / "gray.tif") as r:  # grayscale is one channel, dark background
+        assert (r.channels, r.dtype, r.background, r.channel_names) == (1, np.uint8, 0, ("c0",))
+        np.testing.assert_array_equal(r.read_region(0, 5, 6, 100, 100), chw[:1, 5:105, 6:106])
     with open_slide(tmp_path / "rgba.tif") as r:
         out = r.read_region(0, 0, 0, 300, 400)
         assert out.shape == (3, 300, 400) and (out[:, :, :200] == 255).all()
         np.testing.assert_array_equal(out[:, :, 200:], chw[:, :, 200:])
-    with open_slide(tmp_path / "u16.tif") as r:
-        np.testing.assert_array_equal(r.read_region(0, 0, 0, 300, 400), chw)
+    with open_slide(tmp_path / "u16.tif") as r:  # 16-bit RGB stays 16-bit, white is 65535
+        assert (r.dtype, r.background, r.channel_names) == (np.uint16, 65535, RGB_NAMES)
+        np.testing.assert_array_equal(r.read_region(0, 0, 0, 300, 400), chw.astype(np.uint16) * 257)
 
 
 def test_plain_page_pyramid_and_odd_sizes(tmp_path: Path) -> None:
@@ -432,7 +432,7 @@ def test_zarr_round_trip_levels_and_attributes(tmp_path: Path) -> None:
         assert isinstance(reader, ZarrReader)
         assert (reader.format, reader.mpp, reader.mpp_source) == ("ome-zarr", 0.5, "ome")
         assert reader.level_dimensions == ((1100, 1700), (550, 850), (275, 425))
-        assert reader.level_downsamples == (1.0, 2.0, 4.0)
+        assert reader.level_downsamples == ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0))
         assert reader.attrs == attrs
         _assert_reads_like(reader, expected)
         _assert_outside_is_background(reader, 0, image)
@@ -546,7 +546,7 @@ def test_thumbnail_reads_a_large_level_in_strips(monkeypatch: pytest.MonkeyPatch
 
     image = _rng_image((3, 1536, 1024), seed=8)
     whole, ds = thumbnail(ArrayReader(image), 128)  # one strip: the plain whole-level resize
-    assert whole.shape == (3, 128, 85) and ds == 12.0
+    assert whole.shape == (3, 128, 85) and ds == (12.0, 1024 / 85)
     monkeypatch.setattr(base, "THUMBNAIL_STRIP_BYTES", 3 * 1024 * 100)
 
     class Counting(ArrayReader):
@@ -557,5 +557,5 @@ def test_thumbnail_reads_a_large_level_in_strips(monkeypatch: pytest.MonkeyPatch
             return super().read_region(level, y, x, h, w)
 
     strips, ds = thumbnail(Counting(image), 128)
-    assert Counting.largest <= 100 and ds == 12.0
+    assert Counting.largest <= 100 and ds == (12.0, 1024 / 85)
     np.testing.assert_array_equal(strips, whole)  # 12 rows per output row: no fractional edges

@@ -105,9 +105,16 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
     if args.recipe is not None:
         from hyfi_imaging.data.dataset import load_samples
         from hyfi_imaging.train.config import load_recipe
+        from hyfi_imaging.train.inputs import build_model, data_pixels
 
         r = load_recipe(args.recipe, args.overrides)
-        model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+        try:  # the data's channel count when the manifest is at hand (else the model's own)
+            channels: int | None = data_pixels(r).channels
+        except ConfigError:
+            if args.image_size is None:
+                raise
+            channels = None
+        model = build_model(r, channels)
         hw = args.image_size or load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
         p = r.parallel
         own = Candidate(

@@ -6,9 +6,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hyfi_imaging.cli.options import positive_float, size_type
 from hyfi_imaging.errors import HyfiError
+
+if TYPE_CHECKING:
+    from hyfi_imaging.preprocess.qc import QcChannels
 
 __all__ = ["build_parser", "main"]
 
@@ -26,6 +30,17 @@ examples:
   # take pyramid level 2 as it is, centre-crop tissue that does not fit
   hyfi-preprocess slides/ --out data/l2 --level 2 --size 4096 --fit crop
 
+  # multiplex OME-TIFF / QPTIFF: tissue from DAPI, QC pictures of three markers
+  hyfi-preprocess mif/ --out data/mif --mpp 0.5 --size 8192 --tissue DAPI \
+      --qc-channels DAPI:blue,CD8:green,PanCK:red
+
+  # a 16-bit scientific image that is all content: no tissue detection, whole image
+  hyfi-preprocess scan.tif --out data/sci --level 0 --size 4096 --tissue none
+
+Images are kept as they are: uint8, uint16 or float32 pixels and every
+channel (named from OME-XML or QPTIFF page names) go into the store; 8-bit RGB
+bright-field slides come out exactly as before.
+
 Files in a folder are recognised by content (TIFF, SVS, NDPI, QPTIFF, DICOM
 whole-slide images, MRXS, PNG, JPEG, ...), not by name; whatever is not
 converted (subfolders without --recursive, other files) is listed with the
@@ -38,6 +53,15 @@ Re-running the same command resumes: finished slides (same source, same
 options) are skipped. Exit status: 0 all slides converted, 1 some slides
 failed (see manifest.csv and preprocess.log), 2 the run could not start.
 """
+
+
+def _qc_channels(text: str) -> QcChannels:
+    from hyfi_imaging.preprocess.qc import QcChannels
+
+    try:
+        return QcChannels.parse(text)
+    except HyfiError as err:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="zarr shard side, a multiple of --chunk (default: 4096)",
     )
+    p.add_argument(
+        "--tissue",
+        default="auto",
+        metavar="auto|none|CHANNEL",
+        help="tissue detection: 'auto' (RGB: darker than glass; other images: signal over "
+        "a dark background on every channel), 'none' (the whole image is kept), or a "
+        "channel index or name to detect on (default: auto)",
+    )
     p.add_argument("--no-qc", action="store_true", help="skip QC pictures")
+    p.add_argument(
+        "--qc-channels",
+        type=_qc_channels,
+        metavar="CH[:COLOUR],...",
+        help="channels the QC pictures show and their colours, e.g. DAPI:blue,CD8:green,3:red "
+        "(default: RGB as it is, else the first 3 channels in their colours, grey for 1)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings and errors only")
     return p
 
@@ -126,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         mpp_override=args.mpp_override,
         chunk=args.chunk,
         shard=args.shard,
+        tissue=args.tissue,
     )
     # delay=True: the log file is opened at the first record, which run_preprocess
     # emits only after it has checked everything and created --out.
@@ -144,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             recursive=args.recursive,
             qc=not args.no_qc,
+            qc_channels=args.qc_channels,
             progress=not args.quiet,
         )
     except HyfiError as err:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyfi_imaging.data.normalize import Window
 from hyfi_imaging.data.tiles import Box, read_window
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.io.base import BACKGROUND, SlideReader, clip_region
@@ -254,14 +255,16 @@ def read_augmented(
     box: Box,
     *,
     level: int = 0,
-    fill: int = BACKGROUND,
+    fill: float | None = None,
 ) -> np.ndarray:
-    """Read output box ``(y, x, h, w)`` of the geometrically augmented image, uint8 ``(C, h, w)``.
+    """Read output box ``(y, x, h, w)`` of the geometrically augmented image, ``(C, h, w)``.
 
-    Equals ``augment_image(whole)[:, y:y+h, x:x+w]`` with ``fill`` wherever the
-    box lies outside the output image, while reading only the source pixels
-    the box shows. Colour jitter is separate: :func:`apply_colour`.
+    Equals ``augment_image(whole)[:, y:y+h, x:x+w]`` with ``fill`` (default:
+    the reader's background) wherever the box lies outside the output image,
+    while reading only the source pixels the box shows; pixels keep the
+    reader's type. Colour jitter is separate: :func:`apply_colour`.
     """
+    value = reader.background if fill is None else fill
     dims = tuple(int(v) for v in reader.level_dimensions[level])
     if dims != params.image_hw:
         raise ConfigError(
@@ -272,19 +275,19 @@ def read_augmented(
         )
     y, x, h, w = (int(v) for v in box)
     clipped = clip_region(y, x, h, w, *params.out_hw)
-    out = np.full((reader.channels, h, w), fill, dtype=np.uint8)
+    out = np.full((reader.channels, h, w), value, dtype=reader.dtype)
     if clipped is not None:
         y0, x0, y1, x1 = clipped
         src = source_box(params, (y0, x0, y1 - y0, x1 - x0))
-        block = read_window(reader, src, level=level, fill=fill)
+        block = read_window(reader, src, level=level, fill=value)
         out[:, y0 - y : y1 - y, x0 - x : x1 - x] = apply_geometry(block, params)
     return out
 
 
 def augment_image(
-    image: np.ndarray, params: AugmentParams, *, fill: int = BACKGROUND
+    image: np.ndarray, params: AugmentParams, *, fill: float = BACKGROUND
 ) -> np.ndarray:
-    """The geometrically augmented whole ``(C, H, W)`` uint8 image (the reference).
+    """The geometrically augmented whole ``(C, H, W)`` image of any pixel type (the reference).
 
     Implemented directly with numpy flips, ``rot90`` and a padded window, not
     through :func:`source_box`, so tests of the tile path compare against an
@@ -294,7 +297,7 @@ def augment_image(
         raise ValueError(f"image {image.shape} does not match params {params.image_hw}")
     t = apply_geometry(image, params)
     (oy, ox), (oh, ow) = params.offset, params.out_hw
-    out = np.full((image.shape[0], oh, ow), fill, dtype=np.uint8)
+    out = np.full((image.shape[0], oh, ow), fill, dtype=image.dtype)
     box = clip_region(oy, ox, oh, ow, t.shape[1], t.shape[2])
     if box is not None:
         y0, x0, y1, x1 = box
@@ -326,16 +329,22 @@ def _mix(
     return acc
 
 
-def apply_colour(image: np.ndarray, params: AugmentParams) -> np.ndarray:
-    """Colour-jitter a uint8 ``(C, h, w)`` image into float32 ``(C, h, w)`` in ``[0, 1]``.
+def apply_colour(
+    image: np.ndarray, params: AugmentParams, *, window: Window | None = None
+) -> np.ndarray:
+    """Normalise a ``(C, h, w)`` image to float32 and colour-jitter it, in ``[0, 1]``.
 
-    Pointwise, in the fixed order brightness, contrast, saturation, hue, each
-    clipped to ``[0, 1]``: a tile gives exactly the pixels of the whole image.
+    ``window`` maps stored values to ``[0, 1]`` per channel
+    (:mod:`hyfi_imaging.data.normalize`; default: divide by the pixel type's
+    maximum, exactly ``x / 255`` for 8-bit images). Then pointwise, in the
+    fixed order brightness, contrast, saturation, hue, each clipped to
+    ``[0, 1]``: a tile gives exactly the pixels of the whole image.
     Saturation and hue need RGB (``C == 3``). Works in place where it can: an
     8K tile plus halo is ~0.9 GB per float32 copy.
     """
-    x: np.ndarray = image.astype(np.float32)
-    np.divide(x, np.float32(255.0), out=x)  # exactly x / 255, like torchvision's ToTensor
+    if window is None:
+        window = Window.of_dtype(image.dtype, image.shape[0])
+    x = window.apply(image)
     if params.colour_identity:
         return x
     one, zero = np.float32(1.0), np.float32(0.0)

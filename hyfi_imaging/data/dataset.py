@@ -43,9 +43,11 @@ from hyfi_imaging.data.augment import (
     output_size,
     read_augmented,
 )
+from hyfi_imaging.data.normalize import Normalization, Window
 from hyfi_imaging.data.tiles import Halo, TileRegion, normalize_halo, tile_region
 from hyfi_imaging.errors import ConfigError, SlideError
-from hyfi_imaging.io.base import BACKGROUND, SlideReader
+from hyfi_imaging.io.base import SlideReader
+from hyfi_imaging.io.zarr_store import level_hw, read_store_pixels
 
 if TYPE_CHECKING:
     from hyfi_imaging.preprocess.manifest import ManifestRow
@@ -103,12 +105,6 @@ def _label_of(text: str, classes: Sequence[str] | None, where: str) -> int:
             f"label {text!r} is not an integer",
             "pass classes=[...] to map class names to indices",
         ) from None
-
-
-def level_hw(image_hw: tuple[int, int], level: int) -> tuple[int, int]:
-    """The size of pyramid level ``level`` of a hyfi store of ``image_hw``: ``ceil(H / 2**l)``."""
-    f = 2**level
-    return -(-image_hw[0] // f), -(-image_hw[1] // f)
 
 
 def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
@@ -214,19 +210,26 @@ class TileDataset(Dataset[dict[str, Any]]):
         seed: augmentation seed, the same on every rank.
         level: pyramid level to read (level ``l`` of a hyfi store is ``ceil(H / 2**l)``).
         classes: class names, mapped to their index; else labels are integers.
-        fill: value of pixels outside the image (halo past the border, padding).
+        fill: stored value of pixels outside the image (halo past the border,
+            padding); default: each store's background (white for RGB, 0 else).
+        normalize: how stored pixels become ``[0, 1]`` floats
+            (:class:`~hyfi_imaging.data.normalize.Normalization`; default:
+            divide by the pixel type's maximum, ``x / 255`` for 8-bit images).
         opener: ``path -> SlideReader``; a module-level function (workers
             unpickle it). Default: :func:`hyfi_imaging.io.open_slide`.
         max_open: readers kept open per process (least recently used are closed).
 
-    Items are dicts: ``image`` float32 ``(C, h, w)`` in ``[0, 1]`` (tile plus
-    halo, augmented), ``label`` int64, ``index`` int, ``slide_id`` str,
+    Items are dicts: ``image`` float32 ``(C, h, w)``, normalised (in ``[0, 1]``
+    unless a float image is taken as it is) and augmented (tile plus halo),
+    ``label`` int64, ``index`` int, ``slide_id`` str,
     ``read`` int64 ``(y, x, h, w)`` of the read box in output-image pixels,
     ``inside`` int64 ``(y, x, h, w)``: the part of the box within the output
     image, in box-local pixels (the rest is ``fill``, and global padding).
 
     With a grid larger than 1x1 all output images must have one size (set
     ``augment.out_size`` or give images of one size); else :class:`ConfigError`.
+    Every store must have the channels and pixel type of the first sample's
+    store; another is refused with :class:`SlideError` when it is opened.
     """
 
     def __init__(
@@ -241,14 +244,15 @@ class TileDataset(Dataset[dict[str, Any]]):
         seed: int = 0,
         level: int = 0,
         classes: Sequence[str] | None = None,
-        fill: int = BACKGROUND,
+        fill: float | None = None,
+        normalize: Normalization | None = None,
         opener: Callable[[str], SlideReader] | None = None,
         max_open: int = 16,
     ) -> None:
-        if level < 0 or seed < 0 or max_open < 1 or not 0 <= fill <= 255:
+        if level < 0 or seed < 0 or max_open < 1:
             raise ConfigError(
-                f"TileDataset(level={level}, seed={seed}, max_open={max_open}, fill={fill})",
-                "level and seed must be >= 0, max_open >= 1, fill in 0..255",
+                f"TileDataset(level={level}, seed={seed}, max_open={max_open})",
+                "level and seed must be >= 0, max_open >= 1",
                 "fix the argument",
             )
         self.samples = load_samples(manifest, classes=classes)
@@ -259,7 +263,13 @@ class TileDataset(Dataset[dict[str, Any]]):
         self.augment = augment if augment is not None else AugmentConfig()
         self.seed = int(seed)
         self.level = int(level)
-        self.fill = int(fill)
+        self.fill = fill
+        self.normalize = normalize if normalize is not None else Normalization()
+        # What every store must hold: the first store's channels and type (None: not a hyfi store).
+        self.pixels = read_store_pixels(self.samples[0].path)
+        if self.pixels is not None:
+            self.normalize.check(self.pixels.channels, str(manifest))
+        self._windows: dict[str, Window] = {}
         self.epoch = 0
         self._opener = opener if opener is not None else _open_slide
         self._max_open = int(max_open)
@@ -337,6 +347,18 @@ class TileDataset(Dataset[dict[str, Any]]):
                 f"level {self.level} is {dims} but the manifest says {expected[0]}x{expected[1]}",
                 "rerun hyfi-preprocess for this slide (or choose a level the store has)",
             )
+        want = self.pixels
+        if want is not None and (reader.channels, str(reader.dtype)) != (want.channels, want.dtype):
+            reader.close()
+            raise SlideError(
+                sample.path,
+                f"holds {reader.channels} {reader.dtype} channels but the first image of the "
+                f"manifest ({self.samples[0].slide_id}) holds {want.channels} {want.dtype}",
+                "train on images of one kind: preprocess them alike, or split the manifest",
+            )
+        self._windows[sample.path] = self.normalize.window(
+            reader.dtype, reader.channels, getattr(reader, "channel_stats", None), sample.path
+        )
         self._readers[sample.path] = reader
         while len(self._readers) > self._max_open:
             _, old = self._readers.popitem(last=False)
@@ -352,8 +374,9 @@ class TileDataset(Dataset[dict[str, Any]]):
         tile = read_augmented(
             self._reader(sample), params, region.read, level=self.level, fill=self.fill
         )
+        window = self._windows[sample.path]
         return {
-            "image": torch.from_numpy(apply_colour(tile, params)),
+            "image": torch.from_numpy(apply_colour(tile, params, window=window)),
             "label": torch.tensor(sample.label, dtype=torch.int64),
             "index": index,
             "slide_id": sample.slide_id,

@@ -198,28 +198,28 @@ def tile_regions(
 
 
 def read_window(
-    reader: SlideReader, box: Box, *, level: int = 0, fill: int | None = None
+    reader: SlideReader, box: Box, *, level: int = 0, fill: float | None = None
 ) -> np.ndarray:
-    """Read exactly ``box = (y, x, h, w)`` of ``level`` as uint8 ``(C, h, w)``.
+    """Read exactly ``box = (y, x, h, w)`` of ``level`` as ``(C, h, w)`` of the reader's type.
 
     Only the part inside the level is asked of the reader; the rest is ``fill``
     (default: the reader's background), whatever the reader itself would fill.
     """
-    fill = reader.background if fill is None else int(fill)
+    value = reader.background if fill is None else fill
     y, x, h, w = (int(v) for v in box)
     height, width = reader.level_dimensions[level]
     clipped = clip_region(y, x, h, w, height, width)
     if clipped is None:
-        return np.full((reader.channels, h, w), fill, dtype=np.uint8)
+        return np.full((reader.channels, h, w), value, dtype=reader.dtype)
     y0, x0, y1, x1 = clipped
     inner = reader.read_region(level, y0, x0, y1 - y0, x1 - x0)
-    return paste_region(inner, y, x, h, w, clipped, fill)
+    return paste_region(inner, y, x, h, w, clipped, value)
 
 
 def read_tile(
-    reader: SlideReader, region: TileRegion, *, level: int = 0, fill: int | None = None
+    reader: SlideReader, region: TileRegion, *, level: int = 0, fill: float | None = None
 ) -> np.ndarray:
-    """Read ``region.read`` (tile plus halo) as uint8 ``(C, h, w)``.
+    """Read ``region.read`` (tile plus halo) as ``(C, h, w)`` of the reader's pixel type.
 
     Pixels outside the image (halo past the border, global padding) are ``fill``
     (default: the reader's background). The region must have been cut for the

@@ -10,13 +10,17 @@ it does differently from the rest of hyfi-imaging is converted here, once:
   (outside the image, gaps between MRXS tiles). Compositing premultiplied
   RGBA over the background ``b`` is ``rgb + b·(255 - a)/255`` per pixel, which
   turns no-data pixels into background and leaves opaque pixels untouched.
-* Level pixels are exact where the level downsample is an integer. Where it
-  is not (e.g. a 2049-px slide whose level 1 has 1025 px: 1.9988), OpenSlide
-  takes a level-0 origin and resamples by the sub-pixel remainder; we round
-  the origin to the nearest level-0 pixel, so values may differ by a few grey
-  levels from the stored tiles (measured <= 11 on a noisy image). Use
+* Level pixels are exact where OpenSlide's level downsample is an integer.
+  Where it is not (e.g. a 2049-px slide whose level 1 has 1025 px: 1.9988),
+  OpenSlide takes a level-0 origin and resamples by the sub-pixel remainder;
+  we round the origin to the nearest level-0 pixel, so values may differ by a
+  few grey levels from the stored tiles (measured <= 11 on a noisy image). Use
   :class:`~hyfi_imaging.io.tiff_reader.TiffReader` when exact pyramid pixels
   matter for a TIFF-based file.
+* Geometry: ``level_downsamples`` are per axis and exact
+  (:func:`~hyfi_imaging.io.base.level_downsample`: that 1025-px level is the
+  2x grid); OpenSlide's own averaged downsample is used only to convert our
+  level coordinates into the level-0 origin OpenSlide's API takes.
 * MPP: ``openslide.mpp-x/y`` come from vendor metadata, except for the
   ``generic-tiff`` driver, where OpenSlide 4 derives them from the TIFF
   resolution tags (measured: a tiled TIFF with XResolution 20000/cm reports
@@ -31,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io.base import BACKGROUND, read_filled
+from hyfi_imaging.io.base import BACKGROUND, level_downsample, read_filled
+from hyfi_imaging.io.pixels import RGB_COLORS, RGB_NAMES
 
 __all__ = ["OpenSlideReader", "mpp_from_resolution"]
 
@@ -81,9 +86,16 @@ class OpenSlideReader:
         props = self._slide.properties
         self.format = str(props.get("openslide.vendor", "openslide"))
         self.level_dimensions = tuple((int(h), int(w)) for w, h in self._slide.level_dimensions)
-        self.level_downsamples = tuple(float(d) for d in self._slide.level_downsamples)
+        self.level_downsamples = tuple(
+            level_downsample(self.level_dimensions[0], hw) for hw in self.level_dimensions
+        )
+        # OpenSlide's API converts a level-0 origin with its own (averaged) downsample.
+        self._api_downsamples = tuple(float(d) for d in self._slide.level_downsamples)
         self.channels = 3
-        self.background = _background(props)
+        self.dtype: np.dtype[np.generic] = np.dtype(np.uint8)
+        self.channel_names: tuple[str, ...] = RGB_NAMES
+        self.channel_colors: tuple[str, ...] = RGB_COLORS
+        self.background: float = _background(props)
         self.mpp, self.mpp_source = self._mpp(props, mpp_override)
 
     def _mpp(self, props: Any, override: float | None) -> tuple[float | None, str]:
@@ -108,14 +120,14 @@ class OpenSlideReader:
 
     def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
         """Read ``[y, y+h) x [x, x+w)`` of ``level`` (level pixels) as uint8 ``(3, h, w)``."""
-        ds = self.level_downsamples[level] if 0 <= level < self.level_count else 1.0
+        ds = self._api_downsamples[level] if 0 <= level < self.level_count else 1.0
 
         def fetch(y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
             # OpenSlide takes (x, y) in level-0 pixels and a size at the level.
             rgba = self._slide.read_region(
                 (round(x0 * ds), round(y0 * ds)), level, (x1 - x0, y1 - y0)
             )
-            return _composite(np.asarray(rgba), self.background)
+            return _composite(np.asarray(rgba), int(self.background))
 
         return read_filled(
             self,

@@ -13,9 +13,13 @@ as separate series instead, those whose shape is a 2^k-ish reduction of the
 base are appended as levels.
 
 Channels: RGB (``YXS``) and planar (``CYX``) layouts both come out as
-``(C, h, w)``. Grayscale is replicated to 3 channels, because every
-downstream step (tissue mask, models) expects RGB bright-field input; RGBA
-is composited over the background; uint16 is scaled to uint8.
+``(C, h, w)`` in the file's own pixel type (uint8, uint16 or float32) and
+channel count: a 16-bit grayscale image is one uint16 channel, a 40-channel
+multiplex image 40 channels. RGB (photometric RGB or YCbCr with 3 or 4
+samples) is a bright-field image (:mod:`hyfi_imaging.io.pixels`); RGBA is
+composited over the white background. Channel names (and colours) come from
+the OME-XML ``Channel`` elements of an OME-TIFF, or the ``<Name>`` of each
+page's PerkinElmer description in a QPTIFF; else ``c0, c1, ...``.
 
 MPP, in order: the override; OME ``PhysicalSizeX/Y`` (source ``"ome"``);
 Aperio ``MPP`` in an SVS description (``"vendor"``); ``XResolution`` with
@@ -33,10 +37,17 @@ from typing import Any
 import numpy as np
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io.base import BACKGROUND, read_filled
+from hyfi_imaging.io.base import level_downsample, read_filled
 from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
+from hyfi_imaging.io.pixels import (
+    cast_to,
+    default_background,
+    default_channels,
+    dtype_range,
+    supported_dtype,
+)
 
-__all__ = ["check_complete", "TiffReader", "ome_mpp"]
+__all__ = ["check_complete", "TiffReader", "ome_channels", "ome_mpp"]
 
 _SVS_MPP = re.compile(r"\|\s*MPP\s*=\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)")
 _ASSOCIATED = {"thumbnail", "label", "macro", "overview"}
@@ -45,15 +56,7 @@ _OME_UNIT_UM = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e
 
 def ome_mpp(ome_xml: str | None) -> float | None:
     """Microns per pixel from the first image's OME ``PhysicalSizeX/Y``, or ``None``."""
-    if not ome_xml:
-        return None
-    try:
-        root = ET.fromstring(ome_xml)
-    except ET.ParseError:
-        return None
-    pixels = next(
-        (el for el in root.iter() if el.tag.endswith("}Pixels") or el.tag == "Pixels"), None
-    )
+    pixels = _ome_pixels(ome_xml)
     if pixels is None:
         return None
     values = []
@@ -65,6 +68,55 @@ def ome_mpp(ome_xml: str | None) -> float | None:
                 values.append(float(size) * scale)
     values = [v for v in values if MPP_PLAUSIBLE[0] <= v <= MPP_PLAUSIBLE[1]]
     return sum(values) / len(values) if values else None
+
+
+def _ome_pixels(ome_xml: str | None) -> ET.Element | None:
+    """The first image's ``Pixels`` element of an OME-XML document, or ``None``."""
+    if not ome_xml:
+        return None
+    try:
+        root = ET.fromstring(ome_xml)
+    except ET.ParseError:
+        return None
+    return next(
+        (el for el in root.iter() if el.tag.endswith("}Pixels") or el.tag == "Pixels"), None
+    )
+
+
+def _ome_color(value: str | None) -> str | None:
+    """An OME ``Color`` (a signed 32-bit RGBA integer) as ``RRGGBB``, or ``None``."""
+    try:
+        rgba = int(value) & 0xFFFFFFFF if value is not None else None
+    except ValueError:
+        return None
+    return None if rgba is None else f"{rgba >> 8:06X}"
+
+
+def ome_channels(ome_xml: str | None, channels: int) -> tuple[list[str | None], list[str | None]]:
+    """Names and ``RRGGBB`` colours of the first image's OME channels (``None`` where unsaid).
+
+    Both lists are empty unless the document lists exactly ``channels`` channels.
+    """
+    pixels = _ome_pixels(ome_xml)
+    if pixels is None:
+        return [], []
+    found = [el for el in pixels if el.tag.endswith("}Channel") or el.tag == "Channel"]
+    if len(found) != channels:
+        return [], []
+    return [el.get("Name") or None for el in found], [_ome_color(el.get("Color")) for el in found]
+
+
+def _qpi_names(pages: Any) -> list[str | None]:
+    """The ``<Name>`` of each page's PerkinElmer-QPI description (``None`` where absent)."""
+    names: list[str | None] = []
+    for page in pages:
+        try:
+            root = ET.fromstring(page.description or "")
+            name = root.findtext("Name")
+        except ET.ParseError:
+            name = None
+        names.append(name.strip() if name and name.strip() else None)
+    return names
 
 
 def _yx_shape(series: Any) -> tuple[int, int]:
@@ -107,7 +159,6 @@ class TiffReader:
         import zarr
 
         self.path = str(path)
-        self.background = BACKGROUND
         try:
             self._tif = tifffile.TiffFile(self.path)
         except Exception as err:
@@ -122,9 +173,14 @@ class TiffReader:
             self._axes = base.axes
             if "Y" not in self._axes or "X" not in self._axes:
                 raise ValueError(f"series axes {self._axes!r} have no Y and X")
-            dtype = np.dtype(base.dtype)
-            if dtype not in (np.uint8, np.uint16):
-                raise ValueError(f"pixel type {dtype} (only uint8 and uint16 are read)")
+            dtype = supported_dtype(base.dtype)
+            if dtype is None:
+                raise SlideError(
+                    self.path,
+                    f"pixel type {np.dtype(base.dtype)} is not supported",
+                    "convert the image to uint8, uint16 or float32",
+                )
+            self.dtype = dtype
             self._check_complete(levels)
             self._arrays = [
                 zarr.open_array(self._tif.aszarr(series=s, level=lv), mode="r")
@@ -141,17 +197,41 @@ class TiffReader:
                 f"unsupported or damaged TIFF ({type(err).__name__}: {err})",
                 "convert it to a tiled RGB TIFF or OME-Zarr",
             ) from err
-        h0, w0 = self.level_dimensions[0]
-        self.level_downsamples = tuple((h0 / h + w0 / w) / 2 for h, w in self.level_dimensions)
+        self.level_downsamples = tuple(
+            level_downsample(self.level_dimensions[0], hw) for hw in self.level_dimensions
+        )
         self._channel_axis = "S" if "S" in self._axes else ("C" if "C" in self._axes else None)
-        self._source_channels = (
+        source_channels = (
             int(base.shape[self._axes.index(self._channel_axis)]) if self._channel_axis else 1
         )
-        self.channels = 3 if self._source_channels in (1, 3, 4) else self._source_channels
+        photometric = int(getattr(base.keyframe, "photometric", 0))
+        # PHOTOMETRIC RGB (2) or YCbCr (6, decoded to RGB) with 3 or 4 samples per pixel.
+        self._rgb = (
+            self._channel_axis == "S" and photometric in (2, 6) and source_channels in (3, 4)
+        )
+        self._alpha = self._rgb and source_channels == 4
+        self.channels = 3 if self._rgb else source_channels
+        self.channel_names, self.channel_colors = self._channel_meta(base)
+        self.background = default_background(self.dtype, rgb=self._rgb)
         self.format = (
             "ome-tiff" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
         )
         self.mpp, self.mpp_source = self._mpp(mpp_override)
+
+    def _channel_meta(self, base: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Channel names and colours: RGB's, the OME-XML's, a QPTIFF's page names, or defaults."""
+        names, colors = default_channels(self.channels, rgb=self._rgb)
+        if self._rgb:
+            return names, colors
+        found: list[str | None] = []
+        found_colors: list[str | None] = []
+        if self._tif.is_ome:
+            found, found_colors = ome_channels(self._tif.ome_metadata, self.channels)
+        elif self._tif.is_qpi and len(base.pages) == self.channels:
+            found = _qpi_names(base.pages)
+        named = tuple(n or d for n, d in zip(found, names, strict=False)) or names
+        coloured = tuple(c or d for c, d in zip(found_colors, colors, strict=False)) or colors
+        return named, coloured
 
     def _pick_pyramid(self) -> list[Any]:
         series = [
@@ -211,7 +291,7 @@ class TiffReader:
         return len(self._arrays)
 
     def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
-        """Read ``[y, y+h) x [x, x+w)`` of ``level`` as uint8 ``(C, h, w)``, touching only its tiles."""
+        """Read ``[y, y+h) x [x, x+w)`` of ``level`` as ``(C, h, w)``, touching only its tiles."""
 
         def fetch(y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
             sel = tuple(
@@ -228,7 +308,7 @@ class TiffReader:
             kept = [a for a in self._axes if a in ("Y", "X") or a == self._channel_axis]
             order = [kept.index(a) for a in (self._channel_axis, "Y", "X") if a is not None]
             data = data.transpose(order) if self._channel_axis else data[None]
-            return self._to_rgb(data)
+            return self._composite(data) if self._alpha else data
 
         return read_filled(
             self,
@@ -241,17 +321,14 @@ class TiffReader:
             fix="the file may be truncated or corrupt; re-copy or re-export it",
         )
 
-    def _to_rgb(self, data: np.ndarray) -> np.ndarray:
-        """``(C, h, w)`` of the source dtype -> uint8 RGB (gray replicated, alpha composited)."""
-        if data.dtype == np.uint16:
-            data = ((data.astype(np.uint32) + 128) // 257).astype(np.uint8)
-        if data.shape[0] == 1:
-            return np.repeat(data, 3, axis=0)
-        if data.shape[0] == 4:  # unassociated alpha: composite over the background
-            alpha = data[3:4].astype(np.uint16)
-            rgb = data[:3].astype(np.uint16) * alpha + self.background * (255 - alpha)
-            return ((rgb + 127) // 255).astype(np.uint8)
-        return data
+    def _composite(self, data: np.ndarray) -> np.ndarray:
+        """RGBA ``(4, h, w)`` (unassociated alpha) over the white background -> RGB, same type."""
+        if self.dtype == np.uint8:  # the exact integer form hyfi-imaging always used
+            a8 = data[3:4].astype(np.uint16)
+            out = data[:3].astype(np.uint16) * a8 + int(self.background) * (255 - a8)
+            return ((out + 127) // 255).astype(np.uint8)
+        alpha = data[3:4].astype(np.float64) / dtype_range(self.dtype)[1]
+        return cast_to(data[:3] * alpha + self.background * (1.0 - alpha), self.dtype)
 
     def close(self) -> None:
         """Close the TIFF file handle."""

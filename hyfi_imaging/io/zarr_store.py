@@ -18,12 +18,26 @@ whatever the image size. Pieces are cut at even offsets, so the 2x2
 averaging of a piece equals that of the whole level (an odd last row or
 column is only ever at the true image edge).
 
-The group follows NGFF 0.5: ``attributes.ome`` holds ``version`` and
+Pixels are stored as they came (:mod:`hyfi_imaging.io.pixels`): uint8,
+uint16 or float32, any number of channels. Each level is the 2x2 area mean of
+the one below, exact for the type: integer means rounded half up, float32
+means of the four values. A shard holds all channels, so with more bytes per
+pixel than 8-bit RGB its side shrinks (in whole chunks) until it holds no
+more bytes than an 8-bit RGB shard of the requested side: memory stays a few
+such shards whatever the channel count.
+
+The group follows NGFF 0.5: ``attributes.ome`` holds ``version``,
 ``multiscales`` (axes ``c, y, x``, one scale transform per level in
-micrometres), and every level array carries ``dimension_names`` matching the
+micrometres) and ``omero`` (one entry per channel: ``label``, ``color`` and the
+display ``window``: the type's range for RGB, else the 0.5-99.5th
+percentiles), and every level array carries ``dimension_names`` matching the
 axes. hyfi-specific provenance (source slide, source mpp, crop box, ...) lives
-beside it under ``attributes.hyfi``. Group attributes are written last, so a
-group whose attributes exist was written completely.
+beside it under ``attributes.hyfi``, and per-channel statistics (percentiles,
+mean, standard deviation of the coarsest level, optionally within a box)
+under ``attributes.hyfi_stats`` (:mod:`hyfi_imaging.io.channels`): the loader
+normalises with them (:mod:`hyfi_imaging.data.normalize`) without reading any pixels. Group
+attributes are written last, so a group whose attributes exist was written
+completely.
 
 zarr 3 runs an asyncio event-loop thread once it is first used; nothing here
 touches zarr at import time, so importing the module is safe before fork.
@@ -32,23 +46,37 @@ touches zarr at import time, so importing the module is safe before fork.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from hyfi_imaging.errors import SlideError
-from hyfi_imaging.io.base import BACKGROUND, read_filled
+from hyfi_imaging.io.base import read_filled
+from hyfi_imaging.io.channels import channel_stats, omero_metadata, parse_omero
+from hyfi_imaging.io.pixels import (
+    default_background,
+    default_channels,
+    is_rgb,
+    rgb_equivalent_side,
+    supported_dtype,
+)
 
 __all__ = [
     "NGFF_VERSION",
     "RegionSource",
+    "StorePixels",
     "ZarrReader",
     "downsample_2x",
+    "level_hw",
     "level_shapes",
     "read_hyfi_attrs",
+    "read_store_pixels",
+    "shard_side",
     "write_ome_zarr",
 ]
 
@@ -57,21 +85,43 @@ _ZSTD_LEVEL = 3
 
 
 def downsample_2x(image: np.ndarray) -> np.ndarray:
-    """Halve a ``(C, H, W)`` uint8 image by 2x2 area averaging (rounded).
+    """Halve a ``(C, H, W)`` image by 2x2 area averaging, exact for its type.
 
-    An odd last row or column is averaged over the pixels that exist (edge
-    replication), so level ``l`` pixel ``i`` always covers level-0 pixels
-    ``[i·2^l, (i+1)·2^l)`` and the scale transform stays exactly ``2^l``.
+    uint8 and uint16: the integer mean of the four pixels, rounded half up;
+    float32: the mean of the four values (summed in float64, then rounded to
+    float32). An odd last row or column is averaged over the pixels that
+    exist (edge replication), so level ``l`` pixel ``i`` always covers
+    level-0 pixels ``[i·2^l, (i+1)·2^l)`` and the scale transform stays
+    exactly ``2^l``.
     """
     h, w = image.shape[1:]
     if h % 2 or w % 2:
         image = np.pad(image, ((0, 0), (0, h % 2), (0, w % 2)), mode="edge")
-    acc = image[:, 0::2, 0::2].astype(np.uint16)
-    acc += image[:, 1::2, 0::2]
-    acc += image[:, 0::2, 1::2]
-    acc += image[:, 1::2, 1::2]
-    acc += 2  # round half up
-    return (acc >> 2).astype(np.uint8)
+    if image.dtype.kind == "f":
+        acc = image[:, 0::2, 0::2].astype(np.float64)
+        acc += image[:, 1::2, 0::2]
+        acc += image[:, 0::2, 1::2]
+        acc += image[:, 1::2, 1::2]
+        return (acc * 0.25).astype(image.dtype)
+    wide = np.uint16 if image.dtype == np.uint8 else np.uint32
+    iacc: np.ndarray[Any, np.dtype[np.unsignedinteger[Any]]] = image[:, 0::2, 0::2].astype(wide)
+    iacc += image[:, 1::2, 0::2]
+    iacc += image[:, 0::2, 1::2]
+    iacc += image[:, 1::2, 1::2]
+    iacc += 2  # round half up
+    return (iacc >> 2).astype(image.dtype)
+
+
+def shard_side(shard: int, chunk: int, channels: int, itemsize: int) -> int:
+    """The shard side written for ``channels`` of ``itemsize`` bytes when ``shard`` was asked.
+
+    A shard holds every channel, so its side shrinks (in whole chunks, never
+    below one) until it holds no more bytes than an 8-bit RGB shard of side
+    ``shard``; 8-bit RGB and smaller pixels keep ``shard``.
+    """
+    if channels * itemsize <= 3:
+        return shard
+    return max(chunk, math.floor(rgb_equivalent_side(shard, channels, itemsize) / chunk) * chunk)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -82,8 +132,9 @@ def _round_up(n: int, m: int) -> int:
 class RegionSource(Protocol):
     """An image too large to hold, produced one region at a time.
 
-    ``shape`` is ``(C, H, W)``; ``read(y0, x0, y1, x1)`` returns the uint8
-    ``(C, y1 - y0, x1 - x0)`` pixels of that region (inside the image).
+    ``shape`` is ``(C, H, W)``; ``read(y0, x0, y1, x1)`` returns the
+    ``(C, y1 - y0, x1 - x0)`` pixels of that region (inside the image). A
+    source may say its pixel type in a ``dtype`` attribute; without one it is uint8.
     """
 
     @property
@@ -97,6 +148,7 @@ class _ArraySource:
 
     def __init__(self, image: np.ndarray) -> None:
         self.image = image
+        self.dtype = image.dtype
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -107,16 +159,25 @@ class _ArraySource:
         return self.image[:, y0:y1, x0:x1]
 
 
+def level_hw(image_hw: tuple[int, int], level: int) -> tuple[int, int]:
+    """``(h, w)`` of level ``level`` of a store of ``image_hw``: ``ceil(H / 2**l) x ceil(W / 2**l)``.
+
+    Pixel ``i`` of that level covers level-0 pixels ``[i·2**l, (i+1)·2**l)``
+    (:func:`downsample_2x`); the scale transform is exactly ``2**l``.
+    """
+    f = 2**level
+    return -(-int(image_hw[0]) // f), -(-int(image_hw[1]) // f)
+
+
 def level_shapes(h: int, w: int, *, chunk: int, pyramid_levels: int) -> list[tuple[int, int]]:
     """``(h, w)`` of every level :func:`write_ome_zarr` writes for an ``h x w`` image.
 
-    Level ``l`` is ``ceil(h / 2**l) x ceil(w / 2**l)``; a level whose shorter
-    side would fall below ``chunk / 2`` is not written (level 0 always is).
+    Level ``l`` is :func:`level_hw`; a level whose shorter side would fall
+    below ``chunk / 2`` is not written (level 0 always is).
     """
     shapes = [(h, w)]
     while len(shapes) < pyramid_levels:
-        ph, pw = shapes[-1]
-        nh, nw = -(-ph // 2), -(-pw // 2)
+        nh, nw = level_hw((h, w), len(shapes))
         if min(nh, nw) < chunk / 2:
             break
         shapes.append((nh, nw))
@@ -130,7 +191,7 @@ def _downsampled_block(finer: Any, y0: int, x0: int, y1: int, x1: int, piece: in
     each piece averages exactly the pixels the whole level would).
     """
     fh, fw = finer.shape[1:]
-    out = np.empty((finer.shape[0], y1 - y0, x1 - x0), dtype=np.uint8)
+    out = np.empty((finer.shape[0], y1 - y0, x1 - x0), dtype=finer.dtype)
     for py in range(y0, y1, piece):
         for px in range(x0, x1, piece):
             qy, qx = min(py + piece, y1), min(px + piece, x1)
@@ -145,7 +206,9 @@ def _shard_blocks(h: int, w: int, sh: int, sw: int) -> Iterator[tuple[int, int, 
             yield y0, x0, min(y0 + sh, h), min(x0 + sw, w)
 
 
-def _multiscales(name: str, mpp: float | None, n_levels: int) -> dict[str, Any]:
+def _multiscales(
+    name: str, mpp: float | None, n_levels: int, dtype: np.dtype[np.generic]
+) -> dict[str, Any]:
     # Unknown resolution: pixel units (no "unit"), scale 1 per level-0 pixel.
     unit = {"unit": "micrometer"} if mpp is not None else {}
     step = 1.0 if mpp is None else mpp
@@ -167,7 +230,10 @@ def _multiscales(name: str, mpp: float | None, n_levels: int) -> dict[str, Any]:
         ],
         # NGFF asks that the downsampling method be documented.
         "type": "mean",
-        "metadata": {"description": "2x2 area averaging per level, uint8 rounded"},
+        "metadata": {
+            "description": f"2x2 area averaging per level, {dtype} "
+            + ("rounded half up" if dtype.kind in "ui" else "mean")
+        },
     }
 
 
@@ -181,24 +247,36 @@ def write_ome_zarr(
     shard: int = 4096,
     pyramid_levels: int = 3,
     name: str = "",
+    channel_names: Sequence[str] | None = None,
+    channel_colors: Sequence[str] | None = None,
+    stats_box: tuple[int, int, int, int] | None = None,
 ) -> None:
-    """Write a ``(C, H, W)`` uint8 image as an OME-Zarr 0.5 multiscale group.
+    """Write a ``(C, H, W)`` image (uint8, uint16 or float32) as an OME-Zarr 0.5 multiscale group.
 
     Args:
         path: the group to create; must not exist (write to a temporary path
             and rename it for atomicity).
-        image: uint8 ``(C, H, W)`` level-0 pixels, or a :class:`RegionSource`
+        image: ``(C, H, W)`` level-0 pixels, or a :class:`RegionSource`
             that produces them one shard at a time (memory then stays at a
             few shards, however large the image).
         mpp: microns per level-0 pixel, or None when unknown (axes then carry no unit).
-        hyfi_attrs: JSON-able provenance stored as ``attributes["hyfi"]``.
+        hyfi_attrs: JSON-able provenance stored as ``attributes["hyfi"]``; its
+            ``background`` (default: white for RGB, else 0) is the fill value.
         chunk: inner chunk side (the unit of decoding).
         shard: shard side, a multiple of ``chunk``; clamped to the image
-            rounded up to whole chunks, so small images get one shard.
+            rounded up to whole chunks, so small images get one shard, and
+            narrowed for pixels of more than 3 bytes (:func:`shard_side`).
         pyramid_levels: at most this many levels; level ``l`` is downsampled
             ``2**l``. Levels whose shorter side would fall below ``chunk / 2``
             are not written (level 0 always is; see :func:`level_shapes`).
         name: the multiscale's ``name``.
+        channel_names, channel_colors: one label and ``RRGGBB`` colour per
+            channel for ``omero`` (default: RGB's for 3 uint8 channels, else
+            ``c0, c1, ...`` and a palette).
+        stats_box: ``(y, x, h, w)`` in level-0 pixels that the channel
+            statistics (``attributes.hyfi_stats``) and display windows are
+            taken from (default: the whole image; a preprocessed canvas
+            passes its tissue placement, so the padding does not count).
 
     Raises:
         SlideError: ``path`` exists.
@@ -208,19 +286,30 @@ def write_ome_zarr(
     from zarr.codecs import ZstdCodec
 
     if isinstance(image, np.ndarray):
-        if image.ndim != 3 or image.dtype != np.uint8:
+        if image.ndim != 3 or supported_dtype(image.dtype) is None:
             raise ValueError(
-                f"write_ome_zarr needs uint8 (C, H, W), got {image.dtype} {image.shape}"
+                "write_ome_zarr needs a uint8, uint16 or float32 (C, H, W) array, "
+                f"got {image.dtype} {image.shape}"
             )
         source: RegionSource = _ArraySource(image)
     else:
         source = image
+    dtype = supported_dtype(getattr(source, "dtype", np.uint8))
+    if dtype is None:
+        raise ValueError(f"region source of pixel type {getattr(source, 'dtype', None)}")
     if chunk <= 0 or shard <= 0 or shard % chunk:
         raise ValueError(f"shard ({shard}) must be a positive multiple of chunk ({chunk})")
     if mpp is not None and not mpp > 0:
         raise ValueError(f"mpp must be positive or None, got {mpp}")
     if pyramid_levels < 1:
         raise ValueError(f"pyramid_levels must be >= 1, got {pyramid_levels}")
+    c, h0, w0 = source.shape
+    names, colors = default_channels(c, rgb=c == 3 and dtype == np.uint8)
+    names = tuple(channel_names) if channel_names is not None else names
+    colors = tuple(channel_colors) if channel_colors is not None else colors
+    if len(names) != c or len(colors) != c:
+        raise ValueError(f"{len(names)} names and {len(colors)} colours for {c} channels")
+    background = hyfi_attrs.get("background", default_background(dtype, rgb=is_rgb(names)))
     json.dumps(hyfi_attrs)  # fail before writing anything if not JSON-able
     out = Path(path)
     if out.exists():
@@ -229,41 +318,47 @@ def write_ome_zarr(
         )
 
     group = zarr.open_group(zarr.storage.LocalStore(out), mode="w-", zarr_format=3)
-    c, h0, w0 = source.shape
     shapes = level_shapes(h0, w0, chunk=chunk, pyramid_levels=pyramid_levels)
+    side = shard_side(shard, chunk, c, dtype.itemsize)
     finer: Any = None
     for level, (h, w) in enumerate(shapes):
-        sh = min(shard, _round_up(h, chunk))
-        sw = min(shard, _round_up(w, chunk))
+        sh = min(side, _round_up(h, chunk))
+        sw = min(side, _round_up(w, chunk))
         arr = group.create_array(
             str(level),
             shape=(c, h, w),
-            dtype="uint8",
+            dtype=dtype,
             chunks=(c, chunk, chunk),
             shards=(c, sh, sw),
             compressors=ZstdCodec(level=_ZSTD_LEVEL),
-            fill_value=BACKGROUND,
+            fill_value=background,
             dimension_names=("c", "y", "x"),
         )
         for y0, x0, y1, x1 in _shard_blocks(h, w, sh, sw):
             if finer is None:
                 block = source.read(y0, x0, y1, x1)
-                if block.shape != (c, y1 - y0, x1 - x0) or block.dtype != np.uint8:
+                if block.shape != (c, y1 - y0, x1 - x0) or block.dtype != dtype:
                     raise ValueError(
                         f"region source returned {block.dtype} {block.shape} for "
-                        f"y={y0}:{y1} x={x0}:{x1}, expected uint8 {(c, y1 - y0, x1 - x0)}"
+                        f"y={y0}:{y1} x={x0}:{x1}, expected {dtype} {(c, y1 - y0, x1 - x0)}"
                     )
             else:
-                block = _downsampled_block(finer, y0, x0, y1, x1, max(chunk, shard // 2))
+                block = _downsampled_block(finer, y0, x0, y1, x1, max(chunk, side // 2))
             arr[:, y0:y1, x0:x1] = block
             del block
         finer = arr
     n_levels = len(shapes)
+    stats = channel_stats(finer, stats_box, n_levels - 1)
     # Written last: attributes mark a complete store.
     group.attrs.update(
         {
-            "ome": {"version": NGFF_VERSION, "multiscales": [_multiscales(name, mpp, n_levels)]},
+            "ome": {
+                "version": NGFF_VERSION,
+                "multiscales": [_multiscales(name, mpp, n_levels, dtype)],
+                "omero": omero_metadata(names, colors, dtype, stats),
+            },
             "hyfi": hyfi_attrs,
+            "hyfi_stats": stats,
         }
     )
 
@@ -342,34 +437,47 @@ class ZarrReader:
                 f"not a readable OME-Zarr image ({type(err).__name__}: {err})",
                 "check that the store was written completely, or rewrite it",
             ) from err
-        if axes[-2:] != ["y", "x"] or any(a.dtype != np.uint8 for a in self._arrays):
+        dtype = supported_dtype(self._arrays[0].dtype)
+        if axes[-2:] != ["y", "x"] or dtype is None or any(a.dtype != dtype for a in self._arrays):
             raise SlideError(
                 self.path,
                 f"unsupported OME-Zarr layout (axes {axes}, dtype {self._arrays[0].dtype})",
-                "hyfi-imaging reads uint8 images with axes ending in y, x",
+                "hyfi-imaging reads uint8, uint16 or float32 images with axes ending in y, x",
             )
+        self.dtype: np.dtype[np.generic] = dtype
         # Leading non-channel axes (t, z) are read at index 0.
         self._c_axis = axes.index("c") if "c" in axes else None
         self._lead = tuple(0 for _ in axes[:-2])
         shape0 = self._arrays[0].shape
         self.channels = int(shape0[self._c_axis]) if self._c_axis is not None else 1
         self.level_dimensions = tuple((int(a.shape[-2]), int(a.shape[-1])) for a in self._arrays)
-        self.level_downsamples = tuple(float(s[-1] / scales[0][-1]) for s in scales)
+        # Per axis from the scale transforms (ours are exactly 2**l).
+        self.level_downsamples = tuple(
+            (float(s[-2] / scales[0][-2]), float(s[-1] / scales[0][-1])) for s in scales
+        )
         hyfi = attrs.get("hyfi")
         self.attrs: dict[str, Any] = hyfi if isinstance(hyfi, dict) else {}
+        stats = attrs.get("hyfi_stats")
+        #: Per-channel statistics written by :func:`write_ome_zarr` (empty for other stores).
+        self.channel_stats: dict[str, Any] = stats if isinstance(stats, dict) else {}
+        self.channel_names, self.channel_colors, self.channel_windows = parse_omero(
+            ome.get("omero"), self.channels, self.dtype
+        )
         has_unit = all(not isinstance(a, dict) or "unit" in a for a in multiscale["axes"][-2:])
         self.mpp: float | None = float(scales[0][-1]) if has_unit else None
         self.mpp_source = "ome" if has_unit else "none"
         if mpp_override is not None:
             self.mpp, self.mpp_source = float(mpp_override), "override"
-        self.background = int(self.attrs.get("background", BACKGROUND))
+        self.background = self.attrs.get(
+            "background", default_background(self.dtype, rgb=is_rgb(self.channel_names))
+        )
 
     @property
     def level_count(self) -> int:
         return len(self._arrays)
 
     def read_region(self, level: int, y: int, x: int, h: int, w: int) -> np.ndarray:
-        """Read ``[y, y+h) x [x, x+w)`` of ``level`` as uint8 ``(C, h, w)``."""
+        """Read ``[y, y+h) x [x, x+w)`` of ``level`` as ``(C, h, w)`` of :attr:`dtype`."""
 
         def fetch(y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
             sel: list[Any] = [*self._lead, slice(y0, y1), slice(x0, x1)]
@@ -391,6 +499,44 @@ class ZarrReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class StorePixels:
+    """What a store holds per pixel, read from its metadata alone (no pixel data).
+
+    Attributes:
+        channels: channel count.
+        dtype: the pixel type's name (``"uint8"``, ``"uint16"``, ``"float32"``).
+        channel_names: one label per channel.
+    """
+
+    channels: int
+    dtype: str
+    channel_names: tuple[str, ...]
+
+
+def read_store_pixels(path: str | os.PathLike[str]) -> StorePixels | None:
+    """Channels, pixel type and channel names of a finished hyfi store, from its JSON only.
+
+    Reads the group's and level 0's ``zarr.json``: no zarr import, no event
+    loop, so every rank may call it before any process group exists.
+    ``None`` when ``path`` is not a finished store of ``(c, y, x)`` images.
+    """
+    attrs = _open_group_attrs(path)
+    if attrs is None or not isinstance(attrs.get("hyfi"), dict):
+        return None
+    try:
+        ome = attrs.get("ome", attrs)
+        level0 = ome["multiscales"][0]["datasets"][0]["path"]
+        meta = json.loads((Path(path) / str(level0) / "zarr.json").read_text())
+        channels, dtype = int(meta["shape"][0]), np.dtype(str(meta["data_type"]))
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    if len(meta.get("shape", ())) != 3 or supported_dtype(dtype) is None:
+        return None
+    names, _, _ = parse_omero(ome.get("omero"), channels, dtype)
+    return StorePixels(channels, str(dtype), names)
 
 
 def _scale_of(dataset: dict[str, Any]) -> list[float]:

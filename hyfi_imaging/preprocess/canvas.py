@@ -5,8 +5,9 @@ memory before writing runs the machine out of memory without a warning. The
 store writer instead asks :class:`CanvasRenderer` for one shard at a time; the
 renderer fills the background and resamples the part of the tissue crop that
 falls into the shard, in tiles of at most ``_RENDER_TILE`` output pixels each
-read from at most about ``_SOURCE_TILE`` source pixels per side. Memory is
-then one shard plus one tile, whatever the canvas size.
+read from at most about ``_SOURCE_TILE`` source pixels per side (fewer for
+pixels of more than 3 bytes: the read holds no more bytes than an 8-bit RGB
+one). Memory is then one shard plus one tile, whatever the canvas size.
 
 Tiles must join without seams. Box downsampling never reaches outside its
 box, so a tile needs no neighbours; bilinear upsampling reaches one source
@@ -14,6 +15,10 @@ pixel beyond, so its reads carry a 2-pixel margin (at the crop's edge that
 margin is the slide around the crop, or background outside the slide). A
 crop at scale 1 on whole pixels is copied, not resampled, so ``--level N``
 output equals the source pixels exactly.
+
+Pixels keep the slide's type and channels (uint16 and float32 are resampled
+as float and rounded back, :func:`~hyfi_imaging.io.pixels.resize_channels`).
+Level coordinates use the level's per-axis downsample ``(dy, dx)``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from PIL import Image
 
 from hyfi_imaging.io.base import SlideReader
+from hyfi_imaging.io.pixels import resize_channels, rgb_equivalent_side
 
 __all__ = ["CanvasRenderer", "CropPlan", "render_crop"]
 
@@ -60,16 +66,17 @@ def render_crop(
     sy, sx, sh, sw = plan.source_box
     _, _, ph, pw = plan.placement
     r0, c0, r1, c1 = window if window is not None else (0, 0, ph, pw)
-    ds = reader.level_downsamples[plan.read_level]
-    ly0, lx0, lh, lw = sy / ds, sx / ds, sh / ds, sw / ds
+    dy, dx = reader.level_downsamples[plan.read_level]
+    ly0, lx0, lh, lw = sy / dy, sx / dx, sh / dy, sw / dx
     per_row, per_col = lh / ph, lw / pw
-    out = np.empty((reader.channels, r1 - r0, c1 - c0), dtype=np.uint8)
+    out = np.empty((reader.channels, r1 - r0, c1 - c0), dtype=reader.dtype)
     if per_row == 1.0 and per_col == 1.0 and ly0.is_integer() and lx0.is_integer():
         return reader.read_region(plan.read_level, int(ly0) + r0, int(lx0) + c0, r1 - r0, c1 - c0)
     downscale = lw >= pw
     resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
     margin = 0 if downscale else 2
-    step = max(16, min(_RENDER_TILE, math.floor(_SOURCE_TILE / max(per_row, per_col, 1.0))))
+    source_side = rgb_equivalent_side(_SOURCE_TILE, reader.channels, reader.dtype.itemsize)
+    step = max(16, min(_RENDER_TILE, math.floor(source_side / max(per_row, per_col, 1.0))))
     for a0 in range(r0, r1, step):
         a1 = min(r1, a0 + step)
         top, bottom = ly0 + a0 * per_row, ly0 + a1 * per_row
@@ -80,26 +87,10 @@ def render_crop(
             xa, xb = math.floor(left) - margin, math.ceil(right) + margin
             block = reader.read_region(plan.read_level, ya, xa, yb - ya, xb - xa)
             box = (left - xa, top - ya, right - xa, bottom - ya)
-            out[:, a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = _resample(
+            out[:, a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = resize_channels(
                 block, box, (a1 - a0, b1 - b0), resample
             )
     return out
-
-
-def _resample(
-    block: np.ndarray,
-    box: tuple[float, float, float, float],
-    out_hw: tuple[int, int],
-    resample: Image.Resampling,
-) -> np.ndarray:
-    """Resample the ``box`` (x0, y0, x1, y1) of a ``(C, h, w)`` block to ``out_hw``."""
-    h, w = out_hw
-    return np.stack(
-        [
-            np.asarray(Image.fromarray(np.ascontiguousarray(c)).resize((w, h), resample, box=box))
-            for c in block
-        ]
-    )
 
 
 class CanvasRenderer:
@@ -115,14 +106,15 @@ class CanvasRenderer:
         self.reader = reader
         self.plan = plan
         self._shape = (reader.channels, size[0], size[1])
+        self.dtype = reader.dtype
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return self._shape
 
     def read(self, y0: int, x0: int, y1: int, x1: int) -> np.ndarray:
-        """Canvas pixels ``[y0, y1) x [x0, x1)`` as uint8 ``(C, h, w)``."""
-        out = np.full((self._shape[0], y1 - y0, x1 - x0), self.reader.background, np.uint8)
+        """Canvas pixels ``[y0, y1) x [x0, x1)`` as ``(C, h, w)`` of the slide's type."""
+        out = np.full((self._shape[0], y1 - y0, x1 - x0), self.reader.background, self.dtype)
         py, px, ph, pw = self.plan.placement
         iy0, ix0 = max(y0, py), max(x0, px)
         iy1, ix1 = min(y1, py + ph), min(x1, px + pw)

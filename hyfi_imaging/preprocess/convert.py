@@ -20,6 +20,11 @@ place it on a fixed-size canvas. What makes this module more than a script:
   renamed into place; an existing store is only replaced once the new one is
   complete. A store counts as done only when its recorded parameters and
   source fingerprint equal the current ones.
+* **Images as they are.** The store keeps the slide's pixel type and channels
+  (16-bit fluorescence stays 16-bit, a 40-channel multiplex image keeps its 40
+  named channels); tissue is found by the rule for its kind of image
+  (:mod:`~hyfi_imaging.preprocess.tissue`), or on the channel ``--tissue``
+  names, or not at all (``--tissue none``: the whole image is the crop).
 """
 
 from __future__ import annotations
@@ -31,16 +36,25 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from hyfi_imaging.errors import ConfigError, HyfiError, SlideError, problem
 from hyfi_imaging.io import open_slide, thumbnail
-from hyfi_imaging.io.base import SlideReader
-from hyfi_imaging.io.zarr_store import ZarrReader, level_shapes, read_hyfi_attrs, write_ome_zarr
+from hyfi_imaging.io.base import Downsample, SlideReader, level_for
+from hyfi_imaging.io.pixels import is_rgb
+from hyfi_imaging.io.zarr_store import (
+    ZarrReader,
+    level_shapes,
+    read_hyfi_attrs,
+    write_ome_zarr,
+)
 from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
+
+if TYPE_CHECKING:
+    from hyfi_imaging.preprocess.qc import QcChannels
 
 __all__ = [
     "ASSUMED_COMPRESSION",
@@ -74,6 +88,9 @@ class PreprocessOptions:
 
     Exactly one of ``mpp`` (resample to this resolution) or ``level`` (take a
     pyramid level as it is) is used; with neither, level 0 is used.
+    ``tissue``: ``"auto"`` (the rule for the image's kind), ``"none"`` (no
+    detection: the whole image), or a channel index or name that intensity
+    images are thresholded on (RGB images keep the bright-field rule).
     """
 
     mpp: float | None = None
@@ -86,11 +103,18 @@ class PreprocessOptions:
     chunk: int = 512
     shard: int = 4096
     pyramid_levels: int = 3
+    tissue: str = "auto"
 
     def record(self) -> dict[str, Any]:
-        """The JSON-able form stored under ``hyfi.params``."""
+        """The JSON-able form stored under ``hyfi.params``.
+
+        ``tissue`` is left out at its default, so stores written before the
+        option existed still count as done.
+        """
         d = asdict(self)
         d["size"] = list(self.size)
+        if self.tissue == "auto":
+            del d["tissue"]
         return d
 
 
@@ -151,11 +175,7 @@ def _resolution(reader: SlideReader, options: PreprocessOptions) -> tuple[float,
                 "pass --mpp-override MICRONS_PER_PIXEL, or --level N to use a pyramid level as it is",
             )
         scale = reader.mpp / options.mpp
-        level = 0
-        for i, ds in enumerate(reader.level_downsamples):
-            if ds <= 1.0 / scale + 1e-6:
-                level = i
-        return scale, level, options.mpp
+        return scale, level_for(reader.level_downsamples, 1.0 / scale), options.mpp
     level = options.level or 0
     if level >= reader.level_count:
         raise SlideError(
@@ -163,23 +183,51 @@ def _resolution(reader: SlideReader, options: PreprocessOptions) -> tuple[float,
             f"level {level} requested but the slide has {reader.level_count} levels",
             f"use --level between 0 and {reader.level_count - 1}",
         )
-    ds = reader.level_downsamples[level]
+    dy, dx = reader.level_downsamples[level]
+    ds = (dy + dx) / 2  # one output resolution: exact where the level is a 2**k grid (dy == dx)
     return 1.0 / ds, level, None if reader.mpp is None else reader.mpp * ds
+
+
+def tissue_channel(reader: SlideReader, tissue: str) -> int | None:
+    """The channel index ``--tissue`` names for ``reader`` (``None`` for auto/none/RGB).
+
+    Raises SlideError naming the image's channels when it names none of them.
+    """
+    if tissue in ("auto", "none") or is_rgb(reader.channel_names):
+        return None
+    if tissue in reader.channel_names:
+        return reader.channel_names.index(tissue)
+    if tissue.isdigit() and int(tissue) < reader.channels:
+        return int(tissue)
+    raise SlideError(
+        reader.path,
+        f"--tissue {tissue!r} names no channel of this image "
+        f"(channels: {', '.join(reader.channel_names)})",
+        "give a channel index or name, or --tissue auto",
+    )
 
 
 def plan_crop(
     reader: SlideReader, options: PreprocessOptions
-) -> tuple[CropPlan, np.ndarray, float]:
+) -> tuple[CropPlan, np.ndarray, Downsample]:
     """Find the tissue and decide the source box, canvas placement and read level.
 
-    Returns the plan, the tissue mask and the mask's downsample (for QC pictures).
+    Returns the plan, the tissue mask and the mask's ``(dy, dx)`` downsample (for QC pictures).
     """
     thumb, thumb_ds = thumbnail(reader, options.thumbnail_size)
-    mask = tissue_mask(thumb)
+    if options.tissue == "none":
+        mask = np.ones(thumb.shape[1:], dtype=bool)
+    else:
+        rgb = is_rgb(reader.channel_names)
+        mask = tissue_mask(thumb, rgb=rgb, channel=tissue_channel(reader, options.tissue))
     scale, level, mpp = _resolution(reader, options)
     h0, w0 = reader.level_dimensions[0]
     margin = 0 if reader.mpp is None else round(options.margin_um / reader.mpp)
-    box = tissue_box(mask, thumb_ds, (h0, w0), margin=margin)
+    box = (
+        (0, 0, h0, w0)
+        if options.tissue == "none"
+        else tissue_box(mask, thumb_ds, (h0, w0), margin=margin)
+    )
     if box is None:
         raise SlideError(
             reader.path,
@@ -195,10 +243,7 @@ def plan_crop(
             scale *= shrink
             if mpp is not None:
                 mpp /= shrink
-            level = max(
-                (i for i, ds in enumerate(reader.level_downsamples) if ds <= 1.0 / scale + 1e-6),
-                default=0,
-            )
+            level = level_for(reader.level_downsamples, 1.0 / scale)
             ph, pw = min(canvas_h, round(sh * scale)), min(canvas_w, round(sw * scale))
         else:  # centre-crop the tissue box to what the canvas holds at this resolution
             keep_h, keep_w = (
@@ -223,15 +268,16 @@ def plan_crop(
     return CropPlan((sy, sx, sh, sw), placement, level, mpp, box), mask, thumb_ds
 
 
-def estimate_store_bytes(options: PreprocessOptions, channels: int = 3) -> int:
+def estimate_store_bytes(options: PreprocessOptions, channels: int = 3, itemsize: int = 1) -> int:
     """Disk bytes one slide's store is expected to need (pyramid / ``ASSUMED_COMPRESSION``).
 
-    Every level is counted uncompressed, then divided by the assumed zstd
-    ratio; the QC picture and metadata are a few hundred kB and ignored.
+    Every level is counted uncompressed (``channels`` of ``itemsize`` bytes per
+    pixel), then divided by the assumed zstd ratio; the QC picture and
+    metadata are a few hundred kB and ignored.
     """
     h, w = options.size
     raw = sum(
-        channels * lh * lw
+        channels * itemsize * lh * lw
         for lh, lw in level_shapes(h, w, chunk=options.chunk, pyramid_levels=options.pyramid_levels)
     )
     return math.ceil(raw / ASSUMED_COMPRESSION)
@@ -250,10 +296,10 @@ def _gb(n: float) -> str:
 
 
 def check_disk_space(
-    out_dir: Path, options: PreprocessOptions, slides: int, channels: int = 3
+    out_dir: Path, options: PreprocessOptions, slides: int, channels: int = 3, itemsize: int = 1
 ) -> None:
     """Raise a one-line error when ``slides`` new stores will not fit into ``out_dir``."""
-    need = slides * estimate_store_bytes(options, channels)
+    need = slides * estimate_store_bytes(options, channels, itemsize)
     free = free_bytes(out_dir)
     if need > free:
         h, w = options.size
@@ -299,11 +345,21 @@ def _disk_full(err: BaseException) -> bool:
 
 
 def convert_slide(
-    source: Path, out_dir: Path, slide_id: str, options: PreprocessOptions, *, qc_dir: Path | None
+    source: Path,
+    out_dir: Path,
+    slide_id: str,
+    options: PreprocessOptions,
+    *,
+    qc_dir: Path | None,
+    qc_channels: QcChannels | None = None,
 ) -> ConvertResult:
-    """Convert one slide; never raises for a bad slide, returns a ``failed`` result instead."""
+    """Convert one slide; never raises for a bad slide, returns a ``failed`` result instead.
+
+    ``qc_channels`` chooses what the QC picture shows (default: see
+    :class:`~hyfi_imaging.preprocess.qc.QcChannels`).
+    """
     from hyfi_imaging import __version__
-    from hyfi_imaging.preprocess.qc import write_slide_qc
+    from hyfi_imaging.preprocess.qc import QcChannels, write_slide_qc
 
     final = store_path(out_dir, slide_id)
     tmp = final.with_name(f"{final.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
@@ -323,6 +379,7 @@ def convert_slide(
                 qc=str(qc) if qc and qc.exists() else "",
             )
         with open_slide(source, mpp_override=options.mpp_override) as reader:
+            shown = (qc_channels or QcChannels()).resolve(reader) if qc_dir is not None else None
             plan, mask, mask_ds = plan_crop(reader, options)
             canvas_h, canvas_w = options.size
             canvas = CanvasRenderer(reader, plan, options.size)
@@ -343,7 +400,7 @@ def convert_slide(
                 "params": options.record(),
                 "fingerprint": source_fingerprint(source),
             }
-            check_disk_space(out_dir, options, 1, reader.channels)
+            check_disk_space(out_dir, options, 1, reader.channels, reader.dtype.itemsize)
             write_ome_zarr(
                 tmp,
                 canvas,
@@ -353,13 +410,16 @@ def convert_slide(
                 shard=options.shard,
                 pyramid_levels=options.pyramid_levels,
                 name=slide_id,
+                channel_names=reader.channel_names,
+                channel_colors=reader.channel_colors,
+                stats_box=plan.placement,
             )
             qc_path = ""
             if qc_dir is not None:
                 with ZarrReader(tmp) as written:
                     qc_path = str(
                         write_slide_qc(
-                            qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, written
+                            qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, written, shown
                         )
                     )
         _atomic_replace(tmp, final)

@@ -53,7 +53,7 @@ from hyfi_imaging.preprocess.manifest import (
     slide_id_of,
     write_manifest,
 )
-from hyfi_imaging.preprocess.qc import write_contact_sheet
+from hyfi_imaging.preprocess.qc import QcChannels, write_contact_sheet
 
 __all__ = ["SLIDE_SUFFIXES", "PreprocessSummary", "discover_slides", "run_preprocess"]
 
@@ -113,10 +113,14 @@ def run_preprocess(
     workers: int = 1,
     recursive: bool = False,
     qc: bool = True,
+    qc_channels: QcChannels | None = None,
     progress: bool = True,
     on_result: Callable[[ConvertResult], None] | None = None,
 ) -> PreprocessSummary:
     """Convert every slide in ``inputs`` into ``out_dir``; see ``hyfi-preprocess --help``.
+
+    ``qc_channels`` chooses what the QC pictures show (default: RGB as it is,
+    else the first three channels, or grey for one).
 
     Raises :class:`ConfigError` only for problems that stop the whole run
     (missing input, no slides, unreadable labels file, too little disk space,
@@ -157,6 +161,7 @@ def run_preprocess(
             labels,
             workers=workers,
             qc=qc,
+            qc_channels=qc_channels,
             progress=progress,
             on_result=on_result,
         )
@@ -223,6 +228,7 @@ def _convert_all(
     *,
     workers: int,
     qc: bool,
+    qc_channels: QcChannels | None,
     progress: bool,
     on_result: Callable[[ConvertResult], None] | None,
 ) -> PreprocessSummary:
@@ -243,7 +249,11 @@ def _convert_all(
     try:
         if workers <= 1:
             for sid, source in todo:
-                record(convert_slide(source, out_dir, sid, options, qc_dir=qc_dir))
+                record(
+                    convert_slide(
+                        source, out_dir, sid, options, qc_dir=qc_dir, qc_channels=qc_channels
+                    )
+                )
                 bar.update()
         else:
             # forkserver, not fork: zarr's event-loop thread must not be inherited; the
@@ -263,10 +273,15 @@ def _convert_all(
                 initargs=(os.getpid(),),
             ) as pool:
                 futures: dict[Future[ConvertResult], tuple[str, Path]] = {
-                    pool.submit(convert_slide, source, out_dir, sid, options, qc_dir=qc_dir): (
-                        sid,
+                    pool.submit(
+                        convert_slide,
                         source,
-                    )
+                        out_dir,
+                        sid,
+                        options,
+                        qc_dir=qc_dir,
+                        qc_channels=qc_channels,
+                    ): (sid, source)
                     for sid, source in todo
                 }
                 for fut in as_completed(futures):

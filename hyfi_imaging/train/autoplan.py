@@ -34,10 +34,10 @@ def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:
     import torch
 
     from hyfi_imaging.data.dataset import load_samples
-    from hyfi_imaging.models import create_model
+    from hyfi_imaging.train.inputs import build_model, data_pixels
 
     r = recipe
-    model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+    model = build_model(r, data_pixels(r).channels)
     hw = load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     return model, hw, NOMINAL_RATE[kind], r.optim.name

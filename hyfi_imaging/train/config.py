@@ -23,6 +23,7 @@ from hyfi_imaging.errors import ConfigError
 
 __all__ = [
     "DataConfig",
+    "NormalizeSection",
     "OptimConfig",
     "ParallelConfig",
     "Recipe",
@@ -47,8 +48,28 @@ class AugmentSection(_Strict):
     hue: float = Field(0.0, ge=0, le=0.5)
 
 
+class NormalizeSection(_Strict):
+    """How stored pixels become ``[0, 1]`` floats (:mod:`hyfi_imaging.data.normalize`).
+
+    ``dtype``: divide by the pixel type's maximum (8-bit: ``x / 255``, as always);
+    ``range``: fixed ``ranges`` (one ``[low, high]`` or one per channel);
+    ``percentile``: each image's own ``low``/``high`` channel percentiles, stored by
+    hyfi-preprocess.
+    """
+
+    mode: Literal["dtype", "range", "percentile"] = "dtype"
+    ranges: list[tuple[float, float]] | None = None
+    low: float = 1.0
+    high: float = 99.0
+    clip: bool = True
+
+
 class DataConfig(_Strict):
-    """Where the preprocessed images are and how they become batches."""
+    """Where the preprocessed images are and how they become batches.
+
+    ``mean`` / ``std`` are applied after ``normalize``: one value for every
+    channel or one per channel; by default 0.5 and 0.25 for every channel.
+    """
 
     manifest: Path
     val_manifest: Path | None = None
@@ -58,8 +79,16 @@ class DataConfig(_Strict):
     augment: AugmentSection = AugmentSection()
     workers: int = Field(0, ge=0)
     level: int = Field(0, ge=0)
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.25, 0.25, 0.25)
+    normalize: NormalizeSection = NormalizeSection()
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    @field_validator("std")
+    @classmethod
+    def _positive_std(cls, v: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if v is not None and (not v or min(v) <= 0):
+            raise ValueError(f"std must be positive numbers (got {list(v)})")
+        return v
 
 
 class ModelConfig(_Strict):
@@ -200,6 +229,8 @@ def _card_defaults(raw: dict[str, Any], base: Path, where: Path) -> dict[str, An
             defaults["classes"] = [str(c) for c in classes]
         if "task" in card:
             defaults["task"] = card["task"]
+        if "normalize" in card:
+            defaults["normalize"] = card["normalize"]
         raw["data"] = _merge(defaults, raw.get("data") or {})
     model = raw.get("model")
     if isinstance(model, str):

@@ -68,6 +68,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
     free space, ``--no-resume`` into a used one).
     """
     from hyfi_imaging.data.dataset import level_hw, load_samples
+    from hyfi_imaging.train.inputs import check_data, data_pixels
     from hyfi_imaging.train.rundir import check_start
 
     samples = load_samples(recipe.data.manifest, classes=recipe.data.classes)
@@ -85,9 +86,25 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
             "preprocess all slides with the same --size",
         )
     _check_labels(recipe.data.manifest, samples, len(recipe.data.classes))
+    pixels = data_pixels(recipe)
+    check_data(recipe, pixels)
     if recipe.data.val_manifest is not None:
         val = load_samples(recipe.data.val_manifest, classes=recipe.data.classes)
         _check_labels(recipe.data.val_manifest, val, len(recipe.data.classes))
+        val_pixels = data_pixels(
+            recipe.model_copy(
+                update={
+                    "data": recipe.data.model_copy(update={"manifest": recipe.data.val_manifest})
+                }
+            )
+        )
+        if (val_pixels.channels, val_pixels.dtype) != (pixels.channels, pixels.dtype):
+            raise ConfigError(
+                recipe.data.val_manifest,
+                f"holds {val_pixels.channels} {val_pixels.dtype} channels, the training "
+                f"images {pixels.channels} {pixels.dtype}",
+                "validate on images preprocessed like the training images",
+            )
     p = recipe.parallel
     if recipe.train.batch_size % p.microbatches:
         raise ConfigError(
@@ -95,7 +112,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
             f"{recipe.train.batch_size} is not divisible by parallel.microbatches {p.microbatches}",
             "make the batch a multiple of the micro-batch count",
         )
-    _check_layout(recipe, level_hw(samples[0].image_hw, recipe.data.level))
+    _check_layout(recipe, level_hw(samples[0].image_hw, recipe.data.level), pixels.channels)
     out = recipe.train.out_dir
     check_start(out, start)
     try:
@@ -130,15 +147,15 @@ def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
         )
 
 
-def _check_layout(recipe: Recipe, image_hw: tuple[int, int]) -> None:
+def _check_layout(recipe: Recipe, image_hw: tuple[int, int], channels: int) -> None:
     """The engine's checks that need no process group, on a meta-device model."""
-    from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.geometry import padded_hw
     from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.train.inputs import build_model
 
     r, p = recipe, recipe.parallel
     with torch.device("meta"):
-        model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+        model = build_model(r, channels)
     padded_hw(image_hw, p.spatial, int(getattr(model, "total_stride", 1)))
     plan = plan_of(p, Layout(dp=p.data, pp=p.pipeline, sp=p.spatial))
     plan.validate(model, recipe.train.batch_size)
@@ -181,10 +198,10 @@ class Trainer:
     def setup(self) -> None:
         """Start the process group, build the parallel model, optimiser and data split."""
         from hyfi_imaging.data.dataset import level_hw, load_samples
-        from hyfi_imaging.models import create_model
         from hyfi_imaging.parallel.engine import ParallelModel
         from hyfi_imaging.parallel.launch import init_parallel
         from hyfi_imaging.parallel.layout import Layout
+        from hyfi_imaging.train.inputs import build_model, data_pixels
 
         r = self.recipe
         p = r.parallel
@@ -194,8 +211,9 @@ class Trainer:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.pc.world_size)))
         self.samples = load_samples(r.data.manifest, classes=r.data.classes)
         self.image_hw = level_hw(self.samples[0].image_hw, r.data.level)
+        self.pixels = data_pixels(r)
         torch.manual_seed(r.train.seed)
-        model = create_model(r.model.name, num_classes=len(r.data.classes), **r.model.kwargs)
+        model = build_model(r, self.pixels.channels)  # in_chans comes from the data
         plan = plan_of(p, layout)
         self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw)
         # Tiles are aligned to the stride spatialize() used (measured for a model that
@@ -253,6 +271,7 @@ class Trainer:
     def _dataset(self, augment: bool, manifest: Path) -> Any:
         from hyfi_imaging.data.augment import AugmentConfig
         from hyfi_imaging.data.dataset import TileDataset
+        from hyfi_imaging.train.inputs import normalization
 
         a = self.recipe.data.augment
         aug = (
@@ -278,13 +297,17 @@ class Trainer:
             seed=self.recipe.train.seed,
             level=self.recipe.data.level,
             classes=self.recipe.data.classes,
+            normalize=normalization(self.recipe),
         )
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean/std normalisation on the host (in the prefetch thread), pinned for CUDA."""
+        """Mean/std normalisation on the host (in the prefetch thread), pinned for CUDA.
+
+        One value for every channel (default 0.5 / 0.25) or one per channel.
+        """
         d = self.recipe.data
-        mean = torch.tensor(d.mean, dtype=x.dtype).view(1, -1, 1, 1)
-        std = torch.tensor(d.std, dtype=x.dtype).view(1, -1, 1, 1)
+        mean = torch.tensor(d.mean or (0.5,), dtype=x.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(d.std or (0.25,), dtype=x.dtype).view(1, -1, 1, 1)
         x = (x - mean) / std
         return x.pin_memory() if self.pc.device.type == "cuda" else x
 
