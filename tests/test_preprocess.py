@@ -20,7 +20,13 @@ from hyfi_imaging.cli.preprocess import main as preprocess_main
 from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
 from hyfi_imaging.io.base import ArrayReader
 from hyfi_imaging.io.zarr_store import downsample_2x, read_hyfi_attrs
-from hyfi_imaging.preprocess import PreprocessOptions, read_labels, read_manifest, run_preprocess
+from hyfi_imaging.preprocess import (
+    PreprocessOptions,
+    convert,
+    read_labels,
+    read_manifest,
+    run_preprocess,
+)
 from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
 
@@ -266,7 +272,9 @@ def test_a_run_that_cannot_start_creates_nothing(
         assert not (tmp_path / "deep").exists(), words
 
 
-def test_resume_skips_finished_slides_by_metadata(cohort: Path, tmp_path: Path) -> None:
+def test_resume_skips_finished_slides_by_metadata(
+    cohort: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = tmp_path / "src"
     shutil.copytree(cohort, src)
     out = tmp_path / "out"
@@ -285,6 +293,11 @@ def test_resume_skips_finished_slides_by_metadata(cohort: Path, tmp_path: Path) 
     }
     fourth = run_preprocess([src], out, PreprocessOptions(mpp=2.0, size=(640, 640)), progress=False)
     assert fourth.count("ok") == 3
+    # Stores of an older pixel format (8-bit RGB only) are converted again.
+    monkeypatch.setattr(convert, "STORE_FORMAT", 1)
+    older = run_preprocess([src], out, PreprocessOptions(mpp=2.0, size=(640, 640)), progress=False)
+    assert older.count("ok") == 3
+    monkeypatch.undo()
     # A finished store whose source later breaks is kept, not destroyed.
     (src / "b.svs").write_bytes(b"broken")
     fifth = run_preprocess([src], out, PreprocessOptions(mpp=2.0, size=(640, 640)), progress=False)

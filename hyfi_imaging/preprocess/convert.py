@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ASSUMED_COMPRESSION",
+    "STORE_FORMAT",
     "ConvertResult",
     "CropPlan",
     "PreprocessOptions",
@@ -80,6 +81,11 @@ _TMP_MARK = ".tmp-"
 #: all tissue, so 2 errs towards needing more space. (The synthetic slides compress
 #: about 13x: their texture is smoother than tissue, so they are no guide.)
 ASSUMED_COMPRESSION = 2.0
+
+#: The store's pixel format, recorded with the options: 2 keeps the source's dtype and
+#: channels. Stores of format 1 (squashed to 8-bit RGB) are not "done" and are converted
+#: again on a resumed run, rather than mixing two pixel formats in one manifest.
+STORE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -108,13 +114,14 @@ class PreprocessOptions:
     def record(self) -> dict[str, Any]:
         """The JSON-able form stored under ``hyfi.params``.
 
-        ``tissue`` is left out at its default, so stores written before the
-        option existed still count as done.
+        ``tissue`` is left out at its default; ``store_format`` is
+        :data:`STORE_FORMAT`, so a store of an older pixel format is redone.
         """
         d = asdict(self)
         d["size"] = list(self.size)
         if self.tissue == "auto":
             del d["tissue"]
+        d["store_format"] = STORE_FORMAT
         return d
 
 
