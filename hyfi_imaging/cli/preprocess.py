@@ -37,9 +37,29 @@ examples:
   # a 16-bit scientific image that is all content: no tissue detection, whole image
   hyfi-preprocess scan.tif --out data/sci --level 0 --size 4096 --tissue none
 
+  # CAMELYON16 with its lesion annotations (tumor_001.tif <-> annotations/tumor_001.xml):
+  # each store gets labels/annotations, aligned to the image; normal slides get
+  # all-background masks
+  hyfi-preprocess training/ --out data/c16 --mpp 1.0 --size 16384 \
+      --label-from-name '^(normal|tumor)_' --annotations training/annotations
+
+  # QuPath GeoJSON exports with two classes, and one class that cuts holes
+  hyfi-preprocess slides/ --out data/seg --mpp 2.0 --annotations geojson/ \
+      --annotation-classes Tumor=1,Stroma=2,Ignore=0
+
 Images are kept as they are: uint8, uint16 or float32 pixels and every
 channel (named from OME-XML or QPTIFF page names) go into the store; 8-bit RGB
 bright-field slides come out exactly as before.
+
+Annotations (--annotations DIR): ASAP XML (CAMELYON16) or GeoJSON (QuPath)
+files named like the slide (<slide id>.xml, .geojson or .json). Class names map
+to labels case-insensitively: tumor, tumour, metastasis, carcinoma, cancer and
+CAMELYON16's _0, _1 -> 1; _2, exclusion, exclude, ignore -> 0, an exclusion
+that clears what it covers (holes do the same inside their polygon). Add or
+change classes with --annotation-classes; a class without a label fails that
+slide, naming the class. The mask goes through the image's own crop, placement
+and resampling (pixel-centre rule) into <slide>.zarr/labels/annotations (uint8,
+NGFF labels, same pyramid levels; coarser levels by 2x2 mode).
 
 Files in a folder are recognised by content (TIFF, SVS, NDPI, QPTIFF, DICOM
 whole-slide images, MRXS, PNG, JPEG, ...), not by name; whatever is not
@@ -61,6 +81,15 @@ def _qc_channels(text: str) -> QcChannels:
     try:
         return QcChannels.parse(text)
     except HyfiError as err:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
+
+
+def _class_mapping(text: str) -> dict[str, int]:
+    from hyfi_imaging.io.annotations import parse_class_mapping
+
+    try:
+        return parse_class_mapping(text)
+    except HyfiError as err:
         raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
 
 
@@ -107,6 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REGEX",
         help="take labels from file names, e.g. '^(normal|tumor)_' for CAMELYON16 training slides",
     )
+    p.add_argument(
+        "--annotations",
+        type=Path,
+        metavar="DIR",
+        help="folder of annotation files (ASAP XML, GeoJSON) named by slide id; each store "
+        "gets a label image labels/annotations aligned to the image",
+    )
+    p.add_argument(
+        "--annotation-classes",
+        type=_class_mapping,
+        metavar="NAME=LABEL,...",
+        help="class name -> label (0-255; 0 excludes), added to the defaults, e.g. "
+        "Tumor=1,Stroma=2,Ignore=0 (default: tumour-like names -> 1, see below)",
+    )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
     p.add_argument(
         "--recursive",
@@ -140,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _classes(
+    folder: Path | None, overrides: dict[str, int] | None
+) -> tuple[tuple[str, int], ...] | None:
+    """The recorded class mapping: defaults plus ``overrides``; None without annotations."""
+    if folder is None:
+        return None
+    from hyfi_imaging.io.annotations import class_mapping
+
+    return tuple(class_mapping(overrides).items())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``hyfi-preprocess``; returns the exit status."""
     parser = build_parser()
@@ -148,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shard {args.shard} is not a multiple of --chunk {args.chunk}")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
+    if args.annotation_classes is not None and args.annotations is None:
+        parser.error("--annotation-classes needs --annotations DIR")
     from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
 
     log = logging.getLogger("hyfi_imaging")
@@ -166,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk=args.chunk,
         shard=args.shard,
         tissue=args.tissue,
+        annotation_classes=_classes(args.annotations, args.annotation_classes),
     )
     # delay=True: the log file is opened at the first record, which run_preprocess
     # emits only after it has checked everything and created --out.
@@ -181,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             id_column=args.id_column,
             label_column=args.label_column,
             label_from_name=args.label_from_name,
+            annotations=args.annotations,
             workers=args.workers,
             recursive=args.recursive,
             qc=not args.no_qc,
@@ -196,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             h.close()
     print(f"hyfi-preprocess: {summary.line()}")
     print(f"  manifest:      {summary.manifest}")
+    if summary.annotation_line():
+        print(f"  {summary.annotation_line()}")
     if summary.contact_sheet:
         print(f"  contact sheet: {summary.contact_sheet}")
     for res in summary.failed:

@@ -19,6 +19,12 @@ evidence. Real data cannot guarantee that; this generator does, by design:
   pattern survives (a coarser checkerboard), so resolution matters gradually.
 * Random streams for tissue and lesions are independent children of the
   seed, so label 1 is label 0 plus lesions, pixel for pixel.
+* Ground truth: the renderer knows where it drew each lesion, so it returns
+  each lesion's outline as a polygon (level-0 ``(y, x)``, on the ``2·cell``
+  block grid, so it covers exactly the lesion's pixels), and a cohort writes
+  them beside every positive slide as ``<slide id>.geojson`` (QuPath-style,
+  class ``Tumor``), as CAMELYON16 ships XML for its tumour slides only:
+  ``hyfi-preprocess --annotations`` then exercises the whole mask path.
 
 Slides are pyramidal tiled TIFFs written with tifffile: ``"aperio"`` (SVS-like,
 OpenSlide's aperio driver reports the MPP), ``"generic-tiff"`` (plain page
@@ -77,6 +83,8 @@ class SlideInfo:
     level_dimensions: tuple[tuple[int, int], ...]
     lesion_boxes: tuple[tuple[int, int, int, int], ...]
     tissue_box: tuple[int, int, int, int]
+    #: One outline per lesion, ``(N, 2)`` level-0 ``(y, x)`` vertices on pixel edges.
+    lesion_polygons: tuple[np.ndarray, ...] = ()
 
 
 class Rendered(NamedTuple):
@@ -86,6 +94,26 @@ class Rendered(NamedTuple):
     lesion_mask: np.ndarray
     lesion_boxes: tuple[tuple[int, int, int, int], ...]
     tissue_box: tuple[int, int, int, int]
+    #: One outline per lesion: filled by the pixel-centre rule it gives ``lesion_mask``.
+    lesion_polygons: tuple[np.ndarray, ...] = ()
+
+
+def _outline(disk: np.ndarray, y0: int, x0: int, block: int) -> np.ndarray:
+    """The outline of a row-convex block shape as ``(y, x)`` vertices on pixel edges.
+
+    Down the right ends of the rows' runs, then up the left ends: exact for
+    shapes whose rows are single runs that overlap their neighbours (lesion disks).
+    """
+    right, left = [], []
+    for r, row in enumerate(disk):
+        cols = np.nonzero(row)[0]
+        if len(cols) == 0 or len(cols) != cols[-1] - cols[0] + 1:
+            raise ValueError("lesion outline needs every row to be one run of blocks")
+        top, bottom = y0 + r * block, y0 + (r + 1) * block
+        c0, c1 = x0 + int(cols[0]) * block, x0 + (int(cols[-1]) + 1) * block
+        right += [(top, c1), (bottom, c1)]
+        left += [(top, c0), (bottom, c0)]
+    return np.array(right + left[::-1], dtype=np.float64)
 
 
 def _interp_matrix(n_out: int, n_in: int, step: float) -> np.ndarray:
@@ -225,6 +253,7 @@ def render_synthetic(
     lesion_rng = np.random.default_rng(lesion_seq)
     n = int(lesion_rng.integers(3, 7)) if lesions is None and label == 1 else int(lesions or 0)
     boxes: list[tuple[int, int, int, int]] = []
+    outlines: list[np.ndarray] = []
     if n:
         block = 2 * lesion_cell
         from scipy.ndimage import binary_erosion
@@ -252,7 +281,8 @@ def render_synthetic(
             window[:] = np.clip(window + pattern[..., None], 0, 255).astype(np.uint8)
             lesion_mask[y0 : y0 + lh, x0 : x0 + lw] |= m
             boxes.append((y0, x0, lh, lw))
-    return Rendered(image, lesion_mask, tuple(boxes), tissue_box)
+            outlines.append(_outline(disk, y0, x0, block))
+    return Rendered(image, lesion_mask, tuple(boxes), tissue_box, tuple(outlines))
 
 
 def _pyramid(image: np.ndarray) -> list[np.ndarray]:
@@ -365,6 +395,7 @@ def write_synthetic_slide(
         level_dimensions=tuple((int(lv.shape[0]), int(lv.shape[1])) for lv in levels),
         lesion_boxes=rendered.lesion_boxes,
         tissue_box=rendered.tissue_box,
+        lesion_polygons=rendered.lesion_polygons,
     )
 
 
@@ -380,6 +411,7 @@ def write_synthetic_cohort(
     compression: str = "jpeg",
     lesions: int | None = None,
     progress: bool = False,
+    annotations: bool = True,
 ) -> Path:
     """Write ``n_slides`` slides ``synth_000<ext>``, ... and ``labels.csv`` in ``out_dir``.
 
@@ -388,9 +420,13 @@ def write_synthetic_cohort(
     arguments give byte-identical files. Returns the labels CSV path (columns
     ``slide_id,label``; ``slide_id`` is the file name without its suffix).
     ``lesions`` fixes the number of lesions per positive slide (default: 3-6).
-    ``progress`` shows a progress bar on stderr.
+    ``progress`` shows a progress bar on stderr. ``annotations`` writes each
+    positive slide's lesion outlines as ``<slide id>.geojson`` beside it
+    (negatives get none, as in CAMELYON16), for ``hyfi-preprocess --annotations``.
     """
     from tqdm import tqdm
+
+    from hyfi_imaging.io.annotations import write_geojson
 
     if n_slides < 1:
         raise ValueError(f"n_slides must be >= 1, got {n_slides}")
@@ -406,7 +442,7 @@ def write_synthetic_cohort(
     bar = tqdm(total=n_slides, desc="synthetic slides", unit="slide", disable=not progress)
     for i, label in enumerate(labels):
         slide_id = f"synth_{i:03d}"
-        write_synthetic_slide(
+        info = write_synthetic_slide(
             out / f"{slide_id}{KINDS[kind]}",
             seed=seed * 100003 + i,
             label=int(label),
@@ -416,6 +452,8 @@ def write_synthetic_cohort(
             compression=compression,
             lesions=lesions if label else 0,  # negatives never carry lesions
         )
+        if annotations and info.lesion_polygons:
+            write_geojson(out / f"{slide_id}.geojson", [[p] for p in info.lesion_polygons])
         rows.append((slide_id, int(label)))
         bar.update()
     bar.close()

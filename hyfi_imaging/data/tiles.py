@@ -20,12 +20,17 @@ A halo larger than the owned tile is legal here: the loader just reads a bigger
 box (from several neighbours' tiles); whether the model's halo exchange accepts
 it is the exchange's concern, not the loader's.
 
-Everything here is pure geometry plus one reading helper, so the same regions
-serve the loader, the spatial layers and the tests.
+Everything here is pure geometry plus reading helpers, so the same regions
+serve the loader, the spatial layers and the tests. :func:`read_label_tile`
+reads a store's label image (``hyfi-preprocess --annotations``) for a rank's
+region exactly as :func:`read_tile` reads the image: same box, same halo,
+background label 0 past the border, so per-pixel targets line up with the
+pixels for a segmentation model.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,6 +46,7 @@ __all__ = [
     "Halo",
     "TileRegion",
     "normalize_halo",
+    "read_label_tile",
     "read_tile",
     "read_window",
     "stitch",
@@ -235,6 +241,29 @@ def read_tile(
             "build the regions with tile_region(reader.level_dimensions[level], ...)",
         )
     return read_window(reader, region.read, level=level, fill=fill)
+
+
+def read_label_tile(
+    store: str | os.PathLike[str],
+    region: TileRegion,
+    *,
+    level: int = 0,
+    name: str = "annotations",
+) -> np.ndarray:
+    """Read the label image ``name`` of ``store`` over ``region.read`` as ``(h, w)`` uint8.
+
+    The region is the one the image tile was read with (cut for the image's
+    size at ``level``; the label image has the same levels). Pixels outside the
+    image (halo past the border, global padding) are 0, the background label.
+
+    Raises:
+        SlideError: the store has no label image ``name`` (preprocess with ``--annotations``).
+        ConfigError: the region was cut for another size than ``level``'s.
+    """
+    from hyfi_imaging.io.labels import open_labels
+
+    with open_labels(store, name) as reader:
+        return read_tile(reader, region, level=level, fill=0)[0]
 
 
 def strip_halo(array: _ArrayT, region: TileRegion) -> _ArrayT:

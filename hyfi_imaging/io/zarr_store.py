@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -74,10 +74,12 @@ __all__ = [
     "downsample_2x",
     "level_hw",
     "level_shapes",
+    "multiscales_metadata",
     "read_hyfi_attrs",
     "read_store_pixels",
     "shard_side",
     "write_ome_zarr",
+    "write_pyramid",
 ]
 
 NGFF_VERSION = "0.5"
@@ -184,8 +186,16 @@ def level_shapes(h: int, w: int, *, chunk: int, pyramid_levels: int) -> list[tup
     return shapes
 
 
-def _downsampled_block(finer: Any, y0: int, x0: int, y1: int, x1: int, piece: int) -> np.ndarray:
-    """Rows ``[y0, y1)`` x columns ``[x0, x1)`` of the level below ``finer``, by 2x2 averaging.
+def _downsampled_block(
+    finer: Any,
+    y0: int,
+    x0: int,
+    y1: int,
+    x1: int,
+    piece: int,
+    downsample: Callable[[np.ndarray], np.ndarray] = downsample_2x,
+) -> np.ndarray:
+    """Rows ``[y0, y1)`` x columns ``[x0, x1)`` of the level below ``finer``, by ``downsample``.
 
     ``finer`` is read ``2 * piece`` pixels square at a time (even offsets, so
     each piece averages exactly the pixels the whole level would).
@@ -196,7 +206,7 @@ def _downsampled_block(finer: Any, y0: int, x0: int, y1: int, x1: int, piece: in
         for px in range(x0, x1, piece):
             qy, qx = min(py + piece, y1), min(px + piece, x1)
             block = np.asarray(finer[:, 2 * py : min(2 * qy, fh), 2 * px : min(2 * qx, fw)])
-            out[:, py - y0 : qy - y0, px - x0 : qx - x0] = downsample_2x(block)
+            out[:, py - y0 : qy - y0, px - x0 : qx - x0] = downsample(block)
     return out
 
 
@@ -206,12 +216,27 @@ def _shard_blocks(h: int, w: int, sh: int, sw: int) -> Iterator[tuple[int, int, 
             yield y0, x0, min(y0 + sh, h), min(x0 + sw, w)
 
 
-def _multiscales(
-    name: str, mpp: float | None, n_levels: int, dtype: np.dtype[np.generic]
+def multiscales_metadata(
+    name: str,
+    mpp: float | None,
+    n_levels: int,
+    dtype: np.dtype[Any],
+    *,
+    method: str = "mean",
+    description: str | None = None,
 ) -> dict[str, Any]:
+    """The NGFF ``multiscales`` entry of a ``c, y, x`` pyramid of ``n_levels`` 2x levels.
+
+    ``method`` and ``description`` document the downsampling (NGFF asks for
+    it): the 2x2 mean for images, the 2x2 mode for label images.
+    """
     # Unknown resolution: pixel units (no "unit"), scale 1 per level-0 pixel.
     unit = {"unit": "micrometer"} if mpp is not None else {}
     step = 1.0 if mpp is None else mpp
+    if description is None:
+        description = f"2x2 area averaging per level, {dtype} " + (
+            "rounded half up" if dtype.kind in "ui" else "mean"
+        )
     return {
         "name": name,
         "axes": [
@@ -229,12 +254,64 @@ def _multiscales(
             for level in range(n_levels)
         ],
         # NGFF asks that the downsampling method be documented.
-        "type": "mean",
-        "metadata": {
-            "description": f"2x2 area averaging per level, {dtype} "
-            + ("rounded half up" if dtype.kind in "ui" else "mean")
-        },
+        "type": method,
+        "metadata": {"description": description},
     }
+
+
+def write_pyramid(
+    group: Any,
+    source: RegionSource,
+    *,
+    dtype: np.dtype[Any],
+    chunk: int,
+    shard: int,
+    pyramid_levels: int,
+    fill_value: float,
+    downsample: Callable[[np.ndarray], np.ndarray] = downsample_2x,
+) -> tuple[Any, int]:
+    """Write ``source`` as arrays ``"0"``, ``"1"``, ... of the zarr ``group``, shard by shard.
+
+    Level 0 is asked of ``source`` one shard at a time; each coarser level is
+    ``downsample`` (a 2x reduction of a ``(C, h, w)`` block: the 2x2 mean for
+    images, :func:`~hyfi_imaging.io.labels.downsample_labels_2x` for label
+    images) of the level below, read back in even-aligned pieces. Shared by
+    :func:`write_ome_zarr` and the label writer, so both pyramids have the same
+    levels, chunks and shards. Returns the coarsest array and the level count.
+    """
+    from zarr.codecs import ZstdCodec
+
+    c, h0, w0 = source.shape
+    shapes = level_shapes(h0, w0, chunk=chunk, pyramid_levels=pyramid_levels)
+    side = shard_side(shard, chunk, c, dtype.itemsize)
+    finer: Any = None
+    for level, (h, w) in enumerate(shapes):
+        sh = min(side, _round_up(h, chunk))
+        sw = min(side, _round_up(w, chunk))
+        arr = group.create_array(
+            str(level),
+            shape=(c, h, w),
+            dtype=dtype,
+            chunks=(c, chunk, chunk),
+            shards=(c, sh, sw),
+            compressors=ZstdCodec(level=_ZSTD_LEVEL),
+            fill_value=fill_value,
+            dimension_names=("c", "y", "x"),
+        )
+        for y0, x0, y1, x1 in _shard_blocks(h, w, sh, sw):
+            if finer is None:
+                block = source.read(y0, x0, y1, x1)
+                if block.shape != (c, y1 - y0, x1 - x0) or block.dtype != dtype:
+                    raise ValueError(
+                        f"region source returned {block.dtype} {block.shape} for "
+                        f"y={y0}:{y1} x={x0}:{x1}, expected {dtype} {(c, y1 - y0, x1 - x0)}"
+                    )
+            else:
+                block = _downsampled_block(finer, y0, x0, y1, x1, max(chunk, side // 2), downsample)
+            arr[:, y0:y1, x0:x1] = block
+            del block
+        finer = arr
+    return finer, len(shapes)
 
 
 def write_ome_zarr(
@@ -283,7 +360,6 @@ def write_ome_zarr(
         ValueError: bad arguments (programming errors).
     """
     import zarr
-    from zarr.codecs import ZstdCodec
 
     if isinstance(image, np.ndarray):
         if image.ndim != 3 or supported_dtype(image.dtype) is None:
@@ -303,7 +379,7 @@ def write_ome_zarr(
         raise ValueError(f"mpp must be positive or None, got {mpp}")
     if pyramid_levels < 1:
         raise ValueError(f"pyramid_levels must be >= 1, got {pyramid_levels}")
-    c, h0, w0 = source.shape
+    c = source.shape[0]
     names, colors = default_channels(c, rgb=c == 3 and dtype == np.uint8)
     names = tuple(channel_names) if channel_names is not None else names
     colors = tuple(channel_colors) if channel_colors is not None else colors
@@ -318,43 +394,22 @@ def write_ome_zarr(
         )
 
     group = zarr.open_group(zarr.storage.LocalStore(out), mode="w-", zarr_format=3)
-    shapes = level_shapes(h0, w0, chunk=chunk, pyramid_levels=pyramid_levels)
-    side = shard_side(shard, chunk, c, dtype.itemsize)
-    finer: Any = None
-    for level, (h, w) in enumerate(shapes):
-        sh = min(side, _round_up(h, chunk))
-        sw = min(side, _round_up(w, chunk))
-        arr = group.create_array(
-            str(level),
-            shape=(c, h, w),
-            dtype=dtype,
-            chunks=(c, chunk, chunk),
-            shards=(c, sh, sw),
-            compressors=ZstdCodec(level=_ZSTD_LEVEL),
-            fill_value=background,
-            dimension_names=("c", "y", "x"),
-        )
-        for y0, x0, y1, x1 in _shard_blocks(h, w, sh, sw):
-            if finer is None:
-                block = source.read(y0, x0, y1, x1)
-                if block.shape != (c, y1 - y0, x1 - x0) or block.dtype != dtype:
-                    raise ValueError(
-                        f"region source returned {block.dtype} {block.shape} for "
-                        f"y={y0}:{y1} x={x0}:{x1}, expected {dtype} {(c, y1 - y0, x1 - x0)}"
-                    )
-            else:
-                block = _downsampled_block(finer, y0, x0, y1, x1, max(chunk, side // 2))
-            arr[:, y0:y1, x0:x1] = block
-            del block
-        finer = arr
-    n_levels = len(shapes)
+    finer, n_levels = write_pyramid(
+        group,
+        source,
+        dtype=dtype,
+        chunk=chunk,
+        shard=shard,
+        pyramid_levels=pyramid_levels,
+        fill_value=background,
+    )
     stats = channel_stats(finer, stats_box, n_levels - 1)
     # Written last: attributes mark a complete store.
     group.attrs.update(
         {
             "ome": {
                 "version": NGFF_VERSION,
-                "multiscales": [_multiscales(name, mpp, n_levels, dtype)],
+                "multiscales": [multiscales_metadata(name, mpp, n_levels, dtype)],
                 "omero": omero_metadata(names, colors, dtype, stats),
             },
             "hyfi": hyfi_attrs,

@@ -32,12 +32,32 @@ from PIL import Image
 from hyfi_imaging.io.base import SlideReader
 from hyfi_imaging.io.pixels import resize_channels, rgb_equivalent_side
 
-__all__ = ["CanvasRenderer", "CropPlan", "render_crop"]
+__all__ = ["CanvasRenderer", "CropPlan", "CropTransform", "render_crop"]
 
 #: Output pixels per side resampled at once.
 _RENDER_TILE = 1024
 #: Source pixels per side read at once (a strongly reducing resample gets smaller tiles).
 _SOURCE_TILE = 4096
+
+
+@dataclass(frozen=True)
+class CropTransform:
+    """How source coordinates of one pyramid level map onto the crop's output pixels.
+
+    Output pixel row ``a`` (crop-local) covers source rows
+    ``[y0 + a * per_row, y0 + (a + 1) * per_row)`` of the level; columns alike.
+    Coordinates are continuous, pixel edges on integers (pixel ``i`` spans
+    ``[i, i + 1)``), the convention of ASAP and QuPath annotations too.
+    """
+
+    y0: float
+    x0: float
+    per_row: float
+    per_col: float
+
+    def to_output(self, y: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Level coordinates ``(y, x)`` -> crop-local output coordinates (continuous)."""
+        return (y - self.y0) / self.per_row, (x - self.x0) / self.per_col
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,24 @@ class CropPlan:
     read_level: int
     mpp: float | None
     tissue_box: tuple[int, int, int, int]
+
+    def transform(self, downsample: tuple[float, float] = (1.0, 1.0)) -> CropTransform:
+        """The map from a level of ``downsample`` ``(dy, dx)`` onto the crop's output pixels.
+
+        The one place the crop's arithmetic lives: :func:`render_crop` resamples
+        pixels with it (from the read level) and the annotation rasterizer
+        (:mod:`hyfi_imaging.preprocess.rasterize`) maps level-0 polygons with
+        it, so image and mask cannot drift apart.
+        """
+        sy, sx, sh, sw = self.source_box
+        _, _, ph, pw = self.placement
+        dy, dx = downsample
+        return CropTransform(sy / dy, sx / dx, sh / dy / ph, sw / dx / pw)
+
+    def to_canvas(self, y: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Level-0 source coordinates ``(y, x)`` -> canvas coordinates (continuous)."""
+        u, v = self.transform().to_output(y, x)
+        return u + self.placement[0], v + self.placement[1]
 
 
 def render_crop(
@@ -63,16 +101,14 @@ def render_crop(
     margin so tile edges see their neighbours; downsampling (box) never
     reaches outside its box. A crop at scale 1 on whole pixels is copied as is.
     """
-    sy, sx, sh, sw = plan.source_box
     _, _, ph, pw = plan.placement
     r0, c0, r1, c1 = window if window is not None else (0, 0, ph, pw)
-    dy, dx = reader.level_downsamples[plan.read_level]
-    ly0, lx0, lh, lw = sy / dy, sx / dx, sh / dy, sw / dx
-    per_row, per_col = lh / ph, lw / pw
+    t = plan.transform(reader.level_downsamples[plan.read_level])
+    ly0, lx0, per_row, per_col = t.y0, t.x0, t.per_row, t.per_col
     out = np.empty((reader.channels, r1 - r0, c1 - c0), dtype=reader.dtype)
     if per_row == 1.0 and per_col == 1.0 and ly0.is_integer() and lx0.is_integer():
         return reader.read_region(plan.read_level, int(ly0) + r0, int(lx0) + c0, r1 - r0, c1 - c0)
-    downscale = lw >= pw
+    downscale = per_col >= 1.0
     resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
     margin = 0 if downscale else 2
     source_side = rgb_equivalent_side(_SOURCE_TILE, reader.channels, reader.dtype.itemsize)

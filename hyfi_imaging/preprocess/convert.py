@@ -25,6 +25,13 @@ place it on a fixed-size canvas. What makes this module more than a script:
   named channels); tissue is found by the rule for its kind of image
   (:mod:`~hyfi_imaging.preprocess.tissue`), or on the channel ``--tissue``
   names, or not at all (``--tissue none``: the whole image is the crop).
+* **Annotations.** With ``--annotations DIR`` the slide's annotation file
+  (ASAP XML or GeoJSON, :mod:`~hyfi_imaging.io.annotations`) is parsed before
+  anything is written (a malformed file fails the slide at no cost), moved
+  onto the canvas by the crop plan's own transform and rasterized shard by
+  shard (:mod:`~hyfi_imaging.preprocess.rasterize`) into the store's
+  ``labels/annotations`` (:mod:`~hyfi_imaging.io.labels`). The file and its
+  fingerprint are recorded, so a changed annotation file redoes the store.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ from hyfi_imaging.io.zarr_store import (
     read_hyfi_attrs,
     write_ome_zarr,
 )
+from hyfi_imaging.preprocess.annotate import (
+    annotation_record,
+    labelled_polygons,
+    write_annotations,
+)
 from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
 
@@ -62,6 +74,7 @@ __all__ = [
     "ConvertResult",
     "CropPlan",
     "PreprocessOptions",
+    "annotation_record",
     "check_disk_space",
     "convert_slide",
     "estimate_store_bytes",
@@ -97,6 +110,9 @@ class PreprocessOptions:
     ``tissue``: ``"auto"`` (the rule for the image's kind), ``"none"`` (no
     detection: the whole image), or a channel index or name that intensity
     images are thresholded on (RGB images keep the bright-field rule).
+    ``annotation_classes``: ``None`` when annotations are not asked for, else
+    the class name -> label mapping (``(name, label)`` pairs, names
+    casefolded) that every slide's annotation file is rasterized with.
     """
 
     mpp: float | None = None
@@ -110,17 +126,23 @@ class PreprocessOptions:
     shard: int = 4096
     pyramid_levels: int = 3
     tissue: str = "auto"
+    annotation_classes: tuple[tuple[str, int], ...] | None = None
 
     def record(self) -> dict[str, Any]:
         """The JSON-able form stored under ``hyfi.params``.
 
-        ``tissue`` is left out at its default; ``store_format`` is
+        ``tissue`` and ``annotation_classes`` are left out at their defaults
+        (stores written before they existed stay done); ``store_format`` is
         :data:`STORE_FORMAT`, so a store of an older pixel format is redone.
         """
         d = asdict(self)
         d["size"] = list(self.size)
         if self.tissue == "auto":
             del d["tissue"]
+        if self.annotation_classes is None:
+            del d["annotation_classes"]
+        else:
+            d["annotation_classes"] = dict(self.annotation_classes)
         d["store_format"] = STORE_FORMAT
         return d
 
@@ -152,8 +174,15 @@ def source_fingerprint(path: Path) -> dict[str, Any]:
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def is_done(store: Path, source: Path, options: PreprocessOptions) -> bool:
-    """True when ``store`` is a finished conversion of ``source`` with ``options``."""
+def is_done(
+    store: Path, source: Path, options: PreprocessOptions, annotation: Path | None = None
+) -> bool:
+    """True when ``store`` is a finished conversion of ``source`` with ``options``.
+
+    With annotations asked for (``options.annotation_classes``), the recorded
+    annotation file (or its absence) and its fingerprint must equal
+    ``annotation``'s too.
+    """
     from hyfi_imaging import __version__
 
     attrs = read_hyfi_attrs(store)
@@ -161,6 +190,8 @@ def is_done(store: Path, source: Path, options: PreprocessOptions) -> bool:
         return False
     try:
         same_source = attrs.get("fingerprint") == source_fingerprint(source)
+        if options.annotation_classes is not None:
+            same_source = same_source and attrs.get("annotations") == annotation_record(annotation)
     except OSError:
         return False
     return (
@@ -359,11 +390,15 @@ def convert_slide(
     *,
     qc_dir: Path | None,
     qc_channels: QcChannels | None = None,
+    annotation: Path | None = None,
 ) -> ConvertResult:
     """Convert one slide; never raises for a bad slide, returns a ``failed`` result instead.
 
     ``qc_channels`` chooses what the QC picture shows (default: see
-    :class:`~hyfi_imaging.preprocess.qc.QcChannels`).
+    :class:`~hyfi_imaging.preprocess.qc.QcChannels`). With
+    ``options.annotation_classes`` set, ``annotation`` (the slide's annotation
+    file, or ``None``: an all-background mask) is rasterized into the store's
+    ``labels/annotations``.
     """
     from hyfi_imaging import __version__
     from hyfi_imaging.preprocess.qc import QcChannels, write_slide_qc
@@ -371,7 +406,7 @@ def convert_slide(
     final = store_path(out_dir, slide_id)
     tmp = final.with_name(f"{final.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
     try:
-        if is_done(final, source, options):
+        if is_done(final, source, options, annotation):
             attrs = read_hyfi_attrs(final) or {}
             h, w = attrs.get("size", [0, 0])
             qc = qc_dir / f"{slide_id}.png" if qc_dir else None
@@ -387,6 +422,7 @@ def convert_slide(
             )
         with open_slide(source, mpp_override=options.mpp_override) as reader:
             shown = (qc_channels or QcChannels()).resolve(reader) if qc_dir is not None else None
+            polygons = labelled_polygons(annotation, options)
             plan, mask, mask_ds = plan_crop(reader, options)
             canvas_h, canvas_w = options.size
             canvas = CanvasRenderer(reader, plan, options.size)
@@ -407,6 +443,8 @@ def convert_slide(
                 "params": options.record(),
                 "fingerprint": source_fingerprint(source),
             }
+            if polygons is not None:
+                attrs["annotations"] = annotation_record(annotation)
             check_disk_space(out_dir, options, 1, reader.channels, reader.dtype.itemsize)
             write_ome_zarr(
                 tmp,
@@ -421,6 +459,8 @@ def convert_slide(
                 channel_colors=reader.channel_colors,
                 stats_box=plan.placement,
             )
+            if polygons is not None:
+                write_annotations(tmp, polygons, plan, options, annotation)
             qc_path = ""
             if qc_dir is not None:
                 with ZarrReader(tmp) as written:

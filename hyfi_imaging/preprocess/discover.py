@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.io.annotations import ANNOTATION_SUFFIXES
 from hyfi_imaging.io.detect import recognise
 
 __all__ = ["SLIDE_SUFFIXES", "SUBFOLDER", "Discovery", "SkippedInput", "discover_slides"]
@@ -193,6 +194,8 @@ def discover_slides(
                 skip(path, "DICOM whole-slide images this OpenSlide cannot open", reason)
             elif reason.startswith("DICOM"):
                 skip(path, "DICOM files that are not whole-slide images", reason)
+            elif path.name.lower().endswith(ANNOTATION_SUFFIXES):
+                skip(path, "annotation files (read with --annotations DIR)", reason)
             elif what.kind == "other":
                 skip(path, "files whose content is not an image", reason)
             else:

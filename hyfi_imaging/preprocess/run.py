@@ -12,6 +12,12 @@ missing labels file or a disk too small for the stores must not leave an
 empty output folder behind (a later run would take it for a started one). So
 inputs, labels and free disk space are all checked first; only then is the
 output folder created.
+
+Annotations (``annotations=DIR``) are matched to slides by slide id
+(``tumor_001.tif`` <-> ``DIR/tumor_001.xml`` or ``.geojson``); a slide with
+none gets an all-background mask, and the summary says how many did, since
+a misnamed folder would otherwise turn a cohort's tumours into background
+without a word.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from hyfi_imaging.errors import ConfigError, problem
+from hyfi_imaging.errors import ConfigError, HyfiError, problem
+from hyfi_imaging.io.annotations import class_mapping, find_annotation
 from hyfi_imaging.preprocess.convert import (
     ConvertResult,
     PreprocessOptions,
@@ -69,6 +76,8 @@ class PreprocessSummary:
     contact_sheet: Path | None = None
     #: Paths in the named folders that are not slides, with the reason.
     skipped: list[SkippedInput] = field(default_factory=list)
+    #: With annotations asked for: slide ids that have no annotation file (background masks).
+    unannotated: list[str] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -82,6 +91,13 @@ class PreprocessSummary:
             f"{len(self.results)} slides: {self.count('ok')} converted, "
             f"{self.count('skipped')} already done, {self.count('failed')} failed"
         )
+
+    def annotation_line(self) -> str | None:
+        """``"N slides have no annotation file: background masks"``, or None."""
+        if not self.unannotated:
+            return None
+        n = len(self.unannotated)
+        return f"{n} slide{'s have' if n != 1 else ' has'} no annotation file: background masks"
 
 
 def _check_writable(out_dir: Path) -> None:
@@ -110,6 +126,7 @@ def run_preprocess(
     id_column: str | None = None,
     label_column: str | None = None,
     label_from_name: str | None = None,
+    annotations: Path | None = None,
     workers: int = 1,
     recursive: bool = False,
     qc: bool = True,
@@ -120,7 +137,10 @@ def run_preprocess(
     """Convert every slide in ``inputs`` into ``out_dir``; see ``hyfi-preprocess --help``.
 
     ``qc_channels`` chooses what the QC pictures show (default: RGB as it is,
-    else the first three channels, or grey for one).
+    else the first three channels, or grey for one). ``annotations`` is a
+    folder of annotation files named by slide id, rasterized into each store's
+    ``labels/annotations`` with ``options.annotation_classes`` (default:
+    :data:`~hyfi_imaging.io.annotations.DEFAULT_CLASSES`).
 
     Raises :class:`ConfigError` only for problems that stop the whole run
     (missing input, no slides, unreadable labels file, too little disk space,
@@ -145,7 +165,10 @@ def run_preprocess(
     if label_from_name:
         labels = {**labels_from_names(found.slides, label_from_name), **labels}
     results, todo = _assign_ids(found.slides, labels, labels_path, label_from_name)
-    pending = sum(not is_done(store_path(out_dir, sid), src, options) for sid, src in todo)
+    options, matched = _match_annotations(annotations, options, todo, results)
+    pending = sum(
+        not is_done(store_path(out_dir, sid), src, options, matched.get(sid)) for sid, src in todo
+    )
     check_disk_space(out_dir, options, pending)
     _check_writable(out_dir)
     with _exclusive(out_dir):
@@ -159,6 +182,7 @@ def run_preprocess(
             out_dir,
             options,
             labels,
+            matched,
             workers=workers,
             qc=qc,
             qc_channels=qc_channels,
@@ -166,7 +190,42 @@ def run_preprocess(
             on_result=on_result,
         )
     summary.skipped = found.skipped
+    if annotations is not None:
+        summary.unannotated = sorted(sid for sid, _ in todo if matched.get(sid) is None)
     return summary
+
+
+def _match_annotations(
+    folder: Path | None,
+    options: PreprocessOptions,
+    todo: list[tuple[str, Path]],
+    results: dict[str, ConvertResult],
+) -> tuple[PreprocessOptions, dict[str, Path | None]]:
+    """Each slide's annotation file (None: none); slides with two files fail in ``results``."""
+    if folder is None:
+        if options.annotation_classes is not None:
+            raise ConfigError(
+                "--annotation-classes",
+                "class labels were given but no annotation folder",
+                "add --annotations DIR, or leave out --annotation-classes",
+            )
+        return options, {}
+    if not folder.is_dir():
+        raise ConfigError(
+            folder,
+            "the annotation folder does not exist",
+            "give --annotations the folder holding <slide id>.xml / .geojson files",
+        )
+    if options.annotation_classes is None:
+        options = replace(options, annotation_classes=tuple(class_mapping().items()))
+    matched: dict[str, Path | None] = {}
+    for sid, source in list(todo):
+        try:
+            matched[sid] = find_annotation(folder, sid)
+        except HyfiError as err:
+            todo.remove((sid, source))
+            results[sid] = ConvertResult(sid, str(source), "", "failed", error=str(err))
+    return options, matched
 
 
 @contextlib.contextmanager
@@ -225,6 +284,7 @@ def _convert_all(
     out_dir: Path,
     options: PreprocessOptions,
     labels: dict[str, str],
+    matched: dict[str, Path | None],
     *,
     workers: int,
     qc: bool,
@@ -251,7 +311,13 @@ def _convert_all(
             for sid, source in todo:
                 record(
                     convert_slide(
-                        source, out_dir, sid, options, qc_dir=qc_dir, qc_channels=qc_channels
+                        source,
+                        out_dir,
+                        sid,
+                        options,
+                        qc_dir=qc_dir,
+                        qc_channels=qc_channels,
+                        annotation=matched.get(sid),
                     )
                 )
                 bar.update()
@@ -281,6 +347,7 @@ def _convert_all(
                         options,
                         qc_dir=qc_dir,
                         qc_channels=qc_channels,
+                        annotation=matched.get(sid),
                     ): (sid, source)
                     for sid, source in todo
                 }
