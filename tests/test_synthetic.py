@@ -197,11 +197,14 @@ def test_cli_writes_a_cohort(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         synth_main(["--out", str(out), "--n", "2", "--size", "512x768", "--kind", "generic-tiff"])
         == 0
     )
-    assert sorted(p.name for p in out.iterdir()) == [
+    names = sorted(p.name for p in out.iterdir())
+    # The positive slide's lesion outlines are written beside it for --annotations.
+    assert [n for n in names if not n.endswith(".geojson")] == [
         "labels.csv",
         "synth_000.tiff",
         "synth_001.tiff",
     ]
+    assert len([n for n in names if n.endswith(".geojson")]) == 1
     with open_slide(out / "synth_000.tiff") as reader:
         assert reader.level_dimensions[0] == (512, 768) and reader.mpp == 0.5
     assert "wrote 2 slides" in capsys.readouterr().out

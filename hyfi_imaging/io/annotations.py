@@ -110,7 +110,10 @@ class LabelledPolygon:
 
 
 def _ring(points: Sequence[Sequence[float]] | np.ndarray, where: str) -> np.ndarray:
-    arr = np.asarray(points, dtype=np.float64)
+    try:
+        arr = np.asarray(points, dtype=np.float64)
+    except (TypeError, ValueError):
+        arr = np.empty(0)
     if arr.ndim != 2 or arr.shape[1] < 2 or not np.isfinite(arr[:, :2]).all():
         raise ValueError(f"{where}: a ring must be a list of finite [x, y] pairs")
     yx = arr[:, [1, 0]]
