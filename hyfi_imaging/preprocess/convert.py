@@ -50,6 +50,7 @@ import numpy as np
 from hyfi_imaging.errors import ConfigError, HyfiError, SlideError, problem
 from hyfi_imaging.io import open_slide, thumbnail
 from hyfi_imaging.io.base import Downsample, SlideReader, level_for
+from hyfi_imaging.io.labels import open_labels
 from hyfi_imaging.io.pixels import is_rgb
 from hyfi_imaging.io.zarr_store import (
     ZarrReader,
@@ -463,10 +464,18 @@ def convert_slide(
                 write_annotations(tmp, polygons, plan, options, annotation)
             qc_path = ""
             if qc_dir is not None:
+                labels = open_labels(tmp) if polygons else None  # outline on the QC picture
                 with ZarrReader(tmp) as written:
                     qc_path = str(
                         write_slide_qc(
-                            qc_dir / f"{slide_id}.png", reader, mask, mask_ds, plan, written, shown
+                            qc_dir / f"{slide_id}.png",
+                            reader,
+                            mask,
+                            mask_ds,
+                            plan,
+                            written,
+                            shown,
+                            labels,
                         )
                     )
         _atomic_replace(tmp, final)

@@ -158,6 +158,12 @@ def composite(
     return np.rint(np.clip(out, 0, 1) * 255).astype(np.uint8)
 
 
+def _outline(mask: np.ndarray) -> np.ndarray:
+    """The boundary of a boolean mask, thickened to show at contact-sheet scale."""
+    edge = mask & ~ndimage.binary_erosion(mask, structure=morphology.disk(1))
+    return np.asarray(ndimage.binary_dilation(edge, iterations=1))
+
+
 def write_slide_qc(
     path: Path,
     reader: SlideReader,
@@ -166,6 +172,7 @@ def write_slide_qc(
     plan: CropPlan,
     canvas: SlideReader,
     shown: list[Shown] | None = None,
+    labels: SlideReader | None = None,
 ) -> Path:
     """Write the QC picture of one slide and return its path.
 
@@ -173,7 +180,8 @@ def write_slide_qc(
     never held in memory, and the picture shows what training will read.
     ``shown`` is :meth:`QcChannels.resolve`'s answer for ``reader``; both
     halves use the store's display windows (``omero``; the type's range when
-    the store has none).
+    the store has none). ``labels`` (the store's label image, from
+    ``--annotations``) adds the annotation outline in yellow to the canvas half.
     """
     windows = getattr(canvas, "channel_windows", None) or (dtype_range(canvas.dtype),) * (
         canvas.channels
@@ -184,11 +192,8 @@ def write_slide_qc(
     mask_img = Image.fromarray(mask.astype(np.uint8) * 255).resize(
         left.size, Image.Resampling.NEAREST
     )
-    m = np.asarray(mask_img) > 0
-    edge = m & ~ndimage.binary_erosion(m, structure=morphology.disk(1))
-    edge = ndimage.binary_dilation(edge, iterations=1)  # visible at contact-sheet scale
     arr = np.asarray(left).copy()
-    arr[edge] = (0, 200, 0)
+    arr[_outline(np.asarray(mask_img) > 0)] = (0, 200, 0)
     left = Image.fromarray(arr)
     draw = ImageDraw.Draw(left)
     sy, sx, sh, sw = plan.source_box
@@ -196,6 +201,12 @@ def write_slide_qc(
         [sx / dx, sy / dy, (sx + sw) / dx - 1, (sy + sh) / dy - 1], outline=(220, 0, 0), width=2
     )
     right = Image.fromarray(composite(thumbnail(canvas, _QC_SIZE)[0], shown, windows))
+    if labels is not None:
+        annotated = thumbnail(labels, _QC_SIZE)[0][0] > 0
+        if annotated.shape == (right.height, right.width) and annotated.any():
+            arr = np.asarray(right).copy()
+            arr[_outline(annotated)] = (255, 210, 0)
+            right = Image.fromarray(arr)
     height = max(left.height, right.height)
     sheet = Image.new("RGB", (left.width + right.width + 8, height), (255, 255, 255))
     sheet.paste(left, (0, 0))
