@@ -24,12 +24,14 @@ examples:
   # a bigger, reproducible cohort of plain tiled TIFFs, 8192 x 6144 (h x w)
   hyfi-synth --out data/synth8k --n 32 --size 8192x6144 --seed 7 --kind generic-tiff
 
-  # then convert them for training
+  # then convert them for training (positive slides' lesion outlines are in
+  # synth_NNN.geojson beside them: --annotations stores lesion masks too)
   hyfi-preprocess data/synth --out data/synth_zarr --mpp 0.5 --size 4096 \\
-      --labels data/synth/labels.csv
+      --labels data/synth/labels.csv --annotations data/synth
 
-Writes synth_000.svs (or .tiff / .ome.tiff), ... and labels.csv (slide_id,label)
-into --out. The same arguments always give byte-identical files.
+Writes synth_000.svs (or .tiff / .ome.tiff), ..., labels.csv (slide_id,label) and,
+for every positive slide, its lesion outlines as synth_NNN.geojson into --out.
+The same arguments always give byte-identical files.
 Exit status: 0 written, 2 bad arguments or the output could not be written.
 """
 
