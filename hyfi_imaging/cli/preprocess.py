@@ -31,7 +31,7 @@ examples:
   hyfi-preprocess slides/ --out data/l2 --level 2 --size 4096 --fit crop
 
   # multiplex OME-TIFF / QPTIFF: tissue from DAPI, QC pictures of three markers
-  hyfi-preprocess mif/ --out data/mif --mpp 0.5 --size 8192 --tissue DAPI \
+  hyfi-preprocess mif/ --out data/mif --mpp 0.5 --size 8192 --tissue DAPI \\
       --qc-channels DAPI:blue,CD8:green,PanCK:red
 
   # a 16-bit scientific image that is all content: no tissue detection, whole image
@@ -40,11 +40,11 @@ examples:
   # CAMELYON16 with its lesion annotations (tumor_001.tif <-> annotations/tumor_001.xml):
   # each store gets labels/annotations, aligned to the image; normal slides get
   # all-background masks
-  hyfi-preprocess training/ --out data/c16 --mpp 1.0 --size 16384 \
+  hyfi-preprocess training/ --out data/c16 --mpp 1.0 --size 16384 \\
       --label-from-name '^(normal|tumor)_' --annotations training/annotations
 
   # QuPath GeoJSON exports with two classes, and one class that cuts holes
-  hyfi-preprocess slides/ --out data/seg --mpp 2.0 --annotations geojson/ \
+  hyfi-preprocess slides/ --out data/seg --mpp 2.0 --annotations geojson/ \\
       --annotation-classes Tumor=1,Stroma=2,Ignore=0
 
 Images are kept as they are: uint8, uint16 or float32 pixels and every
