@@ -29,6 +29,7 @@ def test_demo_small(tmp_path: Path, capsys: object) -> None:
         "data_full/contact_sheet.png",
         "tile_grid.png",
         "data_down8/synth_000.zarr",
+        "data_full/synth_000.zarr/labels/annotations",  # the cohort's lesion masks
     ):
         assert (tmp_path / name).exists(), name
     assert (tmp_path / "tile_grid.png").stat().st_size > 10_000

@@ -166,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             out / f"data_{key}",
             PreprocessOptions(mpp=mpp, size=(size, size)),
             labels_path=labels,
+            annotations=out / "slides",  # lesion masks from the slides' GeoJSON
             workers=args.workers,
         )
         print(f"  {key}: {summary.line()} ({size}x{size} px canvas)")
+        if summary.annotation_line():
+            print(f"    lesion masks in labels/annotations; {summary.annotation_line()}")
         if summary.failed:
             return 1
         assert summary.manifest is not None
