@@ -192,6 +192,12 @@ def run_preprocess(
     summary.skipped = found.skipped
     if annotations is not None:
         summary.unannotated = sorted(sid for sid, _ in todo if matched.get(sid) is None)
+        if summary.unannotated:
+            log.info(
+                "no annotation file in %s (background masks): %s",
+                annotations,
+                ", ".join(summary.unannotated),
+            )
     return summary
 
 
