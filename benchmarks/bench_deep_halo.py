@@ -73,17 +73,18 @@ def _worker(args: argparse.Namespace) -> None:
     labels = torch.tensor([0, 1])
     x = tile_of(images, ctxs[1], hw).contiguous()
     rows: list[dict[str, Any]] = []
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
     for step in range(2 * (args.steps + 1)):
         depth = args.depth if step % 2 else 1
         model = models[depth]
         torch.distributed.barrier(group=pc.group("sp"))
         counters[:] = [0.0, 0, 0]
-        saved = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[0] += t.numel() * t.element_size()
-            return t
-
+        saved[0] = 0
         wall, cpu = time.perf_counter(), time.process_time()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = F.cross_entropy(model(x), labels)
