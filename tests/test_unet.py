@@ -107,6 +107,7 @@ def test_registry_options_and_refusals() -> None:
         create_model("unet3d", upsampling="bilinear")
     with pytest.raises(ConfigError, match="depth=0"):
         create_model("unet2d", depth=0)
+    assert unet("unet2d", width=8.0, depth=2).width == 8  # hyfi-verify --width passes a float
     with pytest.raises(ConfigError, match=r"width=2\.5"):
         create_model("unet2d", width=2.5)
     with pytest.raises(ConfigError, match="channels='x'"):

@@ -75,6 +75,13 @@ _LINEAR: dict[int, str] = {2: "bilinear", 3: "trilinear"}
 _CHANNEL_RULES = ("ronneberger", "cicek")
 
 
+def _whole(where: str, key: str, value: object) -> int:
+    """``value`` as an int; a float must be whole (``hyfi-verify --width 8`` passes 8.0)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == int(value):
+        return int(value)
+    raise ConfigError(where, f"{key}={value!r} is not a whole number", f"pass e.g. {key}=8")
+
+
 class DoubleConv(CheckpointedBlock):
     """``(conv 3x3 - BatchNorm - ReLU) x 2``, padded: the unit of every U-Net level."""
 
@@ -164,9 +171,7 @@ class UNet(ModelBase):
                 f"channels={channels!r} is not known",
                 f"use one of: {', '.join(_CHANNEL_RULES)}",
             )
-        for key, value in (("width", width), ("depth", depth)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(where, f"{key}={value!r} is not a whole number", f"pass {key}=2")
+        width, depth = _whole(where, "width", width), _whole(where, "depth", depth)
         check_positive(where, in_chans=in_chans, num_classes=num_classes, width=width, depth=depth)
         self.dims, self.in_chans, self.num_classes = dims, in_chans, num_classes
         self.width, self.depth, self.upsampling = width, depth, upsampling
