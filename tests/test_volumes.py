@@ -95,3 +95,17 @@ def test_cohorts_write_stores_and_manifests(tmp_path: Path) -> None:
     label_store = VolumeStore(tmp_path / "b" / blobs[0].path, label="blobs")
     _, labels, _ = blob_volume((16, 20, 24), seed=0)
     np.testing.assert_array_equal(read_subvolume(label_store, 0, (0, 0, 0, 16, 20, 24))[0], labels)
+
+
+def test_dataset_card_names_the_generators() -> None:
+    import importlib
+
+    import yaml
+
+    card_path = Path(__file__).resolve().parents[1] / "datasets" / "volumes-synthetic.yaml"
+    card = yaml.safe_load(card_path.read_text())
+    assert card["name"] == card_path.stem
+    module = importlib.import_module(card["generator"].split()[0])
+    assert callable(module.write_grf_cohort) and callable(module.write_blob_cohort)
+    header = card["label_format"]["example"].splitlines()[0].split(",")
+    assert header[:12] == card["label_format"]["columns"][:12]
