@@ -248,13 +248,13 @@ def blob_volume(
     blobs = []
     for label in range(1, n_blobs + 1):
         # Drawn in a fixed order, always all of them: options do not shift the stream.
-        center = tuple(float(v) for v in rng.uniform(0.0, 1.0, 3) * np.array(s))
-        radii = tuple(float(v) for v in rng.uniform(*radius_range, 3))
+        c = rng.uniform(0.0, 1.0, 3) * np.array(s)
+        r = rng.uniform(*radius_range, 3)
         rotation = _random_rotation(rng)
         intensity = float(rng.uniform(0.5, 1.0))
-        if spheres:
-            radii = (radii[0],) * 3
-        blobs.append(Blob(label, center, radii, rotation, intensity))  # type: ignore[arg-type]
+        radii = (float(r[0]),) * 3 if spheres else (float(r[0]), float(r[1]), float(r[2]))
+        center = (float(c[0]), float(c[1]), float(c[2]))
+        blobs.append(Blob(label, center, radii, rotation, intensity))
     labels = np.zeros(s, np.uint8)
     image = np.full(s, background, np.float32)
     for blob in blobs:
