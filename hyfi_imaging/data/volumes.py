@@ -259,9 +259,9 @@ def blob_volume(
     image = np.full(s, background, np.float32)
     for blob in blobs:
         # Only the bounding cube of the blob is tested; voxel centres are integer coordinates.
-        r = max(blob.radii)
-        lo = [max(0, int(np.floor(c - r))) for c in blob.center]
-        hi = [min(n, int(np.ceil(c + r)) + 1) for c, n in zip(blob.center, s, strict=True)]
+        reach = max(blob.radii)
+        lo = [max(0, int(np.floor(c - reach))) for c in blob.center]
+        hi = [min(n, int(np.ceil(c + reach)) + 1) for c, n in zip(blob.center, s, strict=True)]
         if any(a >= b for a, b in zip(lo, hi, strict=True)):
             continue
         z, y, x = np.ogrid[lo[0] : hi[0], lo[1] : hi[1], lo[2] : hi[2]]
