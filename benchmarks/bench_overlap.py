@@ -46,12 +46,46 @@ TARGET_WAIT = 0.8
 TARGET_CPU = 1.05
 
 
+def timed_exchanges() -> list[Any]:
+    """Wrap the one place every halo message passes: ``[wait seconds, messages, bytes]``."""
+    from hyfi_imaging.parallel import halo
+
+    counters: list[Any] = [0.0, 0, 0]
+    real = halo._exchange
+
+    def timed(sends: Any, recvs: Any) -> Any:
+        counters[1] += len(sends) + len(recvs)
+        counters[2] += sum(t.numel() * t.element_size() for _, t in sends)
+        wait = real(sends, recvs)
+
+        def done() -> None:
+            began = time.perf_counter()
+            wait()
+            counters[0] += time.perf_counter() - began
+
+        return done
+
+    halo._exchange = timed  # type: ignore[assignment]
+    return counters
+
+
+def summary(ranks: list[list[dict[str, Any]]], key: str, value: object) -> dict[str, float]:
+    """Median over the steps with ``row[key] == value`` of the slowest rank's figures."""
+    steps = len(ranks[0])
+    worst: dict[str, list[float]] = {k: [] for k in ranks[0][0] if k not in (key, "loss")}
+    for i in range(steps):
+        if ranks[0][i][key] != value:
+            continue
+        for k in worst:
+            worst[k].append(max(r[i][k] for r in ranks))
+    return {k: statistics.median(v) for k, v in worst.items()}
+
+
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel import halo
     from hyfi_imaging.parallel.apply import apply_spatial, tile_of
     from hyfi_imaging.parallel.launch import init_parallel, shutdown
     from hyfi_imaging.parallel.layout import Layout
@@ -64,20 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
     ctx = apply_spatial(model, pc, image_size=(args.size, args.size))
     assert ctx is not None
     group = pc.group("sp")
-    waited = [0.0]
-    real = halo._exchange
-
-    def timed(sends: Any, recvs: Any) -> Any:
-        wait = real(sends, recvs)
-
-        def done() -> None:
-            began = time.perf_counter()
-            wait()
-            waited[0] += time.perf_counter() - began
-
-        return done
-
-    halo._exchange = timed  # type: ignore[assignment]
+    waited = timed_exchanges()
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(2, 3, args.size, args.size, generator=gen)
     labels = torch.tensor([0, 1])
@@ -87,7 +108,7 @@ def _worker(args: argparse.Namespace) -> None:
         overlap = step % 2 == 1
         ctx.overlap = overlap
         torch.distributed.barrier(group=group)
-        waited[0] = 0.0
+        waited[:] = [0.0, 0, 0]
         wall, cpu = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(model(x), labels)
         loss.backward()
@@ -103,17 +124,6 @@ def _worker(args: argparse.Namespace) -> None:
     if pc.rank == 0:
         print("RESULT " + json.dumps(gathered))
     shutdown()
-
-
-def _summary(ranks: list[list[dict[str, Any]]], overlap: bool) -> dict[str, float]:
-    steps = len(ranks[0])
-    worst = {k: [] for k in ("wall", "cpu", "wait")}  # type: dict[str, list[float]]
-    for i in range(steps):
-        if ranks[0][i]["overlap"] != overlap:
-            continue
-        for k in worst:
-            worst[k].append(max(r[i][k] for r in ranks))
-    return {k: statistics.median(v) for k, v in worst.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(proc.stderr[-3000:], file=sys.stderr)
         return 2
     ranks = json.loads(line[len("RESULT ") :])
-    off, on = _summary(ranks, False), _summary(ranks, True)
+    off, on = summary(ranks, "overlap", False), summary(ranks, "overlap", True)
     losses = {(r["overlap"], round(r["loss"], 12)) for r in ranks[0]}
     same = len({loss for _, loss in losses}) == 1
     print(f"{args.model} width {args.width}, {args.size}^2, batch 2, grid {args.grid} "

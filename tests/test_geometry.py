@@ -727,3 +727,28 @@ def test_a_flip_or_a_map_that_outgrows_its_tiles_is_refused() -> None:
     with pytest.raises(ConfigError, match="3-fold"):
         g.resampled_tile(5, 45, 15, scales=True, where="m")
     assert g.resampled_tile(19, 37, 75, scales=True, where="m") == 38
+
+
+def test_carried_halos_are_the_chain_halos_of_each_suffix() -> None:
+    """Without surplus, the halo a run's layer ``l`` reads is ChainGeom's deep halo of layers
+    ``l..end``; a surplus (1x1/s2) is clamped at 0 and the layer reads short."""
+    rng = random.Random(5)
+    for _ in range(300):
+        layers = []
+        for _ in range(rng.randint(1, 5)):
+            k, s, d = rng.randint(1, 5), rng.randint(1, 2), rng.randint(1, 2)
+            extent = d * (k - 1) + 1
+            p = rng.randint(0, extent - 1)
+            if extent - p - s < 0:
+                continue
+            layers.append(LayerGeom(k, stride=s, padding=p, dilation=d))
+        if not layers:
+            continue
+        carries = g.carried_halos([(geom, geom) for geom in layers])
+        for i, (inn, out) in enumerate(carries):
+            assert inn[:2] == inn[2:] == ChainGeom(tuple(layers[i:])).halo
+            assert out == (carries[i + 1][0] if i + 1 < len(layers) else (0, 0, 0, 0))
+    one_by_two = LayerGeom(1, stride=2)
+    assert g.carried_halos([(one_by_two,)]) == [((0, 0), (0, 0))]
+    three = LayerGeom(3, padding=1)
+    assert g.carried_halos([(three,), (one_by_two,)]) == [((1, 1), (0, 0)), ((0, 0), (0, 0))]

@@ -57,8 +57,10 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "pp2-sp1x2-gpipe-amoeba-ckfull": (4, {**AMOEBA, "layout": (1, 2, 1, 2), "m": 2, "schedule": "gpipe", "balance": (3, 6), "ck": "full", "hw": (70, 190)}),
     "dp2-sp2x1-resnet-accumulate2": (4, {**RESNET, "layout": (2, 1, 2, 1), "m": 2, "schedule": "gpipe", "balance": None, "ck": "none", "hw": (100, 60), "accumulate": 2}),
     "dp2-sp2x1-amoeba-ckfull-clip": (4, {**AMOEBA, "layout": (2, 1, 2, 1), "m": 1, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (190, 70), "clip": 0.5}),
-    # selective checkpointing (convolution outputs kept) with spatial x data and spatial x pipeline
+    # selective checkpointing (convolution outputs kept) with spatial alone (the checkpointed
+    # blocks are whole FSDP units), with deep halos, with spatial x data and spatial x pipeline
     "dp2-sp2x1-resnetv2-selective-clip": (4, {**RESNET_V2, "layout": (2, 1, 2, 1), "m": 2, "schedule": "gpipe", "balance": None, "ck": "selective", "hw": (60, 26), "clip": 0.5}),
+    "sp1x2-resnet-selective-deep-halo": (2, {**RESNET, "layout": (1, 1, 1, 2), "m": 1, "schedule": "gpipe", "balance": None, "ck": "selective", "hw": (70, 100), "halo_depth": 2}),
     "pp2-sp1x2-1f1b-resnet-selective": (4, {**RESNET, "layout": (1, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": (5, 6), "ck": "selective", "hw": (70, 100)}),
     # dp=2 x pp=2 x sp=1x2: 8 ranks
     "dp2-pp2-sp1x2-1f1b-resnet-ckfull-clip-accumulate2": (8, {**RESNET, "layout": (2, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": None, "ck": "full", "hw": (70, 100), "clip": 0.5, "accumulate": 2}),
@@ -93,6 +95,7 @@ def _run_case(cfg: dict[str, Any], *, sabotage: bool) -> dict[str, Any]:
         balance=balance if isinstance(balance, tuple) else None,
         balance_by="memory" if balance == "memory" else "time",
         checkpointing=cfg["ck"],
+        halo_depth=cfg.get("halo_depth", 1),
     )
     kwargs: dict[str, Any] = {"num_classes": 3}
     if "width" in cfg:

@@ -37,3 +37,19 @@ def test_a_module_whose_forward_never_runs_is_no_unit() -> None:
     assert sorted(units) == ["head.fc", "head.norm", "stem"]
     # Without knowing what runs, the head is one unit whose pre-hook never fires.
     assert sorted(path for path, *_ in shard_units(model, tile_names)) == ["head", "stem"]
+
+
+def test_a_checkpointed_block_is_one_unit() -> None:
+    """FSDP outside, recomputation inside: a unit within a checkpointed block would run its
+    hooks again at recomputation (selective checkpointing failed on ResNet-18's wide layers)."""
+    from hyfi_imaging.models import create_model
+    from hyfi_imaging.parallel.pipeline import set_checkpointing
+
+    model = create_model("resnet18", num_classes=2)
+    small = 1 << 20  # forces the 2.4 MB blocks of layer3/layer4 to be split without checkpointing
+    split = [p for p, *_ in shard_units(model, None, max_bytes=small)]
+    assert any(p.count(".") >= 2 for p in split), split  # e.g. layer4.0.conv1
+    set_checkpointing(model, "selective")
+    whole = [p for p, *_ in shard_units(model, None, max_bytes=small)]
+    assert not any(p.count(".") >= 2 for p in whole), whole
+    assert "layer4.0" in whole

@@ -268,3 +268,53 @@ def test_a_norm_act_layer_gets_a_spatial_norm_and_its_drop_is_judged() -> None:
     with pytest.raises(ConfigError, match=r"^module '1.drop': aten.*per pixel"):
         spatialize(net(nn.Dropout(0.2)), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(),
                    group=None)  # fmt: skip
+
+
+class _Links(nn.Module):
+    """Three 3x3 convolutions; what joins the second and third decides a deep halo's way."""
+
+    def __init__(self, join: str) -> None:
+        super().__init__()
+        self.join = join
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu_(self.bn(self.a(x)))  # per pixel, in place: a -> b is a link
+        y = self.b(x)
+        if self.join == "residual":
+            y = y + x  # x is read twice, and two tiles meet: no link at all
+        elif self.join == "reused":
+            return self.pool(self.c(F.relu(y)) + y)  # y is read twice: no link b -> c
+        else:
+            y = F.silu(y) * 2.0
+        return self.pool(self.c(y))
+
+
+@pytest.mark.parametrize(
+    ("join", "links"),
+    [
+        ("pointwise", {"b": ("a", ("bn",)), "c": ("b", ())}),
+        ("residual", {}),
+        ("reused", {"b": ("a", ("bn",))}),
+    ],
+)
+def test_deep_halo_links_follow_per_pixel_data_flow(
+    join: str, links: dict[str, tuple[str, tuple[str, ...]]]
+) -> None:
+    """A deep halo may pass from a layer to the next only when nothing else sees the border."""
+    from hyfi_imaging.parallel.spatial import _has_spatial_form, _is_carrier
+    from hyfi_imaging.parallel.watch import watch_tiles
+
+    use = watch_tiles(
+        _Links(join).to("meta"), (1, 3, 16, 16), _has_spatial_form, carriers=_is_carrier
+    )
+    assert {k: v for k, v in use.links.items() if k in ("b", "c")} == links
+    ctx = spatialize(
+        _Links(join), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None, halo_depth=3
+    )
+    runs = {"pointwise": [["a", "b", "c"]], "residual": [], "reused": [["a", "b"]]}
+    assert ctx.deep_runs == runs[join]  # type: ignore[attr-defined]

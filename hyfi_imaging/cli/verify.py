@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute each convolution's interior while its halos are in flight",
     )
     p.add_argument(
+        "--halo-depth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="one halo exchange serves up to N consecutive windowed layers (default 1)",
+    )
+    p.add_argument(
         "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"
     )
     p.add_argument(
@@ -154,6 +161,7 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
         checkpointing=args.checkpointing,
         balance_by=by,  # type: ignore[arg-type]
         overlap=args.overlap,
+        halo_depth=args.halo_depth,
     )
 
 

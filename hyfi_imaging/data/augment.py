@@ -10,9 +10,10 @@ So augmentation is split into what can be mapped to a tile exactly:
   without talking to anyone. Every value is always drawn, in a fixed order, so
   turning one option off does not change the others.
 * **Geometry is a map of rectangles.** A flip and a rot90 of the whole image
-  carry an axis-aligned rectangle to an axis-aligned rectangle, and a crop (or
-  translation) window is an offset. So for any output-space box (a tile plus
-  halo) :func:`source_box` gives the source rectangle to read, and
+  carry an axis-aligned rectangle to an axis-aligned rectangle (a signed
+  permutation of the axes, :mod:`hyfi_imaging.data.orientation`, shared with
+  volumes), and a crop (or translation) window is an offset. So for any
+  output-space box (a tile plus halo) :func:`source_box` gives the source rectangle to read, and
   :func:`apply_geometry` flips/rotates that block into the box of the augmented
   image — bit for bit, see :func:`read_augmented`.
 * **Colour is pointwise.** Brightness scales, contrast pivots about a *fixed*
@@ -41,7 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyfi_imaging.data.ndtiles import BoxND
 from hyfi_imaging.data.normalize import Window
+from hyfi_imaging.data.orientation import Orientation
 from hyfi_imaging.data.tiles import Box, read_window
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.io.base import BACKGROUND, SlideReader, clip_region
@@ -141,6 +144,11 @@ class AugmentParams:
         return (w, h) if self.k % 2 else (h, w)
 
     @property
+    def orientation(self) -> Orientation:
+        """The flips and rotation as a signed permutation of ``(y, x)`` (source -> transformed)."""
+        return Orientation.of(2, flips=(self.flip_y, self.flip_x), turns=[((0, 1), self.k)])
+
+    @property
     def colour_identity(self) -> bool:
         """True when colour jitter would leave every pixel unchanged."""
         return (self.brightness, self.contrast, self.saturation, self.hue) == (1.0, 1.0, 1.0, 0.0)
@@ -208,22 +216,6 @@ def draw_augment(
     )
 
 
-def _to_source(py: int, px: int, params: AugmentParams) -> tuple[int, int]:
-    """Source pixel shown at transformed pixel ``(py, px)``."""
-    h, w = params.image_hw
-    k = params.k % 4
-    # Invert np.rot90 on the flipped (h, w) image: T[i, j] = F[...].
-    if k == 0:
-        fy, fx = py, px
-    elif k == 1:
-        fy, fx = px, w - 1 - py
-    elif k == 2:
-        fy, fx = h - 1 - py, w - 1 - px
-    else:
-        fy, fx = h - 1 - px, py
-    return (h - 1 - fy if params.flip_y else fy), (w - 1 - fx if params.flip_x else fx)
-
-
 def source_box(params: AugmentParams, box: Box) -> Box:
     """The source rectangle ``(y, x, h, w)`` that an output box ``(y, x, h, w)`` shows.
 
@@ -232,21 +224,13 @@ def source_box(params: AugmentParams, box: Box) -> Box:
     """
     y, x, h, w = box
     oy, ox = params.offset
-    # Flips and quarter turns send opposite corners to opposite corners.
-    a = _to_source(y + oy, x + ox, params)
-    b = _to_source(y + oy + h - 1, x + ox + w - 1, params)
-    y0, y1 = min(a[0], b[0]), max(a[0], b[0])
-    x0, x1 = min(a[1], b[1]), max(a[1], b[1])
-    return y0, x0, y1 - y0 + 1, x1 - x0 + 1
+    src = params.orientation.source_box(BoxND((y + oy, x + ox), (h, w)), params.image_hw)
+    return src.origin[0], src.origin[1], src.size[0], src.size[1]
 
 
 def apply_geometry(block: np.ndarray, params: AugmentParams) -> np.ndarray:
     """Flip and rotate a ``(C, h, w)`` source block as the whole image is flipped and rotated."""
-    if params.flip_y:
-        block = block[:, ::-1, :]
-    if params.flip_x:
-        block = block[:, :, ::-1]
-    return np.ascontiguousarray(np.rot90(block, params.k % 4, axes=(1, 2)))
+    return params.orientation.apply(block)
 
 
 def read_augmented(
@@ -290,12 +274,14 @@ def augment_image(
     """The geometrically augmented whole ``(C, H, W)`` image of any pixel type (the reference).
 
     Implemented directly with numpy flips, ``rot90`` and a padded window, not
-    through :func:`source_box`, so tests of the tile path compare against an
-    independent computation.
+    through :func:`source_box` or :class:`~hyfi_imaging.data.orientation.Orientation`,
+    so tests of the tile path compare against an independent computation.
     """
     if tuple(image.shape[1:]) != params.image_hw:
         raise ValueError(f"image {image.shape} does not match params {params.image_hw}")
-    t = apply_geometry(image, params)
+    t = image[:, ::-1, :] if params.flip_y else image
+    t = t[:, :, ::-1] if params.flip_x else t
+    t = np.rot90(t, params.k % 4, axes=(1, 2))
     (oy, ox), (oh, ow) = params.offset, params.out_hw
     out = np.full((image.shape[0], oh, ow), fill, dtype=image.dtype)
     box = clip_region(oy, ox, oh, ow, t.shape[1], t.shape[2])

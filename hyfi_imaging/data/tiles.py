@@ -7,7 +7,9 @@ tile offset is a multiple of the model's total stride ``align`` (J). So an
 image of ``(H, W)`` is padded *once, globally* to ``(Hp, Wp)``, the smallest
 multiple of ``gy·align`` (``gx·align``) that holds it, and cut into ``gy x gx``
 equal tiles; a 1x1 grid is not padded. The rule is
-:func:`hyfi_imaging.parallel.geometry.padded_hw`, the one the engine uses. The
+:func:`hyfi_imaging.parallel.geometry.padded_hw`, the one the engine uses, applied
+by :func:`hyfi_imaging.data.ndtiles.tile_region_nd` (the N-d arithmetic that volumes
+share; :func:`tile_region` spells its answer in ``(y, x, h, w)`` boxes). The
 padding lies only past the bottom and right image border, where the spatial
 layers mask it; the loader fills it with the background value.
 
@@ -37,9 +39,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hyfi_imaging.data.ndtiles import tile_region_nd
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.io.base import SlideReader, clip_region, paste_region
-from hyfi_imaging.parallel.geometry import padded_hw
 
 __all__ = [
     "Box",
@@ -170,25 +172,21 @@ def tile_region(
             f"rank {tuple(rank)}", f"outside the grid {grid}", "use 0 <= i < gy and 0 <= j < gx"
         )
     top, bottom, left, right = normalize_halo(halo)
-    ph, pw = padded_hw(image_hw, grid, align)  # refuses a tile with no image pixels
-    padded = (ph, pw)
-    th, tw = ph // grid[0], pw // grid[1]
-    owned = (i * th, j * tw, th, tw)
-    read = (owned[0] - top, owned[1] - left, th + top + bottom, tw + left + right)
-    box = clip_region(*read, *image_hw)
-    # The owned tile always holds image pixels (checked above), so box is never None.
-    assert box is not None
-    y0, x0, y1, x1 = box
-    inside = (y0 - read[0], x0 - read[1], y1 - y0, x1 - x0)
+    # The arithmetic (padding rule, tiles, read box, its part inside) is the N-d one.
+    nd = tile_region_nd(image_hw, grid, (i, j), halo=((top, bottom), (left, right)), align=align)
+    padded = (nd.padded[0], nd.padded[1])
+    owned = (*nd.owned.origin, *nd.owned.size)
+    read = (*nd.read.origin, *nd.read.size)
+    inside = (*nd.inside.origin, *nd.inside.size)
     return TileRegion(
         grid=grid,
         rank=(i, j),
         image_hw=image_hw,
         padded_hw=padded,
-        owned=owned,
+        owned=(owned[0], owned[1], owned[2], owned[3]),
         halo=(top, bottom, left, right),
-        read=read,
-        inside=inside,
+        read=(read[0], read[1], read[2], read[3]),
+        inside=(inside[0], inside[1], inside[2], inside[3]),
     )
 
 

@@ -8,7 +8,7 @@ name; a mistyped name fails with the close matches, an unknown option with the
 options the family accepts, both before any memory is allocated.
 
 Why a shared base class (:class:`ChainModel`): the parallel code downstream
-needs two properties of every model, and they are cheapest to guarantee once:
+needs two properties of every classifier, and they are cheapest to guarantee once:
 
 * **pipeline cuts** are made from the model's ordered top-level children, so
   ``forward`` is *literally* those children run in order, each on the previous
@@ -17,6 +17,12 @@ needs two properties of every model, and they are cheapest to guarantee once:
 * **spatialization** swaps pixel-mixing leaf modules (Conv2d, pools, BatchNorm2d)
   for halo-exchanging twins, so models use module instances for every
   pixel-mixing op and only pointwise tensor code (add, cat) between them.
+
+The U-Nets are the exception, on purpose (:class:`ModelBase` without the
+chain): every decoder level reads an encoder level's output, so a pipeline cut
+would ship all the skip tensors across it, and the decoder returns to full
+resolution, so a cut would not divide the activation peak either. They run
+their own ``forward`` as one stage; the spatial grid is what divides them.
 
 Why checkpointing lives in the blocks (:class:`CheckpointedBlock`) and not in
 ``forward_features``: a pipeline stage runs a slice of the children directly,
@@ -50,6 +56,7 @@ from hyfi_imaging.errors import ConfigError
 __all__ = [
     "ChainModel",
     "CheckpointedBlock",
+    "ModelBase",
     "ModelEntry",
     "check_positive",
     "create_model",
@@ -303,22 +310,50 @@ class CheckpointedBlock(nn.Module):
         return self.forward_block(x)
 
 
-class ChainModel(nn.Module):
-    """Base of every registered model: ``forward`` is the top-level children in order.
+class ModelBase(nn.Module):
+    """What every registered model offers, chain or not.
 
     Attributes set by subclasses:
 
-    - ``num_classes``, ``in_chans``: as passed to the constructor;
-    - ``num_features``: channels of the :meth:`forward_features` output;
-    - ``total_stride``: input pixels per feature-map pixel; spatial tiles are aligned
-      to it so that every strided layer sees tile offsets that divide its stride;
-    - ``head_start``: index of the first top-level child that belongs to the head.
+    - ``num_classes``, ``in_chans``: as passed to the constructor (for a dense model,
+      ``num_classes`` is the channels of the per-pixel output; for a regression model,
+      the number of targets);
+    - ``total_stride``: input pixels per pixel of the coarsest feature map; spatial tiles
+      are aligned to it so that every strided layer sees tile offsets that divide its stride;
+    - ``dims``: spatial dimensions of the input, 2 (images) unless a 3-D model says 3.
+
+    Not every model is a chain: a U-Net's decoder reads the encoder's outputs across the
+    network (skip connections), so it derives from this class only and runs its own
+    ``forward`` as one pipeline stage (spatial and data parallelism still apply).
     """
 
     num_classes: int
     in_chans: int
-    num_features: int
     total_stride: int
+    dims: int = 2
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute every block's activations in backward (saves memory, same results)."""
+        for block in self.blocks():
+            block.grad_checkpointing = enable
+
+    def blocks(self) -> Iterator[CheckpointedBlock]:
+        """All checkpointable blocks, in module order."""
+        for m in self.modules():
+            if isinstance(m, CheckpointedBlock):
+                yield m
+
+
+class ChainModel(ModelBase):
+    """Base of the classifiers and regressors: ``forward`` is the top-level children in order.
+
+    Attributes set by subclasses, besides :class:`ModelBase`'s:
+
+    - ``num_features``: channels of the :meth:`forward_features` output;
+    - ``head_start``: index of the first top-level child that belongs to the head.
+    """
+
+    num_features: int
     head_start: int
 
     def _run(self, x: Any, start: int, stop: int | None) -> Any:
@@ -339,14 +374,3 @@ class ChainModel(nn.Module):
         """Logits: the top-level children run in order, each on the previous output."""
         out: torch.Tensor = self._run(x, 0, None)
         return out
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute every block's activations in backward (saves memory, same results)."""
-        for block in self.blocks():
-            block.grad_checkpointing = enable
-
-    def blocks(self) -> Iterator[CheckpointedBlock]:
-        """All checkpointable blocks, in module order."""
-        for m in self.modules():
-            if isinstance(m, CheckpointedBlock):
-                yield m

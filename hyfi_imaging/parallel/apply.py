@@ -83,6 +83,7 @@ def apply_spatial(
     in_chans: int | None = None,
     align: int | None = None,
     overlap: bool = False,
+    halo_depth: int = 1,
 ) -> SpatialContext | None:
     """Make ``model`` (in place) compute this rank's tile of ``pc.layout.sp``; returns the context.
 
@@ -95,6 +96,8 @@ def apply_spatial(
     :func:`input_channels`; ``align`` (the total stride tiles are aligned to)
     is measured when the model has no ``total_stride``. ``overlap``: each
     convolution computes its interior while its halos are in flight.
+    ``halo_depth``: one exchange serves up to that many consecutive windowed
+    layers (a deeper halo, its border recomputed; see ``spatialize``).
 
     OK::
 
@@ -119,15 +122,22 @@ def apply_spatial(
         log.info("apply_spatial: 1x1 grid, %s left as it is", type(model).__name__)
         return None
     ctx = spatialize_for(
-        model, pc, in_chans=in_chans or input_channels(model), align=align, overlap=overlap
+        model,
+        pc,
+        in_chans=in_chans or input_channels(model),
+        align=align,
+        overlap=overlap,
+        halo_depth=halo_depth,
+        stage_cuts=pc.layout.pp > 1,
     )
     if image_size is not None:
         ctx.set_image_size((int(image_size[0]), int(image_size[1])))
     gy, gx = pc.layout.sp
     log.info(
         "apply_spatial: %s on a %dx%d grid, tile %s, tiles aligned to %d px, %d parameters "
-        "summed over tiles",
+        "summed over tiles, %d deep-halo runs",
         type(model).__name__, gy, gx, pc.tile, ctx.align, len(ctx.tile_param_names),
+        len(ctx.deep_runs),
     )  # fmt: skip
     return ctx
 

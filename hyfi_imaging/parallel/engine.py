@@ -127,6 +127,8 @@ class ParallelPlan:
     (every block, convolution outputs kept). ``overlap`` computes each spatial
     convolution's interior while its halos are in flight (and its weight
     gradient while the halo gradients are): same results, less exposed waiting.
+    ``halo_depth`` > 1: one halo exchange serves up to that many consecutive
+    windowed layers (fewer messages; the border is computed twice).
 
     OK::
 
@@ -145,8 +147,15 @@ class ParallelPlan:
     checkpointing: str = "none"
     balance_by: BalanceBy = "time"
     overlap: bool = False
+    halo_depth: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.halo_depth, int) or self.halo_depth < 1:
+            raise ConfigError(
+                f"--halo-depth {self.halo_depth}",
+                "must be a positive integer",
+                "use 1 (one exchange per layer) or e.g. --halo-depth 2",
+            )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ConfigError(
                 f"--microbatches {self.microbatches}",
@@ -277,7 +286,12 @@ class ParallelModel:
         plain = copy.deepcopy(model) if plan.balance is None and layout.pp > 1 else None
 
         self.ctx: SpatialContext | None = apply_spatial(
-            model, pc, image_size=self.image_hw, in_chans=self.in_chans, overlap=plan.overlap
+            model,
+            pc,
+            image_size=self.image_hw,
+            in_chans=self.in_chans,
+            overlap=plan.overlap,
+            halo_depth=plan.halo_depth,
         )
         if self.ctx is not None:
             ph, pw = self.ctx.padded_size(self.image_hw)

@@ -59,6 +59,7 @@ __all__ = [
     "Resample1D",
     "Span",
     "TilePlan",
+    "carried_halos",
     "decompose",
     "dynamic_same",
     "halo_1d",
@@ -285,6 +286,36 @@ class ChainGeom:
         if j1 <= j0:
             return Span(start, start)
         return Span(start, self.jump * (j1 - 1) - self.padding + self.extent)
+
+
+def carried_halos(
+    layers: Sequence[Sequence[LayerGeom]],
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Deep halos of a run of windowed layers whose last output is exactly the tile.
+
+    ``layers[l]`` is layer ``l``'s window per axis. Returns, per layer, the halo
+    its input holds and the halo its output carries, ``(before, after)`` per
+    axis. Computed from the end: a layer whose output carries ``(b, a)`` reads
+    ``(s*b + p, s*a + K - p - s)`` around its input tile -- :class:`ChainGeom`'s
+    ``(P, R - P - J)`` step by step -- clamped at 0, so that every carried halo
+    is a real border (a surplus is read short, as a single layer does).
+
+    OK: two 3x3/s1/p1 layers -> ``[((2, 2), (1, 1)), ((1, 1), (0, 0))]`` per axis.
+    """
+    if not layers:
+        return []
+    out: tuple[int, ...] = (0,) * (2 * len(layers[-1]))
+    result: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for axes in reversed(layers):
+        inn: list[int] = []
+        for a, g in enumerate(axes):
+            inn += [
+                g.stride * out[2 * a] + g.padding,
+                max(g.stride * out[2 * a + 1] + g.extent - g.padding - g.stride, 0),
+            ]
+        result.append((tuple(inn), out))
+        out = tuple(inn)
+    return result[::-1]
 
 
 def out_length(n: int, geom: Footprint) -> int:

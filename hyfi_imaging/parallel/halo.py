@@ -130,9 +130,17 @@ def _core_view(ext: torch.Tensor, pairs: list[tuple[int, int]], dims: range) -> 
 def _new_ext(
     x: torch.Tensor, pairs: list[tuple[int, int]], fill: float, valid: Sequence[int] | None
 ) -> torch.Tensor:
-    """The extended tile, allocated once, with the (masked) tile in its centre."""
+    """The extended tile, allocated once, with the (masked) tile in its centre.
+
+    No halo and nothing to mask: ``x`` itself (a 1x1 convolution, or a layer
+    reading the border a deep halo carries), not a copy.
+    """
     nd = len(pairs)
     lead, tile = x.shape[: x.dim() - nd], x.shape[x.dim() - nd :]
+    if not any(b or a for b, a in pairs) and (
+        valid is None or all(v >= t for v, t in zip(valid, tile, strict=True))
+    ):
+        return x
     shape = (*lead, *(t + b + a for t, (b, a) in zip(tile, pairs, strict=True)))
     ext = torch.empty(shape, dtype=x.dtype, device=x.device)
     core = _core_view(ext, pairs, range(nd))

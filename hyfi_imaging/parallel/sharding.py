@@ -109,7 +109,7 @@ def shard_units(
     A top-level layer is a unit when its parameters are of one kind and take at
     most ``max_bytes``; otherwise its children that are larger than a quarter
     of that (or mix kinds) are split off the same way, and the layer keeps the
-    rest. ``kind`` says whether the gradient is summed over tiles (``tile_names``;
+    rest; a block with activation checkpointing on is never split. ``kind`` says whether the gradient is summed over tiles (``tile_names``;
     None: all) or the parameters form the replicated head; ``bytes`` are the
     unit's own parameters (without those of units inside it). ConfigError when
     one module holds both kinds directly. With ``called`` (see :func:`called_modules`),
@@ -128,7 +128,11 @@ def shard_units(
                 visit(f"{prefix}{name}.", child)
             return
         kinds = _kinds(prefix, module, tile_names, recurse=True)
-        if len(kinds) > 1 or _nbytes(own) > max_bytes:
+        # A checkpointed block is one unit, however large (FSDP outside, recomputation
+        # inside, as torchtitan composes them): a unit inside it would run its hooks again
+        # at recomputation, which selective checkpointing refuses as a different op sequence.
+        whole = getattr(module, "grad_checkpointing", False) and len(kinds) == 1
+        if not whole and (len(kinds) > 1 or _nbytes(own) > max_bytes):
             for name, child in module.named_children():
                 child_params = list(child.parameters())
                 mixed = len(_kinds(f"{prefix}{name}.", child, tile_names, recurse=True)) > 1

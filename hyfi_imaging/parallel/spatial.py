@@ -19,7 +19,7 @@ Design, and why:
   between layouts.
 * **Same graph on every rank.** Collectives inside backward are issued in the
   order autograd visits nodes; every rank therefore builds the same graph
-  (masking is one node everywhere, see :class:`_MaskTail`), or ranks would pair
+  (masking is one node everywhere, see :class:`_MaskOutside`), or ranks would pair
   up different messages of equal size.
 * **Gradient rule** (DESIGN.md invariant 5): parameters used before the global
   pool see only their tile and are *summed* over the spatial group; the head
@@ -56,6 +56,7 @@ from hyfi_imaging.parallel.functional import (
 from hyfi_imaging.parallel.geometry import (
     LayerGeom,
     Resample1D,
+    carried_halos,
     dynamic_same,
     layer_geom,
     padded_hw,
@@ -119,6 +120,10 @@ class SpatialContext:
         )  # fmt: skip
         #: Convolutions compute their interior while their halos are in flight.
         self.overlap = overlap
+        #: Deep halos: at most this many windowed layers with a halo per exchange, and the
+        #: runs of layers that share one (see _plan_deep_halos).
+        self.halo_depth = 1
+        self.deep_runs: list[list[str]] = []
         self.image_hw: tuple[int, int] | None = None
         self.sizes: dict[str, tuple[int, int]] = {}
         self.tile_param_names: set[str] = set()
@@ -245,7 +250,7 @@ class SpatialContext:
         th, tw = (int(v) for v in x.shape[-2:])
         ph, pw = self._resample_plan(res, name, (th, tw))
         (mh, mw), (i, j) = self.size_of(name), self.tile
-        masked = _MaskTail.apply(x, mh - i * th, mw - j * tw, 0.0)
+        masked = _tail(x, mh - i * th, mw - j * tw, 0.0)
         ext = halo_exchange(masked, (ph.before, ph.after, pw.before, pw.after), self.neighbours)
         y = _gather(_gather(ext, -2, ph, res.linear), -1, pw, res.linear)
         if res.value:
@@ -267,11 +272,11 @@ class SpatialContext:
         i, j = self.tile
         partial = name in self.rejoined_pools
         if site.kind == "max":
-            masked = _MaskTail.apply(x, mh - i * th, mw - j * tw, -math.inf)
+            masked = _tail(x, mh - i * th, mw - j * tw, -math.inf)
             local = F.adaptive_max_pool2d(masked, 1) if site.pool else masked.amax((-2, -1), True)
             out = all_reduce_max_replicated(local, self.group, partial=partial)
         else:
-            masked = _MaskTail.apply(x, mh - i * th, mw - j * tw, 0.0)
+            masked = _tail(x, mh - i * th, mw - j * tw, 0.0)
             local = masked.sum(dim=(-2, -1), keepdim=True)
             out = all_reduce_replicated(local, self.group, partial=partial)
             if site.kind == "avg":
@@ -390,60 +395,112 @@ class _SiteSizes(SiteMode):
         return out
 
 
-class _MaskTail(torch.autograd.Function):
-    """Fill rows ``>= valid_h`` and columns ``>= valid_w`` of a tile; zero their gradient.
+class _MaskOutside(torch.autograd.Function):
+    """Fill what lies outside rows ``[r0, r1)`` and columns ``[c0, c1)``; zero its gradient.
 
-    One autograd node on *every* rank, tail or not. Backward collectives (halo
-    exchange, BatchNorm, pooling) are issued in the order the autograd engine
-    visits nodes, which follows the graph's shape; were the graphs to differ
-    between ranks (a masking node only where a tail exists), ranks would pair
-    up different messages of the same size and silently exchange garbage.
+    The inside is the part of the image a tensor holds: a tile's rows past the
+    image end (``r0 = 0``), and for a tile with a deep halo the border past the
+    image start as well. One autograd node on *every* rank, tail or not.
+    Backward collectives (halo exchange, BatchNorm, pooling) are issued in the
+    order the autograd engine visits nodes, which follows the graph's shape;
+    were the graphs to differ between ranks (a masking node only where a tail
+    exists), ranks would pair up different messages of the same size and
+    silently exchange garbage.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, valid_h: int, valid_w: int, fill: float) -> torch.Tensor:
-        th, tw = x.shape[-2:]
-        ctx.valid = (valid_h, valid_w)
-        if valid_h >= th and valid_w >= tw:
+    def forward(
+        ctx: Any, x: torch.Tensor, inside: tuple[int, int, int, int], fill: float
+    ) -> torch.Tensor:
+        ctx.inside = inside
+        if not _crosses(inside, x.shape):
             return x.view_as(x)
         out = x.clone()
-        out[..., max(valid_h, 0) :, :] = fill
-        out[..., :, max(valid_w, 0) :] = fill
+        _fill_outside(out, inside, fill)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        valid_h, valid_w = ctx.valid
-        th, tw = grad.shape[-2:]
-        if valid_h < th or valid_w < tw:
+        if _crosses(ctx.inside, grad.shape):
             grad = grad.clone()
-            grad[..., max(valid_h, 0) :, :] = 0
-            grad[..., :, max(valid_w, 0) :] = 0
-        return grad, None, None, None
+            _fill_outside(grad, ctx.inside, 0.0)
+        return grad, None, None
+
+
+def _crosses(inside: tuple[int, int, int, int], shape: torch.Size) -> bool:
+    r0, r1, c0, c1 = inside
+    return r0 > 0 or c0 > 0 or r1 < shape[-2] or c1 < shape[-1]
+
+
+def _fill_outside(t: torch.Tensor, inside: tuple[int, int, int, int], fill: float) -> None:
+    r0, r1, c0, c1 = (max(v, 0) for v in inside)
+    t[..., :r0, :] = fill
+    t[..., r1:, :] = fill
+    t[..., :, :c0] = fill
+    t[..., :, c1:] = fill
+
+
+def _tail(x: torch.Tensor, valid_h: int, valid_w: int, fill: float) -> torch.Tensor:
+    """A tile with its rows ``>= valid_h`` and columns ``>= valid_w`` set to ``fill``."""
+    return _MaskOutside.apply(x, (0, valid_h, 0, valid_w), fill)
+
+
+#: No neighbour: a deep halo's later layers read the border their input carries.
+_NO_NEIGHBOURS = Neighbours()
+_NO_CARRY = (0, 0, 0, 0)
 
 
 class _SpatialMixin:
-    """Shared by the spatial layers: where they are, their context, input masking."""
+    """Shared by the spatial layers: where they are, their context, input masking.
+
+    ``hyfi_carry`` is ``(input, output)`` deep halos, ``(top, bottom, left,
+    right)`` each (see :func:`_plan_deep_halos`): the border a layer's input
+    holds beyond its tile, and the border its output keeps for the next layer.
+    All zero without deep halos.
+    """
 
     hyfi_path: str
     hyfi_ctx: SpatialContext
     hyfi_geoms: tuple[LayerGeom, LayerGeom]  # window geometry (conv/pool), fixed at spatialize()
+    hyfi_carry: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = (_NO_CARRY, _NO_CARRY)
+
+    def _tile_hw(self, x: torch.Tensor) -> tuple[int, int]:
+        """The tile's size: the input less the border it carries."""
+        t, b, lft, r = self.hyfi_carry[0]
+        return int(x.shape[-2]) - t - b, int(x.shape[-1]) - lft - r
+
+    def _inside(self, x: torch.Tensor) -> tuple[int, int, int, int]:
+        """Rows and columns of ``x`` (a tile and its carried border) inside the input image."""
+        (mh, mw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
+        th, tw = self._tile_hw(x)
+        t, _, lft, _ = self.hyfi_carry[0]
+        return (t - i * th, t - i * th + mh, lft - j * tw, lft - j * tw + mw)
 
     def _mask(self, x: torch.Tensor, fill: float) -> torch.Tensor:
-        """Set the part of the tile outside the (true) input image to ``fill``."""
-        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
-        th, tw = x.shape[-2:]
-        i, j = self.hyfi_ctx.tile
-        return _MaskTail.apply(x, mh - i * th, mw - j * tw, fill)
+        """Set the part of the tile (and its border) outside the (true) input image to ``fill``."""
+        return _MaskOutside.apply(x, self._inside(x), fill)
+
+    def _prepare(self, x: torch.Tensor, fill: float) -> tuple[torch.Tensor, Window]:
+        """The input a windowed layer computes on, and its :class:`Window`.
+
+        A layer whose input carries a deep halo reads that border (set to
+        ``fill`` outside the image, as the padding) and exchanges nothing; any
+        other receives its halo -- a deep one when it starts a run.
+        """
+        win = self._window(x, fill)
+        if self.hyfi_carry[0] != _NO_CARRY:
+            return self._mask(x, fill), win
+        return x, win
 
     def _window(self, x: torch.Tensor, fill: float) -> Window:
         """Halo, extent read and valid part of this layer's tile; ConfigError when untileable."""
-        th, tw = x.shape[-2:]
+        th, tw = self._tile_hw(x)
+        carry_in, carry_out = self.hyfi_carry
         tiles, (mh, mw) = self.hyfi_ctx.grid, self.hyfi_ctx.out_size_of(self.hyfi_path)
         halo: list[int] = []
         need: list[int] = []
-        for g, t, axis, n_tiles, m in zip(
-            self.hyfi_geoms, (th, tw), ("height", "width"), tiles, (mh, mw), strict=True
+        for a, (g, t, axis, n_tiles, m) in enumerate(
+            zip(self.hyfi_geoms, (th, tw), ("height", "width"), tiles, (mh, mw), strict=True)
         ):
             if t % g.stride:
                 raise ConfigError(
@@ -459,27 +516,50 @@ class _SpatialMixin:
                     f"{th // self.hyfi_geoms[0].stride * tiles[0]}x{tw // self.hyfi_geoms[1].stride * tiles[1]}",
                     "change the image size by a few pixels, or use ceil_mode=False",
                 )
-            before, after = g.padding, g.extent - g.padding - g.stride
+            # Rows read around the tile for outputs that keep the border carry_out.
+            ob, oa = carry_out[2 * a], carry_out[2 * a + 1]
+            before = g.stride * ob + g.padding
+            after = g.stride * oa + g.extent - g.padding - g.stride
+            deep = " (a deep halo: use a smaller halo_depth)" if any(carry_out) else ""
             # With one tile along an axis the halo is all global padding: any width works.
-            if max(before, after) > t and n_tiles > 1:
+            if max(before, after) > t and n_tiles > 1 and not any(carry_in):
                 raise ConfigError(
                     self.hyfi_path,
-                    f"needs a halo of {max(before, after)} px but tiles are only {t} px along the {axis}",
-                    "use fewer tiles along that axis or a larger image",
+                    f"needs a halo of {max(before, after)} px but tiles are only {t} px along "
+                    f"the {axis}{deep}",
+                    "use fewer tiles along that axis or a larger image"
+                    + (", or a smaller halo_depth" if deep else ""),
                 )
             # A negative halo (surplus) needs no data: the windows read less than the tile.
             halo += [before, max(after, 0)]
             need.append(before + t + after)
         (vh, vw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
+        geoms = self.hyfi_geoms
+        if any(carry_in):
+            # The border is already there (it is the input's carried halo): nothing to receive.
+            if tuple(halo) != carry_in:
+                raise RuntimeError(
+                    f"{self.hyfi_path}: input carries the halo {carry_in}, the layer reads {tuple(halo)}"
+                )
+            return Window(
+                halo=_NO_CARRY,
+                need=(need[0], need[1]),
+                valid=(int(x.shape[-2]), int(x.shape[-1])),
+                fill=fill,
+                neighbours=_NO_NEIGHBOURS,
+                kernel=(geoms[0].kernel, geoms[1].kernel),
+                stride=(geoms[0].stride, geoms[1].stride),
+                dilation=(geoms[0].dilation, geoms[1].dilation),
+            )
         return Window(
             halo=(halo[0], halo[1], halo[2], halo[3]),
             need=(need[0], need[1]),
             valid=(vh - i * th, vw - j * tw),
             fill=fill,
             neighbours=self.hyfi_ctx.neighbours,
-            kernel=(self.hyfi_geoms[0].kernel, self.hyfi_geoms[1].kernel),
-            stride=(self.hyfi_geoms[0].stride, self.hyfi_geoms[1].stride),
-            dilation=(self.hyfi_geoms[0].dilation, self.hyfi_geoms[1].dilation),
+            kernel=(geoms[0].kernel, geoms[1].kernel),
+            stride=(geoms[0].stride, geoms[1].stride),
+            dilation=(geoms[0].dilation, geoms[1].dilation),
             overlap=self.hyfi_ctx.overlap,
         )
 
@@ -488,7 +568,8 @@ class SpatialConv2d(_SpatialMixin, nn.Conv2d):
     """``nn.Conv2d`` on a tile: halo exchanged, padding 0, only tile + halo strips saved."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return windowed.conv(x, self.weight, self.bias, self._window(x, 0.0), self.groups)
+        x, win = self._prepare(x, 0.0)
+        return windowed.conv(x, self.weight, self.bias, win, self.groups)
 
 
 class SpatialConv2dSame(SpatialConv2d):
@@ -552,21 +633,22 @@ class SpatialMaxPool2d(_SpatialMixin, nn.MaxPool2d):
     """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return windowed.max_pool(x, self._window(x, -math.inf))
+        return windowed.max_pool(*self._prepare(x, -math.inf))
 
 
 class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        win = self._window(x, 0.0)
+        x, win = self._prepare(x, 0.0)
         exclude = None
         padded = any(g.padding for g in self.hyfi_geoms) and not self.count_include_pad
         if not self.divisor_override and (padded or self.ceil_mode):
             # Divide by the number of window pixels inside the image, as PyTorch does (for a
             # window overhanging the end in ceil_mode too; layer_geom refuses what differs).
-            (i, j), (th, tw) = self.hyfi_ctx.tile, x.shape[-2:]
-            origin = (i * th - win.halo[0], j * tw - win.halo[2])
+            (i, j), (th, tw) = self.hyfi_ctx.tile, self._tile_hw(x)
+            t, _, lft, _ = self.hyfi_carry[0]
+            origin = (i * th - win.halo[0] - t, j * tw - win.halo[2] - lft)
             exclude = (origin, self.hyfi_ctx.size_of(self.hyfi_path))
         return windowed.avg_pool(
             x, win, divisor_override=self.divisor_override, exclude_padding_at=exclude
@@ -584,11 +666,18 @@ class _GlobalBatchNorm(torch.autograd.Function):
     Autograd through the tensor expression would keep two activation-sized
     tensors per layer (the masked input and the centred input); this keeps one
     (the normalised input) and does one all-reduce in backward for both sums the
-    input gradient needs. Outside the image (``tail``) the input is ignored and
+    input gradient needs. Outside the image (``outside``) the input is ignored and
     gets no gradient. The formula is the standard one,
     ``dx = w * rstd * (g - mean(g) - xhat * mean(g * xhat))`` with means over all
     valid pixels of all tiles; weight and bias gradients are this tile's share
     (summed over tiles later, as for every tile-derived parameter).
+
+    With a deep halo the input carries a border of a neighbour's pixels
+    (``own`` is the box of the tile's own ones): statistics come from the own
+    pixels alone, every pixel is normalised, and the sums backward takes include
+    the border's gradient shares (those of this tile's later outputs); the
+    statistics' part of ``dx`` goes to the own pixels only, where the owner adds
+    it once.
     """
 
     @staticmethod
@@ -597,23 +686,25 @@ class _GlobalBatchNorm(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
-        tail: torch.Tensor | None,
+        outside: torch.Tensor | None,
+        own: tuple[int, int, int, int] | None,
         n: int,
         eps: float,
         group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = (1, -1, 1, 1)
-        xm = x if tail is None else x.masked_fill(tail, 0.0)
-        mean = all_reduce_sum(xm.sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        xm = x if outside is None else x.masked_fill(outside, 0.0)
+        mean = all_reduce_sum(_own(xm, own).sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
         xhat = xm - mean.to(x.dtype).view(shape)
-        if tail is not None:
-            xhat.masked_fill_(tail, 0.0)
-        var = all_reduce_sum(xhat.square().sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        if outside is not None:
+            xhat.masked_fill_(outside, 0.0)
+        squares = _own(xhat, own).square().sum(dim=(0, 2, 3), dtype=_acc(x))
+        var = all_reduce_sum(squares, group) / n
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
         y = xhat if weight is None else xhat * weight.view(shape) + bias.view(shape)  # type: ignore[union-attr]
-        ctx.save_for_backward(xhat, rstd, weight, tail)
-        ctx.n, ctx.group = n, group
+        ctx.save_for_backward(xhat, rstd, weight, outside)
+        ctx.n, ctx.group, ctx.own = n, group, own
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
@@ -621,9 +712,9 @@ class _GlobalBatchNorm(torch.autograd.Function):
     def backward(
         ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        xhat, rstd, weight, tail = ctx.saved_tensors
+        xhat, rstd, weight, outside = ctx.saved_tensors
         shape = (1, -1, 1, 1)
-        g = gy if tail is None else gy.masked_fill(tail, 0.0)
+        g = gy if outside is None else gy.masked_fill(outside, 0.0)
         local = torch.stack(
             [
                 g.sum(dim=(0, 2, 3), dtype=_acc(g)),
@@ -632,16 +723,29 @@ class _GlobalBatchNorm(torch.autograd.Function):
         )
         dbias, dweight = local[0].clone(), local[1].clone()
         total = all_reduce_sum(local, ctx.group) / ctx.n
-        scale = rstd if weight is None else rstd * weight.to(rstd.dtype)
-        # dx = (g - mean(g) - xhat * mean(g xhat)) * scale, with one activation-sized
-        # allocation (this is the largest transient of a spatial backward).
-        dx = xhat * (-total[1]).to(g.dtype).view(shape)
-        dx.add_(g).sub_(total[0].to(g.dtype).view(shape)).mul_(scale.to(g.dtype).view(shape))
-        if tail is not None:
-            dx.masked_fill_(tail, 0.0)
+        scale = (rstd if weight is None else rstd * weight.to(rstd.dtype)).to(g.dtype).view(shape)
+        mean_g, mean_gx = total[0].to(g.dtype).view(shape), total[1].to(g.dtype).view(shape)
+        if ctx.own is None:
+            # dx = (g - mean(g) - xhat * mean(g xhat)) * scale, with one activation-sized
+            # allocation (this is the largest transient of a spatial backward).
+            dx = xhat * -mean_gx
+            dx.add_(g).sub_(mean_g).mul_(scale)
+        else:
+            dx = g * scale
+            _own(dx, ctx.own).sub_((_own(xhat, ctx.own) * mean_gx + mean_g) * scale)
+        if outside is not None:
+            dx.masked_fill_(outside, 0.0)
         if weight is None:
-            return dx, None, None, None, None, None, None
-        return dx, dweight.to(weight.dtype), dbias.to(weight.dtype), None, None, None, None
+            return dx, None, None, None, None, None, None, None
+        return dx, dweight.to(weight.dtype), dbias.to(weight.dtype), None, None, None, None, None
+
+
+def _own(t: torch.Tensor, own: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """The tile's own pixels of ``t`` (a view), all of it when ``own`` is None."""
+    if own is None:
+        return t
+    r0, r1, c0, c1 = own
+    return t[..., r0:r1, c0:c1]
 
 
 class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
@@ -668,19 +772,23 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
             )
         mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
         n = x.shape[0] * mh * mw
-        th, tw = x.shape[-2:]
-        i, j = self.hyfi_ctx.tile
-        vh, vw = mh - i * th, mw - j * tw
-        tail = None
-        if vh < th or vw < tw:
-            rows = torch.arange(th, device=x.device).view(th, 1) >= vh
-            cols = torch.arange(tw, device=x.device).view(1, tw) >= vw
-            tail = rows | cols
+        r0, r1, c0, c1 = self._inside(x)
+        h, w = x.shape[-2:]
+        outside = None
+        if _crosses((r0, r1, c0, c1), x.shape):
+            rows = torch.arange(h, device=x.device).view(h, 1)
+            cols = torch.arange(w, device=x.device).view(1, w)
+            outside = (rows < r0) | (rows >= r1) | (cols < c0) | (cols >= c1)
+        own = None
+        if self.hyfi_carry[0] != _NO_CARRY:
+            (t, _, lft, _), (th, tw) = self.hyfi_carry[0], self._tile_hw(x)
+            own = (t, t + th, lft, lft + tw)
         y, mean, var = _GlobalBatchNorm.apply(
             x,
             self.weight if self.affine else None,
             self.bias if self.affine else None,
-            tail,
+            outside,
+            own,
             n,
             self.eps,
             self.hyfi_ctx.group,
@@ -720,7 +828,7 @@ class SpatialGroupNorm(_SpatialMixin, nn.GroupNorm):
         xm = self._mask(x, 0.0).view(n, g, c // g, th, tw)
         mean = all_reduce_replicated(xm.sum(dim=dims, dtype=_acc(x)), group, partial=True) / count
         centred = xm - mean.to(x.dtype).view(n, g, 1, 1, 1)
-        centred = _MaskTail.apply(centred.view(n, c, th, tw), mh - i * th, mw - j * tw, 0.0)
+        centred = _tail(centred.view(n, c, th, tw), mh - i * th, mw - j * tw, 0.0)
         centred = centred.view(n, g, c // g, th, tw)
         squares = centred.square().sum(dim=dims, dtype=_acc(x))
         var = all_reduce_replicated(squares, group, partial=True) / count
@@ -836,6 +944,8 @@ def spatialize(
     in_chans: int | None = None,
     align: int | None = None,
     overlap: bool = False,
+    halo_depth: int = 1,
+    stage_cuts: bool = False,
 ) -> SpatialContext:
     """Turn ``model`` (in place) into its spatial form for tile ``tile`` of ``grid``.
 
@@ -843,14 +953,25 @@ def spatialize(
     forward pass and feed each rank ``image[..., ctx.tile_slice(hw)]`` of the
     image padded to ``ctx.padded_size(hw)``. Raises ConfigError naming the module
     path of any layer that mixes pixels and has no spatial form.
+
+    ``halo_depth`` > 1: one exchange of a deeper halo serves up to that many
+    consecutive windowed layers with a halo (:func:`_plan_deep_halos`);
+    ``stage_cuts``: the model's top-level children may become pipeline stages,
+    so no deep halo crosses from one to the next.
     """
+    if halo_depth < 1:
+        raise ConfigError("halo_depth", f"is {halo_depth}", "use 1 (a halo per layer) or more")
     for name, m in model.named_modules():
         _check(name or type(model).__name__, m)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
     reference = copy.deepcopy(model).to("meta")
     # Which modules and parameters see tile data; refuses functions that mix pixels.
     use = watch_tiles(
-        reference, (1, in_chans, _PROBE, _PROBE), _has_spatial_form, norms=_is_norm_act
+        reference,
+        (1, in_chans, _PROBE, _PROBE),
+        _has_spatial_form,
+        norms=_is_norm_act,
+        carriers=_is_carrier,
     )
     align = (
         align
@@ -887,7 +1008,93 @@ def spatialize(
             m.hyfi_path, m.hyfi_ctx = name, ctx
             if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d) and not dynamic_same(m):
                 m.hyfi_geoms = layer_geom(m)  # type: ignore[assignment]
+    ctx.halo_depth = halo_depth
+    ctx.deep_runs = _plan_deep_halos(model, use.links, halo_depth, stage_cuts)
     return ctx
+
+
+def _is_carrier(m: nn.Module) -> bool:
+    """Layers a deep halo may pass through: per pixel once their statistics are known."""
+    return type(m) is nn.BatchNorm2d
+
+
+def _deepable(m: nn.Module) -> bool:
+    """Windowed layers whose window is fixed: convolution, max and average pooling."""
+    return type(m) in (SpatialConv2d, SpatialMaxPool2d, SpatialAvgPool2d) and not any(
+        g.ceil_mode for g in _geoms(m)
+    )
+
+
+def _geoms(m: nn.Module) -> tuple[LayerGeom, LayerGeom]:
+    geoms: tuple[LayerGeom, LayerGeom] = m.hyfi_geoms  # type: ignore[assignment]
+    return geoms
+
+
+def _plan_deep_halos(
+    model: nn.Module,
+    links: dict[str, tuple[str, tuple[str, ...]]],
+    depth: int,
+    stage_cuts: bool,
+) -> list[list[str]]:
+    """Group linked windowed layers into runs that share one (deeper) halo exchange.
+
+    Along a chain of layers linked by the watch (each reads the previous one's
+    output alone, through per-pixel ops and BatchNorms), runs of up to
+    ``depth`` layers that need a halo are formed. The first layer of a run
+    receives the run's whole halo (:func:`~.geometry.carried_halos`); each
+    layer then computes its outputs *and* the border the rest of the run reads,
+    masked outside the image to the next layer's padding value; BatchNorms in
+    between take statistics from the tile's own pixels. The last layer's output
+    is exactly the tile. Sets ``hyfi_carry`` on the layers; returns the runs.
+    """
+    if depth <= 1:
+        return []
+    modules = dict(model.named_modules())
+    succ: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for consumer, (producer, carriers) in links.items():
+        if producer not in modules or consumer not in modules:
+            continue
+        if not (_deepable(modules[producer]) and _deepable(modules[consumer])):
+            continue
+        if not all(type(modules[c]) is SpatialBatchNorm2d for c in carriers):
+            continue
+        if stage_cuts and producer.split(".")[0] != consumer.split(".")[0]:
+            continue
+        succ[producer] = (consumer, carriers)
+    consumers = {c for c, _ in succ.values()}
+    runs: list[list[str]] = []
+    for head in sorted(p for p in succ if p not in consumers):
+        chain, between = [head], [tuple[str, ...]()]
+        while chain[-1] in succ:
+            nxt, carriers = succ[chain[-1]]
+            chain.append(nxt)
+            between.append(carriers)
+        group: list[int] = []
+        halos = 0
+        for k, path in enumerate([*chain, None]):
+            needs = path is not None and any(
+                g.padding or g.extent - g.padding - g.stride > 0 for g in _geoms(modules[path])
+            )
+            if path is None or (needs and halos == depth):
+                if len(group) > 1:
+                    runs.append([chain[i] for i in group])
+                    _set_carries(modules, [chain[i] for i in group], [between[i] for i in group])
+                group, halos = [], 0
+            if path is not None:
+                group.append(k)
+                halos += needs
+    return runs
+
+
+def _set_carries(
+    modules: dict[str, nn.Module], run: list[str], between: list[tuple[str, ...]]
+) -> None:
+    carries = carried_halos([_geoms(modules[p]) for p in run])
+    for k, (path, (inn, out)) in enumerate(zip(run, carries, strict=True)):
+        carry_in = _NO_CARRY if k == 0 else inn
+        modules[path].hyfi_carry = (carry_in, out)  # type: ignore[assignment]
+        for c in between[k] if k else ():
+            modules[c].hyfi_carry = (inn, inn)  # type: ignore[assignment]
 
 
 def _has_spatial_form(m: nn.Module) -> bool:

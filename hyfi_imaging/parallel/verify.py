@@ -353,6 +353,8 @@ def verify_model(
     dtype: torch.dtype = torch.float64,
     lr: float = 0.1,
     seed: int = 0,
+    overlap: bool = False,
+    halo_depth: int = 1,
 ) -> VerifyReport:
     """Prove that *any* model trains on a layout exactly as in one process: ``hyfi-verify`` for your model.
 
@@ -375,6 +377,7 @@ def verify_model(
     the image is taken across tiles). Default: :func:`~.apply.cross_entropy`.
     ``target(output_shape, generator)`` draws targets for the global batch's
     output shape (default: class indices, :func:`default_target`).
+    ``overlap`` and ``halo_depth`` are :class:`~.engine.ParallelPlan`'s.
 
     Returns the :class:`VerifyReport` (``ok`` on every rank; the comparisons of
     all ranks merged). The process group is left running.
@@ -401,7 +404,9 @@ def verify_model(
     else:
         build = model
     pc = layout if isinstance(layout, ParallelContext) else init_parallel(layout or Layout())
-    plan = ParallelPlan(pc.layout, microbatches=microbatches)
+    plan = ParallelPlan(
+        pc.layout, microbatches=microbatches, overlap=overlap, halo_depth=halo_depth
+    )
     return run_verify(
         build,
         pc,

@@ -107,6 +107,23 @@ class TileUse:
     rejoined_pools: set[str] = field(default_factory=set)
     functional_sites: set[str] = field(default_factory=set)
     random_modules: set[str] = field(default_factory=set)
+    #: ``consumer: (producer, carriers)``: the layer ``consumer`` (a module with a spatial
+    #: form) reads the output of the layer ``producer`` and nothing else, through per-pixel
+    #: ops and the ``carriers`` (modules that act per pixel given their statistics:
+    #: BatchNorm), every tensor on the way used once. A deep halo may cross such a link
+    #: (:func:`~hyfi_imaging.parallel.geometry.carried_halos`): a tile with a border runs
+    #: along it, no other op ever sees the border.
+    links: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+
+
+@dataclass
+class _Lineage:
+    """A tile tensor computed from one layer's output alone, per pixel: which layer, through
+    which carrier modules, and the tensors on the way (each must be used once)."""
+
+    producer: str
+    carriers: tuple[str, ...] = ()
+    path: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -134,8 +151,15 @@ class _Watch(TorchDispatchMode):
         known: Callable[[nn.Module], bool],
         use: TileUse,
         norms: Callable[[nn.Module], bool] | None = None,
+        carriers: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         super().__init__()
+        # Links between layers for deep halos (see TileUse.links).
+        self.carriers = carriers
+        self.lineages: dict[int, tuple[torch.Tensor, _Lineage]] = {}
+        self.uses: dict[int, tuple[torch.Tensor, int]] = {}
+        self.calls: dict[str, int] = {}
+        self.candidates: dict[str, tuple[_Lineage, torch.Tensor]] = {}
         # Random tensors (drawn, or computed from draws without tile data), and the modules
         # whose own normalisation has a spatial form (see _NORMS).
         self.randoms: dict[int, torch.Tensor] = {}
@@ -197,6 +221,46 @@ class _Watch(TorchDispatchMode):
         for p in pools:
             self.lineage_params.setdefault(p, set()).update(names)
 
+    # -- links for deep halos ------------------------------------------------------------
+    def lineage_of(self, t: object) -> _Lineage | None:
+        if isinstance(t, torch.Tensor):
+            hit = self.lineages.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+        return None
+
+    def used(self, t: object) -> None:
+        if isinstance(t, torch.Tensor) and self.tile_of(t) is not None:
+            hit = self.uses.get(id(t))
+            n = hit[1] if hit is not None and hit[0] is t else 0
+            self.uses[id(t)] = (t, n + 1)
+
+    def uses_of(self, t: torch.Tensor) -> int:
+        hit = self.uses.get(id(t))
+        return hit[1] if hit is not None and hit[0] is t else 0
+
+    def follow(self, out: object, source: torch.Tensor, carrier: str | None = None) -> None:
+        """``out`` is computed per pixel from ``source`` alone (through ``carrier``)."""
+        lin = self.lineage_of(source)
+        if lin is not None and isinstance(out, torch.Tensor):
+            extra = (carrier,) if carrier is not None else ()
+            self.lineages[id(out)] = (
+                out,
+                _Lineage(lin.producer, lin.carriers + extra, (*lin.path, source)),
+            )
+
+    def links(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """The links of this pass: layers called once, every tensor on the way used once."""
+        found = {}
+        for consumer, (lin, arg) in self.candidates.items():
+            once = [lin.producer, consumer, *lin.carriers]
+            tensors = [*lin.path, arg]
+            if all(self.calls.get(m) == 1 for m in once) and all(
+                self.uses_of(t) == 1 for t in tensors
+            ):
+                found[consumer] = (lin.producer, lin.carriers)
+        return found
+
     # -- module hooks --------------------------------------------------------------------
     def enter(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters()]
@@ -206,6 +270,12 @@ class _Watch(TorchDispatchMode):
             self.use.tile_modules.add(path)
             if self.known(module):
                 self.use.tile_params.update(names)
+                self.calls[path] = self.calls.get(path, 0) + 1
+                for a in args:
+                    self.used(a)
+                lin = self.lineage_of(args[0]) if len(args) == 1 else None
+                if lin is not None:
+                    self.candidates[path] = (lin, args[0])
         elif self.inside == 0 and self.known(module):
             pools = frozenset().union(*(self.pools_of(a) for a in args))
             self.on_lineage(pools, names)
@@ -221,6 +291,10 @@ class _Watch(TorchDispatchMode):
         else:
             h, w = (int(v) for v in out.shape[-2:])
             self.mark(out, _Tile((out.dim() - 2, out.dim() - 1), (h, w)))
+            if self.carriers is not None and self.carriers(module) and len(args) == 1:
+                self.follow(out, args[0], carrier=path)
+            else:
+                self.lineages[id(out)] = (out, _Lineage(path))
 
     # -- ops -------------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -253,7 +327,27 @@ class _Watch(TorchDispatchMode):
         result = self.classify(func, args, kwargs, tiles[0], out, path)
         for o in outs:
             self.mark(o, result)
+        self.track(func, flat, outs, result)
         return out
+
+    def track(self, func: Any, flat: list[Any], outs: list[Any], result: _Tile | None) -> None:
+        """Uses of tile tensors, and lineages carried through per-pixel ops (deep halos)."""
+        tiles = [a for a in flat if isinstance(a, torch.Tensor) and self.tile_of(a) is not None]
+        in_place = len(outs) == 1 and any(o is t for o in outs for t in tiles)
+        pointwise = torch.Tag.pointwise in func.tags or func.overloadpacket.__name__ in (
+            _POINTWISE_NAMES
+        )
+        alone = len({id(t) for t in tiles}) == 1 and pointwise and result is not None
+        if in_place:
+            # relu_(x): x is still the same tensor; mixing another tile into it ends its lineage.
+            if not alone:
+                for t in tiles:
+                    self.lineages.pop(id(t), None)
+            return
+        for t in tiles:
+            self.used(t)
+        if alone and len(outs) == 1:
+            self.follow(outs[0], tiles[0])
 
     def random_draw(self, func: Any, flat: list[Any], tiles: list[_Tile], outs: list[Any]) -> bool:
         """Random numbers: a draw per pixel of a tile is refused; one per sample or channel
@@ -509,9 +603,10 @@ def _watch_once(
     norms: Callable[[nn.Module], bool] | None,
     params: dict[int, str],
     use: TileUse,
+    carriers: Callable[[nn.Module], bool] | None = None,
 ) -> tuple[_Watch, Any]:
     """One meta-device pass of ``model`` under the watch, in the modules' current modes."""
-    watch = _Watch(params, known, use, norms)
+    watch = _Watch(params, known, use, norms, carriers)
     watch.root = type(model).__name__
     frames = Frames(model, known, on_enter=watch.enter, on_leave=watch.leave)
     watch.frames = frames
@@ -531,6 +626,7 @@ def watch_tiles(
     known: Callable[[nn.Module], bool],
     *,
     norms: Callable[[nn.Module], bool] | None = None,
+    carriers: Callable[[nn.Module], bool] | None = None,
 ) -> TileUse:
     """Run ``model`` (a meta copy) on a meta input of ``shape`` under the watch.
 
@@ -540,7 +636,10 @@ def watch_tiles(
     model runs twice, in eval and in training mode (where drop-path and
     dropout draw), the layers with a spatial form in eval mode both times.
     Returns the :class:`TileUse`; raises ConfigError naming the module path
-    and the op when a function mixes pixels of tile data.
+    and the op when a function mixes pixels of tile data. ``carriers(module)``
+    says which modules with a spatial form act per pixel once their statistics
+    are known (BatchNorm): a deep halo may pass through them (``TileUse.links``,
+    the links found in both passes).
     """
     use = TileUse()
     params = {id(p): n for n, p in model.named_parameters()}
@@ -555,7 +654,7 @@ def watch_tiles(
                 if known(m) or (norms is not None and norms(m)):
                     m.training = False  # their own forward is the spatial form's business
             try:
-                watch, out = _watch_once(model, shape, dtype, known, norms, params, use)
+                watch, out = _watch_once(model, shape, dtype, known, norms, params, use, carriers)
             except HyfiError:
                 raise
             except Exception as err:  # the model's own code failed: say so in one line
@@ -567,6 +666,10 @@ def watch_tiles(
                     "spatial tiling needs a model that runs on any image size (convolutional "
                     "up to its global pool) and on the meta device",
                 ) from err
+            found = watch.links()
+            use.links = (
+                found if not training else {k: v for k, v in use.links.items() if found.get(k) == v}
+            )
             results, _ = tree_flatten(out)
             reaching = reaching.union(*(watch.pools_of(o) for o in results))
             for pool, names in watch.lineage_params.items():

@@ -110,6 +110,8 @@ class ParallelConfig(_Strict):
     checkpointing: str = "none"
     #: Compute each convolution's interior while its halos are in flight.
     overlap: bool = False
+    #: One halo exchange serves up to this many consecutive windowed layers.
+    halo_depth: int = Field(1, ge=1)
 
     @field_validator("spatial", mode="before")
     @classmethod

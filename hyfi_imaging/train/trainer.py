@@ -172,6 +172,7 @@ def plan_of(p: ParallelConfig, layout: Layout) -> ParallelPlan:
         balance=tuple(p.balance) if p.balance else None,
         checkpointing=p.checkpointing,
         overlap=p.overlap,
+        halo_depth=p.halo_depth,
     )
 
 

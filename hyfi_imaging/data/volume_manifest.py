@@ -1,0 +1,152 @@
+"""The manifest of a volume cohort: one CSV row per volume, its store, size and targets.
+
+Why a manifest of its own: the slide manifest (:mod:`hyfi_imaging.preprocess.manifest`)
+has one class label and a 2-D size; a volume has a depth, a voxel size per
+axis and often several regression targets (CosmoFlow regresses four
+cosmological parameters). The conventions are the slide manifest's: one row
+per volume, finished or not (``status`` ``ok`` or why not in ``error``), store
+paths relative to the manifest's directory, written atomically.
+
+Columns: ``volume_id, path, depth, height, width, voxel_z, voxel_y, voxel_x,
+labels, status, error, source`` and one ``target_<name>`` column per
+regression target (``labels`` names the store's label image, if any).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hyfi_imaging.atomic import write_atomic
+from hyfi_imaging.errors import ConfigError
+
+__all__ = [
+    "VOLUME_COLUMNS",
+    "VolumeRow",
+    "read_volume_manifest",
+    "write_volume_manifest",
+]
+
+VOLUME_COLUMNS = (
+    "volume_id",
+    "path",
+    "depth",
+    "height",
+    "width",
+    "voxel_z",
+    "voxel_y",
+    "voxel_x",
+    "labels",
+    "status",
+    "error",
+    "source",
+)
+_TARGET = "target_"
+
+
+@dataclass(frozen=True)
+class VolumeRow:
+    """One line of a volume ``manifest.csv``.
+
+    Attributes:
+        volume_id: the volume's id.
+        path: its OME-Zarr store, relative to the manifest's directory (or absolute).
+        shape: ``(depth, height, width)`` at level 0.
+        voxel_size: ``(z, y, x)`` micrometres per voxel.
+        targets: regression targets by name (the same names on every row).
+        labels: the name of the store's label image, or ``""``.
+        status: ``ok`` when the store is finished and usable.
+        error: why not, when ``status`` is not ``ok``.
+        source: where the volume came from (a generator and its seed, a file).
+    """
+
+    volume_id: str
+    path: str
+    shape: tuple[int, int, int]
+    voxel_size: tuple[float, float, float]
+    targets: dict[str, float] = field(default_factory=dict)
+    labels: str = ""
+    status: str = "ok"
+    error: str = ""
+    source: str = ""
+
+
+def write_volume_manifest(rows: Sequence[VolumeRow], path: str | Path) -> Path:
+    """Write ``rows`` as a volume manifest, atomically; every row must name the same targets."""
+    names = sorted(rows[0].targets) if rows else []
+    for row in rows:
+        if sorted(row.targets) != names:
+            raise ConfigError(
+                f"volume {row.volume_id}",
+                f"has targets {sorted(row.targets)} but the first row has {names}",
+                "give every volume of a cohort the same targets",
+            )
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([*VOLUME_COLUMNS, *(_TARGET + n for n in names)])
+    for r in rows:
+        writer.writerow(
+            [
+                r.volume_id,
+                r.path,
+                *r.shape,
+                *(f"{v:.6g}" for v in r.voxel_size),
+                r.labels,
+                r.status,
+                r.error,
+                r.source,
+                *(repr(float(r.targets[n])) for n in names),
+            ]
+        )
+    return write_atomic(path, buf.getvalue())
+
+
+def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
+    """Read a manifest written by :func:`write_volume_manifest` (or its directory).
+
+    Raises :class:`ConfigError` for a missing file, missing columns or bad numbers.
+    """
+    p = Path(path)
+    p = p / "manifest.csv" if p.is_dir() else p
+    try:
+        with p.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            records = list(reader)
+    except OSError as err:
+        raise ConfigError(str(p), f"cannot read the manifest ({err})", "check the path") from err
+    missing = [c for c in VOLUME_COLUMNS if c not in header]
+    if missing:
+        raise ConfigError(
+            str(p),
+            f"not a volume manifest (no column {', '.join(missing)})",
+            "write it with write_volume_manifest",
+        )
+    names = [c[len(_TARGET) :] for c in header if c.startswith(_TARGET)]
+    rows = []
+    for line, d in enumerate(records, start=2):
+        try:
+            targets = {n: float(d[_TARGET + n]) for n in names}
+            row = VolumeRow(
+                d["volume_id"],
+                d["path"],
+                (int(d["depth"]), int(d["height"]), int(d["width"])),
+                (float(d["voxel_z"]), float(d["voxel_y"]), float(d["voxel_x"])),
+                targets,
+                d["labels"],
+                d["status"],
+                d["error"],
+                d["source"],
+            )
+        except (TypeError, ValueError) as err:
+            raise ConfigError(
+                f"{p}:{line}", f"bad value ({err})", "fix or rewrite the row"
+            ) from err
+        if row.status == "ok" and not all(math.isfinite(v) for v in targets.values()):
+            raise ConfigError(f"{p}:{line}", "a target is not a finite number", "fix the row")
+        rows.append(row)
+    return rows

@@ -1,0 +1,48 @@
+"""Deep halos: one exchange serves several windowed layers, exactly (float64, mpiexec).
+
+Each case trains two SGD steps through ``hyfi_imaging.verify_model`` at
+``halo_depth=1`` and at a deeper one, against one process on the same data
+(outputs, input and parameter gradients, weights, BatchNorm statistics), at
+odd sizes where the last tiles hang over the image's end, and counts the halo
+messages: the deeper halo must send fewer. The border a layer computes for
+the next one is masked outside the image (a missing mask fails the ``mixed``
+case with NaNs and 1e-1 errors: checked by hand).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import have_mpiexec, json_line, mpiexec
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(not have_mpiexec(), reason="mpiexec is not installed"),
+]
+WORKER = Path(__file__).parent / "workers" / "deep_halo.py"
+
+CASES = [
+    # (model, grid, size, depth, extra): every windowed layer kind, three per exchange
+    ("mixed", (1, 2), (45, 53), 3, ()),
+    # corners (2x2), overlapped exchanges, odd sizes
+    ("mixed", (2, 2), (45, 39), 2, ("overlap",)),
+    # BasicBlocks (conv-bn-relu-conv) and the stem; two pipeline stages cut the model
+    ("resnet18", (2, 1), (97, 83), 4, ("pp2",)),
+]
+
+
+@pytest.mark.parametrize(("model", "grid", "size", "depth", "extra"), CASES)
+def test_deep_halos_match_one_process_with_fewer_messages(
+    model: str, grid: tuple[int, int], size: tuple[int, int], depth: int, extra: tuple[str, ...]
+) -> None:
+    ranks = grid[0] * grid[1] * (2 if "pp2" in extra else 1)
+    job = mpiexec(ranks, str(WORKER), model, *map(str, (*grid, *size, depth)), *extra)
+    result = json_line(job)
+    assert job.returncode == 0 and "error" not in result, job.describe()
+    assert result["ok"] and result["max_rel_error"] < 1e-9, result
+    one, deep = result["messages"]
+    assert deep < one, result
