@@ -32,52 +32,67 @@ WORKER = WORKERS / "user_model.py"
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 
 
-def _run(
-    mode: str, grid: tuple[int, int], size: tuple[int, int], dp: int = 1, m: int = 1
-) -> tuple[int, dict[str, Any]]:
-    cmd = [MPIEXEC, "-n", str(dp * grid[0] * grid[1]), sys.executable, str(WORKER), mode,
-           *map(str, (*grid, *size, dp, m))]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    return proc.returncode, json.loads(lines[-1])
+#: (mode, grid, dp, micro-batches): cases compared with one process on a 38x45 image.
+EXACT = [
+    ("classify", (1, 2), 1, 1),
+    ("classify", (2, 2), 1, 1),
+    ("dense", (1, 2), 1, 1),
+    ("dense", (2, 2), 1, 1),
+    ("dense-mse", (2, 1), 1, 1),
+    # data replicas and micro-batches: FSDP2's head/tile rule on the user's own modules
+    ("classify", (1, 2), 2, 2),
+    ("dense", (1, 2), 2, 2),
+]
+#: Cases that must fail: a broken halo exchange, a loss that cannot be computed on tiles.
+MUST_FAIL = [("broken", (1, 2), 1, 1), ("dense-scalar-loss", (1, 2), 1, 1)]
+
+
+def _case(mode: str, grid: tuple[int, int], dp: int, m: int) -> str:
+    return ":".join(map(str, (mode, *grid, 38, 45, dp, m)))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, Any]]:
+    """Every case, one launch per world size (start-up costs seconds, a case less)."""
+    worlds: dict[int, list[str]] = {}
+    for mode, grid, dp, m in [*EXACT, *MUST_FAIL]:
+        worlds.setdefault(dp * grid[0] * grid[1], []).append(_case(mode, grid, dp, m))
+    out: dict[str, dict[str, Any]] = {}
+    for n, cases in worlds.items():
+        cmd = [MPIEXEC, "-n", str(n), sys.executable, str(WORKER), *cases]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 60 * len(cases),
+                              check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        for case in cases:
+            found = next((r for r in lines if r.get("case") == case), None)
+            out[case] = found or {"launch": f"rc {proc.returncode}: {proc.stderr[-3000:]}"}
+            out[case]["returncode"] = proc.returncode
+    return out
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(
-    ("mode", "grid", "dp", "m"),
-    [
-        ("classify", (1, 2), 1, 1),
-        ("classify", (2, 2), 1, 1),
-        ("dense", (1, 2), 1, 1),
-        ("dense", (2, 2), 1, 1),
-        ("dense-mse", (2, 1), 1, 1),
-        # data replicas and micro-batches: FSDP2's head/tile rule on the user's own modules
-        ("classify", (1, 2), 2, 2),
-        ("dense", (1, 2), 2, 2),
-    ],
-)
-def test_user_model_matches_one_process(mode: str, grid: tuple[int, int], dp: int, m: int) -> None:
+@pytest.mark.parametrize(("mode", "grid", "dp", "m"), EXACT)
+def test_user_model_matches_one_process(
+    results: dict[str, dict[str, Any]], mode: str, grid: tuple[int, int], dp: int, m: int
+) -> None:
     """Loss, outputs (a dense map stitched from tiles), input and parameter gradients, weights."""
-    code, result = _run(mode, grid, (38, 45), dp, m)
-    assert code == 0, result
+    result = results[_case(mode, grid, dp, m)]
+    assert result["returncode"] == 0, result
     assert result["ok"] and result["max_rel_error"] < 1e-9, result
     assert result["compared"] > 30
 
 
 @pytest.mark.mpi
-def test_verify_model_fails_on_a_broken_halo_exchange() -> None:
-    code, result = _run("broken", (1, 2), (38, 45))
-    assert code == 0, result
+def test_verify_model_fails_on_a_broken_halo_exchange(results: dict[str, dict[str, Any]]) -> None:
+    result = results[_case("broken", (1, 2), 1, 1)]
+    assert result["returncode"] == 0, result
     assert not result["ok"]
     assert any("input_grad" in name for name in result["failed"]), result
 
 
 @pytest.mark.mpi
-def test_a_tile_mean_loss_on_a_dense_output_is_refused() -> None:
-    code, result = _run("dense-scalar-loss", (1, 2), (38, 45))
-    assert code == 2
+def test_a_tile_mean_loss_on_a_dense_output_is_refused(results: dict[str, dict[str, Any]]) -> None:
+    result = results[_case("dense-scalar-loss", (1, 2), 1, 1)]
     assert "per-pixel" in result["error"], result
 
 

@@ -1,9 +1,9 @@
 """mpiexec worker: pads and interpolations of the whole image, grid vs one process.
 
-Usage: ``mpiexec -n N python tests/workers/resample_models.py MODEL GY GX H W``,
-MODEL one of :data:`MODELS`; ``hyfi_imaging.verify_model`` in float64 (two SGD
-steps; outputs, input and parameter gradients, weights after training); one
-JSON line on rank 0.
+Usage: ``mpiexec -n N python tests/workers/resample_models.py MODEL:GY:GX:H:W ...``
+(cases of one world size, run in one launch), MODEL one of :data:`MODELS`;
+``hyfi_imaging.verify_model`` in float64 (two SGD steps; outputs, input and
+parameter gradients, weights after training); one JSON line per case on rank 0.
 
 * ``unet-<mode>``: a small U-Net (dense per-pixel logits at full resolution)
   whose decoder calls ``F.interpolate(x, size=skip.shape[-2:], mode=...)``
@@ -110,24 +110,27 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 
 
 def main(argv: list[str]) -> int:
+    """Run every case ``MODEL:GY:GX:H:W`` of ``argv`` in this one launch (same world size)."""
     from hyfi_imaging import HyfiError, Layout, verify_model
     from hyfi_imaging.parallel.launch import shutdown
 
-    name = argv[0]
-    gy, gx, h, w = (int(v) for v in argv[1:5])
     torch.set_num_threads(1)
-    try:
-        report = verify_model(MODELS[name], (h, w), Layout(sp=(gy, gx)), batch=2)
-    except HyfiError as err:
+    for case in argv:
+        name, *numbers = case.split(":")
+        gy, gx, h, w = (int(v) for v in numbers)
+        result: dict[str, object] = {"case": case}
+        try:
+            report = verify_model(MODELS[name], (h, w), Layout(sp=(gy, gx)), batch=2)
+        except HyfiError as err:
+            result["error"] = str(err)
+        else:
+            if torch.distributed.get_rank() == 0:
+                print(report.format(f"{name} {h}x{w} on {gy}x{gx}"), file=sys.stderr)
+            result.update(ok=report.ok, max_rel_error=report.max_rel_error,
+                          compared=len(report.comparisons),
+                          failed=[c.name for c in report.comparisons if not c.ok])  # fmt: skip
         if torch.distributed.get_rank() == 0:
-            print(json.dumps({"error": str(err)}))
-        shutdown()
-        return 2
-    if torch.distributed.get_rank() == 0:
-        print(report.format(f"{name} {h}x{w} on {gy}x{gx}"), file=sys.stderr)
-        failed = [c.name for c in report.comparisons if not c.ok]
-        print(json.dumps({"ok": report.ok, "max_rel_error": report.max_rel_error,
-                          "compared": len(report.comparisons), "failed": failed}))  # fmt: skip
+            print(json.dumps(result), flush=True)
     shutdown()
     return 0
 

@@ -1,7 +1,8 @@
 """Models a user writes (not chains, not registered), checked by ``hyfi_imaging.verify_model``.
 
-Usage: ``mpiexec -n N python tests/workers/user_model.py MODE GY GX H W [DP [M]]``
-(``DP`` data replicas, ``M`` micro-batches; ``N = DP x GY x GX``), MODE one of
+Usage: ``mpiexec -n N python tests/workers/user_model.py MODE:GY:GX:H:W:DP:M ...``
+(``DP`` data replicas, ``M`` micro-batches; ``N = DP x GY x GX`` for every case;
+the cases run in one launch, a JSON line each on rank 0), MODE one of
 
 * ``classify``: :class:`ResidualNet`, whose ``forward`` is not its children in
   order (a residual, a squeeze-excite block with its own global pool, a
@@ -10,7 +11,7 @@ Usage: ``mpiexec -n N python tests/workers/user_model.py MODE GY GX H W [DP [M]]
   pool), the default per-pixel cross-entropy averaged over the image's pixels;
 * ``dense-mse``: the same model with a regression loss and float targets;
 * ``dense-scalar-loss``: the same model with ``F.cross_entropy``'s mean, one
-  number per tile: refused (exit 2, the error as JSON);
+  number per tile: refused (the error in its JSON line);
 * ``broken``: ``classify`` with the halo exchange's backward dropping its
   gradients (``tests/mpi/broken_halo.py``): must *not* be ok.
 
@@ -84,14 +85,12 @@ def _per_pixel_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).square().mean(dim=1)
 
 
-def main(argv: list[str]) -> int:
+def _case(case: str) -> dict[str, Any]:
+    """One case ``MODE:GY:GX:H:W:DP:M``: verify_model's result (or its refusal)."""
     from hyfi_imaging import HyfiError, Layout, verify_model
-    from hyfi_imaging.parallel.launch import shutdown
 
-    mode = argv[0]
-    gy, gx, h, w = (int(v) for v in argv[1:5])
-    dp, m = (int(v) for v in [*argv[5:7], 1, 1][:2])
-    torch.set_num_threads(1)
+    mode, *numbers = case.split(":")
+    gy, gx, h, w, dp, m = (int(v) for v in numbers)
     options: dict[str, Any] = {}
     broken: AbstractContextManager[Any] = nullcontext()
     build: Any = ResidualNet
@@ -111,15 +110,23 @@ def main(argv: list[str]) -> int:
             layout = Layout(dp=dp, sp=(gy, gx))
             report = verify_model(build, (h, w), layout, batch=2 * m, microbatches=m, **options)
     except HyfiError as err:
-        if torch.distributed.get_rank() == 0:
-            print(json.dumps({"error": str(err)}))
-        shutdown()
-        return 2
+        return {"case": case, "error": str(err)}
     if torch.distributed.get_rank() == 0:
         print(report.format(f"{mode} {h}x{w} on dp={dp} x {gy}x{gx}, m={m}"), file=sys.stderr)
-        failed = [c.name for c in report.comparisons if not c.ok]
-        print(json.dumps({"ok": report.ok, "max_rel_error": report.max_rel_error,
-                          "compared": len(report.comparisons), "failed": failed}))  # fmt: skip
+    failed = [c.name for c in report.comparisons if not c.ok]
+    return {"case": case, "ok": report.ok, "max_rel_error": report.max_rel_error,
+            "compared": len(report.comparisons), "failed": failed}  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    """Run every case of ``argv`` (one world size) in this one launch; a JSON line each."""
+    from hyfi_imaging.parallel.launch import shutdown
+
+    torch.set_num_threads(1)
+    for case in argv:
+        result = _case(case)
+        if torch.distributed.get_rank() == 0:
+            print(json.dumps(result), flush=True)
     shutdown()
     return 0
 
