@@ -11,6 +11,7 @@ case with NaNs and 1e-1 errors: checked by hand).
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -32,17 +33,32 @@ CASES = [
     ("mixed", (2, 2), (45, 39), 2, ("overlap",)),
     # BasicBlocks (conv-bn-relu-conv) and the stem; two pipeline stages cut the model
     ("resnet18", (2, 1), (97, 83), 4, ("pp2",)),
+    # volumes: every 3-D windowed layer kind on sub-volumes that hang over the end
+    ("mixed3d", (2, 1, 2), (19, 14, 21), 3, ()),
+    # the 3D U-Net's double convolutions, between its pools and up-convolutions (22 s: slow)
+    pytest.param("unet3d", (1, 2, 2), (12, 17, 15), 2, (), marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize(("model", "grid", "size", "depth", "extra"), CASES)
 def test_deep_halos_match_one_process_with_fewer_messages(
-    model: str, grid: tuple[int, int], size: tuple[int, int], depth: int, extra: tuple[str, ...]
+    model: str, grid: tuple[int, ...], size: tuple[int, ...], depth: int, extra: tuple[str, ...]
 ) -> None:
-    ranks = grid[0] * grid[1] * (2 if "pp2" in extra else 1)
-    job = mpiexec(ranks, str(WORKER), model, *map(str, (*grid, *size, depth)), *extra)
+    ranks = math.prod(grid) * (2 if "pp2" in extra else 1)
+    text = ("x".join(map(str, grid)), "x".join(map(str, size)))
+    job = mpiexec(ranks, str(WORKER), model, *text, str(depth), *extra)
     result = json_line(job)
     assert job.returncode == 0 and "error" not in result, job.describe()
     assert result["ok"] and result["max_rel_error"] < 1e-9, result
     one, deep = result["messages"]
     assert deep < one, result
+
+
+def test_tiles_too_small_for_a_layer_are_refused_in_one_line() -> None:
+    """13x11x15 on 2x1x2: a tile's map is narrower than a later 3x3x3 pool's window."""
+    job = mpiexec(4, str(WORKER), "mixed3d", "2x1x2", "13x11x15", "2")
+    error = json_line(job).get("error", "")
+    assert job.returncode != 0 and error.startswith("tiles of 8x12x8 px: are too small"), (
+        job.describe()
+    )
+    assert "\n" not in error and "larger image" in error

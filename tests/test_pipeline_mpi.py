@@ -34,9 +34,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))  # also as the mpiexec worker
+from _launch import MARKER, training_verdict
 from broken_halo import dropped_halo_gradients
 
-MARKER = "HYFI-PIPELINE-RESULT "
 ROOT = Path(__file__).resolve().parents[1]
 
 RESNET = {"model": "resnet18", "width": 0.25}
@@ -126,11 +126,13 @@ def _run_case(cfg: dict[str, Any], *, sabotage: bool) -> dict[str, Any]:
 
 
 def _worker() -> None:
+    from functools import partial
+
     import torch
-    import torch.distributed as dist
+    from _worker import emit, run_world
 
     from hyfi_imaging.errors import ConfigError
-    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+    from hyfi_imaging.parallel.launch import init_parallel
     from hyfi_imaging.parallel.layout import Layout
 
     torch.set_num_threads(1)
@@ -145,20 +147,8 @@ def _worker() -> None:
     except ConfigError as err:
         results["world-mismatch"] = {"ok": "launch with -np" in str(err), "detail": str(err)}
     for table, sabotage in ((CASES, False), (SABOTAGED, True)):
-        for name, (n, cfg) in table.items():
-            if n != world:
-                continue
-            try:
-                results[name] = _run_case(cfg, sabotage=sabotage)
-            except Exception as err:  # recorded, so the other cases still report
-                import traceback
-
-                traceback.print_exc()
-                results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
-    if dist.get_rank() == 0:
-        print(MARKER + json.dumps(results), flush=True)
-    dist.barrier()
-    shutdown()
+        results.update(run_world(table, partial(_run_case, sabotage=sabotage), world))
+    emit(results)
 
 
 # ----------------------------------------------------------------------------- pytest
@@ -212,13 +202,8 @@ def launches() -> dict[int, dict[str, Any]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_trains_like_one_process(launches: dict[int, dict[str, Any]], name: str) -> None:
     n, cfg = CASES[name]
-    verdict = launches[n].get(name) or launches[n].get("_launch")
-    assert verdict is not None, f"{name}: no result"
-    assert verdict.get("ok"), f"{name}: {verdict}"
-    # Every kind of tensor was compared (not just some).
+    verdict = training_verdict(launches, n, name)
     names = verdict["names"]
-    for kind in ("loss", "grad/", "final/", "predict/output", "output[", "input_grad["):
-        assert any(kind in x for x in names), f"{name}: nothing named {kind!r} compared"
     if cfg.get("clip"):
         assert any("grad_norm" in x for x in names)
     if cfg["balance"] in (None, "memory") and cfg["layout"][1] > 1:

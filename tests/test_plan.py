@@ -9,8 +9,9 @@ import pytest
 from hyfi_imaging.cli.plan import main, memory_size
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
+from hyfi_imaging.parallel.candidates import candidates, rank
 from hyfi_imaging.parallel.layout import Layout
-from hyfi_imaging.parallel.plan import Candidate, candidates, predict, rank
+from hyfi_imaging.parallel.plan import Candidate, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +119,249 @@ def test_fit_warning_names_the_layout_and_the_fix(tmp_path: Path, manifest: Path
     assert fit_warning(recipe) is None  # this machine's RAM holds it easily
     message = fit_warning(recipe, memory=2**20)  # a 1 MiB device does not
     assert message is not None and "GiB per rank" in message and "parallel=auto" in message
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_candidates_rank_every_schedule_and_leave_out_refused_ones() -> None:
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    two = list(candidates(model, (256, 256), 2, 4))
+    assert {c.schedule for c in two if c.layout.pp == 2} == {
+        "gpipe", "1f1b", "bidirectional", "interleaved1f1b", "zbv", "dualpipev",
+    }  # fmt: skip
+    assert {c.schedule for c in two if c.layout.pp == 1} == {"gpipe"}
+    for c in two:  # what training refuses is never offered
+        if c.schedule == "bidirectional":
+            assert c.microbatches % 2 == 0
+        if c.schedule in ("1f1b", "zbv"):
+            assert c.microbatches >= c.layout.pp
+        if c.schedule == "dualpipev":
+            assert c.microbatches >= 2 * c.layout.pp
+    # three pipeline ranks: no mirrored pairs
+    three = list(candidates(model, (256, 256), 3, 4))
+    assert any(c.layout.pp == 3 for c in three)
+    assert not any(c.schedule == "bidirectional" for c in three)
+    with pytest.raises(ConfigError, match="even number of pipeline ranks"):
+        predict(model, (256, 256), 4, Candidate(Layout(pp=3), 2, schedule="bidirectional"))
+    with pytest.raises(ConfigError, match="micro-batches"):
+        predict(model, (256, 256), 4, Candidate(Layout(pp=2), 2, schedule="dualpipev"))
+    preds = rank([predict(model, (256, 256), 4, c) for c in two if c.layout.pp == 2], 2**40)
+    assert {p.candidate.schedule for p in preds} >= {"bidirectional", "zbv", "dualpipev"}
+
+
+def test_bidirectional_holds_a_second_stage() -> None:
+    """Mirrored replicas: every rank keeps two stages' gradients and momentum (here, pp = 2 and
+    no sharding, the whole model's), so the busiest rank holds at least one stage's state more
+    than under 1F1B, and with as many micro-batches per replica as 1F1B keeps in flight, at
+    least as many activations."""
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    lay = Layout(pp=2)
+    one = predict(model, (256, 256), 4, Candidate(lay, 4, schedule="1f1b", balance=(5, 6)))
+    two = predict(model, (256, 256), 4, Candidate(lay, 4, schedule="bidirectional", balance=(5, 6)))
+    assert two.state == 2 * whole  # SGD: gradient + momentum of both stages
+    # 1F1B's busiest rank holds one stage: the difference is the other stage's state.
+    assert two.state - one.state in {2 * n for n in _stage_params(model, (5, 6))}
+    assert two.activations >= one.activations
+    assert two.peak >= one.peak + min(2 * n for n in _stage_params(model, (5, 6)))
+    # Torch's V schedules cut 2 pp stages and also hold two per rank.
+    v = predict(model, (256, 256), 4, Candidate(lay, 4, schedule="zbv"))
+    assert len(v.balance) == 4
+    assert v.step_s > 0 and 0.0 <= v.bubble < 1.0
+
+
+def _stage_params(model: object, balance: tuple[int, ...]) -> list[int]:
+    from hyfi_imaging.parallel.pipeline import model_layers, stage_bounds
+
+    layers = model_layers(model)  # type: ignore[arg-type]
+    return [
+        sum(p.numel() * p.element_size() for _, m in layers[a:b] for p in m.parameters())
+        for a, b in stage_bounds(balance)
+    ]
+
+
+def test_simulated_bubble_orders_the_schedules() -> None:
+    """Step time replays each schedule's own order: GEMS fills 1F1B's bubble at equal ranks."""
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    cut = Candidate(Layout(pp=2), 4, balance=(5, 6))
+    gems = predict(
+        model, (256, 256), 4, Candidate(cut.layout, 4, schedule="bidirectional", balance=(5, 6))
+    )
+    one = predict(model, (256, 256), 4, Candidate(cut.layout, 4, schedule="1f1b", balance=(5, 6)))
+    assert gems.bubble < one.bubble
+
+
+def test_cli_table_and_recipe_lines_name_the_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    from hyfi_imaging.cli.plan import recipe_lines
+
+    code = main(["--model", "resnet18", "--width", "0.25", "--image-size", "256", "--devices", "2",
+                 "--batch", "4", "--device-memory", "4GiB", "--rate", "1e10", "--top", "200"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "schedule" in out.splitlines()[1] and "bubble" in out.splitlines()[1]
+    assert " bidirectional " in out and " dualpipev " in out
+    assert "schedule: " in out.split("recommended:")[1]
+    assert "not calibrated" in out.lower()
+    lines = recipe_lines(Candidate(Layout(pp=2), 2, schedule="bidirectional"), (5, 6))
+    assert "  schedule: bidirectional" in lines and "  balance: [5, 6]" in lines
+
+
+def test_cli_evaluates_a_recipe_set_to_bidirectional(
+    tmp_path: Path, manifest: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([str(_recipe(tmp_path, manifest, "resnet18")),
+                 "--set", "parallel.pipeline=2", "--set", "parallel.microbatches=2",
+                 "--set", "parallel.schedule=bidirectional",
+                 "--device-memory", "64GiB", "--rate", "1e10", "--top", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    mine = [ln for ln in out.splitlines() if ln.endswith("<- recipe")]
+    assert len(mine) == 1 and " bidirectional " in mine[0] and "dp1 pp2 sp1x1" in mine[0]
+
+
+def test_schedule_replay_agrees_with_the_schedules_own_simulations() -> None:
+    """One replay for every schedule: on unit costs it reproduces the makespans of
+    ``simulate_schedule`` (GPipe, 1F1B) and ``simulate_bidirectional`` (GEMS), and torch's
+    orders for its schedules replay without deadlock, each micro-batch once per stage."""
+    from hyfi_imaging.parallel.pipeline import simulate_schedule
+    from hyfi_imaging.parallel.schedules import (
+        schedule_actions,
+        simulate_bidirectional,
+        simulate_orders,
+    )
+
+    for pp, m in ((2, 4), (4, 8)):
+        for name in ("gpipe", "1f1b"):
+            span, _ = simulate_orders(schedule_actions(name, pp, m), pp)
+            assert span == max(end for _, end in simulate_schedule(name, pp, m).values())
+        span, _ = simulate_orders(schedule_actions("bidirectional", pp, m), pp)
+        assert span == max(end for _, _, end in simulate_bidirectional(pp, m // 2).values())
+        for name in ("interleaved1f1b", "zbv", "dualpipev"):
+            orders = schedule_actions(name, pp, m)
+            forwards = sorted((s, i) for o in orders for _, s, k, i in o if k == "F")
+            assert forwards == sorted((s, i) for s in range(2 * pp) for i in range(m))
+            span, idle = simulate_orders(orders, 2 * pp)
+            assert span > 0 and 0 <= idle < 1
+
+
+# ----------------------------------------------------------------------------- per-stage grids
+
+
+def test_junction_grids_split_the_replica_and_never_grow() -> None:
+    from hyfi_imaging.parallel.candidates import JUNCTION_LIMIT, junction_grids
+
+    assert junction_grids(3, 2) == [((1, 2), (1, 1)), ((2, 1), (1, 1))]
+    five = junction_grids(5, 2)
+    assert ((2, 2), (1, 1)) in five and ((1, 4), (1, 1)) in five
+    assert ((2, 2), (1, 2), (1, 1)) in junction_grids(7, 3)
+    assert junction_grids(4, 1) == [] and junction_grids(2, 2) == []  # one stage; only 1x1,1x1
+    for ranks in range(2, 33):
+        for pp in range(2, 6):
+            seqs = junction_grids(ranks, pp)
+            assert len(seqs) <= JUNCTION_LIMIT
+            for grids in seqs:
+                assert len(grids) == pp and len(set(grids)) > 1
+                assert sum(gy * gx for gy, gx in grids) == ranks
+                layout = Layout(pp=pp, grids=grids)  # the junction's own checks accept it
+                assert layout.junction and layout.world_size == ranks
+
+
+def test_candidates_include_per_stage_grids_with_their_schedules() -> None:
+    from hyfi_imaging.parallel.candidates import JUNCTION_STAGES
+
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    cands = list(candidates(model, (512, 512), 3, 2))
+    mixed = [c for c in cands if c.layout.junction]
+    assert {c.layout.grids for c in mixed} == {((1, 2), (1, 1)), ((2, 1), (1, 1))}
+    assert {c.schedule for c in mixed} == {"gpipe", "1f1b"}  # what the junction runs
+    assert all(c.layout.world_size == 3 for c in cands)
+    assert len(mixed) <= 2 * 2 * 2 * 3  # grids x micro-batch counts x schedules x checkpointing
+    seven = list(candidates(model, (512, 512), 7, 1))
+    assert any(c.layout.grids == ((2, 2), (1, 2), (1, 1)) for c in seven)
+    assert len(seven) < 200  # bounded: at most JUNCTION_LIMIT grids per pp, pp <= JUNCTION_STAGES
+    assert max(c.layout.pp for c in seven if c.layout.junction) <= JUNCTION_STAGES
+
+
+def test_per_stage_grid_prediction_holds_each_stage_on_its_own_grid() -> None:
+    """The first stage on 1x2 tiles keeps about half the activations it keeps on one rank; the
+    last stage on one rank is not sharded; the cut moves toward the tiled stage; ranking puts
+    the junction layout among the others and its recipe lines name every grid."""
+    from hyfi_imaging.cli.plan import recipe_lines
+
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    hw, bal = (1024, 1024), (5, 6)
+    plain = predict(model, hw, 2, Candidate(Layout(pp=2), 2, schedule="1f1b", balance=bal))
+    lay = Layout(pp=2, grids=((1, 2), (1, 1)))
+    mixed = predict(model, hw, 2, Candidate(lay, 2, schedule="1f1b", balance=bal))
+    assert mixed.peak < plain.peak
+    assert 0.4 < mixed.activations / plain.activations < 0.7
+    auto = predict(model, hw, 2, Candidate(lay, 2, schedule="1f1b"))
+    assert sum(auto.balance[:1]) >= sum(
+        predict(model, hw, 2, Candidate(Layout(pp=2), 2)).balance[:1]
+    )
+    with pytest.raises(ConfigError, match="gpipe and 1f1b"):
+        predict(model, hw, 2, Candidate(lay, 2, schedule="zbv"))
+    ranked = rank([plain, mixed], memory=2**40)
+    assert {p.candidate.layout for p in ranked} == {Layout(pp=2), lay}
+    lines = recipe_lines(mixed.candidate, mixed.balance)
+    assert "  spatial: [1x2, 1x1]" in lines and "  pipeline: 2" in lines
+
+
+def test_cli_ranks_per_stage_grids(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--model", "resnet18", "--width", "0.25", "--image-size", "512", "--devices", "3",
+                 "--batch", "2", "--device-memory", "64GiB", "--rate", "1e10", "--top", "100"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert " dp1 pp2 sp1x2,1x1 " in out
+
+
+def test_parallel_auto_and_the_cli_take_per_stage_grids(
+    tmp_path: Path,
+    manifest: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import hyfi_imaging.parallel.candidates as plan_space
+    from hyfi_imaging.train.config import load_recipe
+
+    recipe = _recipe(tmp_path, manifest, "resnet18")
+    # A recipe with per-stage grids is its own row of the table.
+    code = main([str(recipe), "--set", "parallel.pipeline=2", "--set", "parallel.spatial=1x2,1x1",
+                 "--set", "parallel.microbatches=2", "--device-memory", "64GiB", "--rate", "1e10",
+                 "--top", "1"])  # fmt: skip
+    mine = [ln for ln in capsys.readouterr().out.splitlines() if ln.endswith("<- recipe")]
+    assert code == 0 and len(mine) == 1 and "dp1 pp2 sp1x2,1x1" in mine[0]
+    # parallel=auto turns a winning junction layout into the recipe's per-stage grids.
+    real = plan_space.rank
+    monkeypatch.setattr(
+        plan_space,
+        "rank",
+        lambda preds, memory: sorted(
+            real(preds, memory), key=lambda p: not p.candidate.layout.junction
+        ),
+    )
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    r = load_recipe(recipe, ["parallel=auto"])
+    assert r.parallel.stage_grids in (((1, 2), (1, 1)), ((2, 1), (1, 1)))
+    assert r.world_size == 3 and r.parallel.pipeline == 2
+
+
+def test_the_recommendation_lists_every_pipeline_ranks_peak(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stages hold different amounts: the recommended pipeline says what each rank holds."""
+    import hyfi_imaging.parallel.candidates as plan_space
+
+    real = plan_space.rank
+    monkeypatch.setattr(  # a pipeline first, whatever the ranking says
+        plan_space,
+        "rank",
+        lambda preds, memory: sorted(real(preds, memory), key=lambda p: p.candidate.layout.pp == 1),
+    )
+    code = main(["--model", "resnet18", "--image-size", "1024", "--devices", "2",
+                 "--device-memory", "8GiB", "--top", "2"])  # fmt: skip
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended"))
+    assert code == 0 and "pp=2" in line, line
+    peaks = line.split("(pipeline ranks: ")[1].removesuffix(" GiB)").split(" / ")
+    assert len(peaks) == 2 and float(peaks[0]) > float(peaks[1]), line

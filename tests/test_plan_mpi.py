@@ -5,13 +5,14 @@ the peak resident set over the memory after the model build, on every rank,
 against the planner's prediction for the same layout and stage cut. The issue
 sets +-15 % on at least six layouts; these cover one process, spatial grids,
 data x spatial, pipeline (both schedules) and pipeline x spatial, with every
-checkpointing mode.
+checkpointing mode, two-stage schedules (GEMS, ZBV), and per-stage grids (the junction).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,8 +26,9 @@ pytestmark = [
 ]
 
 TOLERANCE = 0.15
-#: name -> (ranks, dp,pp,gy,gx, checkpointing, micro-batches, schedule); ResNet-18 x0.25, 1024^2, batch 2.
-LAYOUTS = {
+#: name -> (ranks, dp,pp,gy,gx, checkpointing, micro-batches, schedule[, per-stage grids]);
+#: ResNet-18 x0.25, 1024^2, batch 2.
+LAYOUTS: dict[str, tuple[Any, ...]] = {
     "1-process": (1, "1,1,1,1", "none", 1, "gpipe"),
     "sp2x2": (4, "1,1,2,2", "none", 1, "gpipe"),
     "sp2x2-full": (4, "1,1,2,2", "full", 1, "gpipe"),
@@ -34,21 +36,43 @@ LAYOUTS = {
     "pp2-1f1b": (2, "1,2,1,1", "none", 2, "1f1b"),
     "dp2-sp1x2": (4, "2,1,1,2", "none", 1, "gpipe"),
     "pp2-sp1x2-full": (4, "1,2,1,2", "full", 2, "gpipe"),
+    "pp2-bidirectional": (2, "1,2,1,1", "none", 2, "bidirectional"),
+    "pp2-zbv": (2, "1,2,1,1", "none", 2, "zbv"),
+    "pp2-junction-1x2,1x1": (3, "1,2,1,2", "none", 2, "1f1b", "1x2,1x1"),
 }
 
 
-# Six layouts in the default run; the seventh with the slow ones (-m slow).
-SLOW = {"pp2-sp1x2-full"}
+# Eight layouts in the default run; the others with the slow ones (-m slow).
+# Measured 2026-11-26 (CPU, this VM), predicted / measured per pipeline rank, after the planner
+# counts torch's per-micro-batch receive buffers, the whole input batch on the first stage and
+# each backward's working set with what is alive at *its* time: pp2-1f1b 148.0 / 143.9 and
+# 81.9 / 85.3 MiB (the last stage was 73.9, -13 %); pp 2 1F1B m 4 batch 4 180.0 / 179.8 and
+# 89.9 / 93.8 (the first stage was 148.0, -18 %); pp2-bidirectional 141.9 / 147.0 (was +12 %).
+# Per-stage grids: 1x2,1x1 1f1b m 2: 92.4 / 92.7 (the 1x2 stage), the 1x1 stage 49.8 / 57.7
+# (-14 %, not the busiest rank). Known under-predictions: ZBV (pp2-zbv, -19.5 %: the split
+# input/weight backward's working set is not modelled; it read -7 % only while the transient
+# of one stage was added to the other's activations) and DualPipeV (pp 2, m 4, -20 %).
+XFAIL = {"pp2-zbv": "ZBV's split backward working set is not modelled (-19.5 %)"}
+SLOW = {"pp2-sp1x2-full", "pp2-zbv"}
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS]
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=[pytest.mark.slow] * (n in SLOW)
+            + [pytest.mark.xfail(reason=XFAIL.get(n, ""), strict=True)] * (n in XFAIL),
+        )
+        for n in LAYOUTS
+    ],
 )
 def test_predicted_peak_within_15_percent(name: str) -> None:
-    ranks, layout, ck, m, schedule = LAYOUTS[name]
+    ranks, layout, ck, m, schedule, *grids = LAYOUTS[name]
     job = mpiexec(
         ranks, "tests/mpi/plan_accuracy.py", "--layout", layout, "--ck", ck,
         "--m", str(m), "--schedule", schedule, "--image", "1024",
+        *(("--grids", grids[0]) if grids else ()),
     )  # fmt: skip
     assert job.returncode == 0, job.describe()
     result = json_line(job)

@@ -11,7 +11,6 @@ weights after two steps). Their refusals and the per-axis arithmetic are in
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
-from _launch import Job, have_mpiexec, mpiexec
+from _launch import Job, have_mpiexec, results_per_world
 
 pytestmark = [
     pytest.mark.mpi,
@@ -51,14 +50,7 @@ def results() -> dict[str, tuple[dict[str, Any], Job]]:
     worlds: dict[int, list[str]] = {}
     for model, grid, size in CASES:
         worlds.setdefault(grid[0] * grid[1], []).append(_case(model, grid, size))
-    out: dict[str, tuple[dict[str, Any], Job]] = {}
-    for n, cases in worlds.items():
-        job = mpiexec(n, str(WORKER), *cases, timeout=120 + 60 * len(cases))
-        lines = [json.loads(ln) for ln in job.stdout.splitlines() if ln.startswith("{")]
-        for case in cases:
-            found = next((r for r in lines if r.get("case") == case), {"error": "no result"})
-            out[case] = found, job
-    return out
+    return results_per_world(WORKER, worlds)
 
 
 @pytest.mark.parametrize(("model", "grid", "size"), CASES)

@@ -54,7 +54,7 @@ def test_recipe_composes_cards_and_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_are_valid(recipe: Path) -> None:
     r = load_recipe(recipe)
-    assert r.world_size >= 1 and r.data.classes
+    assert r.world_size >= 1 and (r.data.classes or r.task.name == "regression")
     assert "hyfi-train" in recipe.read_text().split("\nname:")[0]  # launch command in the header
 
 
@@ -67,6 +67,8 @@ def test_shipped_recipes_are_valid(recipe: Path) -> None:
         (["optim.lr=-1"], "optim.lr: Input should be greater than 0"),
         (["parallel.checkpointing=sometimes"], "use none, full, selective or every:N"),
         (["optim.name=lamb"], "optim.name"),
+        (["task.name=detection"], "task.name: Input should be 'classification', 'segmentation'"),
+        (["task.lost=mse"], "did you mean task.loss?"),
     ],
 )
 def test_recipe_errors_are_one_line(tmp_path: Path, overrides: list[str], message: str) -> None:

@@ -10,7 +10,6 @@ the broken halo exchange proves the check can fail.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import subprocess
@@ -22,6 +21,10 @@ import pytest
 import torch
 
 from hyfi_imaging.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import results_per_world
+
 from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel.engine import ParallelPlan
 from hyfi_imaging.parallel.layout import Layout
@@ -58,15 +61,10 @@ def results() -> dict[str, dict[str, Any]]:
     for mode, grid, dp, m in [*EXACT, *MUST_FAIL]:
         worlds.setdefault(dp * grid[0] * grid[1], []).append(_case(mode, grid, dp, m))
     out: dict[str, dict[str, Any]] = {}
-    for n, cases in worlds.items():
-        cmd = [MPIEXEC, "-n", str(n), sys.executable, str(WORKER), *cases]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 60 * len(cases),
-                              check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-        lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        for case in cases:
-            found = next((r for r in lines if r.get("case") == case), None)
-            out[case] = found or {"launch": f"rc {proc.returncode}: {proc.stderr[-3000:]}"}
-            out[case]["returncode"] = proc.returncode
+    for case, (result, job) in results_per_world(WORKER, worlds).items():
+        out[case] = {**result, "returncode": job.returncode}
+        if result.get("error") == "no result":
+            out[case]["launch"] = job.describe()
     return out
 
 

@@ -264,6 +264,9 @@ def test_a_norm_act_layer_gets_a_spatial_norm_and_its_drop_is_judged() -> None:
     assert type(model[1]).__name__ == "SpatialBatchNormAct2d"
     assert {"1.weight", "1.bias"} <= ctx.tile_param_names
     assert ctx.random_modules == {"1.drop"}
+    # Its normalisation reads the traced size of its input (a regression: it once had none).
+    ctx.set_image_size((8, 12))
+    assert ctx.size_of("1") == (8, 12)
     # Dropout per pixel inside the layer (timm's drop_layer, e.g. DropBlock) is no longer hidden.
     with pytest.raises(ConfigError, match=r"^module '1.drop': aten.*per pixel"):
         spatialize(net(nn.Dropout(0.2)), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(),

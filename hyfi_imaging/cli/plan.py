@@ -26,6 +26,14 @@ examples:
   # a recipe's own layout and its alternatives on as many ranks (same --set as hyfi-train)
   hyfi-plan recipes/synthetic.yaml --set parallel.spatial=1x2 --device-memory 2GiB
 
+  # two mirrored replicas (GEMS) on the recipe's pipeline, and its alternatives
+  hyfi-plan recipes/synthetic.yaml --set parallel.pipeline=2 --set parallel.microbatches=2 \
+      --set parallel.schedule=bidirectional
+
+  # per-stage grids (the junction) are ranked too; a recipe's own is evaluated
+  hyfi-plan recipes/synthetic.yaml --set parallel.pipeline=3 \
+      --set parallel.spatial=2x2,1x2,1x1 --set parallel.microbatches=4
+
   # let hyfi-train pick the layout itself
   mpirun -np 4 hyfi-train recipes/synthetic.yaml --set parallel=auto
 
@@ -34,6 +42,22 @@ within 5 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
 Step times rank layouts; they are not wall-time promises.
 Exit status: 0 a layout fits, 1 none fits, 2 bad arguments.
 """
+
+#: Printed under the table: what each column is, and which parts are not calibrated.
+LEGEND = """\
+peak: the busiest rank's predicted peak over its built model (act = activations in flight plus
+the backward's working set; state = gradients, optimizer state, gathered parameters). Ranks of
+bidirectional, interleaved1f1b, zbv and dualpipev hold two model stages: both stages' state and
+the activations their order keeps in flight. Measured on CPU (tests/test_plan_mpi.py): within
+5 % for gpipe/1f1b layouts, every pipeline rank; one case each of bidirectional -3.5 %, zbv
+-19.5 % and dualpipev -20 % (under-predicted, not calibrated: leave them a margin). Per-stage
+grids (sp2x2,1x2,1x1, the junction): each stage on its own grid; the busiest (front) rank
+within 1 %, later stages up to 14 % lower. "recommended" lists every pipeline rank's peak.
+step s / bubble: the schedule's own order replayed (forward = the stage's FLOPs at the rate,
+backward twice that, zbv/dualpipev's input and weight halves equal) plus halo, stage-to-stage,
+FSDP2 and bidirectional mirror traffic at --bandwidth. Not calibrated against measured wall
+time (the backward/forward ratio, the I/W split, overlap of communication with compute): it
+ranks layouts, it does not promise wall time."""
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -51,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hyfi-plan",
         description="Predict per-rank peak memory and step time of candidate layouts "
-        "(spatial grid, pipeline stages, data replicas, micro-batches, checkpointing) "
+        "(spatial grid or per-stage grids, pipeline stages and schedule, data replicas, "
+        "micro-batches, checkpointing) "
         "and recommend one.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,12 +104,19 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def grids_text(layout: Any, sep: str = ",") -> str:
+    """``2x2`` for one grid, ``2x2,1x2,1x1`` for per-stage grids (the junction)."""
+    grids = layout.grids or (layout.sp,)
+    return sep.join("x".join(map(str, g)) for g in grids)
+
+
 def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
     """The ``parallel:`` block of a recipe for ``cand``."""
     lay = cand.layout
+    spatial = f"[{grids_text(lay, ', ')}]" if lay.junction else grids_text(lay)
     lines = [
         "parallel:",
-        f"  spatial: {lay.sp[0]}x{lay.sp[1]}",
+        f"  spatial: {spatial}",
         f"  pipeline: {lay.pp}",
         f"  data: {lay.dp}",
         f"  microbatches: {cand.microbatches}",
@@ -99,7 +131,6 @@ def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
 def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, str, Any]:
     """(model, image size, devices, batch, optimizer, the recipe's own candidate or None)."""
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.plan import Candidate
 
     if args.recipe is not None:
@@ -118,7 +149,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
         hw = args.image_size or load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
         p = r.parallel
         own = Candidate(
-            Layout(dp=p.data, pp=p.pipeline, sp=p.spatial), p.microbatches,
+            p.layout(), p.microbatches,
             p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None,
         )  # fmt: skip
         devices = args.devices or own.layout.world_size
@@ -145,13 +176,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hyfi_imaging.parallel.plan import (
-        candidates,
-        device_memory,
-        measure_rate,
-        predict,
-        rank,
-    )
+    from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
+    from hyfi_imaging.parallel.plan import measure_rate, predict
 
     model, hw, devices, batch, optimizer, own = _inputs(args)
     memory = args.device_memory or device_memory(devices)
@@ -175,22 +201,23 @@ def run(args: argparse.Namespace) -> int:
         f"({'given' if args.rate else 'measured on ' + device.type}), "
         f"{len(preds)} layouts"
     )
-    head = f"{'#':>3} {'layout':24} {'m':>2} {'sched':5} {'ckpt':9} {'peak GiB':>9} " \
-           f"{'act':>7} {'state':>7} {'step s':>9} {'img/s/dev':>10}  fits"  # fmt: skip
+    head = f"{'#':>3} {'layout':28} {'m':>2} {'schedule':15} {'ckpt':9} {'peak GiB':>9} " \
+           f"{'act':>7} {'state':>7} {'step s':>9} {'bubble':>6} {'img/s/dev':>10}  fits"  # fmt: skip
     print(head)
     shown = ranked[: args.top]
     if own is not None:
         shown += [p for p in ranked if p.candidate == own and p not in shown]
     for i, p in enumerate(shown, start=1):
         c = p.candidate
-        lay = f"dp{c.layout.dp} pp{c.layout.pp} sp{c.layout.sp[0]}x{c.layout.sp[1]}"
+        lay = f"dp{c.layout.dp} pp{c.layout.pp} sp{grids_text(c.layout)}"
         mark = " <- recipe" if c == own else ""
         print(
-            f"{i:>3} {lay:24} {c.microbatches:>2} {c.schedule:5} {c.checkpointing:9} "
+            f"{i:>3} {lay:28} {c.microbatches:>2} {c.schedule:15} {c.checkpointing:9} "
             f"{_gib(p.peak):>9} {_gib(p.activations + p.transient):>7} {_gib(p.state):>7} "
-            f"{p.step_s:>9.3g} {p.images_per_s / c.layout.world_size:>10.3g}  "
+            f"{p.step_s:>9.3g} {p.bubble:>6.2f} {p.images_per_s / c.layout.world_size:>10.3g}  "
             f"{'yes' if p.peak <= memory else 'NO'}{mark}"
         )
+    print(LEGEND)
     best = ranked[0] if ranked and ranked[0].peak <= memory else None
     if own is not None:
         mine = next((p for p in preds if p.candidate == own), None)
@@ -200,7 +227,10 @@ def run(args: argparse.Namespace) -> int:
     if best is None:
         print("hyfi-plan: no layout fits; use more devices, a smaller image or a narrower model")
         return 1
-    print(f"\nrecommended: {best.candidate.describe()}, {_gib(best.peak)} GiB per rank\n")
+    stages = ""
+    if len(set(best.rank_peaks)) > 1:  # pipeline ranks that differ: say which holds what
+        stages = " (pipeline ranks: " + " / ".join(_gib(v) for v in best.rank_peaks) + " GiB)"
+    print(f"\nrecommended: {best.candidate.describe()}, {_gib(best.peak)} GiB per rank{stages}\n")
     print(recipe_lines(best.candidate, best.balance))
     return 0
 

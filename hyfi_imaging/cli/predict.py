@@ -1,4 +1,11 @@
-"""``hyfi-predict``: apply a trained checkpoint to preprocessed slides, on any layout."""
+"""``hyfi-predict``: apply a trained checkpoint to preprocessed slides or volumes, on any layout.
+
+What it writes follows the run's task: class probabilities (classification, a
+CSV), predicted masks (segmentation: ``OUT/masks/<id>.zarr`` OME-Zarr label
+images, ``OUT/overlays/*.png`` and, where the stores hold label images,
+``OUT/per_image.csv`` with Dice and IoU), or regressions (a CSV of
+``pred_<target>`` beside the manifest's ``true_<target>``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,12 @@ import csv
 import io
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hyfi_imaging.atomic import write_atomic
+
+if TYPE_CHECKING:
+    from hyfi_imaging.train.trainer import Trainer
 
 __all__ = ["main"]
 
@@ -18,6 +31,13 @@ examples:
   # a model trained on 2x2 tiles x 2 stages, applied on 4 tiles
   mpirun -np 4 hyfi-predict runs/camelyon16-8k/checkpoints/step_00012000 \\
       --manifest data/test/manifest.csv --out test.csv --spatial 2x2
+
+  # segmentation: masks/<slide>.zarr label images, overlays, per_image.csv (Dice, IoU)
+  mpirun -np 2 hyfi-predict runs/slide-segmentation-synthetic \\
+      --manifest data/synth_seg/manifest.csv --out runs/seg-pred --spatial 1x2
+
+  # regression of volumes (CosmoFlow): pred_<target> beside true_<target>
+  hyfi-predict runs/cosmoflow-synthetic --manifest data/grf/manifest.csv --out grf.csv
 
 RUN is a training output directory (its newest loadable checkpoint is used) or
 one checkpoint directory. The recipe is read from RUN/recipe.yaml.
@@ -39,8 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         required=True,
-        help="CSV to write: slide_id, label, status, pred, p_<class>... (one row per manifest "
-        "row; a slide left out, e.g. status failed, has an empty prediction)",
+        help="classification: CSV to write: slide_id, label, status, pred, p_<class>... (one row "
+        "per manifest row; a slide left out, e.g. status failed, has an empty prediction); "
+        "segmentation: a folder for masks/, overlays/ and per_image.csv; regression: a CSV",
+    )
+    p.add_argument(
+        "--overlays",
+        type=int,
+        default=8,
+        help="segmentation: overlay pictures for this many images (default: %(default)s)",
     )
     p.add_argument("--spatial", type=Layout.parse_grid, default=(1, 1), metavar="GYxGX")
     p.add_argument("--pipeline", type=int, default=1)
@@ -54,20 +81,55 @@ def _run_dir(path: Path) -> Path:
     return path.parent.parent if (path / MARKER).exists() else path
 
 
+def _predict_dense(
+    trainer: Trainer, manifest: Path, out: Path, overlays: int, meta: dict[str, Any]
+) -> None:
+    """Segmentation masks or regressions of every usable image of ``manifest`` (see the module)."""
+    from hyfi_imaging.train.outputs import write_regressions, write_scores
+    from hyfi_imaging.train.tasks import has_label_images
+
+    cohort = trainer.cohort
+    every = list(range(len(cohort)))
+    rank0 = trainer.pc.rank == 0
+    if trainer.task == "segmentation":
+        trainer.has_truth = has_label_images(trainer.recipe, cohort)
+        m = trainer.predict_masks(manifest, every, out, overlays=overlays)
+        if rank0:
+            if m["per_image"]:
+                write_scores(out / "per_image.csv", m["per_image"])
+            score = (
+                f", mean Dice {m['dice']:.4f}, IoU {m['iou']:.4f}" if m["dice"] is not None else ""
+            )
+            print(
+                f"hyfi-predict: {len(cohort)} masks -> {out / 'masks'}{score} "
+                f"(checkpoint step {meta['step']})"
+            )
+        return
+    pred = trainer.predict(manifest, every)
+    if rank0:
+        truth = cohort.targets.numpy() if cohort.targets is not None else None
+        write_regressions(out, cohort.ids, pred, cohort.target_names, truth)
+        print(
+            f"hyfi-predict: {len(cohort)} volumes predicted -> {out} "
+            f"(checkpoint step {meta['step']})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-predict``."""
-    from hyfi_imaging.atomic import write_atomic
     from hyfi_imaging.data.dataset import left_out_line, manifest_rows
     from hyfi_imaging.errors import ConfigError, HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.tasks import load_cohort, manifest_kind
     from hyfi_imaging.train.trainer import Trainer
 
     args = build_parser().parse_args(argv)
     run_dir = _run_dir(args.run)
     try:
-        _, rows = manifest_rows(args.manifest)
-        left_out = left_out_line(args.manifest)
+        volumes = manifest_kind(args.manifest) == "volumes"
+        rows = [] if volumes else manifest_rows(args.manifest)[1]
+        left_out = None if volumes else left_out_line(args.manifest)
         if not (run_dir / "recipe.yaml").exists():
             raise ConfigError(
                 run_dir, "no recipe.yaml here", "give the train.out_dir of a hyfi-train run"
@@ -81,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"parallel.pipeline={args.pipeline}",
                 "parallel.data=1",
                 "parallel.microbatches=1",
+                # Prediction is forward only: every schedule's forward is GPipe's.
+                "parallel.schedule=gpipe",
                 f"train.batch_size={args.batch}",
                 f"train.out_dir={run_dir}",
             ],
         )
+        load_cohort(recipe, args.manifest)  # targets, label images, sizes: before any rank
     except HyfiError as err:
         if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-predict: error: {err}", file=sys.stderr)
@@ -96,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.pc.rank == 0 and left_out:  # once, before the long part
             print(f"hyfi-predict: {left_out}", file=sys.stderr, flush=True)
         meta = trainer.load_weights(args.run)
+        if recipe.task.name != "classification":
+            _predict_dense(trainer, args.manifest, args.out, args.overlays, meta)
+            shutdown()
+            return 0
         samples = trainer.samples
         probs = trainer.predict(args.manifest, list(range(len(samples))))
         if trainer.pc.rank == 0:

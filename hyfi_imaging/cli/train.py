@@ -1,4 +1,4 @@
-"""``hyfi-train``: train a whole-slide classifier from a recipe on any layout."""
+"""``hyfi-train``: train a recipe's task -- classification, segmentation, regression -- on any layout."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ examples:
 
   # one process (layout 1x1), a quick check that the recipe is valid, then nothing else
   hyfi-train recipes/synthetic.yaml --set parallel.spatial=1x1 --check
+
+  # segmentation of slides with a U-Net on 1x2 tiles (masks from hyfi-preprocess --annotations)
+  mpirun -np 2 hyfi-train recipes/slide-segmentation-synthetic.yaml
+
+  # regression of volumes (CosmoFlow) on 2 data replicas; 3-D segmentation (unet3d)
+  mpirun -np 2 hyfi-train recipes/cosmoflow-synthetic.yaml
+  hyfi-train recipes/unet3d-synthetic.yaml --set task.loss=ce
+
+Tasks (task.name): classification (default), segmentation (Dice + cross-entropy,
+per-image Dice/IoU, masks/<id>.zarr label images and overlays/*.png), regression
+(MSE/MAE of the volume manifest's target_<name> columns, val_predictions.csv).
 
 A run directory (train.out_dir) holds one run. Re-launching the same command
 resumes it from its newest loadable checkpoint; if it has checkpoints and none
@@ -81,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.autoplan import fit_warning
     from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.preflight import preflight
     from hyfi_imaging.train.rundir import StartMode
-    from hyfi_imaging.train.trainer import Trainer, preflight
+    from hyfi_imaging.train.tasks import manifest_kind
+    from hyfi_imaging.train.trainer import Trainer
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="hyfi-train: %(message)s")
@@ -92,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         preflight(recipe, start=start)
         warning = fit_warning(recipe)
         manifests = (recipe.data.manifest, recipe.data.val_manifest)
-        left_out = [line for m in manifests if m and (line := left_out_line(m))]
+        left_out = [
+            line
+            for m in manifests
+            if m and manifest_kind(m) == "slides" and (line := left_out_line(m))
+        ]
     except HyfiError as err:
         if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-train: error: {err}", file=sys.stderr)

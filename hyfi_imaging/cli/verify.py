@@ -34,12 +34,24 @@ examples:
   mpirun -np 2 hyfi-verify --model resnet50 --width 0.25 --image-size 96x80 --pipeline 2 \\
       --microbatches 4 --schedule 1f1b --checkpointing full
 
+  # two mirrored replicas (GEMS): rank r holds stage r of A and stage 1-r of B
+  mpirun -np 2 hyfi-verify --model resnet18 --width 0.25 --image-size 70x52 --pipeline 2 \\
+      --microbatches 4 --schedule bidirectional
+
+  # a 3D U-Net on a volume cut into 2x1x2 sub-volumes (depth x height x width)
+  mpirun -np 4 hyfi-verify --model unet3d --image-size 40x48x56 --spatial 2x1x2
+
+  # a grid per stage (Hy-Fi's junction): 2x2 tiles, then 1x2, then one rank = 7 ranks
+  mpirun -np 7 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --pipeline 3 \\
+      --spatial 2x2,1x2,1x1 --microbatches 2
+
   # all three: 2 replicas x 2 stages (cut 5,6) x 1x2 tiles = 8 ranks, gradient clipping
   mpirun -np 8 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --data 2 \\
       --pipeline 2 --spatial 1x2 --microbatches 2 --balance 5,6 --clip-grad 0.5
 
-Exit status 0: every compared tensor is within tolerance (float64: rtol 1e-7,
-atol 1e-9; float32: rtol 1e-4, atol 1e-5); 1: a mismatch (the worst tensors
+Exit status 0: every compared tensor is within tolerance (float64: rtol 1e-6,
+float32: rtol 1e-4; absolute: rtol x the tensor's largest value, at least 1e-9
+and 1e-5); 1: a mismatch (the worst tensors
 are listed); 2: bad arguments. float32 checks the kernels you will train with,
 but on large images a few activations round to the other side of a ReLU kink
 (both answers are right), so a float32 mismatch that float64 does not show is
@@ -49,6 +61,7 @@ rounding, not a bug.
 
 def build_parser() -> argparse.ArgumentParser:
     from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.schedules import SCHEDULES
 
     p = argparse.ArgumentParser(
         prog="hyfi-verify",
@@ -64,8 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="registered model name, e.g. resnet50, or a Python path module:function that "
         "returns the model, e.g. torchvision.models:resnet18 (called with num_classes)",
     )
-    p.add_argument("--image-size", required=True, type=Layout.parse_grid, metavar="HxW")
-    p.add_argument("--spatial", default=(1, 1), type=Layout.parse_grid, metavar="GYxGX")
+    p.add_argument(
+        "--image-size",
+        required=True,
+        type=Layout.parse_grid,
+        metavar="HxW|DxHxW",
+        help="image size, or a volume's depth x height x width (3-D models)",
+    )
+    p.add_argument(
+        "--spatial",
+        default=None,
+        type=Layout.parse_grids,
+        metavar="GYxGX[,GYxGX...]|GZxGYxGX",
+        help="tile grid of every stage (default 1x1, or 1x1x1 for a volume; a volume takes a 3-D "
+        "grid), or one 2-D grid per pipeline stage (e.g. 2x2,1x2,1x1: activations are "
+        "re-partitioned exactly where the grid changes)",
+    )
     p.add_argument(
         "--pipeline", type=int, default=1, metavar="P", help="pipeline stages, pp (default 1)"
     )
@@ -81,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b"),
+        choices=SCHEDULES,
         default="gpipe",
-        help="pipeline schedule (default gpipe)",
+        help="pipeline schedule (default gpipe): bidirectional = two mirrored replicas "
+        "(GEMS); interleaved1f1b, zbv, dualpipev = torch's schedules with two stages per rank",
     )
     p.add_argument(
         "--balance",
@@ -168,12 +196,25 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from hyfi_imaging.errors import ConfigError
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.launch import init_parallel, shutdown
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.verify import run_verify
 
-    layout = Layout(dp=args.data, pp=args.pipeline, sp=args.spatial)
+    nd = len(args.image_size)
+    grids = args.spatial if args.spatial is not None else ((1,) * nd,)
+    for spatial in grids:
+        if len(spatial) != nd:
+            raise ConfigError(
+                f"--spatial {'x'.join(map(str, spatial))}",
+                f"has {len(spatial)} factors for an image size of {nd} axes "
+                f"({'x'.join(map(str, args.image_size))})",
+                "give a volume (DxHxW) a grid GZxGYxGX and an image (HxW) a grid GYxGX",
+            )
+    layout = Layout(
+        dp=args.data, pp=args.pipeline, sp=grids[0], grids=grids if len(grids) > 1 else None
+    )
     plan = _plan(args, layout)
     kwargs: dict[str, object] = {"num_classes": args.num_classes}
     if args.width is not None:
@@ -203,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(
                 report.format(
-                    f"{args.model} {args.image_size[0]}x{args.image_size[1]} on "
+                    f"{args.model} {'x'.join(map(str, args.image_size))} on "
                     f"{layout.describe()} ({pc.world_size} ranks, {pc.backend}), {args.steps} steps "
                     f"of {args.microbatches} micro-batch(es) ({args.schedule})"
                 )

@@ -153,11 +153,15 @@ def left_out_line(manifest: str | Path) -> str | None:
     return f"{n} of {len(rows)} slides left out: {why} (see {path})"
 
 
-def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) -> list[Sample]:
+def load_samples(
+    manifest: str | Path, *, classes: Sequence[str] | None = None, labels: bool = True
+) -> list[Sample]:
     """The usable rows (``status == "ok"``) of a ``manifest.csv`` (or its directory).
 
     Store paths are resolved relative to the manifest's directory. Labels are
-    mapped through ``classes`` when given, else read as integers. The rows left
+    mapped through ``classes`` when given, else read as integers; with
+    ``labels=False`` they are not read at all (every sample is ``UNLABELLED``:
+    a segmentation's targets are its label images). The rows left
     out are counted by :func:`left_out_line`.
 
     Raises:
@@ -180,7 +184,7 @@ def load_samples(manifest: str | Path, *, classes: Sequence[str] | None = None) 
             Sample(
                 row.slide_id,
                 str(store),
-                _label_of(row.label, classes, where),
+                _label_of(row.label, classes, where) if labels else UNLABELLED,
                 (row.height, row.width),
             )
         )
@@ -210,6 +214,8 @@ class TileDataset(Dataset[dict[str, Any]]):
         seed: augmentation seed, the same on every rank.
         level: pyramid level to read (level ``l`` of a hyfi store is ``ceil(H / 2**l)``).
         classes: class names, mapped to their index; else labels are integers.
+        labels: read the manifest's labels (False: every ``label`` is -1; a
+            segmentation's targets are its label images).
         fill: stored value of pixels outside the image (halo past the border,
             padding); default: each store's background (white for RGB, 0 else).
         normalize: how stored pixels become ``[0, 1]`` floats
@@ -244,6 +250,7 @@ class TileDataset(Dataset[dict[str, Any]]):
         seed: int = 0,
         level: int = 0,
         classes: Sequence[str] | None = None,
+        labels: bool = True,
         fill: float | None = None,
         normalize: Normalization | None = None,
         opener: Callable[[str], SlideReader] | None = None,
@@ -255,7 +262,7 @@ class TileDataset(Dataset[dict[str, Any]]):
                 "level and seed must be >= 0, max_open >= 1",
                 "fix the argument",
             )
-        self.samples = load_samples(manifest, classes=classes)
+        self.samples = load_samples(manifest, classes=classes, labels=labels)
         self.grid = (int(grid[0]), int(grid[1]))
         self.rank = (int(rank[0]), int(rank[1]))
         self.halo = normalize_halo(halo)

@@ -27,11 +27,15 @@ Design choices, and why:
   Flattening is channels-first (PyTorch), the reference's is channels-last:
   ported Keras weights need ``fc1``'s columns permuted.
 
-Single process for now: the spatial engine tiles 2-D maps, and ``Conv3d`` is
-refused by ``spatialize`` with its module path.
+Spatially parallel on a 3-D grid of sub-volumes (``--spatial 2x1x2``): the
+conv blocks run on the tiles, and the head's ``nn.Flatten`` gathers the last
+(small) map whole onto every rank (``parallel.spatial.SpatialFlatten``), after
+which the dense layers run replicated, as after a global pool.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -48,25 +52,27 @@ __all__ = ["CosmoFlow", "CosmoFlowBlock", "ScaledTanh"]
 
 
 class CosmoFlowBlock(CheckpointedBlock):
-    """``maxpool(leaky_relu(conv3d(pad(x))))``: one of the reference's convolution layers.
+    """``maxpool(leaky_relu(conv3d(x)))``: one of the reference's convolution layers.
 
-    The 'same' padding is an explicit ``nn.ZeroPad3d`` (TensorFlow's split: the
-    odd voxel after) before an unpadded convolution: the same numbers as
-    ``padding="same"``, without PyTorch's warning on every call for an even
-    kernel, and a module that a spatial form can replace.
+    The convolution pads ``"same"``: for an even kernel, PyTorch puts the odd
+    voxel after each axis and none before, TensorFlow's split. Not an explicit
+    ``nn.ZeroPad3d`` before an unpadded convolution (the same numbers): on a grid
+    of sub-volumes that pad's output is one voxel longer than the map, which the
+    tiles have no room for when the grid divides the volume evenly, while a
+    convolution's own padding lies in its halo.
     """
 
     def __init__(self, in_ch: int, out_ch: int, kernel_size: int, negative_slope: float) -> None:
         super().__init__()
-        before = (kernel_size - 1) // 2
-        after = kernel_size - 1 - before
-        self.pad = nn.ZeroPad3d((before, after) * 3)
-        self.conv = nn.Conv3d(in_ch, out_ch, kernel_size)
+        self.conv = nn.Conv3d(in_ch, out_ch, kernel_size, padding="same")
         self.act = nn.LeakyReLU(negative_slope)
         self.pool = nn.MaxPool3d(2)
 
     def forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(self.act(self.conv(self.pad(x))))
+        with warnings.catch_warnings():
+            # PyTorch notes once that an even kernel pads a copy of the input: expected here.
+            warnings.filterwarnings("ignore", "Using padding='same' with even kernel")
+            return self.pool(self.act(self.conv(x)))
 
 
 class ScaledTanh(nn.Module):
@@ -139,6 +145,8 @@ class CosmoFlow(ChainModel):
             )
         self.in_chans, self.num_classes, self.dims = in_chans, num_classes, 3
         self.total_stride = 2**n_conv_layers
+        #: The head's first dense layer is sized for this volume only (spatialize probes at it).
+        self.input_size = (size, size, size)
         ch = in_chans
         for i in range(n_conv_layers):
             out = width * 2**i

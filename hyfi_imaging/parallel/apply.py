@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +36,13 @@ from torch import Tensor, nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.collectives import all_reduce_replicated
-from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
 
 __all__ = [
     "OutputMap",
+    "TiledLoss",
     "apply_spatial",
     "cross_entropy",
     "input_channels",
@@ -48,28 +52,31 @@ __all__ = [
     "spatialize_for",
     "tile_of",
     "tiled_mean",
+    "tiled_sum",
 ]
 
 log = logging.getLogger(__name__)
 
 
 def input_channels(model: nn.Module) -> int:
-    """Channels the model takes: its ``in_chans``, else the first ``Conv2d``'s input channels, else 3."""
+    """Channels the model takes: its ``in_chans``, else the first ``Conv2d``'s (or ``Conv3d``'s,
+    or ``Conv1d``'s) input channels, else 3."""
     declared = getattr(model, "in_chans", None)
     if isinstance(declared, int):
         return declared
-    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    conv = next(
+        (m for m in model.modules() if isinstance(m, nn.Conv1d | nn.Conv2d | nn.Conv3d)), None
+    )
     return int(conv.in_channels) if conv is not None else 3
 
 
 def spatialize_for(model: nn.Module, pc: ParallelContext, **kwargs: object) -> SpatialContext:
     """Spatialize ``model`` in place for this rank's tile of ``pc``'s grid (even a 1x1 grid)."""
-    nb = Neighbours(up=pc.peer(dy=-1), down=pc.peer(dy=1), left=pc.peer(dx=-1), right=pc.peer(dx=1))
     return spatialize(
         model,
-        grid=pc.layout.sp,
+        grid=pc.grid,
         tile=pc.tile,
-        neighbours=nb,
+        neighbours=pc.neighbours(),
         group=pc.group("sp"),
         **kwargs,  # type: ignore[arg-type]
     )
@@ -79,13 +86,13 @@ def apply_spatial(
     model: nn.Module,
     pc: ParallelContext,
     *,
-    image_size: tuple[int, int] | None = None,
+    image_size: Sequence[int] | None = None,
     in_chans: int | None = None,
     align: int | None = None,
     overlap: bool = False,
     halo_depth: int = 1,
 ) -> SpatialContext | None:
-    """Make ``model`` (in place) compute this rank's tile of ``pc.layout.sp``; returns the context.
+    """Make ``model`` (in place) compute this rank's tile of ``pc.grid``; returns the context.
 
     Every pixel-mixing layer becomes its spatial form (parameter names, state
     dicts and optimizers are unchanged); pools and BatchNorm reduce over all
@@ -118,7 +125,7 @@ def apply_spatial(
             "is already spatial (apply_spatial or ParallelModel ran on this model)",
             "pass the plain single-device model: ParallelModel applies apply_spatial itself",
         )
-    if pc.layout.sp_size == 1:
+    if math.prod(pc.grid) == 1:
         log.info("apply_spatial: 1x1 grid, %s left as it is", type(model).__name__)
         return None
     ctx = spatialize_for(
@@ -131,25 +138,30 @@ def apply_spatial(
         stage_cuts=pc.layout.pp > 1,
     )
     if image_size is not None:
-        ctx.set_image_size((int(image_size[0]), int(image_size[1])))
-    gy, gx = pc.layout.sp
+        ctx.set_image_size(tuple(int(v) for v in image_size))
     log.info(
-        "apply_spatial: %s on a %dx%d grid, tile %s, tiles aligned to %d px, %d parameters "
+        "apply_spatial: %s on a %s grid, tile %s, tiles aligned to %d px, %d parameters "
         "summed over tiles, %d deep-halo runs",
-        type(model).__name__, gy, gx, pc.tile, ctx.align, len(ctx.tile_param_names),
-        len(ctx.deep_runs),
+        type(model).__name__, "x".join(map(str, pc.grid)), pc.tile, ctx.align,
+        len(ctx.tile_param_names), len(ctx.deep_runs),
     )  # fmt: skip
     return ctx
 
 
-def tile_of(images: Tensor, ctx: SpatialContext | None, image_hw: tuple[int, int]) -> Tensor:
-    """This rank's tile of a whole ``(..., H, W)`` batch: padded at the bottom/right, then cut."""
+def _pad_end(t: Tensor, size: Sequence[int]) -> Tensor:
+    """``t`` padded with zeros at the end of its last ``len(size)`` dims to ``size``."""
+    nd = len(size)
+    pad = [v for k in reversed(range(nd)) for v in (0, size[k] - t.shape[k - nd])]
+    return F.pad(t, pad) if any(pad) else t
+
+
+def tile_of(images: Tensor, ctx: SpatialContext | None, image_hw: Sequence[int]) -> Tensor:
+    """This rank's tile of a whole ``(..., H, W)`` batch (``(..., D, H, W)`` for volumes):
+    padded at the far end of each axis, then cut."""
     if ctx is None:
         return images
-    ph, pw = ctx.padded_size(image_hw)
-    padded = F.pad(images, (0, pw - images.shape[-1], 0, ph - images.shape[-2]))
-    rows, cols = ctx.tile_slice(image_hw)
-    return padded[..., rows, cols]
+    padded = _pad_end(images, ctx.padded_size(image_hw))
+    return padded[trailing(ctx.tile_slice(image_hw))]
 
 
 def output_shape(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -176,44 +188,105 @@ class OutputMap:
     """A model output that is a map of the image (dense), cut into tiles like the input.
 
     ``size``: the map's true (unpadded) size for the whole image; ``tile``: the
-    size of every rank's tile of it.
+    size of every rank's tile of it (``(h, w)``, or ``(d, h, w)`` for volumes).
     """
 
-    size: tuple[int, int]
-    tile: tuple[int, int]
+    size: tuple[int, ...]
+    tile: tuple[int, ...]
 
     def tile_of(self, target: Tensor, ctx: SpatialContext) -> Tensor:
-        """This rank's tile of a whole-image per-pixel ``(..., h, w)`` target (else ``target``)."""
-        if target.dim() < 3 or tuple(target.shape[-2:]) != self.size:
+        """This rank's tile of a whole-image per-pixel ``(..., h, w)`` (or per-voxel
+        ``(..., d, h, w)``) target (else ``target``)."""
+        nd = len(self.size)
+        if target.dim() < nd + 1 or tuple(target.shape[-nd:]) != self.size:
             return target
-        (gy, gx), (th, tw), (i, j) = ctx.grid, self.tile, ctx.tile
-        padded = F.pad(target, (0, gx * tw - self.size[1], 0, gy * th - self.size[0]))
-        return padded[..., i * th : (i + 1) * th, j * tw : (j + 1) * tw]
+        padded = _pad_end(target, [g * t for g, t in zip(ctx.grid, self.tile, strict=True)])
+        cut = [slice(i * t, (i + 1) * t) for i, t in zip(ctx.tile, self.tile, strict=True)]
+        return padded[trailing(cut)]
 
 
 def output_map(
     meta_model: nn.Module,
     in_chans: int,
-    image_hw: tuple[int, int],
-    tile_hw: tuple[int, int],
+    image_hw: Sequence[int],
+    tile_hw: Sequence[int],
 ) -> OutputMap | None:
     """The model's output map when its output is tiled (a map of the image), else None.
 
-    Judged from shapes: an output whose last two dims change when the input
-    shrinks from the whole image to a tile is a map; a pooled output does not.
-    On a 1x1 grid (``tile_hw == image_hw``) nothing is tiled: None.
+    Judged from shapes: an output whose spatial dims (the last two, or three for
+    volumes) change when the input shrinks from the whole image to a tile is a
+    map; a pooled output does not. On a 1x1 grid (``tile_hw == image_hw``)
+    nothing is tiled: None.
     """
     if tuple(tile_hw) == tuple(image_hw):
         return None
+    nd = len(image_hw)
     whole = output_shape(meta_model, (1, in_chans, *image_hw))
-    tile = output_shape(meta_model, (1, in_chans, *tile_hw))
-    if whole is None or tile is None or len(whole) < 3 or whole[-2:] == tile[-2:]:
+    try:
+        tile = output_shape(meta_model, (1, in_chans, *tile_hw))
+    except RuntimeError as err:  # the plain model cannot run on a tile this small
+        raise ConfigError(
+            f"tiles of {'x'.join(map(str, tile_hw))} px",
+            f"are too small for a layer of the model ({str(err).splitlines()[0]})",
+            "use fewer tiles along the short axis or a larger image",
+        ) from None
+    if whole is None or tile is None or len(whole) < nd + 1 or whole[-nd:] == tile[-nd:]:
         return None
-    return OutputMap((whole[-2], whole[-1]), (tile[-2], tile[-1]))
+    return OutputMap(tuple(whole[-nd:]), tuple(tile[-nd:]))
+
+
+def _map_size(values: Tensor, ctx: SpatialContext, size: Sequence[int] | None) -> tuple[int, ...]:
+    """The map's true size, checked against what ``ctx.grid`` tiles of ``values`` can hold."""
+    if size is None:
+        if ctx.image_hw is None:
+            raise ConfigError(
+                "tiled_mean", "no map size given and no image size set", "pass size=(h, w)"
+            )
+        size = ctx.image_hw
+    nd = len(ctx.grid)
+    tile = tuple(values.shape[-nd:])
+    if any(g * t < s for g, t, s in zip(ctx.grid, tile, size, strict=True)):
+        raise ConfigError(
+            "tiled_mean",
+            f"{'x'.join(map(str, ctx.grid))} tiles of {'x'.join(map(str, tile))} cannot hold a "
+            f"{'x'.join(map(str, size))} map",
+            "pass the map's true size as size=(h, w)",
+        )
+    return tuple(int(v) for v in size)
+
+
+def tiled_sum(
+    values: Tensor,
+    ctx: SpatialContext | None,
+    size: Sequence[int] | None = None,
+    *,
+    keep: int = 0,
+) -> Tensor:
+    """Sum over the whole image of per-pixel ``values`` of which this rank holds its tile.
+
+    The leading ``keep`` dims are kept (``keep=2``: one sum per sample and class,
+    as Dice needs); every other dim is summed, over the pixels of the tile that
+    lie within the map's true ``size`` (the padded tail is left out), then over
+    the tiles. Every rank returns the same value; backward hands each pixel the
+    incoming gradient without communicating (:func:`all_reduce_replicated`).
+    ``ctx`` None (one tile): the plain sum.
+    """
+    if ctx is None:
+        return values.flatten(keep).sum(-1) if keep else values.sum()
+    size = _map_size(values, ctx, size)
+    nd = len(ctx.grid)
+    tile = values.shape[-nd:]
+    # The same slice on every rank (a full one where there is no tail): one graph everywhere.
+    window = [slice(0, max(s - i * t, 0)) for s, i, t in zip(size, ctx.tile, tile, strict=True)]
+    index: tuple[EllipsisType | slice, ...] = (Ellipsis, *window)
+    valid = values[index]
+    local = valid.flatten(keep).sum(-1) if keep else valid.sum().reshape(1)
+    total = all_reduce_replicated(local.contiguous(), ctx.group)
+    return total if keep else total.reshape(())
 
 
 def tiled_mean(
-    values: Tensor, ctx: SpatialContext | None, size: tuple[int, int] | None = None
+    values: Tensor, ctx: SpatialContext | None, size: Sequence[int] | None = None
 ) -> Tensor:
     """Mean over the whole image of per-pixel ``values`` (``(..., th, tw)``) of which this rank holds its tile.
 
@@ -224,24 +297,30 @@ def tiled_mean(
     """
     if ctx is None:
         return values.mean()
-    if size is None:
-        if ctx.image_hw is None:
-            raise ConfigError(
-                "tiled_mean", "no map size given and no image size set", "pass size=(h, w)"
-            )
-        size = ctx.image_hw
-    th, tw = values.shape[-2:]
-    (gy, gx), (i, j) = ctx.grid, ctx.tile
-    if gy * th < size[0] or gx * tw < size[1]:
-        raise ConfigError(
-            "tiled_mean",
-            f"{gy}x{gx} tiles of {th}x{tw} cannot hold a {size[0]}x{size[1]} map",
-            "pass the map's true size as size=(h, w)",
-        )
-    # The same slice on every rank (a full one where there is no tail): one graph everywhere.
-    local = values[..., : max(size[0] - i * th, 0), : max(size[1] - j * tw, 0)].sum()
-    count = values[..., 0, 0].numel() * size[0] * size[1]
-    return all_reduce_replicated(local.reshape(1), ctx.group).reshape(()) / count
+    true_size = _map_size(values, ctx, size)
+    count = values.flatten(values.dim() - len(true_size))[..., 0].numel() * math.prod(true_size)
+    return tiled_sum(values, ctx, true_size) / count
+
+
+class TiledLoss:
+    """A loss that reduces a tiled output itself, exactly, across tiles (Dice needs this).
+
+    :func:`reduce_loss` can average per-pixel values, but a loss that is not a
+    mean of per-pixel terms (Dice: a ratio of sums over the image) must see the
+    whole image's sums. A subclass gets this rank's output tile, its target
+    tile, the spatial context (None on one tile) and the output map (None when
+    the output is not tiled), and returns the loss of the whole micro-batch,
+    the same on every rank -- built from :func:`tiled_sum` / :func:`tiled_mean`.
+    """
+
+    def __call__(
+        self,
+        output: Tensor,
+        target: Tensor,
+        ctx: SpatialContext | None = None,
+        out_map: OutputMap | None = None,
+    ) -> Tensor:
+        raise NotImplementedError
 
 
 def reduce_loss(value: Tensor, ctx: SpatialContext | None, out_map: OutputMap | None) -> Tensor:
@@ -264,7 +343,7 @@ def reduce_loss(value: Tensor, ctx: SpatialContext | None, out_map: OutputMap | 
     if not tiled:
         return value.mean()
     assert out_map is not None
-    if tuple(value.shape[-2:]) != out_map.tile:
+    if tuple(value.shape[-len(out_map.tile) :]) != out_map.tile:
         raise ConfigError(
             "loss",
             f"returns values of shape {tuple(value.shape)}, not per pixel of the output tile "

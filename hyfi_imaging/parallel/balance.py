@@ -54,10 +54,13 @@ __all__ = [
 BalanceBy = Literal["time", "memory"]
 
 
-def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+def partition(
+    costs: Sequence[float], stages: int, *, shares: Sequence[float] | None = None
+) -> tuple[int, ...]:
     """Layers per stage for contiguous stages that minimise the largest stage cost.
 
-    Every stage gets at least one layer. Among optimal cuts the one whose
+    Every stage gets at least one layer. ``shares`` divides each stage's cost (a stage
+    on a grid of 4 tiles holds a quarter of its layers' activations per rank; default 1). Among optimal cuts the one whose
     stages are filled earliest (most layers in stage 0, then stage 1, ...) is
     returned, so equal costs give a deterministic answer.
 
@@ -73,6 +76,9 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
         )
     if any(c < 0 for c in costs):
         raise ValueError(f"layer costs must be >= 0, got {list(costs)}")
+    share = [float(v) for v in shares] if shares is not None else [1.0] * stages
+    if len(share) != stages or min(share) <= 0:
+        raise ValueError(f"need {stages} positive stage shares, got {shares}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -83,7 +89,7 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
     for k in range(1, stages + 1):
         for i in range(n - k, -1, -1):
             for j in range(i + 1, n - k + 2):  # first stage takes layers i..j-1
-                cand = max(prefix[j] - prefix[i], best[k - 1][j])
+                cand = max((prefix[j] - prefix[i]) / share[stages - k], best[k - 1][j])
                 if cand < best[k][i]:
                     best[k][i] = cand
     # Reconstruct, taking the longest first stage that keeps the optimum.
@@ -91,7 +97,8 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
     for k in range(stages, 0, -1):
         target = best[k][i]
         for j in range(n - k + 1, i, -1):
-            if max(prefix[j] - prefix[i], best[k - 1][j]) <= target * (1 + 1e-12):
+            cost = (prefix[j] - prefix[i]) / share[stages - k]
+            if max(cost, best[k - 1][j]) <= target * (1 + 1e-12):
                 out.append(j - i)
                 i = j
                 break

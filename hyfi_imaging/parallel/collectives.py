@@ -16,17 +16,26 @@ Which backward is right depends on who uses the reduced value:
   the pool (the head, the loss) is computed identically on every rank, so each
   rank already holds the **whole** gradient; summing again would multiply it
   by the number of tiles (the double count REFERENCE.md warns about).
+* :func:`gather_replicated` — the whole (small) map from every rank's tile, for
+  a head that flattens it (CosmoFlow): the same rule, each rank's tile gradient
+  is its slice of the whole gradient every rank holds.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hyfi_imaging.parallel.halo import trailing
+
 __all__ = [
     "all_agree",
+    "all_gather_grid",
+    "gather_replicated",
     "all_reduce_max_replicated",
     "all_reduce_replicated",
     "all_reduce_sum",
@@ -104,3 +113,67 @@ def all_reduce_max_replicated(
     one; with real-valued activations this does not happen.
     """
     return _AllReduceMaxReplicated.apply(x, group, partial)
+
+
+def all_gather_grid(tile: torch.Tensor, grid: Sequence[int], group: Any) -> torch.Tensor:
+    """Every rank's tile (same shape everywhere, row-major ranks of ``grid``) stitched into
+    the padded whole along the last ``len(grid)`` dims, on every rank (no autograd)."""
+    tile = tile.contiguous()
+    parts = [torch.empty_like(tile) for _ in range(math.prod(grid))]
+    dist.all_gather(parts, tile, group=group)
+    nd = len(grid)
+    # Join along the last axis first, then each outer axis in turn.
+    for k in reversed(range(nd)):
+        g = grid[k]
+        parts = [torch.cat(parts[r * g : (r + 1) * g], dim=k - nd) for r in range(len(parts) // g)]
+    return parts[0]
+
+
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        grid: tuple[int, ...],
+        tile: tuple[int, ...],
+        size: tuple[int, ...],
+        group: Any,
+        partial: bool,
+    ) -> torch.Tensor:
+        ctx.grid, ctx.tile, ctx.group, ctx.partial = grid, tile, group, partial
+        ctx.shape = tuple(x.shape)
+        whole = all_gather_grid(x, grid, group)
+        return whole[trailing([slice(0, n) for n in size])].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.partial:
+            grad = all_reduce_sum(grad, ctx.group)
+        nd = len(ctx.grid)
+        out = grad.new_zeros(ctx.shape)
+        src, dst = [], []
+        for k, i in enumerate(ctx.tile):
+            t = ctx.shape[k - nd]
+            n = max(0, min(t, grad.shape[k - nd] - i * t))
+            src.append(slice(i * t, i * t + n))
+            dst.append(slice(0, n))
+        out[trailing(dst)] = grad[trailing(src)]
+        return out, None, None, None, None, None
+
+
+def gather_replicated(
+    x: torch.Tensor,
+    grid: tuple[int, ...],
+    tile: tuple[int, ...],
+    size: tuple[int, ...],
+    group: Any,
+    *,
+    partial: bool = False,
+) -> torch.Tensor:
+    """The whole map (true ``size``, padding cut off) from every rank's tile, on every rank.
+
+    Backward as :func:`all_reduce_replicated`: the head after it is replicated,
+    so a rank's tile gradient is its slice of the whole gradient (summed over
+    the group first when ``partial``: the map is used again on the tiles).
+    """
+    return _GatherReplicated.apply(x, tuple(grid), tuple(tile), tuple(size), group, partial)

@@ -35,7 +35,8 @@ How the pieces compose, and why:
   A gradient already in ``.grad`` is not rescaled (accumulation over steps works).
   A loss that returns per-sample or per-pixel values is averaged; a dense
   model's output is tiled like its input, and the mean over the image's pixels
-  is taken across tiles (:func:`~.apply.reduce_loss`).
+  is taken across tiles (:func:`~.apply.reduce_loss`); a
+  :class:`~.apply.TiledLoss` (Dice) reduces across tiles itself.
 * **Sharding, data and the gradient rule: FSDP2** (:mod:`.sharding`) over the
   flattened ``dp x sy x sx`` mesh of the stage: parameters, gradients and
   optimizer state are sharded; each unit reduce-scatters its gradients as soon
@@ -66,7 +67,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,20 +76,29 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.apply import (
     OutputMap,
+    TiledLoss,
     apply_spatial,
     cross_entropy,
     input_channels,
     output_map,
+    output_shape,
     reduce_loss,
     tile_of,
 )
 from hyfi_imaging.parallel.balance import BalanceBy, LayerCosts, measure_layers, partition
+from hyfi_imaging.parallel.junction import (
+    JunctionSchedule,
+    check_junction_model,
+    check_junction_plan,
+    stage_tiles,
+)
 from hyfi_imaging.parallel.launch import ParallelContext, error_chain
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.pipeline import (
@@ -101,8 +111,21 @@ from hyfi_imaging.parallel.pipeline import (
     stage_boundaries,
     stage_bounds,
 )
+from hyfi_imaging.parallel.schedules import (
+    SCHEDULES,
+    TORCH_MULTI,
+    BidirectionalSchedule,
+    LocalStage,
+    MirrorGroups,
+    check_schedule,
+    eval_last_rank,
+    forward_only,
+    local_stages,
+    mirror_groups,
+    model_stages,
+)
 from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
-from hyfi_imaging.parallel.spatial import SpatialContext
+from hyfi_imaging.parallel.spatial import SpatialContext, tile_shaped
 
 __all__ = [
     "ParallelModel",
@@ -112,8 +135,7 @@ __all__ = [
     "running_stats_merge",
 ]
 
-Schedule = Literal["gpipe", "1f1b"]
-_SCHEDULES = ("gpipe", "1f1b")
+Schedule = Literal["gpipe", "1f1b", "bidirectional", "interleaved1f1b", "zbv", "dualpipev"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,10 @@ class ParallelPlan:
     gradient while the halo gradients are): same results, less exposed waiting.
     ``halo_depth`` > 1: one halo exchange serves up to that many consecutive
     windowed layers (fewer messages; the border is computed twice).
+    ``schedule`` is ``gpipe``, ``1f1b``, or one with two stages per rank
+    (:mod:`.schedules`): ``bidirectional`` (two mirrored replicas, GEMS),
+    ``interleaved1f1b``, ``zbv``, ``dualpipev`` (torch's; the model is cut into
+    ``2 pp`` stages, so ``balance`` lists ``2 pp`` counts).
 
     OK::
 
@@ -150,6 +176,7 @@ class ParallelPlan:
     halo_depth: int = 1
 
     def __post_init__(self) -> None:
+        check_junction_plan(self.layout, self.schedule)
         if not isinstance(self.halo_depth, int) or self.halo_depth < 1:
             raise ConfigError(
                 f"--halo-depth {self.halo_depth}",
@@ -162,10 +189,8 @@ class ParallelPlan:
                 "must be a positive integer",
                 "use e.g. --microbatches 4",
             )
-        if self.schedule not in _SCHEDULES:
-            raise ConfigError(
-                f"--schedule {self.schedule}", "is not a schedule", "use gpipe or 1f1b"
-            )
+        if self.schedule not in SCHEDULES:
+            check_schedule(self.schedule, self.layout, self.microbatches)  # names the choices
         if self.balance_by not in ("time", "memory"):
             raise ConfigError(
                 f"balance by {self.balance_by!r}", "is not a cost", "use time or memory"
@@ -179,6 +204,12 @@ class ParallelPlan:
                 f"1F1B needs at least as many micro-batches as pipeline stages ({self.layout.pp})",
                 f"use --microbatches {self.layout.pp} or more, or --schedule gpipe",
             )
+        check_schedule(self.schedule, self.layout, self.microbatches)
+
+    @property
+    def stages(self) -> int:
+        """How many stages the model is cut into (``2 pp`` for torch's multi-stage schedules)."""
+        return model_stages(self.schedule, self.layout.pp)
 
     def check_model(self, model: nn.Module) -> None:
         """ConfigError unless the model can be cut and checkpointed as planned (no compute)."""
@@ -191,14 +222,17 @@ class ParallelPlan:
                 "as a hyfi_imaging.models.ChainModel or nn.Sequential",
             )
         n = len(model_layers(model))
-        if self.layout.pp > n:
+        if self.stages > n:
+            per_rank = self.stages // self.layout.pp
             raise ConfigError(
-                f"--pipeline {self.layout.pp}",
-                f"{type(model).__name__} has only {n} top-level layers to cut",
-                f"use at most {n} pipeline stages",
+                f"--pipeline {self.layout.pp} --schedule {self.schedule}",
+                f"needs {self.stages} model stages but {type(model).__name__} has only {n} "
+                "top-level layers to cut",
+                f"use at most {n // per_rank} pipeline stages"
+                + (f" ({per_rank} model stages per rank)" if per_rank > 1 else ""),
             )
         if self.balance is not None:
-            check_balance(self.balance, n, self.layout.pp)
+            check_balance(self.balance, n, self.stages)
         if parse_checkpointing(self.checkpointing) and not any(
             isinstance(m, CheckpointedBlock) for m in model.modules()
         ):
@@ -230,9 +264,15 @@ class ParallelPlan:
 class _Pipe:
     """One PipelineStage and its schedule, for one micro-batch size."""
 
-    stage: PipelineStage
-    schedule: ScheduleGPipe | Schedule1F1B
-    out_shapes: tuple[tuple[int, ...], ...]
+    stages: list[PipelineStage]  # empty: a junction's own schedule (see .junction)
+    schedule: (
+        ScheduleGPipe
+        | Schedule1F1B
+        | PipelineScheduleMulti
+        | BidirectionalSchedule
+        | JunctionSchedule
+    )
+    out_shapes: list[tuple[tuple[int, ...], ...]]
     logits_shape: tuple[int, ...]
 
 
@@ -260,7 +300,7 @@ class ParallelModel:
         pc: ParallelContext,
         plan: ParallelPlan,
         *,
-        image_hw: tuple[int, int],
+        image_hw: Sequence[int],
         loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy,
     ) -> None:
         if pc.layout != plan.layout:
@@ -272,18 +312,34 @@ class ParallelModel:
         plan.check_model(model)
         check_same_weights(model, pc.device)
         self.pc, self.plan, self.loss_fn = pc, plan, loss_fn
-        self.image_hw = (int(image_hw[0]), int(image_hw[1]))
+        #: The image's size: ``(h, w)``, or ``(d, h, w)`` for volumes on a 3-D grid.
+        self.image_hw: tuple[int, ...] = tuple(int(v) for v in image_hw)
         layout = plan.layout
-        _, pp_i, _, _ = pc.coords
-        self.stage_index, self.num_stages = pp_i, layout.pp
-        self.is_first, self.is_last = pp_i == 0, pp_i == layout.pp - 1
+        pp_i = pc.coords[1]
+        self.pp_rank = pp_i
+        #: The model stages this rank holds (two for bidirectional and torch's V schedules).
+        self.local: tuple[LocalStage, ...] = local_stages(plan.schedule, layout.pp, pp_i)
+        self.stage_index, self.num_stages = self.local[0].index, plan.stages
+        #: Whether this rank holds a first (takes the input) or a last stage (computes the loss).
+        self.is_first = any(ls.index == 0 for ls in self.local)
+        self.is_last = any(ls.index == plan.stages - 1 for ls in self.local)
+        #: Copies of every stage across the pipeline (2: bidirectional replicas A and B).
+        self.copies = 2 if plan.schedule == "bidirectional" else 1
         self.in_chans = input_channels(model)
         self.dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
         self.checkpointed = set_checkpointing(model, plan.checkpointing)
         layers = model_layers(model)
         self.layer_names = [n for n, _ in layers]
         self._meta_model = copy.deepcopy(model).to("meta")
-        plain = copy.deepcopy(model) if plan.balance is None and layout.pp > 1 else None
+        if layout.junction:
+            h, w = self.image_hw
+            check_junction_model(
+                layout,
+                output_shape(self._meta_model, (1, self.in_chans, h, w)) or (),
+                output_shape(self._meta_model, (1, self.in_chans, max(1, h // 2), max(1, w // 2)))
+                or (),
+            )
+        plain = copy.deepcopy(model) if plan.balance is None and plan.stages > 1 else None
 
         self.ctx: SpatialContext | None = apply_spatial(
             model,
@@ -293,63 +349,98 @@ class ParallelModel:
             overlap=plan.overlap,
             halo_depth=plan.halo_depth,
         )
+        self.padded_hw: tuple[int, ...] = self.image_hw
+        self.tile_hw: tuple[int, ...] = self.image_hw
+        #: The plain model as it runs on a tile's shape (stage shapes, layer timing).
+        self._tile_model = self._meta_model
         if self.ctx is not None:
-            ph, pw = self.ctx.padded_size(self.image_hw)
-            self.padded_hw = (ph, pw)
-            self.tile_hw = (ph // layout.sp[0], pw // layout.sp[1])
-        else:
-            self.padded_hw = self.tile_hw = self.image_hw
+            self.padded_hw = self.ctx.padded_size(self.image_hw)
+            self.tile_hw = self.ctx.tile_size(self.image_hw)
+            if self.ctx.flatten_paths:
+                self._tile_model = tile_shaped(copy.deepcopy(self._meta_model), self.ctx)
+                plain = None if plain is None else tile_shaped(plain, self.ctx)
+        #: The input tile of every stage's grid (all the same without per-stage grids).
+        self.stage_tiles: list[tuple[int, ...]] = [self.tile_hw] * layout.pp
+        if layout.junction:
+            # Every grid pads the image to the model's total stride; a 1x1 stage has no
+            # spatial context, so the stride is agreed over the world (all stages' tilings).
+            align = torch.tensor([self.ctx.align if self.ctx is not None else 1], device=pc.device)
+            dist.all_reduce(align, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+            self.stage_tiles = list(stage_tiles(layout, self.image_hw, int(align.item())))
         #: The output's map when the model is dense (its output is tiled too), else None.
         self.out_map: OutputMap | None = output_map(
-            self._meta_model, self.in_chans, self.image_hw, self.tile_hw
+            self._tile_model, self.in_chans, self.image_hw, self.tile_hw
         )
 
         self.balance_info = self._choose_balance(plain)
         del plain
         self.balance = self.balance_info.balance
-        start, stop = stage_bounds(self.balance)[pp_i]
+        bounds = stage_bounds(self.balance)
         # A chain is cut into stages of its children; any other model is one stage, the
         # model itself, running its own forward under its own parameter names.
-        self.stage_module: nn.Module = model
+        self._submods: list[nn.Module] = [model]
         if is_chain(model):
-            self.stage_module = StageModule(layers[start:stop], index=pp_i)
-            self.stage_module.dtype = self.dtype
-        if not self.is_first:
-            _no_inplace_at_entry(self.stage_module)
-        self.stage_module.to(pc.device)
-        self._submod: nn.Module = self.stage_module
-        trainable = any(p.requires_grad for p in self.stage_module.parameters())
-        self.fsdp_units: list[str] = []
-        if pc.shard_mesh is not None and trainable:
-            # With several micro-batches, keep the gathered parameters between
-            # them instead of gathering again for every micro-batch (torchtitan's
-            # choice for pipelining).
-            self.fsdp_units = apply_fsdp(
-                self.stage_module,
-                pc.shard_mesh,
-                tile_names=None if self.ctx is None else self.ctx.tile_param_names,
-                tiles=layout.sp_size,
-                reshard_after_forward=plan.microbatches == 1,
-                called=called_modules(self._meta_model, (1, self.in_chans, *self.image_hw)),
+            self._submods = []
+            for ls in self.local:
+                start, stop = bounds[ls.index]
+                cut = StageModule(layers[start:stop], index=ls.index)
+                cut.dtype = self.dtype
+                cut.contiguous_grads = plan.schedule in ("zbv", "dualpipev")
+                self._submods.append(cut)
+        #: This rank's layers (of all its stages, in model order) under their original names.
+        self.stage_module: nn.Module = self._submods[0]
+        if len(self._submods) > 1:
+            order = sorted(range(len(self.local)), key=lambda k: self.local[k].index)
+            self.stage_module = StageModule(
+                [nl for k in order for nl in self._submods[k].named_children()],
+                index=self.stage_index,
             )
-            # FSDP2 hands a unit its input as a view made by a custom Function, which an
-            # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).
-            units = dict(self.stage_module.named_modules())
-            for path in self.fsdp_units:
-                if path in units and units[path] is not self.stage_module:
-                    _no_inplace_at_entry(units[path])
+        self.fsdp_units: list[str] = []
+        for ls, sub in zip(self.local, self._submods, strict=True):
+            if ls.index > 0:
+                _no_inplace_at_entry(sub)
+            sub.to(pc.device)
+            self.fsdp_units += self._shard(sub)
+        #: B's pipeline group and the mirror pairs (bidirectional only).
+        self._mirror: MirrorGroups | None = None
+        if self.copies == 2:
+            self._mirror = mirror_groups(pc.mesh.mesh, pc.rank)
         self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
         self.last_logits: Tensor | None = None
 
     # ------------------------------------------------------------------ set-up
 
+    def _shard(self, sub: nn.Module) -> list[str]:
+        """Shard one stage module with FSDP2 over ``dp x sp`` (each stage its own FSDP root)."""
+        pc, plan = self.pc, self.plan
+        if pc.shard_mesh is None or not any(p.requires_grad for p in sub.parameters()):
+            return []
+        # With several micro-batches, keep the gathered parameters between
+        # them instead of gathering again for every micro-batch (torchtitan's
+        # choice for pipelining).
+        paths = apply_fsdp(
+            sub,
+            pc.shard_mesh,
+            tile_names=None if self.ctx is None else self.ctx.tile_param_names,
+            tiles=plan.layout.stage_size(self.pp_rank),
+            reshard_after_forward=plan.microbatches == 1,
+            called=called_modules(self._meta_model, (1, self.in_chans, *self.image_hw)),
+        )
+        # FSDP2 hands a unit its input as a view made by a custom Function, which an
+        # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).
+        units = dict(sub.named_modules())
+        for path in paths:
+            if path in units and units[path] is not sub:
+                _no_inplace_at_entry(units[path])
+        return paths
+
     def _choose_balance(self, plain: nn.Module | None) -> _BalanceInfo:
-        layout, plan = self.plan.layout, self.plan
+        plan = self.plan
         params = [sum(p.numel() for p in m.parameters()) for _, m in model_layers(self._meta_model)]
         n = len(params)
         if plan.balance is not None:
             return _BalanceInfo(plan.balance, "explicit", None, params)
-        if layout.pp == 1:
+        if plan.stages == 1:
             return _BalanceInfo((n,), "one stage", None, params)
         assert plain is not None
         plain.to(self.pc.device)
@@ -369,53 +460,106 @@ class ParallelModel:
             tuple(float(v) for v in vec[:n]),
             tuple(int(v) for v in vec[n:]),
         )
-        balance = partition(costs.of(plan.balance_by), layout.pp)
+        balance = partition(costs.of(plan.balance_by), plan.stages)
         return _BalanceInfo(balance, f"automatic, by {plan.balance_by}", costs, params)
 
     def _loss(self, n_micro: int) -> Callable[[Tensor, Tensor], Tensor]:
         fn, terms = self.loss_fn, n_micro * self.plan.layout.dp
 
         def loss(out: Tensor, target: Tensor) -> Tensor:
+            if isinstance(fn, TiledLoss):  # reduces across tiles itself (Dice)
+                return fn(out, target, self.ctx, self.out_map) / terms
             return reduce_loss(fn(out, target), self.ctx, self.out_map) / terms
 
         return loss
 
+    def _junction_pipe(self, mb: int, n_micro: int, train: bool) -> _Pipe:
+        """Per-stage grids: this stage's part of the schedule, the junction's pieces in between."""
+        schedule = JunctionSchedule(
+            self._submods[0],
+            layout=self.plan.layout,
+            coords=self.pc.coords,
+            image_hw=self.image_hw,
+            tiles=self.stage_tiles,
+            meta_model=self._meta_model,
+            balance=self.balance,
+            microbatch=mb,
+            in_chans=self.in_chans,
+            microbatches=n_micro,
+            schedule=self.plan.schedule,
+            loss_fn=self._loss(n_micro) if train else None,
+            group=self.pc.group("replica"),
+            device=self.pc.device,
+            dtype=self.dtype,
+        )
+        logits = stage_boundaries(
+            self._meta_model, self.balance, (mb, self.in_chans, *self.stage_tiles[-1])
+        )[-1][0]
+        return _Pipe(
+            [], schedule, [tuple(tuple(s) for s in schedule.out_shapes)], tuple(logits.shape)
+        )
+
     def _pipe(self, mb: int, n_micro: int, train: bool) -> _Pipe:
         key = (mb, n_micro, train)
+        if key not in self._pipes and self.plan.layout.junction:
+            self._pipes[key] = self._junction_pipe(mb, n_micro, train)
         if key not in self._pipes:
             bounds = stage_boundaries(
-                self._meta_model,
+                self._tile_model,
                 self.balance,
                 (mb, self.in_chans, *self.tile_hw),
                 dtype=self.dtype,
             )
-            s = self.stage_index
-            inputs = tuple(t.requires_grad_(s > 0) for t in bounds[s])
-            outputs = tuple(t.requires_grad_(True) for t in bounds[s + 1])
-            stage = PipelineStage(
-                self._submod,
-                s,
-                self.num_stages,
-                self.pc.device,
-                input_args=inputs,
-                output_args=outputs,
-                group=self.pc.group("pp"),
-            )
-            schedule: ScheduleGPipe | Schedule1F1B
-            if not train:
-                schedule = ScheduleGPipe(stage, n_micro, loss_fn=None, scale_grads=False)
-            elif self.plan.schedule == "1f1b":
-                schedule = Schedule1F1B(
-                    stage, n_micro, loss_fn=self._loss(n_micro), scale_grads=False
+            schedule_name = self.plan.schedule
+            # Evaluation of two mirrored replicas runs replica A alone (one pipeline, GPipe).
+            local = list(zip(self.local, self._submods, strict=True))
+            if not train and schedule_name == "bidirectional":
+                local = local[:1]
+            stages = []
+            for ls, sub in local:
+                s = ls.index
+                group = self.pc.group("pp")
+                if ls.replica == 1:
+                    assert self._mirror is not None
+                    group = self._mirror.pipeline_b
+                stage = PipelineStage(
+                    sub,
+                    s,
+                    self.num_stages,
+                    self.pc.device,
+                    input_args=tuple(t.requires_grad_(s > 0) for t in bounds[s]),
+                    output_args=tuple(t.requires_grad_(True) for t in bounds[s + 1]),
+                    group=group,
                 )
+                if ls.replica == 1:  # replica B runs right to left: its stage j is on rank P-1-j
+                    p = self.plan.layout.pp
+                    stage.stage_index_to_group_rank = {j: p - 1 - j for j in range(p)}
+                stages.append(stage)
+            loss = self._loss(n_micro) if train else None
+            schedule: ScheduleGPipe | Schedule1F1B | PipelineScheduleMulti | BidirectionalSchedule
+            if schedule_name in TORCH_MULTI and not train:
+                schedule = forward_only(stages, n_micro, schedule_name, self.plan.layout.pp)
+            elif schedule_name in TORCH_MULTI:
+                cls = get_schedule_class(TORCH_MULTI[schedule_name])
+                schedule = cls(stages, n_micro, loss_fn=loss, scale_grads=False)
+            elif schedule_name == "bidirectional" and train:
+                assert self._mirror is not None
+                schedule = BidirectionalSchedule(
+                    (stages[0], stages[1]),
+                    n_micro,
+                    loss,
+                    mirror=self._mirror.mirror,
+                    pipeline_rank=self.pp_rank,
+                    pipeline_size=self.plan.layout.pp,
+                )
+            elif schedule_name == "1f1b" and train:
+                schedule = Schedule1F1B(stages[0], n_micro, loss_fn=loss, scale_grads=False)
             else:
-                schedule = ScheduleGPipe(
-                    stage, n_micro, loss_fn=self._loss(n_micro), scale_grads=False
-                )
+                schedule = ScheduleGPipe(stages[0], n_micro, loss_fn=loss, scale_grads=False)
             self._pipes[key] = _Pipe(
-                stage,
+                stages,
                 schedule,
-                tuple(tuple(t.shape) for t in outputs),
+                [tuple(tuple(t.shape) for t in bounds[ls.index + 1]) for ls, _ in local],
                 tuple(bounds[-1][0].shape),
             )
         return self._pipes[key]
@@ -423,11 +567,13 @@ class ParallelModel:
     # ------------------------------------------------------------------ data
 
     def tile_of(self, images: Tensor) -> Tensor:
-        """This rank's tile of a full ``(N, C, H, W)`` batch (padded as the layout needs)."""
-        if tuple(images.shape[-2:]) != self.image_hw:
+        """This rank's tile of a full ``(N, C, H, W)`` batch (``(N, C, D, H, W)`` volumes),
+        padded as the layout needs."""
+        nd = len(self.image_hw)
+        if tuple(images.shape[-nd:]) != self.image_hw:
             raise ConfigError(
                 "ParallelModel.tile_of",
-                f"images are {tuple(images.shape[-2:])} but the model was planned for "
+                f"images are {tuple(images.shape[-nd:])} but the model was planned for "
                 f"{self.image_hw}",
                 "pass images of the planned size, or build a ParallelModel for this size",
             )
@@ -458,10 +604,11 @@ class ParallelModel:
             tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
         return tiles.to(self.pc.device)
 
-    def _expect(self, shapes: tuple[tuple[int, ...], ...]) -> None:
-        """Tell a chain's stage the output shapes planned (the whole-model stage has no check)."""
-        if isinstance(self.stage_module, StageModule):
-            self.stage_module.expected = shapes
+    def _expect(self, shapes: list[tuple[tuple[int, ...], ...]]) -> None:
+        """Tell a chain's stages the output shapes planned (the whole-model stage has no check)."""
+        for sub, want in zip(self._submods, shapes, strict=False):
+            if isinstance(sub, StageModule):
+                sub.expected = want
 
     # ------------------------------------------------------------------ training
 
@@ -484,7 +631,7 @@ class ParallelModel:
         pipe = self._pipe(batch // m, m, train=True)
         self.stage_module.train()
         self._expect(pipe.out_shapes)
-        snapshot = self._norm_snapshot() if self.plan.layout.dp > 1 else None
+        snapshot = self._norm_snapshot() if self.plan.layout.dp * self.copies > 1 else None
         losses: list[Tensor] = []
         # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
         # backward and adds them to the (sharded) gradients already there.
@@ -499,18 +646,30 @@ class ParallelModel:
         # The world: the loss terms live on the last stage of every replica and tile,
         # and every rank returns the step's loss.
         dist.all_reduce(total, group=dist.group.WORLD)
-        return float(total.item()) / self.plan.layout.sp_size
+        layout = self.plan.layout
+        return float(total.item()) / layout.stage_size(layout.pp - 1)
 
     @torch.no_grad()
     def predict(self, tiles: Tensor | None) -> Tensor:
         """Logits of the per-replica batch in eval mode, without gradients, on every rank."""
-        pp_group = self.pc.group("pp")
+        # From the first stage to all, and back from the last: along the tile's ``pp`` axis,
+        # or over the whole replica with per-stage grids (its last stage's tile 0 sends).
+        layout = self.plan.layout
+        pp = layout.pp
+        pp_group = self.pc.group("replica" if layout.junction else "pp")
+        # The pipeline predict runs starts on pipeline rank 0 (for GEMS: replica A alone).
+        first, last = self.pp_rank == 0, self.pp_rank == eval_last_rank(self.plan.schedule, pp)
+        src = (
+            layout.replica_size - layout.stage_size(pp - 1)
+            if layout.junction
+            else eval_last_rank(self.plan.schedule, pp)
+        )
         n = torch.tensor([0 if tiles is None else int(tiles.shape[0])], device=self.pc.device)
-        if self.num_stages > 1:
+        if pp > 1:
             dist.broadcast(n, group=pp_group, group_src=0)
         batch = int(n.item())
         args: tuple[Tensor, ...] = ()
-        if self.is_first:
+        if first:
             args = (self._check_tiles(tiles, batch),)
         m = max(d for d in range(1, min(batch, self.plan.microbatches) + 1) if batch % d == 0)
         pipe = self._pipe(batch // m, m, train=False)
@@ -522,13 +681,14 @@ class ParallelModel:
                 out = pipe.schedule.step(*args)
         finally:
             self.stage_module.train(was_training)
-        if self.is_last:
+        if last:
+            assert isinstance(out, Tensor)
             logits = out.contiguous()
         else:
             shape = (batch, *pipe.logits_shape[1:])
             logits = torch.empty(shape, dtype=self.dtype, device=self.pc.device)
-        if self.num_stages > 1:
-            dist.broadcast(logits, group=pp_group, group_src=self.num_stages - 1)
+        if pp > 1:
+            dist.broadcast(logits, group=pp_group, group_src=src)
         return logits
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -545,7 +705,8 @@ class ParallelModel:
             sq += g.detach().double().pow(2).sum()
         if self.pc.world_size > 1:
             dist.all_reduce(sq, group=dist.group.WORLD)  # the shards of every stage
-        total = float(sq.sqrt().item())
+        # Bidirectional: the world holds two identical copies of every stage's gradient.
+        total = float((sq / self.copies).sqrt().item())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in grads:
@@ -578,25 +739,38 @@ class ParallelModel:
         start ``r0``: ``r_d = a r0 + c_d`` with ``a = (1 - m)^k``. Replicas in
         order 0, 1, ... give ``a^D r0 + sum_d a^(D-1-d) c_d``. With
         ``momentum=None`` (cumulative average) the increments simply add up.
+
+        Bidirectional: copy ``h`` (A = 0, B = 1) of data replica ``d`` is replica ``2 d + h``
+        (the reference runs ``d``'s first half, then its second half); this rank's norms are
+        listed in model order, the same on both ranks of a mirror pair, and the shares are
+        summed over the pair as well as over ``dp``.
         """
         norms = self._norms()
         if not norms:
             return
-        group = self.pc.group("dp")
-        d, n_rep = dist.get_rank(group), self.plan.layout.dp
+        copy_of = {
+            id(m): ls.replica
+            for ls, sub in zip(self.local, self._submods, strict=True)
+            for m in sub.modules()
+        }
+        d, n_rep = self.pc.coords[0], self.plan.layout.dp * self.copies
         parts: list[Tensor] = []
         for m, (r0m, r0v, n0) in zip(norms, snapshot, strict=True):
             assert m.running_mean is not None and m.running_var is not None
             assert m.num_batches_tracked is not None
             k = int(m.num_batches_tracked) - n0
+            replica = self.copies * d + copy_of.get(id(m), 0)
             for now, r0 in ((m.running_mean, r0m), (m.running_var, r0v)):
                 parts.append(
                     running_stats_increment(
-                        now, r0, n0=n0, k=k, momentum=m.momentum, replica=d, replicas=n_rep
+                        now, r0, n0=n0, k=k, momentum=m.momentum, replica=replica, replicas=n_rep
                     ).reshape(-1)
                 )
         flat = torch.cat(parts)
-        dist.all_reduce(flat, group=group)
+        if self._mirror is not None:
+            dist.all_reduce(flat, group=self._mirror.mirror)
+        if self.plan.layout.dp > 1:
+            dist.all_reduce(flat, group=self.pc.group("dp"))
         offset = 0
         with torch.no_grad():
             for m, (r0m, r0v, n0) in zip(norms, snapshot, strict=True):
@@ -646,8 +820,7 @@ class ParallelModel:
     def describe(self) -> str:
         """The plan in words: layout, stages and their layers, which rank holds which tile."""
         layout, plan, info = self.plan.layout, self.plan, self.balance_info
-        gy, gx = layout.sp
-        th, tw = self.tile_hw
+        size = "x".join(map(str, self.image_hw))
         lines = [
             f"hyfi parallel plan: {layout.describe()} = {layout.world_size} ranks "
             f"({self.pc.backend} on {self.pc.device.type})",
@@ -655,19 +828,41 @@ class ParallelModel:
             f"checkpointing {plan.checkpointing}; each replica's batch is split into "
             f"{plan.microbatches} equal micro-batches, BatchNorm per micro-batch",
         ]
-        if self.ctx is not None:
+        if len(self.local) > 1:
+            held = ", ".join(
+                f"{'AB'[ls.replica] if self.copies > 1 else ''}{ls.index}"
+                for ls in local_stages(plan.schedule, layout.pp, 0)
+            )
+            what = (
+                "two mirrored replicas: rank r holds stage r of replica A (first half of the "
+                "micro-batches) and stage P-1-r of replica B (second half); the two copies of "
+                "each stage sum their gradients"
+                if self.copies > 1
+                else f"{plan.stages} model stages, two per pipeline rank"
+            )
+            lines.append(f"  {what} (pipeline rank 0 holds {held})")
+        if layout.junction:
+            tiles = ", ".join(
+                f"stage {s} {gy}x{gx} tiles of {h}x{w}"
+                for s, ((gy, gx), (h, w)) in enumerate(
+                    zip(map(layout.grid_of, range(layout.pp)), self.stage_tiles, strict=True)
+                )
+            )
             lines.append(
-                f"  image {self.image_hw[0]}x{self.image_hw[1]} padded to "
-                f"{self.padded_hw[0]}x{self.padded_hw[1]}, {gy}x{gx} tiles of {th}x{tw}"
+                f"  image {size}, a grid per stage: {tiles}; "
+                "activations re-partitioned exactly where the grid changes (junction)"
+            )
+        elif self.ctx is not None:
+            lines.append(
+                f"  image {size} padded to {'x'.join(map(str, self.padded_hw))}, "
+                f"{'x'.join(map(str, layout.sp))} tiles of {'x'.join(map(str, self.tile_hw))}"
             )
         else:
-            lines.append(
-                f"  image {self.image_hw[0]}x{self.image_hw[1]}, one tile (no spatial split)"
-            )
+            lines.append(f"  image {size}, one tile (no spatial split)")
         if self.fsdp_units:
             lines.append(
                 f"  parameters, gradients and optimizer state sharded by FSDP2 over "
-                f"{layout.dp * layout.sp_size} ranks (dp x sp) per stage, "
+                f"{layout.dp * layout.stage_size(self.stage_index)} ranks (dp x sp) on this stage, "
                 f"{len(self.fsdp_units)} units on this stage"
             )
         lines.append(f"  balance {','.join(map(str, info.balance))} ({info.how})")
@@ -685,13 +880,20 @@ class ParallelModel:
             lines.append(
                 f"  stage {s}: {span} ({stop - start} layers, {n_params:.3g} M params{extra}{ck})"
             )
-        lines.append("  rank  dp stage  tile   rows        cols")
+        nd = len(self.image_hw)  # a volume on a one-tile 2-D layout still has 3 axes
+        axes = ("slabs", "rows", "cols")[-nd:]
+        lines.append("  rank  dp stage  tile   " + "".join(f"{a:<12s}" for a in axes).rstrip())
         shown = min(layout.world_size, 64)
         for rank in range(shown):
-            d, p, i, j = layout.coords(rank)
+            d, p, *tile = layout.coords(rank)
+            tile = [0] * (nd - len(tile)) + tile
+            held = "+".join(str(ls.index) for ls in local_stages(plan.schedule, layout.pp, p))
+            spans = "".join(
+                f"{i * t:5d}:{(i + 1) * t:<6d}"
+                for i, t in zip(tile, self.stage_tiles[p], strict=True)
+            )
             lines.append(
-                f"  {rank:4d} {d:3d} {p:5d}  {i},{j}    {i * th:5d}:{(i + 1) * th:<5d} "
-                f"{j * tw:5d}:{(j + 1) * tw:<5d}"
+                f"  {rank:4d} {d:3d} {held:>5s}  {','.join(map(str, tile)):<6s} {spans.rstrip()}"
             )
         if shown < layout.world_size:
             lines.append(f"  ... ({layout.world_size - shown} more ranks)")

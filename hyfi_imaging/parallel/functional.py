@@ -4,9 +4,10 @@ Why: models pool with functions as often as with modules -- torchvision's
 DenseNet and MobileNetV2 end with ``F.adaptive_avg_pool2d(x, 1)``, many
 squeeze-excite blocks call ``x.mean((2, 3), keepdim=True)``. On a tile each
 would pool the tile only. A *site* is one such call: a global average, sum or
-maximum over both spatial dims of a 4-D map (``F.adaptive_avg_pool2d`` /
+maximum over all spatial dims of a 4-D map (``F.adaptive_avg_pool2d`` /
 ``F.adaptive_max_pool2d`` to 1x1, ``mean`` / ``sum`` / ``amax`` over dims
-``(2, 3)``). Sites are named ``"<module path>#<k>"``: the k-th site call made
+``(2, 3)``) or of a 5-D volume (the ``3d`` pools to 1x1x1, reductions over
+``(2, 3, 4)``). Sites are named ``"<module path>#<k>"``: the k-th site call made
 directly by that module's ``forward`` in one invocation. The name is the same
 in the meta-device traces (where the functional-op watch learns which sites see
 tile data and the shape trace learns each site's true input size) and at run
@@ -17,8 +18,9 @@ counted: those layers do their own work.
 
 The same holds for *resampling* sites (:class:`Resample`): ``F.pad`` with a
 constant (the pad lies at the image border, not at every tile's) and
-``F.interpolate`` (nearest, nearest-exact, bilinear; any size or scale factor,
-either ``align_corners``), also inside ``nn.Upsample`` and ``nn.ZeroPad2d``.
+``F.interpolate`` (nearest, nearest-exact, bilinear, trilinear; any size or
+scale factor, either ``align_corners``), also inside ``nn.Upsample`` and
+``nn.ZeroPad2d``, on 4-D maps and 5-D volumes.
 Each output pixel reads at most two input pixels per axis; :func:`source_coords`
 asks PyTorch itself where (the same function on an index ramp, so its rounding
 rules are never re-implemented) and ``SpatialContext.resample`` fetches them
@@ -40,10 +42,18 @@ from torch.utils.hooks import RemovableHandle
 __all__ = ["Frames", "Resample", "Site", "SiteMode", "SpatialFunctions", "site_of", "source_coords"]
 
 _KINDS = {
+    "adaptive_avg_pool1d": "avg",
+    "adaptive_max_pool1d": "max",
+    "_adaptive_max_pool1d": "max",
+    "adaptive_max_pool1d_with_indices": "max",
     "adaptive_avg_pool2d": "avg",
     "adaptive_max_pool2d": "max",
     "_adaptive_max_pool2d": "max",
     "adaptive_max_pool2d_with_indices": "max",
+    "adaptive_avg_pool3d": "avg",
+    "adaptive_max_pool3d": "max",
+    "_adaptive_max_pool3d": "max",
+    "adaptive_max_pool3d_with_indices": "max",
     "mean": "avg",
     "sum": "sum",
     "amax": "max",
@@ -56,12 +66,12 @@ class Site:
 
     kind: str
     keepdim: bool
-    pool: bool  # F.adaptive_*_pool2d (True) or a tensor reduction (False)
+    pool: bool  # F.adaptive_*_pool2d/3d (True) or a tensor reduction (False)
 
 
 @dataclass(frozen=True)
 class Resample:
-    """A pad (``op="pad"``) or interpolation (``op="interpolate"``) of a 4-D map.
+    """A pad (``op="pad"``) or interpolation (``op="interpolate"``) of a 4-D map or 5-D volume.
 
     ``options`` holds the call's arguments but the input, by keyword, so that
     :func:`source_coords` can ask PyTorch where each output pixel reads.
@@ -72,8 +82,8 @@ class Resample:
 
     @property
     def linear(self) -> bool:
-        """Whether an output pixel mixes two inputs per axis (bilinear)."""
-        return dict(self.options).get("mode") == "bilinear"
+        """Whether an output pixel mixes two inputs per axis (bilinear, trilinear)."""
+        return dict(self.options).get("mode") in ("linear", "bilinear", "trilinear")
 
     @property
     def value(self) -> float:
@@ -90,18 +100,20 @@ _INTERPOLATE = (
     "antialias",
 )
 #: Modes whose output pixel reads at most two inputs per axis; bicubic and area are refused.
-_MODES = ("nearest", "nearest-exact", "bilinear")
+_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear")
 
 
 def _bound(names: Sequence[str], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**dict(zip(names, args[1:], strict=False)), **kwargs}
 
 
-def _resample_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Resample | None:
+def _resample_of(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], nd: int
+) -> Resample | None:
     if name == "pad":
         opts = _bound(("pad", "mode", "value"), args, kwargs)
         pad = tuple(int(p) for p in opts.get("pad", ()))
-        if opts.get("mode", "constant") != "constant" or len(pad) not in (2, 4):
+        if opts.get("mode", "constant") != "constant" or len(pad) not in range(2, 2 * nd + 1, 2):
             return None  # reflect/replicate/circular, or pads of channels: the watch refuses
         return Resample("pad", (("pad", pad), ("value", opts.get("value"))))
     opts = _bound(_INTERPOLATE, args, kwargs)
@@ -112,34 +124,41 @@ def _resample_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Resa
 
 
 def site_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Site | Resample | None:
-    """The :class:`Site` if ``func(*args, **kwargs)`` reduces a 4-D map over both spatial
-    dims, the :class:`Resample` if it pads or interpolates one, else None."""
+    """The :class:`Site` if ``func(*args, **kwargs)`` reduces a 4-D map (5-D volume) over all
+    its spatial dims, the :class:`Resample` if it pads or interpolates one, else None."""
     name = getattr(func, "__name__", "")
     kind = _KINDS.get(name)
     x = args[0] if args else kwargs.get("input")
-    if name in ("pad", "interpolate") and isinstance(x, torch.Tensor) and x.dim() == 4:
-        return _resample_of(name, args, kwargs)
-    if kind is None or not isinstance(x, torch.Tensor) or x.dim() != 4:
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4, 5):
+        return None
+    rank = x.dim()
+    if name in ("pad", "interpolate"):
+        return _resample_of(name, args, kwargs, rank - 2)
+    if kind is None:
         return None
     if name.startswith(("adaptive", "_adaptive")):
+        if f"{rank - 2}d" not in name:
+            return None  # a 2-D pool of a volume's slices (or the reverse): the watch judges it
         size = args[1] if len(args) > 1 else kwargs.get("output_size")
         returns_indices = kwargs.get("return_indices") or (len(args) > 2 and args[2] is True)
-        if size not in (1, (1, 1), [1, 1]) or returns_indices or name.endswith("indices"):
+        ones = size == 1 or (isinstance(size, tuple | list) and all(v == 1 for v in size))
+        if not ones or returns_indices or name.endswith("indices"):
             return None
         return Site(kind, True, True)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None or kwargs.get("dtype") is not None:
         return None  # a reduction over everything, or with a cast: the watch judges it
-    dims = {dim % 4} if isinstance(dim, int) else {int(d) % 4 for d in dim}
-    if dims != {2, 3}:
+    dims = {dim % rank} if isinstance(dim, int) else {int(d) % rank for d in dim}
+    if dims != set(range(2, rank)):
         return None
     return Site(kind, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False)), False)
 
 
 def source_coords(
-    res: Resample, n_in: tuple[int, int], n_out: tuple[int, int]
-) -> tuple[list[float | None], list[float | None]]:
-    """Per axis (height, width): the input coordinate each output index reads.
+    res: Resample, n_in: Sequence[int], n_out: Sequence[int]
+) -> tuple[list[float | None], ...]:
+    """Per axis (height, width; or depth, height, width): the input coordinate each output
+    index reads.
 
     ``None`` where the output lies in a pad. An integer coordinate reads one
     pixel; ``i + f`` reads ``i`` and ``i + 1`` with weights ``1 - f`` and ``f``
@@ -148,16 +167,18 @@ def source_coords(
     ``align_corners`` follow PyTorch's rules exactly.
     """
     opts = dict(res.options)
+    nd = len(n_in)
     if res.op == "pad":
-        pad = opts["pad"]
-        left, top = pad[0], pad[2] if len(pad) == 4 else 0
-        return (
-            [float(r - top) if 0 <= r - top < n_in[0] else None for r in range(n_out[0])],
-            [float(c - left) if 0 <= c - left < n_in[1] else None for c in range(n_out[1])],
+        pad = tuple(opts["pad"]) + (0,) * (2 * nd)
+        # F.pad lists the last dim first: axis a starts at pad[2 * (nd - 1 - a)].
+        before = [pad[2 * (nd - 1 - a)] for a in range(nd)]
+        return tuple(
+            [float(r - b) if 0 <= r - b < n else None for r in range(m)]
+            for b, n, m in zip(before, n_in, n_out, strict=True)
         )
-    mode = "linear" if opts["mode"] == "bilinear" else opts["mode"]
+    mode = "linear" if opts["mode"] in ("linear", "bilinear", "trilinear") else opts["mode"]
     coords: list[list[float | None]] = []
-    for axis in (0, 1):
+    for axis in range(nd):
         one: dict[str, Any] = {
             "mode": mode,
             "align_corners": opts.get("align_corners"),
@@ -175,7 +196,7 @@ def source_coords(
         if out.numel() != n_out[axis]:
             raise RuntimeError(f"1-D interpolation gave {out.numel()} outputs, not {n_out[axis]}")
         coords.append([float(v) for v in out.tolist()])
-    return coords[0], coords[1]
+    return tuple(coords)
 
 
 class Frames:

@@ -323,10 +323,19 @@ def out_length(n: int, geom: Footprint) -> int:
     return geom.out_length(n)
 
 
-def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+def _ntuple(value: int | Sequence[int], nd: int) -> tuple[int, ...]:
     if isinstance(value, int):
-        return (value, value)
-    return (int(value[0]), int(value[1]))
+        return (value,) * nd
+    return tuple(int(v) for v in value)
+
+
+def _window_dims(module: nn.Module) -> int:
+    """Spatial dims of a conv or pool module: 1 (``*1d``), 2 (``*2d``) or 3 (``*3d``)."""
+    from torch import nn
+
+    three = (nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d)
+    one = (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.BatchNorm1d)
+    return 3 if isinstance(module, three) else 1 if isinstance(module, one) else 2
 
 
 def dynamic_same(module: nn.Module) -> bool:
@@ -346,8 +355,9 @@ def tf_same_padding(n: int, kernel: int, stride: int, dilation: int = 1) -> tupl
 
 def layer_geom(
     module: nn.Module, size: Sequence[int] | None = None, *, tf_same: bool | None = None
-) -> tuple[LayerGeom, LayerGeom]:
-    """``(y, x)`` window geometry of a ``Conv2d``, ``MaxPool2d`` or ``AvgPool2d``.
+) -> tuple[LayerGeom, ...]:
+    """``(y, x)`` window geometry of a ``Conv2d``, ``MaxPool2d`` or ``AvgPool2d``; ``(z, y, x)``
+    of their 3-D forms, ``(l,)`` of their 1-D forms.
 
     Conv ``padding='valid'`` is 0 and ``'same'`` is ``d(k-1)`` split as PyTorch
     does (the odd pixel at the end); a TF-'SAME' convolution (:func:`dynamic_same`)
@@ -363,7 +373,8 @@ def layer_geom(
     def where() -> str:
         return repr(module).replace("\n", " ")
 
-    if isinstance(module, nn.Conv2d):
+    nd = _window_dims(module)
+    if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
         if module.padding_mode != "zeros":
             raise ConfigError(
                 where(),
@@ -371,56 +382,63 @@ def layer_geom(
                 "use padding_mode='zeros'",
             )
         kernel, stride, dilation = (
-            _pair(module.kernel_size),
-            _pair(module.stride),
-            _pair(module.dilation),
+            _ntuple(module.kernel_size, nd),
+            _ntuple(module.stride, nd),
+            _ntuple(module.dilation, nd),
         )
         if module.padding == "valid":
-            pads = [(0, 0), (0, 0)]
+            pads = [(0, 0)] * nd
         elif module.padding == "same":
             total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
             pads = [(t // 2, t - t // 2) for t in total]
         else:
-            pads = [(p, p) for p in _pair(module.padding)]  # type: ignore[arg-type]
-    elif isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
+            pads = [(p, p) for p in _ntuple(module.padding, nd)]  # type: ignore[arg-type]
+    elif isinstance(
+        module,
+        nn.MaxPool1d | nn.AvgPool1d | nn.MaxPool2d | nn.AvgPool2d | nn.MaxPool3d | nn.AvgPool3d,
+    ):
         # ceil_mode only adds windows that overhang the end, which see -inf there (max)
         # or are divided by their pixels inside the image (avg, as PyTorch does, ResNet-D's
         # shortcut) -- except an average that counts padding: it counts the padding before
         # the end but not the overhang past it, a divisor the tiles have no form for.
         if (
-            isinstance(module, nn.AvgPool2d)
+            isinstance(module, nn.AvgPool1d | nn.AvgPool2d | nn.AvgPool3d)
             and module.ceil_mode
             and module.count_include_pad
-            and module.divisor_override is None
-            and any(_pair(module.padding))
+            and getattr(module, "divisor_override", None) is None  # AvgPool1d has none
+            and any(_ntuple(module.padding, nd))
         ):
             raise ConfigError(
                 where(),
-                "AvgPool2d with ceil_mode=True, padding and count_include_pad=True is not "
+                f"{type(module).__name__} with ceil_mode=True, padding and count_include_pad=True is not "
                 "supported by spatial tiling",
                 "use count_include_pad=False, padding=0 or ceil_mode=False",
             )
-        kernel, stride = _pair(module.kernel_size), _pair(module.stride)
-        pads = [(p, p) for p in _pair(module.padding)]
-        dilation = _pair(module.dilation) if isinstance(module, nn.MaxPool2d) else (1, 1)
+        kernel = _ntuple(module.kernel_size, nd)
+        stride = _ntuple(module.stride if module.stride is not None else module.kernel_size, nd)
+        pads = [(p, p) for p in _ntuple(module.padding, nd)]
+        dilation = (
+            _ntuple(module.dilation, nd)
+            if isinstance(module, nn.MaxPool1d | nn.MaxPool2d | nn.MaxPool3d)
+            else (1,) * nd
+        )
     else:
         raise ConfigError(
             where(),
             f"{type(module).__name__} has no window geometry",
-            "pass a Conv2d, MaxPool2d or AvgPool2d",
+            "pass a Conv1d/2d/3d, MaxPool1d/2d/3d or AvgPool1d/2d/3d",
         )
     if dynamic_same(module) if tf_same is None else tf_same:
         if size is None:
             raise ConfigError(where(), "pads by its input's size (TF 'SAME')", "pass size=(h, w)")
-        pads = [tf_same_padding(size[a], kernel[a], stride[a], dilation[a]) for a in (0, 1)]
+        pads = [tf_same_padding(size[a], kernel[a], stride[a], dilation[a]) for a in range(nd)]
     ceil = bool(getattr(module, "ceil_mode", False))
-    y, x = (
+    return tuple(
         LayerGeom(
             kernel[a], stride[a], pads[a][0], dilation[a], padding_end=pads[a][1], ceil_mode=ceil
         )
-        for a in (0, 1)
+        for a in range(nd)
     )
-    return (y, x)
 
 
 def padded_hw(image_hw: Sequence[int], grid: Sequence[int], align: int = 1) -> tuple[int, ...]:
@@ -442,7 +460,7 @@ def padded_hw(image_hw: Sequence[int], grid: Sequence[int], align: int = 1) -> t
         )
     if all(int(g) == 1 for g in grid):
         return tuple(int(n) for n in image_hw)
-    names = ("height", "width") if len(grid) == 2 else ("depth", "height", "width")
+    names = {1: ("length",), 2: ("height", "width")}.get(len(grid), ("depth", "height", "width"))
     return tuple(
         split(int(n), int(g), align=align, axis=names[k])[-1].stop
         for k, (n, g) in enumerate(zip(image_hw, grid, strict=True))

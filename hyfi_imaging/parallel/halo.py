@@ -30,25 +30,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Neighbours", "extend", "fill_tail", "halo_exchange", "rebuild", "return_halo_grads"]
+__all__ = [
+    "Neighbours",
+    "extend",
+    "fill_tail",
+    "halo_exchange",
+    "rebuild",
+    "return_halo_grads",
+    "trailing",
+]
 
 
 @dataclass(frozen=True)
 class Neighbours:
-    """Global ranks of the four edge neighbours of a tile (None past the grid's edge)."""
+    """Global ranks of the face neighbours of a tile (None past the grid's edge).
+
+    ``front``/``back`` are the neighbours along the depth of a 3-D grid (None on
+    a 2-D one); a 2-D exchange reads only the last two pairs.
+    """
 
     up: int | None = None
     down: int | None = None
     left: int | None = None
     right: int | None = None
+    front: int | None = None
+    back: int | None = None
 
     @property
     def alone(self) -> bool:
-        return self.up is None and self.down is None and self.left is None and self.right is None
+        return all(r is None for pair in self.pairs() for r in pair)
 
     def pairs(self) -> tuple[tuple[int | None, int | None], ...]:
-        """``(before, after)`` neighbour per spatial dimension, outermost first."""
-        return ((self.up, self.down), (self.left, self.right))
+        """``(before, after)`` neighbour per spatial dimension (depth, rows, columns).
+
+        Callers take the last ``nd`` pairs for an ``nd``-dimensional tile.
+        """
+        return ((self.front, self.back), (self.up, self.down), (self.left, self.right))
 
 
 Strips = tuple[torch.Tensor | None, ...]  # received (before, after) per dimension; None = fill
@@ -99,6 +116,11 @@ def _buffer(like: torch.Tensor) -> torch.Tensor:
     convolutions produce), and the bytes received are in standard order.
     """
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def trailing(index: Sequence[slice | int]) -> tuple[Any, ...]:
+    """The key ``(..., *index)``: ``index`` applies to the last ``len(index)`` dims."""
+    return (Ellipsis, *index)
 
 
 def _pairs(halo: Sequence[int]) -> list[tuple[int, int]]:
@@ -340,9 +362,11 @@ class _HaloExchange(torch.autograd.Function):
 
 
 def halo_exchange(
-    x: torch.Tensor, halo: tuple[int, int, int, int], neighbours: Neighbours, *, fill: float = 0.0
+    x: torch.Tensor, halo: Sequence[int], neighbours: Neighbours, *, fill: float = 0.0
 ) -> torch.Tensor:
     """Return ``x`` (..., h, w) surrounded by its ``(top, bottom, left, right)`` halo, with autograd.
+
+    A 3-D tile (..., d, h, w) takes ``(front, back, top, bottom, left, right)``.
 
     Every halo must be no wider than the neighbouring tile (the caller checks);
     all ranks of the grid must call this with the same ``halo``.

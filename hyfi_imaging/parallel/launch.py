@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hyfi_imaging.errors import HyfiError
-from hyfi_imaging.parallel.layout import MESH_DIMS, Layout
+from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import fix_malloc_threshold
 
 __all__ = [
@@ -94,27 +95,51 @@ class ParallelContext:
     shard_mesh: DeviceMesh | None = None
 
     @property
-    def coords(self) -> tuple[int, int, int, int]:
-        """(dp, pp, sy, sx) of this rank."""
+    def coords(self) -> tuple[int, ...]:
+        """(dp, pp, sy, sx) of this rank; (dp, pp, sz, sy, sx) on a 3-D grid, (dp, pp, sx) on
+        a 1-D one."""
         return self.layout.coords(self.rank)
 
     @property
-    def tile(self) -> tuple[int, int]:
-        """(row, column) of this rank's tile in the spatial grid."""
-        return self.coords[2], self.coords[3]
+    def tile(self) -> tuple[int, ...]:
+        """(row, column) of this rank's tile in the spatial grid; (slab, row, column) in 3-D."""
+        return tuple(self.coords[2:])
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """The tile grid of this rank's pipeline stage (``layout.sp`` unless grids differ per stage)."""
+        return self.layout.grid_of(self.coords[1])
 
     def group(self, name: str) -> Any:
-        """Process group of a mesh axis (``dp``, ``pp``, ``sy``, ``sx``) or ``sp`` (both tile axes)."""
+        """Process group of a mesh axis (``dp``, ``pp``, ``sz``, ``sy``, ``sx``) or ``sp``
+        (all tile axes); with per-stage grids ``dp``, ``sp`` and ``replica`` (see
+        :mod:`.junction`)."""
+        if name not in self.groups:
+            raise KeyError(f"no process group {name!r} in {self.layout.describe()}")
         return self.groups[name]
 
-    def peer(self, *, dy: int = 0, dx: int = 0) -> int | None:
-        """Global rank of the tile ``(dy, dx)`` away in the same grid, or None past the edge."""
-        dp, pp, sy, sx = self.coords
-        gy, gx = self.layout.sp
-        ny, nx = sy + dy, sx + dx
-        if not (0 <= ny < gy and 0 <= nx < gx):
+    def peer(self, *, dz: int = 0, dy: int = 0, dx: int = 0) -> int | None:
+        """Global rank of the tile ``(dz, dy, dx)`` away in this rank's stage grid (``dz`` on
+        3-D grids only), or None past the edge."""
+        grid = self.grid
+        step = (dz, dy, dx)[-len(grid) :]
+        if any((dz, dy)[: 3 - len(grid)]):
+            return None  # an axis this grid does not have (depth of a 2-D grid, rows of a 1-D)
+        at = [c + d for c, d in zip(self.tile, step, strict=True)]
+        if not all(0 <= a < g for a, g in zip(at, grid, strict=True)):
             return None
-        return int(self.mesh.mesh[dp, pp, ny, nx].item())
+        return self.layout.rank_of(*self.coords[:2], *at)
+
+    def neighbours(self) -> Neighbours:
+        """The ranks of this tile's face neighbours, for the halo exchange."""
+        return Neighbours(
+            front=self.peer(dz=-1),
+            back=self.peer(dz=1),
+            up=self.peer(dy=-1),
+            down=self.peer(dy=1),
+            left=self.peer(dx=-1),
+            right=self.peer(dx=1),
+        )
 
 
 def _mpi_environment() -> tuple[int, int, int]:
@@ -181,15 +206,22 @@ def init_parallel(
                 timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
-    mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=MESH_DIMS)
-    groups: dict[str, Any] = {name: mesh.get_group(name) for name in MESH_DIMS}
-    groups["sp"] = (
-        mesh["sy", "sx"]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
-    )
-    shard_mesh = None
-    if layout.dp * layout.sp_size > 1:
-        shard_mesh = mesh["dp", "sy", "sx"]._flatten("shard")
-        groups["shard"] = shard_mesh.get_group()
+    groups: dict[str, Any]
+    if layout.junction:
+        from hyfi_imaging.parallel.junction import junction_meshes
+
+        mesh, groups, shard_mesh = junction_meshes(layout, device, rank)
+    else:
+        mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.mesh_dims)
+        groups = {name: mesh.get_group(name) for name in layout.mesh_dims}
+        spatial = layout.spatial_axes
+        groups["sp"] = (
+            mesh[spatial]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
+        )
+        shard_mesh = None
+        if layout.dp * layout.sp_size > 1:
+            shard_mesh = mesh[("dp", *spatial)]._flatten("shard")
+            groups["shard"] = shard_mesh.get_group()
     table: list[Any] = [None] * world
     dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
     _PEERS[:] = table

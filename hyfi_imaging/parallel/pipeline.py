@@ -142,6 +142,18 @@ def as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, tuple | list) else (x,)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (see :class:`StageModule`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class StageModule(nn.Module):
     """Consecutive top-level children of a model, under their original names.
 
@@ -154,6 +166,10 @@ class StageModule(nn.Module):
     allocated buffers for; a mismatch raises before anything is sent.
     ``dtype`` (set by the engine) is the dtype of those buffers: outputs of
     another floating dtype (autocast) are cast to it, so the bytes sent match.
+    ``contiguous_grads`` (set by the engine for split-backward schedules): the
+    gradient sent back for each input is made contiguous -- torch's input-only
+    backward (ZBV, DualPipeV) sends what ``autograd.grad`` returns, which after a
+    halo exchange's backward is a strided view that the send refuses.
     """
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, index: int = 0) -> None:
@@ -163,6 +179,7 @@ class StageModule(nn.Module):
         self.index = index
         self.expected: tuple[tuple[int, ...], ...] | None = None
         self.dtype: torch.dtype | None = None
+        self.contiguous_grads = False
 
     def _boundary(self, t: Any) -> Any:
         """Contiguous, and in the planned dtype (autocast may have produced another)."""
@@ -174,6 +191,11 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         """Run the children in order on ``args`` (one tensor, or a tuple given as several args)."""
+        if self.contiguous_grads:
+            args = tuple(
+                _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                for a in args
+            )
         x: Any = args[0] if len(args) == 1 else tuple(args)
         for module in self.children():
             x = module(x)
@@ -291,6 +313,12 @@ def schedule_order(schedule: str, stages: int, microbatches: int) -> list[list[t
     then all backwards; 1F1B runs ``stages - s`` forwards on stage ``s``, then
     alternates one backward and one forward, then drains the backwards.
     """
+    if schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(
+            f"schedule {schedule}",
+            "has no single-pipeline order (it places two stages per rank)",
+            "see hyfi_imaging.parallel.schedules for its placement and order",
+        )
     out = []
     for s in range(stages):
         if schedule == "gpipe":
@@ -363,7 +391,9 @@ def draw_plan(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    pp, (gy, gx), dp = layout.pp, layout.sp, layout.dp
+    # A 3-D grid is drawn with its slabs stacked as rows.
+    pp, dp, gx = layout.pp, layout.dp, layout.sp[-1]
+    gy = layout.sp_size // gx
     fig, (ax_mesh, ax_time) = plt.subplots(
         1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.5]}
     )
@@ -371,13 +401,14 @@ def draw_plan(
     bounds = stage_bounds(balance)
     rows = dp * gy
     for rank in range(layout.world_size):
-        d, p, i, j = layout.coords(rank)
+        d, p, *tile = layout.coords(rank)
+        i, j = (rank % layout.sp_size) // gx, tile[-1]
         x0, y0 = p * (gx + 0.6) + j, (rows - 1 - (d * gy + i)) + (dp - 1 - d) * 0.4
         ax_mesh.add_patch(
             Rectangle((x0, y0), 0.95, 0.95, color=colours(p % 10), alpha=0.75 - 0.4 * d / dp)
         )
         ax_mesh.text(
-            x0 + 0.47, y0 + 0.47, f"rank {rank}\ntile ({i},{j})\ndp {d}",
+            x0 + 0.47, y0 + 0.47, f"rank {rank}\ntile ({','.join(map(str, tile))})\ndp {d}",
             ha="center", va="center", fontsize=8,
         )  # fmt: skip
     for p, (start, stop) in enumerate(bounds):

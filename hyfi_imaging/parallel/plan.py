@@ -14,42 +14,53 @@ Per-rank peak over the memory a rank holds after building its model:
   one micro-batch -- with this library's windowed layers (no halo-extended
   copies, no max-pool indices) plus the received halo strips; checkpointed
   blocks keep only their input (``full``) or also their convolutions' outputs
-  (``selective``). Multiplied by the micro-batches in flight (GPipe: all of
-  them; 1F1B: ``pp - stage``).
+  (``selective``). Summed over the micro-batches the rank's schedule order keeps
+  in flight (:func:`~.schedules.peak_in_flight`; GPipe: all of them; 1F1B:
+  ``pp - stage``), over both stages where a rank holds two (``bidirectional``,
+  ``interleaved1f1b``, ``zbv``, ``dualpipev``: :func:`~.schedules.local_stages`).
 * **backward transient**: walking backward, the activations still kept plus
   the gradients being computed (output, input and the rebuilt extended tile of
   the layer at hand), and a checkpointed block's recomputed internals; the
   maximum over layers.
 * **state**: gradients and optimizer state, ``1/(dp x sp)`` of the stage's
-  under FSDP2 plus the gathered parameters and unsharded gradients of the
-  units in flight; whole without sharding.
-* **buffers**: pipeline gradient buffers of the stage boundaries, and the
-  runtime's own first-step allocations (:data:`RUNTIME_OVERHEAD`).
+  (``sp``: that stage's own grid, with per-stage grids -- the junction) under
+  FSDP2 plus the gathered parameters and unsharded gradients of the units in
+  flight; whole without sharding; summed over a rank's stages.
+* **buffers**: pipeline gradient buffers of the stage boundaries (and, after a
+  junction under 1F1B, the previous input gradient and its pieces in flight),
+  and the runtime's own first-step allocations (:data:`RUNTIME_OVERHEAD`).
 
-Step time: forward + backward FLOPs of the busiest stage per micro-batch (the
-forward again for recomputed blocks) over the measured rate, times
-``(m + pp - 1)`` micro-batch slots for a pipeline, plus halo and FSDP2 traffic
-over ``bandwidth``. It ranks layouts; it is not a promise of wall time.
+Step time: every rank's action order (:func:`~.schedules.schedule_actions`) replayed
+(:func:`~.schedules.simulate_orders`, the benchmark's bubble replay) with each stage's
+forward and backward FLOPs (the forward again for recomputed blocks) over the measured
+rate, plus the bytes a stage receives from another rank (at a junction, its share of the
+whole feature map), FSDP2 traffic once per step and GEMS's mirror all-reduce, over
+``bandwidth``. It ranks layouts; it is not a promise of wall time.
+
+Per-stage grids (:mod:`.junction`) are predicted stage by stage on each stage's own tile;
+:func:`junction_grids` lists the ones :func:`candidates` offers (bounded).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.balance import partition
+from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
+from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, saved_activations
 from hyfi_imaging.parallel.pipeline import (
@@ -59,16 +70,21 @@ from hyfi_imaging.parallel.pipeline import (
     stage_boundaries,
     stage_bounds,
 )
+from hyfi_imaging.parallel.schedules import (
+    local_stages,
+    peak_in_flight,
+    schedule_actions,
+    simulate_orders,
+)
 from hyfi_imaging.parallel.sharding import shard_units
 
 __all__ = [
     "Candidate",
     "Prediction",
-    "candidates",
-    "device_memory",
+    "candidate_plan",
+    "check_pooled",
     "measure_rate",
     "predict",
-    "rank",
 ]
 
 #: Bytes a rank's runtime allocates on its first training step besides tensors.
@@ -111,39 +127,44 @@ class Prediction:
     buffers: int
     step_s: float = math.nan
     images_per_s: float = math.nan
+    #: Idle share of the pipeline ranks in the simulated step (0 without a pipeline).
+    bubble: float = 0.0
+    #: Every pipeline rank's predicted peak (the busiest one's is :attr:`peak`).
+    rank_peaks: tuple[int, ...] = ()
 
     @property
     def peak(self) -> int:
         return self.activations + self.transient + self.state + self.buffers
 
 
-def tile_hw(image_hw: tuple[int, int], grid: tuple[int, int], align: int) -> tuple[int, int]:
-    """The padded tile every rank holds (the geometry module's rule)."""
-    ph, pw = padded_hw(image_hw, grid, align)
-    return ph // grid[0], pw // grid[1]
+def tile_hw(image_hw: Sequence[int], grid: Sequence[int], align: int) -> tuple[int, ...]:
+    """The padded tile every rank holds (the geometry module's rule), 2-D or 3-D."""
+    return tuple(p // g for p, g in zip(padded_hw(image_hw, grid, align), grid, strict=True))
 
 
 def _in_block(path: str, blocks: Sequence[str]) -> str | None:
     return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
 
 
-def _strips(model: nn.Module, trace: SavedActivations, grid: tuple[int, int]) -> int:
+def _strips(model: nn.Module, trace: SavedActivations, grid: Sequence[int]) -> int:
     """Bytes of halo strips the busiest rank receives for every windowed layer."""
-    if grid == (1, 1):
+    if all(g == 1 for g in grid):
         return 0
+    nd = len(grid)
     modules = dict(model.named_modules())
+    windowed = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)
     total = 0
     for path, _, nbytes, _, shape in trace.calls:
         m = modules.get(path)
-        if not isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d) or len(shape) != 4:
+        if not isinstance(m, windowed) or len(shape) != nd + 2:
             continue
         side: list[int] = []
-        for g, tiles in zip(layer_geom(m, shape[-2:]), grid, strict=True):
+        for g, tiles in zip(layer_geom(m, shape[-nd:]), grid, strict=True):
             before, after = g.padding, max(0, g.extent - g.padding - g.stride)
             side.append(0 if tiles == 1 else before + after if tiles > 2 else max(before, after))
-        h, w = shape[-2:]
-        rows, cols = side
-        total += nbytes * (rows * w + cols * (h + rows)) // max(1, h * w)
+        tile = shape[-nd:]
+        grown = math.prod(t + s for t, s in zip(tile, side, strict=True)) - math.prod(tile)
+        total += nbytes * grown // max(1, math.prod(tile))
     return total
 
 
@@ -210,6 +231,32 @@ def _transient_factor(kind: str, spatial: bool) -> int:
     return 1
 
 
+def candidate_plan(candidate: Candidate) -> ParallelPlan:
+    """The engine's plan for ``candidate``: its checks are the ones training applies (one place)."""
+    return ParallelPlan(
+        candidate.layout,
+        microbatches=candidate.microbatches,
+        schedule=cast(Schedule, candidate.schedule),
+        balance=candidate.balance,
+        checkpointing=candidate.checkpointing,
+    )
+
+
+@dataclass
+class _StageCost:
+    """What one model stage costs per micro-batch on one tile, and what it holds."""
+
+    act: int  # kept for backward, halo strips included
+    transient: int  # the backward's working set above ``act``
+    params: int  # bytes
+    units: list[int]  # FSDP2 units' parameter bytes
+    out_bytes: int  # the boundary tensors it sends
+    in_bytes: int  # the boundary tensors it receives, on its own tile (first stage: the image's)
+    weight_grads: int  # gradients of the parameterised layers' outputs (kept from I to W)
+    forward_s: float
+    backward_s: float
+
+
 def predict(
     model: nn.Module,
     image_hw: tuple[int, int],
@@ -221,84 +268,239 @@ def predict(
     bandwidth: float = 10e9,
     overhead: int | None = None,
 ) -> Prediction:
-    """Predict per-rank peak memory and step time of ``candidate`` (ConfigError if it cannot run).
+    """Predict the busiest rank's peak memory and the step time of ``candidate``.
 
-    ``model`` is the single-device model (any device; a meta copy is traced);
-    ``batch`` the per-replica batch. Step time: FLOPs counted on the meta
-    device at ``flops_per_s`` (see :func:`measure_rate`), halo and FSDP2
-    traffic at ``bandwidth`` bytes/s.
-    ``overhead`` is what the runtime allocates on a rank's first step besides
-    tensors (kernel workspaces, communication threads); default
+    Raises ConfigError where training would refuse the candidate (the engine's own
+    :meth:`~.engine.ParallelPlan.validate`). ``model`` is the single-device model (any device;
+    a meta copy is traced); ``batch`` the per-replica batch. Step time: FLOPs counted on the meta
+    device at ``flops_per_s`` (see :func:`measure_rate`), halo, FSDP2 and GEMS mirror traffic at
+    ``bandwidth`` bytes/s, the pipeline replayed in the schedule's own order
+    (:func:`~.schedules.simulate_orders`). ``overhead`` is what the runtime allocates on a rank's
+    first step besides tensors (kernel workspaces, communication threads); default
     :data:`RUNTIME_OVERHEAD` for the model's device type.
     """
-    lay, m = candidate.layout, candidate.microbatches
-    if batch % m:
-        raise ConfigError(
-            f"batch {batch}", f"does not split into {m} micro-batches", "pick a divisor"
+    lay, m, schedule = candidate.layout, candidate.microbatches, candidate.schedule
+    plan = candidate_plan(candidate)
+    plan.validate(model, batch)
+    if lay.junction:
+        check_pooled(model, image_hw, lay)
+    balance, costs = _stage_costs(
+        model, image_hw, batch // m, candidate, plan.stages, flops_per_s, bandwidth
+    )
+    n_stages = plan.stages
+    if overhead is None:
+        overhead = RUNTIME_OVERHEAD["cuda" if _on_cuda(model) else "cpu"]
+    k_opt = OPT_STATE.get(optimizer, 1)
+    orders = schedule_actions(schedule, lay.pp, m)
+    worst: Prediction | None = None
+    peaks: list[int] = []
+    comm_s = 0.0
+    for r in range(lay.pp):
+        # FSDP2 shards a stage over the ranks that share it: its grid's tiles in every replica
+        # (with per-stage grids, each stage its own; every stage of a rank has the same grid).
+        n_shard = lay.dp * lay.stage_size(r)
+        mine = local_stages(schedule, lay.pp, r)
+        act = peak_in_flight(
+            orders[r], lambda _c, s: costs[s].act, lambda _c, s: costs[s].weight_grads
         )
+        # A backward's working set counts with what is alive while *it* runs.
+        transient = (
+            peak_in_flight(
+                orders[r],
+                lambda _c, s: costs[s].act,
+                lambda _c, s: costs[s].weight_grads,
+                lambda _c, s: costs[s].transient,
+            )
+            - act
+        )
+        state = buffers = 0
+        for ls in mine:
+            c = costs[ls.index]
+            if n_shard > 1:
+                gathered = c.params if m > 1 else 2 * max(c.units, default=0)
+                state += (1 + k_opt) * c.params // n_shard + gathered + max(c.units, default=0)
+            else:
+                state += (1 + k_opt) * c.params
+            own = [a for a in orders[r] if (a[0], a[1]) == (ls.replica, ls.index)]
+            runs = sum(1 for a in own if a[2] == "F")  # micro-batches this copy runs
+            flight = peak_in_flight(own, lambda _c, _s: 1)
+            kinds = "".join(a[2] for a in own)
+            backward_first = "F" in kinds.partition("B")[2]  # 1F1B-like: a backward, then a forward
+            if ls.index == 0:
+                # The per-replica batch arrives as one tensor: its micro-batches not in flight
+                # (whose inputs the activations do not count) are held as well.
+                buffers += c.in_bytes * max(0, m - flight)
+            if ls.index < n_stages - 1:
+                # Output-gradient receive buffers: torch's PipelineStage keeps one per
+                # micro-batch; the junction's schedule only those in flight.
+                buffers += c.out_bytes * (flight if lay.junction else runs)
+            if ls.index > 0 and lay.junction and backward_first:
+                # The junction's schedule sends an input gradient as pieces (copies) while the
+                # next micro-batch runs (1F1B, not GPipe, whose peak comes before any backward):
+                # that gradient and its pieces, besides the activations (measured on CPU).
+                buffers += 2 * c.in_bytes
+            elif ls.index > 0:
+                # torch's PipelineStage keeps an input receive buffer per micro-batch (those in
+                # flight are the saved inputs the activations count) and, 1F1B-like, holds an
+                # input gradient until its send completes (measured on CPU, pp 2, m 2 and 4).
+                buffers += c.in_bytes * (runs - flight + int(backward_first))
+        held = sum(costs[ls.index].params for ls in mine) // n_shard
+        rank_comm = sum(3 * costs[ls.index].params for ls in mine) * (n_shard - 1) / n_shard
+        if schedule == "bidirectional":
+            # The mirror sum concatenates both copies' gradient shards once the backward is done.
+            transient = max(transient, held - act)
+            rank_comm += held  # an all-reduce over a pair sends each rank's bytes once
+        comm_s = max(comm_s, rank_comm / bandwidth)
+        pred = Prediction(candidate, tuple(balance), act, transient, state, buffers + overhead)
+        peaks.append(pred.peak)
+        if worst is None or pred.peak > worst.peak:
+            worst = pred
+    assert worst is not None
+    worst.rank_peaks = tuple(peaks)
+    # A stage whose input comes from another rank waits for it (forward) and sends its
+    # gradient back (backward): the bytes its own tile receives -- at a junction, its share of
+    # the whole feature map, which crosses once -- at ``bandwidth``.
+    owner = {ls.index: r for r in range(lay.pp) for ls in local_stages(schedule, lay.pp, r)}
+    p2p = [
+        costs[s].in_bytes / bandwidth if s > 0 and owner[s] != owner[s - 1] else 0.0
+        for s in range(n_stages)
+    ]
+    span, idle = simulate_orders(
+        orders,
+        n_stages,
+        lambda s, kind: {
+            "F": costs[s].forward_s + p2p[s],
+            "B": costs[s].backward_s + p2p[s],
+            "I": costs[s].backward_s / 2 + p2p[s],
+            "W": costs[s].backward_s / 2,
+        }[kind],
+    )
+    worst.bubble = max(0.0, idle)  # rounding can leave -1e-16
+    worst.step_s = span + comm_s
+    worst.images_per_s = lay.dp * batch / worst.step_s
+    return worst
+
+
+#: Stage costs already traced, per model (weakly: a model dropped drops its entries). The
+#: candidates of one model share cuts, tiles and micro-batches across schedules and replicas.
+_COSTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], object]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _stage_costs(
+    model: nn.Module,
+    image_hw: tuple[int, int],
+    mb: int,
+    candidate: Candidate,
+    n_stages: int,
+    flops_per_s: float,
+    bandwidth: float,
+) -> tuple[tuple[int, ...], list[_StageCost]]:
+    """The stage cut (``candidate.balance`` or one evening out memory) and each stage's costs.
+
+    Traced on a meta copy once per (grids, micro-batch, checkpointing, cut) and model: a schedule
+    only changes which stages a rank holds and in which order, not what a stage costs. Every
+    stage is traced on its own grid's tile (per-stage grids: the junction's ``stage_tiles``).
+    """
+    lay = candidate.layout
+    grids = [lay.grid_of(s) if lay.junction else lay.sp for s in range(n_stages)]
+    key = (image_hw, tuple(grids), mb, candidate.checkpointing, n_stages, candidate.balance,
+           flops_per_s, bandwidth)  # fmt: skip
+    cache = _COSTS.setdefault(model, {})
+    if key in cache:
+        return cast(tuple[tuple[int, ...], list[_StageCost]], cache[key])
     meta = copy.deepcopy(model).to("meta")
     dtype = next((p.dtype for p in meta.parameters()), torch.float32)
     in_chans = int(getattr(meta, "in_chans", 3))
     align = int(getattr(meta, "total_stride", 1))
-    tile = tile_hw(image_hw, lay.sp, align) if lay.sp_size > 1 else image_hw
-    mb = batch // m
+
+    def tile_of(grid: Sequence[int]) -> tuple[int, ...]:
+        # Per-stage grids pad the image for every grid, 1x1 included (``junction.stage_tiles``).
+        return tile_hw(image_hw, grid, align) if lay.junction or math.prod(grid) > 1 else image_hw
+
     blocks = set_checkpointing(meta, candidate.checkpointing)
     policy = "selective" if candidate.checkpointing == "selective" else "full"
     for blk in meta.modules():  # traced plainly; the accounting above models the recompute
         if isinstance(blk, CheckpointedBlock):
             blk.grad_checkpointing = False
     layers = model_layers(meta)
-    balance = candidate.balance or _memory_balance(meta, layers, lay.pp, (mb, in_chans, *tile))
-    bounds = stage_boundaries(meta, balance, (mb, in_chans, *tile), dtype=dtype)
-    n_shard = lay.dp * lay.sp_size
-    k_opt = OPT_STATE.get(optimizer, 1)
-    worst: Prediction | None = None
-    stage_s: list[float] = []
-    for s, (start, stop) in enumerate(stage_bounds(balance)):
-        stage = StageModule(layers[start:stop], index=s)
-        # A received activation: requires grad from stage 1 on; a non-leaf, so a stage
-        # may start with an in-place op (the engine runs that one out of place).
-        ins = tuple(
-            t.detach().requires_grad_(True).clone() if s > 0 else t.detach() for t in bounds[s]
+    # The cut evens out per-rank memory: with per-stage grids, a stage's layers traced on the
+    # whole image over its grid's tiles.
+    first = (1, 1) if lay.junction else grids[0]
+    shares = [math.prod(g) for g in grids] if lay.junction else None
+    balance = candidate.balance or _memory_balance(
+        meta, layers, n_stages, (mb, in_chans, *tile_of(first)), shares
+    )
+    bounds = {
+        g: stage_boundaries(meta, balance, (mb, in_chans, *tile_of(g)), dtype=dtype)
+        for g in set(grids)
+    }
+    costs = [
+        _stage_cost(
+            layers,
+            s,
+            start,
+            stop,
+            bounds[grids[s]],
+            blocks,
+            policy,
+            grids[s],
+            flops_per_s,
+            bandwidth,
         )
-        trace = saved_activations(stage, partial(stage, *ins))
-        names = {n for n, _ in layers[start:stop]}
-        mine = [b for b in blocks if b.split(".")[0] in names]
-        act, transient = _stage_memory(trace, mine, policy, spatial=lay.sp_size > 1)
-        act += _strips(stage, trace, lay.sp)
-        flight = m if candidate.schedule == "gpipe" else min(m, lay.pp - s)
-        params = sum(p.numel() * p.element_size() for p in stage.parameters())
-        units = _unit_sizes(stage)
-        if n_shard > 1:
-            gathered = params if m > 1 else 2 * max(units, default=0)
-            state = (1 + k_opt) * params // n_shard + gathered + max(units, default=0)
-        else:
-            state = (1 + k_opt) * params
-        out_bytes = sum(t.numel() * t.element_size() for t in bounds[s + 1])
-        buffers = out_bytes * flight if s < lay.pp - 1 else 0
-        if overhead is None:
-            overhead = RUNTIME_OVERHEAD["cuda" if _on_cuda(model) else "cpu"]
-        pred = Prediction(
-            candidate, tuple(balance), act * flight, transient, state, buffers + overhead
-        )
-        if worst is None or pred.peak > worst.peak:
-            worst = pred
-        # Time of one micro-batch on this stage: forward + backward (2x forward)
-        # FLOPs, plus the forward of recomputed blocks again (convolutions kept
-        # by selective checkpointing are not recomputed: count a sixth).
-        flops = _layer_flops(stage, ins)
-        sec = 0.0
-        for name, f in flops.items():
-            redo = any(b.split(".")[0] == name for b in mine)
-            sec += f * (3 + ((1.0 if policy == "full" else 0.5) if redo else 0.0))
-        comm = 2 * _strips(stage, trace, lay.sp) / bandwidth
-        if n_shard > 1:
-            comm += 3 * params * (n_shard - 1) / n_shard / bandwidth
-        stage_s.append(sec / flops_per_s + comm)
-    assert worst is not None
-    worst.step_s = (m + lay.pp - 1) * max(stage_s)
-    worst.images_per_s = lay.dp * batch / worst.step_s
-    return worst
+        for s, (start, stop) in enumerate(stage_bounds(balance))
+    ]
+    cache[key] = (tuple(balance), costs)
+    return tuple(balance), costs
+
+
+def _stage_cost(
+    layers: list[tuple[str, nn.Module]],
+    s: int,
+    start: int,
+    stop: int,
+    bounds: list[tuple[torch.Tensor, ...]],
+    blocks: Sequence[str],
+    policy: str,
+    grid: Sequence[int],
+    flops_per_s: float,
+    bandwidth: float,
+) -> _StageCost:
+    """Memory and time of model stage ``s`` (layers ``start:stop``) on one micro-batch's tile."""
+    stage = StageModule(layers[start:stop], index=s)
+    # A received activation: requires grad from stage 1 on; a non-leaf, so a stage
+    # may start with an in-place op (the engine runs that one out of place).
+    ins = tuple(t.detach().requires_grad_(True).clone() if s > 0 else t.detach() for t in bounds[s])
+    trace = saved_activations(stage, partial(stage, *ins))
+    names = {n for n, _ in layers[start:stop]}
+    mine = [b for b in blocks if b.split(".")[0] in names]
+    spatial = any(g > 1 for g in grid)
+    act, transient = _stage_memory(trace, mine, policy, spatial=spatial)
+    strips = _strips(stage, trace, grid)
+    weighted = dict(stage.named_modules())
+    # Forward, and backward at twice the forward's FLOPs plus the forward of recomputed
+    # blocks again (convolutions kept by selective checkpointing are not recomputed: a half).
+    fwd = bwd = 0.0
+    for name, f in _layer_flops(stage, ins).items():
+        redo = any(b.split(".")[0] == name for b in mine)
+        fwd += f
+        bwd += f * (2 + ((1.0 if policy == "full" else 0.5) if redo else 0.0))
+    return _StageCost(
+        act=act + strips,
+        transient=transient,
+        params=sum(p.numel() * p.element_size() for p in stage.parameters()),
+        units=_unit_sizes(stage),
+        out_bytes=sum(t.numel() * t.element_size() for t in bounds[s + 1]),
+        in_bytes=sum(t.numel() * t.element_size() for t in bounds[s]),
+        weight_grads=sum(
+            out
+            for path, _, _, out, _ in trace.calls
+            if path in weighted and any(True for _ in weighted[path].parameters(recurse=False))
+        ),
+        forward_s=fwd / flops_per_s + strips / bandwidth,
+        backward_s=bwd / flops_per_s + strips / bandwidth,
+    )
 
 
 def _layer_flops(stage: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str, float]:
@@ -350,9 +552,16 @@ def _unit_sizes(stage: nn.Module) -> list[int]:
 
 
 def _memory_balance(
-    meta: nn.Module, layers: list[tuple[str, nn.Module]], pp: int, shape: tuple[int, ...]
+    meta: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    pp: int,
+    shape: tuple[int, ...],
+    shares: Sequence[int] | None = None,
 ) -> tuple[int, ...]:
-    """A cut that evens out what each stage keeps (saved activations + parameters)."""
+    """A cut that evens out what each stage keeps (saved activations + parameters) per rank.
+
+    ``shape`` is the traced input; ``shares`` the ranks each stage's cost is spread over (per-stage
+    grids: its tiles, with ``shape`` the whole image), default one."""
     if pp == 1:
         return (len(layers),)
     dtype = next((p.dtype for p in meta.parameters()), torch.float32)
@@ -365,54 +574,21 @@ def _memory_balance(
             cost[top] += nbytes
     for name, layer in layers:
         cost[name] += 4 * sum(p.numel() * p.element_size() for p in layer.parameters())
-    return partition([cost[n] for n, _ in layers], pp)
+    return partition([cost[n] for n, _ in layers], pp, shares=shares)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def check_pooled(model: nn.Module, image_hw: tuple[int, int], layout: Layout) -> None:
+    """The engine's check that a model with per-stage grids has a pooled output (ConfigError)."""
+    from hyfi_imaging.parallel.apply import output_shape
 
-
-def candidates(
-    model: nn.Module, image_hw: tuple[int, int], devices: int, batch: int
-) -> Iterator[Candidate]:
-    """Every layout of ``devices`` ranks worth predicting for this model and image."""
-    n_layers = len(model_layers(model))
-    align = int(getattr(model, "total_stride", 1))
-    for dp in _divisors(devices):
-        for pp in _divisors(devices // dp):
-            if pp > n_layers:
-                continue
-            sp = devices // dp // pp
-            for gy in _divisors(sp):
-                grid = (gy, sp // gy)
-                try:
-                    tile = tile_hw(image_hw, grid, align)
-                except ConfigError:
-                    continue
-                if sp > 1 and min(tile) < 2 * align:
-                    continue  # tiles of one pixel at the deepest layer: no room for halos
-                for m in _divisors(batch):
-                    schedules = (
-                        ["gpipe"] if pp == 1 else ["gpipe", "1f1b"] if m >= pp else ["gpipe"]
-                    )
-                    for schedule in schedules:
-                        for ck in CHECKPOINTING:
-                            yield Candidate(Layout(dp=dp, pp=pp, sp=grid), m, ck, schedule)
-
-
-def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:
-    """Fitting layouts first (fastest per device, then smallest), then the rest by peak."""
-    fit = [p for p in predictions if p.peak <= memory]
-    rest = [p for p in predictions if p.peak > memory]
-    per_device = lambda p: p.images_per_s / p.candidate.layout.world_size  # noqa: E731
-    fit.sort(key=lambda p: (-per_device(p), p.peak))
-    rest.sort(key=lambda p: p.peak)
-    return fit + rest
-
-
-def device_memory(devices: int) -> int:
-    """Bytes of one device: this machine's GPU, or its RAM shared by ``devices`` ranks."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(ram) // max(1, devices)
+    cache = _COSTS.setdefault(model, {})
+    key = ("output shapes", image_hw)  # traced once per model and image, not per candidate
+    if key not in cache:
+        c = int(getattr(model, "in_chans", 3))
+        h, w = image_hw
+        cache[key] = (
+            output_shape(model, (1, c, h, w)) or (),
+            output_shape(model, (1, c, max(1, h // 2), max(1, w // 2))) or (),
+        )
+    whole, half = cast(tuple[tuple[int, ...], tuple[int, ...]], cache[key])
+    check_junction_model(layout, whole, half)

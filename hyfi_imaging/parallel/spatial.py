@@ -44,6 +44,7 @@ from hyfi_imaging.parallel.collectives import (
     all_reduce_max_replicated,
     all_reduce_replicated,
     all_reduce_sum,
+    gather_replicated,
 )
 from hyfi_imaging.parallel.functional import (
     Frames,
@@ -64,23 +65,42 @@ from hyfi_imaging.parallel.geometry import (
     resampled_tile,
     transposed_halo,
 )
-from hyfi_imaging.parallel.halo import Neighbours, halo_exchange
+from hyfi_imaging.parallel.halo import Neighbours, halo_exchange, trailing
 from hyfi_imaging.parallel.randomness import install_rng_sync
 from hyfi_imaging.parallel.watch import watch_tiles
 from hyfi_imaging.parallel.windowed import Window
 
 __all__ = [
+    "SpatialAvgPool1d",
     "SpatialAvgPool2d",
+    "SpatialAvgPool3d",
+    "SpatialBatchNorm1d",
     "SpatialBatchNorm2d",
+    "SpatialBatchNorm3d",
     "SpatialContext",
+    "SpatialConv1d",
     "SpatialConv2d",
+    "SpatialConv3d",
+    "SpatialConvTranspose1d",
     "SpatialConvTranspose2d",
+    "SpatialConvTranspose3d",
+    "SpatialFlatten",
+    "SpatialGlobalAvgPool1d",
     "SpatialGlobalAvgPool2d",
+    "SpatialGlobalAvgPool3d",
+    "SpatialGlobalMaxPool1d",
     "SpatialGlobalMaxPool2d",
+    "SpatialGlobalMaxPool3d",
     "SpatialGroupNorm",
+    "SpatialMaxPool1d",
     "SpatialMaxPool2d",
+    "SpatialMaxPool3d",
     "spatialize",
+    "tile_shaped",
 ]
+
+#: Names of the spatial axes, outermost first, by their number.
+_AXES = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}
 
 #: Side of the meta-device input the functional-op watch runs the model on.
 _PROBE = 512
@@ -90,11 +110,11 @@ _PROBE = 512
 # nn.ZeroPad2d and nn.ConstantPad2d are not here either: their F.interpolate / F.pad
 # calls run in their spatial form (parallel/functional.py).
 _UNSUPPORTED = (
-    nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d,
-    nn.LPPool2d, nn.FractionalMaxPool2d,
-    nn.InstanceNorm2d, nn.LocalResponseNorm, nn.PixelShuffle,
-    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad2d,
-    nn.ReplicationPad2d, nn.MultiheadAttention, nn.MaxUnpool2d,
+    nn.LPPool1d, nn.LPPool2d, nn.LPPool3d, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm, nn.PixelShuffle,
+    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad1d, nn.ReflectionPad2d,
+    nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d,
+    nn.CircularPad1d, nn.MultiheadAttention, nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
 )  # fmt: skip
 
 
@@ -103,12 +123,14 @@ class SpatialContext:
 
     Call :meth:`set_image_size` with the *unpadded* image size before a forward
     pass; :meth:`padded_size` and :meth:`tile_slice` tell how to cut an image.
+    A grid of two factors tiles 2-D maps ``(h, w)``; of three, volumes ``(d, h, w)``
+    (sizes, tiles and slices then have three entries); of one, 1-D signals ``(l,)``.
     """
 
     def __init__(
         self,
-        grid: tuple[int, int],
-        tile: tuple[int, int],
+        grid: tuple[int, ...],
+        tile: tuple[int, ...],
         neighbours: Neighbours,
         group: Any,
         *,
@@ -116,16 +138,18 @@ class SpatialContext:
         overlap: bool = False,
     ) -> None:
         self.grid, self.tile, self.neighbours, self.group, self.align = (
-            grid, tile, neighbours, group, align,
+            tuple(grid), tuple(tile), neighbours, group, align,
         )  # fmt: skip
+        #: Number of spatial dims: 2 (slides), 3 (volumes) or 1 (signals).
+        self.nd = len(self.grid)
         #: Convolutions compute their interior while their halos are in flight.
         self.overlap = overlap
         #: Deep halos: at most this many windowed layers with a halo per exchange, and the
         #: runs of layers that share one (see _plan_deep_halos).
         self.halo_depth = 1
         self.deep_runs: list[list[str]] = []
-        self.image_hw: tuple[int, int] | None = None
-        self.sizes: dict[str, tuple[int, int]] = {}
+        self.image_hw: tuple[int, ...] | None = None
+        self.sizes: dict[str, tuple[int, ...]] = {}
         self.tile_param_names: set[str] = set()
         #: Global pools whose output is used again on the tiles (squeeze-excite).
         self.rejoined_pools: set[str] = set()
@@ -133,47 +157,58 @@ class SpatialContext:
         #: tiles before they draw (see parallel/randomness.py).
         self.random_modules: set[str] = set()
         self.rng_hooks: list[RemovableHandle] = []
+        #: Flattens gathering the whole map for a dense head (see SpatialFlatten).
+        self.flatten_paths: set[str] = set()
         #: Global reductions written as functions that reduce tiles (see parallel/functional.py).
         self.functional_sites: set[str] = set()
         self._functions: SpatialFunctions | None = None
         self._reference: nn.Module | None = None
         self._in_chans = 3
-        self._cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
-        self._out_cache: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
-        self._resamples: dict[tuple[Any, ...], tuple[Resample1D, Resample1D]] = {}
+        self._cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._out_cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._resamples: dict[tuple[Any, ...], tuple[Resample1D, ...]] = {}
         # The pads and interpolations as called on the whole image (``size=skip.shape``
         # on a tile is the tile's size): their arguments come from the trace.
-        self._traced_resamples: dict[tuple[int, int], dict[str, Resample]] = {}
+        self._traced_resamples: dict[tuple[int, ...], dict[str, Resample]] = {}
 
-    def padded_size(self, image_hw: tuple[int, int]) -> tuple[int, int]:
+    def padded_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
         """Image size after global padding (:func:`~hyfi_imaging.parallel.geometry.padded_hw`)."""
-        ph, pw = padded_hw(image_hw, self.grid, self.align)
-        return ph, pw
+        return padded_hw(image_hw, self.grid, self.align)
 
-    def tile_slice(self, image_hw: tuple[int, int]) -> tuple[slice, slice]:
-        """Rows and columns of the padded image that this rank owns."""
-        hp, wp = self.padded_size(image_hw)
-        th, tw = hp // self.grid[0], wp // self.grid[1]
-        i, j = self.tile
-        return slice(i * th, (i + 1) * th), slice(j * tw, (j + 1) * tw)
+    def tile_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
+        """This rank's tile size (every rank's: the tiles are equal)."""
+        return tuple(p // g for p, g in zip(self.padded_size(image_hw), self.grid, strict=True))
 
-    def set_image_size(self, image_hw: tuple[int, int]) -> None:
+    def tile_slice(self, image_hw: Sequence[int]) -> tuple[slice, ...]:
+        """Rows and columns (and slabs, for volumes) of the padded image that this rank owns."""
+        size = self.tile_size(image_hw)
+        return tuple(slice(i * t, (i + 1) * t) for i, t in zip(self.tile, size, strict=True))
+
+    def set_image_size(self, image_hw: Sequence[int]) -> None:
         """Prepare the layers for images of ``image_hw`` (traced once per size)."""
-        image_hw = (int(image_hw[0]), int(image_hw[1]))
+        if len(image_hw) != self.nd:
+            raise ConfigError(
+                f"image size {tuple(image_hw)}",
+                f"has {len(image_hw)} axes but the grid {'x'.join(map(str, self.grid))} has "
+                f"{self.nd}",
+                "give a volume (DxHxW) a 3-D grid (GZxGYxGX), an image (HxW) a 2-D one and a "
+                "signal (L) a 1-D one (L<GL>)",
+            )
+        image_hw = tuple(int(v) for v in image_hw)
         if image_hw not in self._cache:
             self._cache[image_hw] = self._trace(image_hw)
         self.sizes = self._cache[image_hw]
         self.image_hw = image_hw
 
-    def _trace(self, image_hw: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    def _trace(self, image_hw: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         if self._reference is None:
             raise RuntimeError("SpatialContext has no reference model; use spatialize()")
-        hp, wp = self.padded_size(image_hw)
-        gy, gx = self.grid
-        for axis, n, g, p in (("height", image_hw[0], gy, hp), ("width", image_hw[1], gx, wp)):
+        padded = self.padded_size(image_hw)
+        for axis, n, g, p in zip(_AXES[self.nd], image_hw, self.grid, padded, strict=True):
             if (g - 1) * (p // g) >= n:
                 raise ConfigError(
-                    f"image {image_hw[0]}x{image_hw[1]} on a {gy}x{gx} grid",
+                    f"image {'x'.join(map(str, image_hw))} on a "
+                    f"{'x'.join(map(str, self.grid))} grid",
                     f"the last tile along the {axis} would hold no image pixels (tiles of {p // g} "
                     f"px, aligned to the model's total stride {self.align})",
                     f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
@@ -183,12 +218,12 @@ class SpatialContext:
         self._traced_resamples[image_hw] = resamples
         return sizes
 
-    def out_size_of(self, path: str) -> tuple[int, int]:
+    def out_size_of(self, path: str) -> tuple[int, ...]:
         """True (unpadded) output size of a spatial layer for the current image."""
         assert self.image_hw is not None
         return self._out_cache[self.image_hw][path]
 
-    def size_of(self, path: str) -> tuple[int, int]:
+    def size_of(self, path: str) -> tuple[int, ...]:
         try:
             return self.sizes[path]
         except KeyError:
@@ -203,8 +238,8 @@ class SpatialContext:
         return self.global_reduce(x, site, name)
 
     def _resample_plan(
-        self, res: Resample, name: str, tile_hw: tuple[int, int]
-    ) -> tuple[Resample1D, Resample1D]:
+        self, res: Resample, name: str, tile_hw: tuple[int, ...]
+    ) -> tuple[Resample1D, ...]:
         assert self.image_hw is not None
         key = (name, self.image_hw, tile_hw)
         if key not in self._resamples:
@@ -213,7 +248,7 @@ class SpatialContext:
             where = f"module {path!r} ({fn})" if path else fn
             coords = source_coords(res, n_in, n_out)
             axes = []
-            for a, axis in enumerate(("height", "width")):
+            for a, axis in enumerate(_AXES[self.nd]):
                 t_out = resampled_tile(
                     tile_hw[a], n_in[a], n_out[a], scales=res.op == "interpolate", where=where,
                     axis=axis,
@@ -230,7 +265,7 @@ class SpatialContext:
                         axis=axis,
                     )
                 )
-            self._resamples[key] = (axes[0], axes[1])
+            self._resamples[key] = tuple(axes)
         return self._resamples[key]
 
     def resample(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -247,17 +282,23 @@ class SpatialContext:
         """
         assert self.image_hw is not None
         res = self._traced_resamples[self.image_hw][name]  # the whole image's call
-        th, tw = (int(v) for v in x.shape[-2:])
-        ph, pw = self._resample_plan(res, name, (th, tw))
-        (mh, mw), (i, j) = self.size_of(name), self.tile
-        masked = _tail(x, mh - i * th, mw - j * tw, 0.0)
-        ext = halo_exchange(masked, (ph.before, ph.after, pw.before, pw.after), self.neighbours)
-        y = _gather(_gather(ext, -2, ph, res.linear), -1, pw, res.linear)
+        tiles = tuple(int(v) for v in x.shape[-self.nd :])
+        plans = self._resample_plan(res, name, tiles)
+        masked = _tail(x, self._valid(name, tiles), 0.0)
+        halo = [v for p in plans for v in (p.before, p.after)]
+        y = halo_exchange(masked, halo, self.neighbours)
+        for k, plan in enumerate(plans):
+            y = _gather(y, k - self.nd, plan, res.linear)
         if res.value:
-            inside_h = torch.tensor(ph.inside, dtype=y.dtype, device=y.device).view(-1, 1)
-            inside_w = torch.tensor(pw.inside, dtype=y.dtype, device=y.device).view(1, -1)
-            y = y + res.value * (1 - inside_h * inside_w)
+            inside = _outer([p.inside for p in plans], y)
+            y = y + res.value * (1 - inside)
         return y
+
+    def _valid(self, name: str, tiles: Sequence[int]) -> tuple[int, ...]:
+        """Per spatial dim, how many leading indices of this rank's tile lie in the image."""
+        return tuple(
+            m - i * t for m, i, t in zip(self.size_of(name), self.tile, tiles, strict=True)
+        )
 
     def global_reduce(self, x: torch.Tensor, site: Site, name: str) -> torch.Tensor:
         """The whole image's average, sum or maximum over the spatial dims, on every rank.
@@ -267,21 +308,35 @@ class SpatialContext:
         reduction of the masked tile is all-reduced; backward sums the tiles'
         shares when the result is used again on the tiles (``rejoined_pools``).
         """
-        mh, mw = self.size_of(name)
-        th, tw = x.shape[-2:]
-        i, j = self.tile
+        nd = self.nd
+        valid = self._valid(name, x.shape[-nd:])
+        dims = tuple(range(-nd, 0))
         partial = name in self.rejoined_pools
         if site.kind == "max":
-            masked = _tail(x, mh - i * th, mw - j * tw, -math.inf)
-            local = F.adaptive_max_pool2d(masked, 1) if site.pool else masked.amax((-2, -1), True)
+            masked = _tail(x, valid, -math.inf)
+            pool = _ADAPTIVE_MAX[nd]
+            local = pool(masked, 1) if site.pool else masked.amax(dims, True)
             out = all_reduce_max_replicated(local, self.group, partial=partial)
         else:
-            masked = _tail(x, mh - i * th, mw - j * tw, 0.0)
-            local = masked.sum(dim=(-2, -1), keepdim=True)
+            masked = _tail(x, valid, 0.0)
+            local = masked.sum(dim=dims, keepdim=True)
             out = all_reduce_replicated(local, self.group, partial=partial)
             if site.kind == "avg":
-                out = out / (mh * mw)
-        return out if site.keepdim else out.view(out.shape[:-2])
+                out = out / math.prod(self.size_of(name))
+        return out if site.keepdim else out.view(out.shape[:-nd])
+
+
+def _outer(per_dim: Sequence[Sequence[Any]], like: torch.Tensor) -> torch.Tensor:
+    """The product over spatial dims of one vector per dim, shaped to broadcast on ``like``."""
+    nd = len(per_dim)
+    total: torch.Tensor | None = None
+    for k, values in enumerate(per_dim):
+        shape = [1] * nd
+        shape[k] = -1
+        v = torch.tensor(values, dtype=like.dtype, device=like.device).view(shape)
+        total = v if total is None else total * v
+    assert total is not None
+    return total
 
 
 def _gather(t: torch.Tensor, dim: int, axis: Resample1D, linear: bool) -> torch.Tensor:
@@ -317,17 +372,19 @@ def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
 
 def _trace_sizes(
     model: nn.Module, shape: tuple[int, ...]
-) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]], dict[str, Resample]]:
-    """Input and output (h, w) of every spatial module and functional site, and the
-    pads and interpolations as called on the whole image, from one pass on the meta device."""
-    sizes: dict[str, tuple[int, int]] = {}
-    outs: dict[str, tuple[int, int]] = {}
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, Resample]]:
+    """Input and output (h, w) -- (d, h, w) for volumes -- of every spatial module and
+    functional site, and the pads and interpolations as called on the whole image, from one
+    pass on the meta device (``shape`` is ``(1, C, *image_size)``)."""
+    sizes: dict[str, tuple[int, ...]] = {}
+    outs: dict[str, tuple[int, ...]] = {}
     resamples: dict[str, Resample] = {}
     handles = []
+    rank = len(shape)
 
-    def record(table: dict[str, tuple[int, int]], name: str, x: Any) -> None:
-        if isinstance(x, torch.Tensor) and x.dim() == 4:
-            hw = (int(x.shape[-2]), int(x.shape[-1]))
+    def record(table: dict[str, tuple[int, ...]], name: str, x: Any) -> None:
+        if isinstance(x, torch.Tensor) and x.dim() == rank:
+            hw = tuple(int(v) for v in x.shape[2:])
             if table.setdefault(name, hw) != hw:
                 raise ConfigError(
                     name,
@@ -336,7 +393,9 @@ def _trace_sizes(
                 )
 
     for name, mod in model.named_modules():
-        if isinstance(mod, tuple(_SWAP)) or _is_global_pool(mod):
+        # Every layer with a spatial form, timm's norm + activation layers included (their
+        # normalisation is spatial although their forward is not: see _has_spatial_form).
+        if isinstance(mod, tuple(_SWAP)) or _is_global_pool(mod) or _is_gathering_flatten(mod):
             handles.append(
                 mod.register_forward_pre_hook(
                     lambda m, args, name=name: record(sizes, name, args[0] if args else None)
@@ -347,7 +406,7 @@ def _trace_sizes(
             )
     frames = Frames(model, _has_spatial_form)
     try:
-        with _SiteSizes(frames, sizes, outs, resamples):
+        with _SiteSizes(frames, sizes, outs, resamples, rank - 2):
             _run_meta(model, shape)
     finally:
         frames.remove()
@@ -363,12 +422,13 @@ class _SiteSizes(SiteMode):
     def __init__(
         self,
         frames: Frames,
-        sizes: dict[str, tuple[int, int]],
-        outs: dict[str, tuple[int, int]],
+        sizes: dict[str, tuple[int, ...]],
+        outs: dict[str, tuple[int, ...]],
         resamples: dict[str, Resample],
+        nd: int,
     ) -> None:
         super().__init__(frames)
-        self.sizes, self.outs, self.resamples = sizes, outs, resamples
+        self.sizes, self.outs, self.resamples, self.nd = sizes, outs, resamples, nd
 
     def at_site(
         self,
@@ -385,7 +445,7 @@ class _SiteSizes(SiteMode):
             sizes.append((self.outs, out))
             self.resamples[name] = site
         for table, t in sizes:
-            hw = (int(t.shape[-2]), int(t.shape[-1]))
+            hw = tuple(int(v) for v in t.shape[-self.nd :])
             if table.setdefault(name, hw) != hw:
                 raise ConfigError(
                     f"module {name.rsplit('#', 1)[0]!r}",
@@ -409,9 +469,7 @@ class _MaskOutside(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, inside: tuple[int, int, int, int], fill: float
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, inside: tuple[int, ...], fill: float) -> torch.Tensor:
         ctx.inside = inside
         if not _crosses(inside, x.shape):
             return x.view_as(x)
@@ -427,54 +485,66 @@ class _MaskOutside(torch.autograd.Function):
         return grad, None, None
 
 
-def _crosses(inside: tuple[int, int, int, int], shape: torch.Size) -> bool:
-    r0, r1, c0, c1 = inside
-    return r0 > 0 or c0 > 0 or r1 < shape[-2] or c1 < shape[-1]
+def _crosses(inside: tuple[int, ...], shape: torch.Size) -> bool:
+    """Whether part of the last ``len(inside) // 2`` dims lies outside ``[start, stop)`` pairs."""
+    nd = len(inside) // 2
+    return any(inside[2 * k] > 0 or inside[2 * k + 1] < shape[k - nd] for k in range(nd))
 
 
-def _fill_outside(t: torch.Tensor, inside: tuple[int, int, int, int], fill: float) -> None:
-    r0, r1, c0, c1 = (max(v, 0) for v in inside)
-    t[..., :r0, :] = fill
-    t[..., r1:, :] = fill
-    t[..., :, :c0] = fill
-    t[..., :, c1:] = fill
+def _fill_outside(t: torch.Tensor, inside: tuple[int, ...], fill: float) -> None:
+    nd = len(inside) // 2
+    for k in range(nd):
+        start, stop = max(inside[2 * k], 0), max(inside[2 * k + 1], 0)
+        dim = t.dim() - nd + k
+        t.narrow(dim, 0, min(start, t.shape[dim])).fill_(fill)
+        if stop < t.shape[dim]:
+            t.narrow(dim, stop, t.shape[dim] - stop).fill_(fill)
 
 
-def _tail(x: torch.Tensor, valid_h: int, valid_w: int, fill: float) -> torch.Tensor:
-    """A tile with its rows ``>= valid_h`` and columns ``>= valid_w`` set to ``fill``."""
-    return _MaskOutside.apply(x, (0, valid_h, 0, valid_w), fill)
+def _tail(x: torch.Tensor, valid: Sequence[int], fill: float) -> torch.Tensor:
+    """A tile with its indices ``>= valid[k]`` along spatial dim ``k`` set to ``fill``."""
+    return _MaskOutside.apply(x, tuple(v for n in valid for v in (0, n)), fill)
 
 
 #: No neighbour: a deep halo's later layers read the border their input carries.
 _NO_NEIGHBOURS = Neighbours()
-_NO_CARRY = (0, 0, 0, 0)
+#: No carried border (a layer outside a deep-halo run).
+_NO_CARRY: tuple[int, ...] = ()
 
 
 class _SpatialMixin:
     """Shared by the spatial layers: where they are, their context, input masking.
 
-    ``hyfi_carry`` is ``(input, output)`` deep halos, ``(top, bottom, left,
-    right)`` each (see :func:`_plan_deep_halos`): the border a layer's input
-    holds beyond its tile, and the border its output keeps for the next layer.
-    All zero without deep halos.
+    ``hyfi_carry`` is ``(input, output)`` deep halos, ``(before, after)`` per
+    spatial dim each, e.g. ``(top, bottom, left, right)`` (see
+    :func:`_plan_deep_halos`): the border a layer's input holds beyond its
+    tile, and the border its output keeps for the next layer. Empty without
+    deep halos.
     """
 
     hyfi_path: str
     hyfi_ctx: SpatialContext
-    hyfi_geoms: tuple[LayerGeom, LayerGeom]  # window geometry (conv/pool), fixed at spatialize()
-    hyfi_carry: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = (_NO_CARRY, _NO_CARRY)
+    hyfi_geoms: tuple[LayerGeom, ...]  # window geometry (conv/pool), fixed at spatialize()
+    hyfi_carry: tuple[tuple[int, ...], tuple[int, ...]] = (_NO_CARRY, _NO_CARRY)
 
-    def _tile_hw(self, x: torch.Tensor) -> tuple[int, int]:
+    def _carry(self, which: int) -> tuple[int, ...]:
+        """The input (0) or output (1) carried border, zeros when there is none."""
+        return self.hyfi_carry[which] or (0,) * (2 * self.hyfi_ctx.nd)
+
+    def _tile_hw(self, x: torch.Tensor) -> tuple[int, ...]:
         """The tile's size: the input less the border it carries."""
-        t, b, lft, r = self.hyfi_carry[0]
-        return int(x.shape[-2]) - t - b, int(x.shape[-1]) - lft - r
+        nd, carry = self.hyfi_ctx.nd, self._carry(0)
+        return tuple(int(x.shape[k - nd]) - carry[2 * k] - carry[2 * k + 1] for k in range(nd))
 
-    def _inside(self, x: torch.Tensor) -> tuple[int, int, int, int]:
-        """Rows and columns of ``x`` (a tile and its carried border) inside the input image."""
-        (mh, mw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
-        th, tw = self._tile_hw(x)
-        t, _, lft, _ = self.hyfi_carry[0]
-        return (t - i * th, t - i * th + mh, lft - j * tw, lft - j * tw + mw)
+    def _inside(self, x: torch.Tensor) -> tuple[int, ...]:
+        """``(start, stop)`` per spatial dim of ``x`` (a tile and its carried border) inside
+        the input image."""
+        sizes, coords = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
+        carry = self._carry(0)
+        out: list[int] = []
+        for k, (m, i, t) in enumerate(zip(sizes, coords, self._tile_hw(x), strict=True)):
+            out += [carry[2 * k] - i * t, carry[2 * k] - i * t + m]
+        return tuple(out)
 
     def _mask(self, x: torch.Tensor, fill: float) -> torch.Tensor:
         """Set the part of the tile (and its border) outside the (true) input image to ``fill``."""
@@ -488,19 +558,20 @@ class _SpatialMixin:
         other receives its halo -- a deep one when it starts a run.
         """
         win = self._window(x, fill)
-        if self.hyfi_carry[0] != _NO_CARRY:
+        if any(self.hyfi_carry[0]):
             return self._mask(x, fill), win
         return x, win
 
     def _window(self, x: torch.Tensor, fill: float) -> Window:
         """Halo, extent read and valid part of this layer's tile; ConfigError when untileable."""
-        th, tw = self._tile_hw(x)
-        carry_in, carry_out = self.hyfi_carry
-        tiles, (mh, mw) = self.hyfi_ctx.grid, self.hyfi_ctx.out_size_of(self.hyfi_path)
+        ctx = self.hyfi_ctx
+        tiles_hw = self._tile_hw(x)
+        carry_in, carry_out = self.hyfi_carry[0], self._carry(1)
+        tiles, outs = ctx.grid, ctx.out_size_of(self.hyfi_path)
         halo: list[int] = []
         need: list[int] = []
         for a, (g, t, axis, n_tiles, m) in enumerate(
-            zip(self.hyfi_geoms, (th, tw), ("height", "width"), tiles, (mh, mw), strict=True)
+            zip(self.hyfi_geoms, tiles_hw, _AXES[ctx.nd], tiles, outs, strict=True)
         ):
             if t % g.stride:
                 raise ConfigError(
@@ -510,10 +581,13 @@ class _SpatialMixin:
                 )
             if m > (t // g.stride) * n_tiles:
                 # ceil_mode with padding adds an output past the padded image (e.g. 3x3/s2/p1 on even sizes).
+                held = "x".join(
+                    str(tt // gg.stride * n)
+                    for tt, gg, n in zip(tiles_hw, self.hyfi_geoms, tiles, strict=True)
+                )
                 raise ConfigError(
                     self.hyfi_path,
-                    f"produces {mh}x{mw} outputs but the tiles hold "
-                    f"{th // self.hyfi_geoms[0].stride * tiles[0]}x{tw // self.hyfi_geoms[1].stride * tiles[1]}",
+                    f"produces {'x'.join(map(str, outs))} outputs but the tiles hold {held}",
                     "change the image size by a few pixels, or use ceil_mode=False",
                 )
             # Rows read around the tile for outputs that keep the border carry_out.
@@ -533,8 +607,10 @@ class _SpatialMixin:
             # A negative halo (surplus) needs no data: the windows read less than the tile.
             halo += [before, max(after, 0)]
             need.append(before + t + after)
-        (vh, vw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
         geoms = self.hyfi_geoms
+        kernel = tuple(g.kernel for g in geoms)
+        stride = tuple(g.stride for g in geoms)
+        dilation = tuple(g.dilation for g in geoms)
         if any(carry_in):
             # The border is already there (it is the input's carried halo): nothing to receive.
             if tuple(halo) != carry_in:
@@ -542,34 +618,50 @@ class _SpatialMixin:
                     f"{self.hyfi_path}: input carries the halo {carry_in}, the layer reads {tuple(halo)}"
                 )
             return Window(
-                halo=_NO_CARRY,
-                need=(need[0], need[1]),
-                valid=(int(x.shape[-2]), int(x.shape[-1])),
+                halo=(0,) * len(halo),
+                need=tuple(need),
+                valid=tuple(int(v) for v in x.shape[-ctx.nd :]),
                 fill=fill,
                 neighbours=_NO_NEIGHBOURS,
-                kernel=(geoms[0].kernel, geoms[1].kernel),
-                stride=(geoms[0].stride, geoms[1].stride),
-                dilation=(geoms[0].dilation, geoms[1].dilation),
+                kernel=kernel,
+                stride=stride,
+                dilation=dilation,
             )
         return Window(
-            halo=(halo[0], halo[1], halo[2], halo[3]),
-            need=(need[0], need[1]),
-            valid=(vh - i * th, vw - j * tw),
+            halo=tuple(halo),
+            need=tuple(need),
+            valid=ctx._valid(self.hyfi_path, tiles_hw),
             fill=fill,
-            neighbours=self.hyfi_ctx.neighbours,
-            kernel=(geoms[0].kernel, geoms[1].kernel),
-            stride=(geoms[0].stride, geoms[1].stride),
-            dilation=(geoms[0].dilation, geoms[1].dilation),
-            overlap=self.hyfi_ctx.overlap,
+            neighbours=ctx.neighbours,
+            kernel=kernel,
+            stride=stride,
+            dilation=dilation,
+            overlap=ctx.overlap,
         )
 
 
-class SpatialConv2d(_SpatialMixin, nn.Conv2d):
-    """``nn.Conv2d`` on a tile: halo exchanged, padding 0, only tile + halo strips saved."""
+class _WindowedConv(_SpatialMixin):
+    """The forward of a spatial convolution, 2-D or 3-D."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    groups: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, win = self._prepare(x, 0.0)
         return windowed.conv(x, self.weight, self.bias, win, self.groups)
+
+
+class SpatialConv1d(_WindowedConv, nn.Conv1d):
+    """``nn.Conv1d`` on a segment of a signal: as :class:`SpatialConv2d`, along the length."""
+
+
+class SpatialConv2d(_WindowedConv, nn.Conv2d):
+    """``nn.Conv2d`` on a tile: halo exchanged, padding 0, only tile + halo strips saved."""
+
+
+class SpatialConv3d(_WindowedConv, nn.Conv3d):
+    """``nn.Conv3d`` on a sub-volume: as :class:`SpatialConv2d`, over three spatial dims."""
 
 
 class SpatialConv2dSame(SpatialConv2d):
@@ -581,8 +673,8 @@ class SpatialConv2dSame(SpatialConv2d):
         return super()._window(x, fill)
 
 
-class SpatialConvTranspose2d(_SpatialMixin, nn.ConvTranspose2d):
-    """``nn.ConvTranspose2d`` on a tile: the output tile is ``stride`` times the input tile.
+class _Transposed(_SpatialMixin):
+    """``nn.ConvTranspose2d``/``3d`` on a tile: the output tile is ``stride`` times the input tile.
 
     The input tile (outside the image set to 0) gets the halo the output tile
     reads (:func:`~.geometry.transposed_halo`, one exchange whose backward
@@ -593,12 +685,12 @@ class SpatialConvTranspose2d(_SpatialMixin, nn.ConvTranspose2d):
     """
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        ctx, path = self.hyfi_ctx, self.hyfi_path
-        th, tw = (int(v) for v in x.shape[-2:])
+        ctx, path, nd = self.hyfi_ctx, self.hyfi_path, self.hyfi_ctx.nd
+        conv: Any = self  # an nn.ConvTranspose2d/3d (the class this mixin is swapped into)
         halo: list[int] = []
         crop: list[tuple[int, int]] = []
-        for a, (t, axis) in enumerate(((th, "height"), (tw, "width"))):
-            k, s, p, d = (int(v[a]) for v in (self.kernel_size, self.stride, self.padding, self.dilation))  # fmt: skip
+        for a, (t, axis) in enumerate(zip(x.shape[-nd:], _AXES[nd], strict=True)):
+            k, s, p, d = (int(v[a]) for v in (conv.kernel_size, conv.stride, conv.padding, conv.dilation))  # fmt: skip
             before, after = transposed_halo(k, s, p, d)
             n_out, tiles = ctx.out_size_of(path)[a], ctx.grid[a]
             if max(before, after) > t and tiles > 1:
@@ -615,29 +707,59 @@ class SpatialConvTranspose2d(_SpatialMixin, nn.ConvTranspose2d):
                     "give the tiles room: a larger align (apply_spatial(..., align=N))",
                 )
             halo += [before, after]
-            crop.append((before * s + p, t * s))
+            crop.append((before * s + p, int(t) * s))
         masked = self._mask(x, 0.0)
-        ext = halo_exchange(masked, (halo[0], halo[1], halo[2], halo[3]), ctx.neighbours)
-        y = F.conv_transpose2d(
-            ext, self.weight, None, self.stride, 0, 0, self.groups, self.dilation
-        )
-        (r0, nh), (c0, nw) = crop
-        short = (max(0, c0 + nw - y.shape[-1]), max(0, r0 + nh - y.shape[-2]))
-        if any(short):  # kernels narrower than the stride leave the last rows empty
-            y = F.pad(y, (0, short[0], 0, short[1]))
-        y = y[..., r0 : r0 + nh, c0 : c0 + nw]
-        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+        ext = halo_exchange(masked, halo, ctx.neighbours)
+        transpose = _CONV_TRANSPOSE[nd]
+        y = transpose(ext, conv.weight, None, conv.stride, 0, 0, conv.groups, conv.dilation)
+        # Kernels narrower than the stride leave the last rows empty: pad them.
+        short = [max(0, c0 + n - y.shape[k - nd]) for k, (c0, n) in enumerate(crop)]
+        if any(short):
+            y = F.pad(y, [v for k in reversed(range(nd)) for v in (0, short[k])])
+        y = y[trailing([slice(c0, c0 + n) for c0, n in crop])]
+        if conv.bias is not None:
+            return y + conv.bias.view(1, -1, *(1,) * nd)
+        # Not the cropped view: an in-place op on a view would drop FSDP2's pre-backward hook.
+        return y.clone(memory_format=torch.contiguous_format)
 
 
-class SpatialMaxPool2d(_SpatialMixin, nn.MaxPool2d):
-    """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
+class SpatialConvTranspose1d(_Transposed, nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` on a segment of a signal (see ``_Transposed``)."""
+
+
+class SpatialConvTranspose2d(_Transposed, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` on a tile (see ``_Transposed``)."""
+
+
+class SpatialConvTranspose3d(_Transposed, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` on a sub-volume (see ``_Transposed``)."""
+
+
+class _WindowedMaxPool(_SpatialMixin):
+    """Max-pooling on a tile: outside the image is -inf, as PyTorch pads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return windowed.max_pool(*self._prepare(x, -math.inf))
 
 
-class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
-    """``nn.AvgPool2d`` on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
+class SpatialMaxPool1d(_WindowedMaxPool, nn.MaxPool1d):
+    """``nn.MaxPool1d`` on a segment: outside the signal is -inf, as PyTorch pads."""
+
+
+class SpatialMaxPool2d(_WindowedMaxPool, nn.MaxPool2d):
+    """``nn.MaxPool2d`` on a tile: outside the image is -inf, as PyTorch pads."""
+
+
+class SpatialMaxPool3d(_WindowedMaxPool, nn.MaxPool3d):
+    """``nn.MaxPool3d`` on a sub-volume: outside the volume is -inf, as PyTorch pads."""
+
+
+class _WindowedAvgPool(_SpatialMixin):
+    """Average-pooling on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
+
+    count_include_pad: bool
+    ceil_mode: bool
+    divisor_override: int | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, win = self._prepare(x, 0.0)
@@ -646,13 +768,30 @@ class SpatialAvgPool2d(_SpatialMixin, nn.AvgPool2d):
         if not self.divisor_override and (padded or self.ceil_mode):
             # Divide by the number of window pixels inside the image, as PyTorch does (for a
             # window overhanging the end in ceil_mode too; layer_geom refuses what differs).
-            (i, j), (th, tw) = self.hyfi_ctx.tile, self._tile_hw(x)
-            t, _, lft, _ = self.hyfi_carry[0]
-            origin = (i * th - win.halo[0] - t, j * tw - win.halo[2] - lft)
+            carry = self._carry(0)
+            origin = tuple(
+                i * t - win.halo[2 * k] - carry[2 * k]
+                for k, (i, t) in enumerate(zip(self.hyfi_ctx.tile, self._tile_hw(x), strict=True))
+            )
             exclude = (origin, self.hyfi_ctx.size_of(self.hyfi_path))
         return windowed.avg_pool(
             x, win, divisor_override=self.divisor_override, exclude_padding_at=exclude
         )
+
+
+class SpatialAvgPool1d(_WindowedAvgPool, nn.AvgPool1d):
+    """``nn.AvgPool1d`` on a segment, honouring ``count_include_pad`` (it has no
+    ``divisor_override``)."""
+
+    divisor_override = None
+
+
+class SpatialAvgPool2d(_WindowedAvgPool, nn.AvgPool2d):
+    """``nn.AvgPool2d`` on a tile, honouring ``count_include_pad`` and ``divisor_override``."""
+
+
+class SpatialAvgPool3d(_WindowedAvgPool, nn.AvgPool3d):
+    """``nn.AvgPool3d`` on a sub-volume, as :class:`SpatialAvgPool2d`."""
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -692,13 +831,13 @@ class _GlobalBatchNorm(torch.autograd.Function):
         eps: float,
         group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        shape = (1, -1, 1, 1)
+        shape, dims = _channel_shape(x)
         xm = x if outside is None else x.masked_fill(outside, 0.0)
-        mean = all_reduce_sum(_own(xm, own).sum(dim=(0, 2, 3), dtype=_acc(x)), group) / n
+        mean = all_reduce_sum(_own(xm, own).sum(dim=dims, dtype=_acc(x)), group) / n
         xhat = xm - mean.to(x.dtype).view(shape)
         if outside is not None:
             xhat.masked_fill_(outside, 0.0)
-        squares = _own(xhat, own).square().sum(dim=(0, 2, 3), dtype=_acc(x))
+        squares = _own(xhat, own).square().sum(dim=dims, dtype=_acc(x))
         var = all_reduce_sum(squares, group) / n
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
@@ -713,12 +852,12 @@ class _GlobalBatchNorm(torch.autograd.Function):
         ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         xhat, rstd, weight, outside = ctx.saved_tensors
-        shape = (1, -1, 1, 1)
+        shape, dims = _channel_shape(gy)
         g = gy if outside is None else gy.masked_fill(outside, 0.0)
         local = torch.stack(
             [
-                g.sum(dim=(0, 2, 3), dtype=_acc(g)),
-                (g * xhat).sum(dim=(0, 2, 3), dtype=_acc(g)),
+                g.sum(dim=dims, dtype=_acc(g)),
+                (g * xhat).sum(dim=dims, dtype=_acc(g)),
             ]
         )
         dbias, dweight = local[0].clone(), local[1].clone()
@@ -740,21 +879,57 @@ class _GlobalBatchNorm(torch.autograd.Function):
         return dx, dweight.to(weight.dtype), dbias.to(weight.dtype), None, None, None, None, None
 
 
-def _own(t: torch.Tensor, own: tuple[int, int, int, int] | None) -> torch.Tensor:
-    """The tile's own pixels of ``t`` (a view), all of it when ``own`` is None."""
+def _channel_shape(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape that broadcasts a per-channel vector on ``x`` (N, C, *spatial), and the
+    dims a per-channel sum reduces."""
+    return (1, -1, *(1,) * (x.dim() - 2)), (0, *range(2, x.dim()))
+
+
+def _own(t: torch.Tensor, own: tuple[int, ...] | None) -> torch.Tensor:
+    """The tile's own pixels of ``t`` (a view), all of it when ``own`` is None.
+
+    ``own`` is ``(start, stop)`` per spatial dim.
+    """
     if own is None:
         return t
-    r0, r1, c0, c1 = own
-    return t[..., r0:r1, c0:c1]
+    return t[trailing([slice(own[2 * k], own[2 * k + 1]) for k in range(len(own) // 2)])]
 
 
-class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
+def _outside_mask(inside: tuple[int, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """Boolean map of the spatial positions of ``x`` outside ``inside`` (``(start, stop)`` per
+    spatial dim), broadcastable on ``x``; None when all of ``x`` is inside."""
+    if not _crosses(inside, x.shape):
+        return None
+    nd = len(inside) // 2
+    mask: torch.Tensor | None = None
+    for k in range(nd):
+        n = x.shape[k - nd]
+        shape = [1] * nd
+        shape[k] = n
+        idx = torch.arange(n, device=x.device).view(shape)
+        out = (idx < inside[2 * k]) | (idx >= inside[2 * k + 1])
+        mask = out if mask is None else mask | out
+    return mask
+
+
+class _SpatialBatchNorm(_SpatialMixin):
     """BatchNorm with statistics over the whole image: all tiles, the whole batch.
 
     Two-pass (mean, then centred squares) for accuracy on badly scaled data.
     Normalises with the biased variance and stores the unbiased one, exactly as
     ``nn.BatchNorm2d``; running statistics equal the single-process ones.
     """
+
+    training: bool
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    num_batches_tracked: torch.Tensor | None
+    weight: Any
+    bias: Any
+    affine: bool
+    track_running_stats: bool
+    momentum: float | None
+    eps: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or self.running_mean is None
@@ -770,19 +945,14 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
                 0.0,
                 self.eps,
             )
-        mh, mw = self.hyfi_ctx.size_of(self.hyfi_path)
-        n = x.shape[0] * mh * mw
-        r0, r1, c0, c1 = self._inside(x)
-        h, w = x.shape[-2:]
-        outside = None
-        if _crosses((r0, r1, c0, c1), x.shape):
-            rows = torch.arange(h, device=x.device).view(h, 1)
-            cols = torch.arange(w, device=x.device).view(1, w)
-            outside = (rows < r0) | (rows >= r1) | (cols < c0) | (cols >= c1)
+        n = x.shape[0] * math.prod(self.hyfi_ctx.size_of(self.hyfi_path))
+        outside = _outside_mask(self._inside(x), x)
         own = None
-        if self.hyfi_carry[0] != _NO_CARRY:
-            (t, _, lft, _), (th, tw) = self.hyfi_carry[0], self._tile_hw(x)
-            own = (t, t + th, lft, lft + tw)
+        if any(self.hyfi_carry[0]):
+            carry = self.hyfi_carry[0]
+            own = tuple(
+                v for k, t in enumerate(self._tile_hw(x)) for v in (carry[2 * k], carry[2 * k] + t)
+            )
         y, mean, var = _GlobalBatchNorm.apply(
             x,
             self.weight if self.affine else None,
@@ -808,6 +978,30 @@ class SpatialBatchNorm2d(_SpatialMixin, nn.BatchNorm2d):
         return y
 
 
+class SpatialBatchNorm1d(_SpatialBatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` on ``(N, C, L)`` segments, statistics over the whole signal (see
+    ``_SpatialBatchNorm``). Only a BatchNorm1d that sees tile data becomes one: on the
+    ``(N, C)`` features of a head after the global pool it stays plain."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ConfigError(
+                f"module {self.hyfi_path!r} (BatchNorm1d)",
+                f"sees a {x.dim()}-D input on a 1-D grid; its spatial form normalises (N, C, L) "
+                "segments",
+                "give it (N, C, L) signals, or apply it after the global pool",
+            )
+        return super().forward(x)
+
+
+class SpatialBatchNorm2d(_SpatialBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` with statistics over the whole image (see ``_SpatialBatchNorm``)."""
+
+
+class SpatialBatchNorm3d(_SpatialBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` with statistics over the whole volume (see ``_SpatialBatchNorm``)."""
+
+
 class SpatialGroupNorm(_SpatialMixin, nn.GroupNorm):
     """GroupNorm with statistics over the whole image: per sample and group, all tiles.
 
@@ -819,22 +1013,22 @@ class SpatialGroupNorm(_SpatialMixin, nn.GroupNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c, th, tw = x.shape
-        g = self.num_groups
-        (mh, mw), (i, j) = self.hyfi_ctx.size_of(self.hyfi_path), self.hyfi_ctx.tile
-        count = (c // g) * mh * mw
-        group = self.hyfi_ctx.group
-        dims = (2, 3, 4)
-        xm = self._mask(x, 0.0).view(n, g, c // g, th, tw)
-        mean = all_reduce_replicated(xm.sum(dim=dims, dtype=_acc(x)), group, partial=True) / count
-        centred = xm - mean.to(x.dtype).view(n, g, 1, 1, 1)
-        centred = _tail(centred.view(n, c, th, tw), mh - i * th, mw - j * tw, 0.0)
-        centred = centred.view(n, g, c // g, th, tw)
+        n, c, *tile = x.shape
+        g, ctx = self.num_groups, self.hyfi_ctx
+        count = (c // g) * math.prod(ctx.size_of(self.hyfi_path))
+        dims = tuple(range(2, 3 + len(tile)))
+        ones = (1,) * (len(tile) + 1)
+        xm = self._mask(x, 0.0).view(n, g, c // g, *tile)
+        mean = all_reduce_replicated(xm.sum(dim=dims, dtype=_acc(x)), ctx.group, partial=True)
+        centred = xm - (mean / count).to(x.dtype).view(n, g, *ones)
+        valid = ctx._valid(self.hyfi_path, tile)
+        centred = _tail(centred.view(x.shape), valid, 0.0).view(n, g, c // g, *tile)
         squares = centred.square().sum(dim=dims, dtype=_acc(x))
-        var = all_reduce_replicated(squares, group, partial=True) / count
-        y = (centred * torch.rsqrt(var + self.eps).to(x.dtype).view(n, g, 1, 1, 1)).view(x.shape)
+        var = all_reduce_replicated(squares, ctx.group, partial=True) / count
+        y = (centred * torch.rsqrt(var + self.eps).to(x.dtype).view(n, g, *ones)).view(x.shape)
         if self.affine:
-            y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+            shape, _ = _channel_shape(x)
+            y = y * self.weight.view(shape) + self.bias.view(shape)
         return y
 
 
@@ -869,64 +1063,228 @@ def _is_norm_act(m: nn.Module) -> bool:
     )
 
 
-class SpatialGlobalAvgPool2d(_SpatialMixin, nn.AdaptiveAvgPool2d):
+class _GlobalPool(_SpatialMixin):
+    """Global pooling: local sums (maxima, outside the image -inf), all-reduced; backward
+    does not double-count."""
+
+    hyfi_kind: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hyfi_ctx.global_reduce(x, Site(self.hyfi_kind, True, True), self.hyfi_path)
+
+
+class SpatialGlobalAvgPool1d(_GlobalPool, nn.AdaptiveAvgPool1d):
+    """Global average pooling of a signal (as :class:`SpatialGlobalAvgPool2d`)."""
+
+    hyfi_kind = "avg"
+
+
+class SpatialGlobalMaxPool1d(_GlobalPool, nn.AdaptiveMaxPool1d):
+    """Global max pooling of a signal (as :class:`SpatialGlobalMaxPool2d`)."""
+
+    hyfi_kind = "max"
+
+
+class SpatialGlobalAvgPool2d(_GlobalPool, nn.AdaptiveAvgPool2d):
     """Global average pooling: local sums, all-reduced; backward does not double-count."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hyfi_ctx.global_reduce(x, Site("avg", True, True), self.hyfi_path)
+    hyfi_kind = "avg"
 
 
-class SpatialGlobalMaxPool2d(_SpatialMixin, nn.AdaptiveMaxPool2d):
+class SpatialGlobalMaxPool2d(_GlobalPool, nn.AdaptiveMaxPool2d):
     """Global max pooling: local maxima (outside the image is -inf), all-reduced with MAX."""
 
+    hyfi_kind = "max"
+
+
+class SpatialGlobalAvgPool3d(_GlobalPool, nn.AdaptiveAvgPool3d):
+    """Global average pooling of a volume (as :class:`SpatialGlobalAvgPool2d`)."""
+
+    hyfi_kind = "avg"
+
+
+class SpatialGlobalMaxPool3d(_GlobalPool, nn.AdaptiveMaxPool3d):
+    """Global max pooling of a volume (as :class:`SpatialGlobalMaxPool2d`)."""
+
+    hyfi_kind = "max"
+
+
+class SpatialFlatten(_SpatialMixin, nn.Flatten):
+    """``nn.Flatten`` of a tiled map into a dense head (CosmoFlow): the junction to the head.
+
+    The head's first dense layer weighs every pixel of the whole map, so the
+    (small, last) map is gathered from all tiles onto every rank, its padding
+    cut off, and flattened; the head then runs replicated, as after a global
+    pool (backward: each tile's gradient is its slice of the whole gradient,
+    :func:`~.collectives.gather_replicated`). Only ``nn.Flatten`` of all dims
+    from 1 on does this; any other flatten of a tile is refused by the watch.
+    """
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hyfi_ctx.global_reduce(x, Site("max", True, True), self.hyfi_path)
+        ctx = self.hyfi_ctx
+        whole = gather_replicated(
+            x,
+            ctx.grid,
+            ctx.tile,
+            ctx.size_of(self.hyfi_path),
+            ctx.group,
+            partial=self.hyfi_path in ctx.rejoined_pools,
+        )
+        return whole.flatten(self.start_dim, self.end_dim)
+
+
+class _WholeFlatten(nn.Module):
+    """Shape stand-in of a :class:`SpatialFlatten` in a plain model run on a tile's shape: the
+    whole map's flattened size (zeros), so that the layers after it get the shapes they will
+    get (pipeline stage shapes, layer timing)."""
+
+    def __init__(self, size: tuple[int, ...]) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:2], *self.size).flatten(1)
+
+
+def tile_shaped(plain: nn.Module, ctx: SpatialContext) -> nn.Module:
+    """``plain`` (a copy of the unspatialized model), changed in place to run on one tile's
+    shape as its spatial form does: each gathering flatten outputs the whole map's size.
+
+    The engine plans pipeline stages and times layers on a tile-shaped input of the plain
+    model; without this, a head sized for the whole map would not fit a tile's map.
+    """
+    for path in sorted(ctx.flatten_paths):
+        parent, _, leaf = path.rpartition(".")
+        owner = plain.get_submodule(parent) if parent else plain
+        setattr(owner, leaf, _WholeFlatten(ctx.size_of(path)))
+    return plain
+
+
+def _is_gathering_flatten(m: nn.Module) -> bool:
+    """``nn.Flatten`` of every dim from 1 on (a dense head's input): see :class:`SpatialFlatten`."""
+    kinds = (nn.Flatten, SpatialFlatten)
+    return type(m) in kinds and getattr(m, "start_dim", 0) == 1 and getattr(m, "end_dim", 0) == -1
 
 
 _SWAP: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Conv1d: SpatialConv1d,
+    nn.ConvTranspose1d: SpatialConvTranspose1d,
+    nn.MaxPool1d: SpatialMaxPool1d,
+    nn.AvgPool1d: SpatialAvgPool1d,
+    # Swapped only where it sees tile data (N, C, L): a head's BatchNorm1d on pooled (N, C)
+    # features stays plain (the watch says which modules see tiles).
+    nn.BatchNorm1d: SpatialBatchNorm1d,
     nn.Conv2d: SpatialConv2d,
+    nn.Conv3d: SpatialConv3d,
     nn.ConvTranspose2d: SpatialConvTranspose2d,
+    nn.ConvTranspose3d: SpatialConvTranspose3d,
     nn.MaxPool2d: SpatialMaxPool2d,
+    nn.MaxPool3d: SpatialMaxPool3d,
     nn.AvgPool2d: SpatialAvgPool2d,
+    nn.AvgPool3d: SpatialAvgPool3d,
     nn.BatchNorm2d: SpatialBatchNorm2d,
+    nn.BatchNorm3d: SpatialBatchNorm3d,
     nn.GroupNorm: SpatialGroupNorm,
 }
+_GLOBAL_POOLS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.AdaptiveAvgPool1d: SpatialGlobalAvgPool1d,
+    nn.AdaptiveMaxPool1d: SpatialGlobalMaxPool1d,
+    nn.AdaptiveAvgPool2d: SpatialGlobalAvgPool2d,
+    nn.AdaptiveMaxPool2d: SpatialGlobalMaxPool2d,
+    nn.AdaptiveAvgPool3d: SpatialGlobalAvgPool3d,
+    nn.AdaptiveMaxPool3d: SpatialGlobalMaxPool3d,
+}
+_ADAPTIVE = (
+    nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d,
+)  # fmt: skip
+_WINDOWED = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
+    nn.AvgPool2d, nn.AvgPool3d,
+)  # fmt: skip
+#: The functional forms a spatial layer calls, by the number of spatial dims.
+_ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def _is_global_pool(m: nn.Module) -> bool:
-    return isinstance(m, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d) and m.output_size in (
-        1,
-        (1, 1),
-        [1, 1],
-    )
+    if not isinstance(m, _ADAPTIVE):
+        return False
+    size = m.output_size
+    return all(v == 1 for v in size) if isinstance(size, tuple | list) else size == 1
 
 
-def _check(name: str, m: nn.Module) -> None:
+#: Layers of each number of spatial dims: a model tiled on a grid of the other kind is refused.
+_DIMS = {
+    # Not nn.BatchNorm1d: on (N, C) features after a global pool it is no spatial layer, on
+    # any grid. One that sees tiles off a 1-D grid is refused in spatialize (_check_tiled).
+    1: (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveAvgPool1d,
+        nn.AdaptiveMaxPool1d),
+    2: (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.BatchNorm2d,
+        nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d),
+    3: (nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d,
+        nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d),
+}  # fmt: skip
+
+
+#: How messages name a grid of each number of axes.
+_GRID_NAMES = {1: "a 1-D grid (L<GL>)", 2: "a 2-D grid (GYxGX)", 3: "a 3-D grid (GZxGYxGX)"}
+
+
+def _check_tiled(name: str, m: nn.Module, nd: int) -> None:
+    """Refuse a layer that sees tile data and is only spatial on some grids (BatchNorm1d)."""
+    if not isinstance(m, nn.BatchNorm1d):
+        return
+    where = f"module {name!r} ({type(m).__name__})"
+    if nd != 1:
+        raise ConfigError(
+            where,
+            f"normalises tile data (N, C, L) but the model is tiled on {_GRID_NAMES[nd]}",
+            "apply BatchNorm1d after the global pool, or tile a model of 1-D layers on a 1-D "
+            "grid (L<GL>)",
+        )
+    if type(m) is not nn.BatchNorm1d:
+        raise ConfigError(where, "is a BatchNorm1d subclass", "use plain nn.BatchNorm1d")
+
+
+def _check(name: str, m: nn.Module, nd: int = 2) -> None:
     where = f"module {name!r} ({type(m).__name__})"
     if isinstance(m, _UNSUPPORTED):
         raise ConfigError(
             where,
             "mixes pixels and has no spatial (tiled) form",
-            "replace it with Conv2d/MaxPool2d/AvgPool2d/BatchNorm2d/global average pooling, "
-            "or run without spatial parallelism",
+            "replace it with Conv2d/MaxPool2d/AvgPool2d/BatchNorm2d/global average pooling "
+            "(or their 1-D and 3-D forms), or run without spatial parallelism",
         )
-    if isinstance(m, nn.AdaptiveMaxPool2d) and m.return_indices:
+    for dims, layers in _DIMS.items():
+        if dims != nd and isinstance(m, layers):
+            raise ConfigError(
+                where,
+                f"is a {dims}-D layer but the model is tiled on {_GRID_NAMES[nd]}",
+                f"tile a model of {dims}-D layers on {_GRID_NAMES[dims]}",
+            )
+    if isinstance(m, nn.AdaptiveMaxPool1d | nn.AdaptiveMaxPool2d | nn.AdaptiveMaxPool3d) and (
+        m.return_indices
+    ):
         raise ConfigError(where, "return_indices=True is not supported", "use return_indices=False")
-    if isinstance(m, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d) and not _is_global_pool(m):
+    if isinstance(m, _ADAPTIVE) and not _is_global_pool(m):
         raise ConfigError(
             where,
             f"adaptive pooling to {m.output_size} depends on the whole image's size",
             "use global pooling (output size 1)",
         )
-    if isinstance(m, nn.MaxPool2d) and m.return_indices:
+    if isinstance(m, nn.MaxPool1d | nn.MaxPool2d | nn.MaxPool3d) and m.return_indices:
         raise ConfigError(where, "return_indices=True is not supported", "use return_indices=False")
     if _is_norm_act(m) or _plain_equivalent(m) is not None or dynamic_same(m):
         return  # a known timm layer with a spatial form (see _norm_act, SpatialConv2dSame)
-    if isinstance(m, nn.BatchNorm2d) and type(m) is not nn.BatchNorm2d:
-        raise ConfigError(where, "is a BatchNorm2d subclass", "use plain nn.BatchNorm2d")
+    for bn in (nn.BatchNorm2d, nn.BatchNorm3d):
+        if isinstance(m, bn) and type(m) is not bn:
+            raise ConfigError(where, f"is a {bn.__name__} subclass", f"use plain nn.{bn.__name__}")
+    if isinstance(m, nn.BatchNorm1d):
+        return  # judged once the watch says whether it sees tiles (_check_tiled)
     if isinstance(m, tuple(_SWAP)) and type(m) not in _SWAP:
         raise ConfigError(where, "subclasses a pixel-mixing layer", "use the plain torch.nn layer")
-    if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+    if isinstance(m, _WINDOWED):
         try:
             layer_geom(m)  # refuses padding_mode != zeros, an avg-pool's ceil_mode divisor
         except ConfigError as err:
@@ -937,8 +1295,8 @@ def _check(name: str, m: nn.Module) -> None:
 def spatialize(
     model: nn.Module,
     *,
-    grid: tuple[int, int],
-    tile: tuple[int, int],
+    grid: tuple[int, ...],
+    tile: tuple[int, ...],
     neighbours: Neighbours,
     group: Any,
     in_chans: int | None = None,
@@ -958,17 +1316,42 @@ def spatialize(
     consecutive windowed layers with a halo (:func:`_plan_deep_halos`);
     ``stage_cuts``: the model's top-level children may become pipeline stages,
     so no deep halo crosses from one to the next.
+
+    The watch runs the model on a large meta-device input, or at the model's
+    ``input_size`` when it declares one (a dense head on the flattened map,
+    CosmoFlow, runs at that size only).
+
+    A grid of three factors ``(gz, gy, gx)`` tiles a volume model (Conv3d,
+    MaxPool3d, AvgPool3d, BatchNorm3d, ConvTranspose3d, 3-D global pools,
+    trilinear/nearest F.interpolate) into sub-volumes the same way; a grid of one factor
+    ``(gl,)`` tiles a 1-D model (Conv1d, MaxPool1d, AvgPool1d, BatchNorm1d on ``(N, C, L)``,
+    ConvTranspose1d, 1-D global pools, linear/nearest F.interpolate) into segments.
     """
+    nd = len(grid)
+    if nd not in _AXES or len(tile) != nd:
+        raise ConfigError(
+            "spatial grid",
+            f"{tuple(grid)} with tile {tuple(tile)}",
+            "give a grid and tile of 1 (L<GL>), 2 (GYxGX) or 3 (GZxGYxGX) entries",
+        )
     if halo_depth < 1:
         raise ConfigError("halo_depth", f"is {halo_depth}", "use 1 (a halo per layer) or more")
+    if halo_depth > 1 and nd == 1:
+        raise ConfigError(
+            "halo_depth",
+            f"is {halo_depth} on a 1-D grid; deep halos are implemented for 2-D and 3-D grids",
+            "use halo_depth=1 (one halo per layer) for signals",
+        )
     for name, m in model.named_modules():
-        _check(name or type(model).__name__, m)
+        _check(name or type(model).__name__, m, nd)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
     reference = copy.deepcopy(model).to("meta")
     # Which modules and parameters see tile data; refuses functions that mix pixels.
+    # A model whose head flattens its last map runs at its own size only: it says which.
+    probe = tuple(getattr(model, "input_size", None) or (_PROBE,) * nd)
     use = watch_tiles(
         reference,
-        (1, in_chans, _PROBE, _PROBE),
+        (1, in_chans, *probe),
         _has_spatial_form,
         norms=_is_norm_act,
         carriers=_is_carrier,
@@ -976,7 +1359,7 @@ def spatialize(
     align = (
         align
         or int(getattr(model, "total_stride", 0))
-        or _total_stride(reference, in_chans, use.tile_modules)
+        or _total_stride(reference, in_chans, use.tile_modules, nd)
     )
     ctx = SpatialContext(grid, tile, neighbours, group, align=align, overlap=overlap)
     ctx._reference = reference
@@ -993,20 +1376,20 @@ def spatialize(
     for name, m in model.named_modules():
         if name not in use.tile_modules:
             continue  # e.g. a squeeze-excite convolution on the pooled vector: stays plain
+        _check_tiled(name or type(model).__name__, m, nd)
         cls = SpatialConv2dSame if dynamic_same(m) else _SWAP.get(_plain_equivalent(m) or type(m))
         if _is_norm_act(m):
             norm = SpatialBatchNorm2d if isinstance(m, nn.BatchNorm2d) else SpatialGroupNorm
             cls = _norm_act(norm, type(m))
         if _is_global_pool(m):
-            cls = (
-                SpatialGlobalAvgPool2d
-                if isinstance(m, nn.AdaptiveAvgPool2d)
-                else SpatialGlobalMaxPool2d
-            )
+            cls = _GLOBAL_POOLS[type(m)]
+        if _is_gathering_flatten(m):
+            cls = SpatialFlatten
+            ctx.flatten_paths.add(name)
         if cls is not None:
             m.__class__ = cls
             m.hyfi_path, m.hyfi_ctx = name, ctx
-            if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d) and not dynamic_same(m):
+            if isinstance(m, _WINDOWED) and not dynamic_same(m):
                 m.hyfi_geoms = layer_geom(m)  # type: ignore[assignment]
     ctx.halo_depth = halo_depth
     ctx.deep_runs = _plan_deep_halos(model, use.links, halo_depth, stage_cuts)
@@ -1015,18 +1398,23 @@ def spatialize(
 
 def _is_carrier(m: nn.Module) -> bool:
     """Layers a deep halo may pass through: per pixel once their statistics are known."""
-    return type(m) is nn.BatchNorm2d
+    return type(m) in (nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _deepable(m: nn.Module) -> bool:
     """Windowed layers whose window is fixed: convolution, max and average pooling."""
-    return type(m) in (SpatialConv2d, SpatialMaxPool2d, SpatialAvgPool2d) and not any(
-        g.ceil_mode for g in _geoms(m)
-    )
+    return type(m) in _DEEPABLE and not any(g.ceil_mode for g in _geoms(m))
 
 
-def _geoms(m: nn.Module) -> tuple[LayerGeom, LayerGeom]:
-    geoms: tuple[LayerGeom, LayerGeom] = m.hyfi_geoms  # type: ignore[assignment]
+#: The spatial forms a deep halo may run through (2-D tiles and 3-D sub-volumes).
+_DEEPABLE = (
+    SpatialConv2d, SpatialMaxPool2d, SpatialAvgPool2d,
+    SpatialConv3d, SpatialMaxPool3d, SpatialAvgPool3d,
+)  # fmt: skip
+
+
+def _geoms(m: nn.Module) -> tuple[LayerGeom, ...]:
+    geoms: tuple[LayerGeom, ...] = m.hyfi_geoms  # type: ignore[assignment]
     return geoms
 
 
@@ -1056,7 +1444,7 @@ def _plan_deep_halos(
             continue
         if not (_deepable(modules[producer]) and _deepable(modules[consumer])):
             continue
-        if not all(type(modules[c]) is SpatialBatchNorm2d for c in carriers):
+        if not all(type(modules[c]) in (SpatialBatchNorm2d, SpatialBatchNorm3d) for c in carriers):
             continue
         if stage_cuts and producer.split(".")[0] != consumer.split(".")[0]:
             continue
@@ -1102,22 +1490,23 @@ def _has_spatial_form(m: nn.Module) -> bool:
     layers: their normalisation is (the watch's ``norms``), their ``drop`` and ``act`` are not."""
     if _is_norm_act(m) or getattr(m, "hyfi_norm_act", False):
         return False
+    if isinstance(m, nn.Flatten):
+        return _is_gathering_flatten(m)
     return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
 
 
-def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str]) -> int:
+def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str], nd: int = 2) -> int:
     """Least common multiple of the cumulative strides of the layers that see tiles.
 
-    Measured by tracing a large input on the meta device.
+    Measured by tracing a large input (image or volume, ``nd`` spatial dims) on the meta device.
     """
     probe = 4096
-    sizes, _, _ = _trace_sizes(reference, (1, in_chans, probe, probe))
+    sizes, _, _ = _trace_sizes(reference, (1, in_chans, *(probe,) * nd))
     align = 1
     for name, m in reference.named_modules():
         if name not in tile_modules:
             continue
-        if name in sizes and isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+        if name in sizes and isinstance(m, _WINDOWED):
             jump = max(1, round(probe / sizes[name][0]))
-            gy, gx = layer_geom(m, sizes[name])
-            align = math.lcm(align, jump * gy.stride, jump * gx.stride)
+            align = math.lcm(align, *(jump * g.stride for g in layer_geom(m, sizes[name])))
     return align

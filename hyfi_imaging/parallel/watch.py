@@ -130,14 +130,21 @@ class _Lineage:
 class _Tile:
     """Where the spatial dims of a tile-carrying tensor are, and their sizes.
 
+    Two spatial dims for a slide's tile, three for a volume's sub-volume.
     ``flat``: the spatial dims (and those before them) are merged into dim 0, as
     ``nn.Linear`` does to a channels-last map (rows are pixels); ``flat`` is the
     shape they had, to which a view must restore them.
     """
 
-    dims: tuple[int, int]
-    hw: tuple[int, int]
+    dims: tuple[int, ...]
+    hw: tuple[int, ...]
     flat: tuple[int, ...] | None = None
+
+
+def _last(t: torch.Tensor, hw: tuple[int, ...]) -> _Tile:
+    """``t``'s last ``len(hw)`` dims are the spatial dims, of sizes ``hw``."""
+    k = len(hw)
+    return _Tile(tuple(range(t.dim() - k, t.dim())), hw)
 
 
 def _refuse(path: str, op: str, why: str, fix: str) -> ConfigError:
@@ -286,11 +293,19 @@ class _Watch(TorchDispatchMode):
         source = next((t for a in args if (t := self.tile_of(a)) is not None), None)
         if source is None:
             self.mark_replicated(out, frozenset().union(*(self.pools_of(a) for a in args)))
-        elif isinstance(module, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d):
+        elif isinstance(
+            module,
+            nn.AdaptiveAvgPool1d
+            | nn.AdaptiveMaxPool1d
+            | nn.AdaptiveAvgPool2d
+            | nn.AdaptiveMaxPool2d
+            | nn.AdaptiveAvgPool3d
+            | nn.AdaptiveMaxPool3d
+            | nn.Flatten,  # a dense head's input, gathered whole (spatial.SpatialFlatten)
+        ):
             self.mark_replicated(out, frozenset({path}))  # a global pool: every rank holds it
         else:
-            h, w = (int(v) for v in out.shape[-2:])
-            self.mark(out, _Tile((out.dim() - 2, out.dim() - 1), (h, w)))
+            self.mark(out, _last(out, tuple(int(v) for v in out.shape[-len(source.hw) :])))
             if self.carriers is not None and self.carriers(module) and len(args) == 1:
                 self.follow(out, args[0], carrier=path)
             else:
@@ -397,7 +412,7 @@ class _Watch(TorchDispatchMode):
             return tile if tile.flat is None and _keeps(first, tile) else None
         if func in _VIEWS and isinstance(first, torch.Tensor) and isinstance(x, torch.Tensor):
             if tile.flat is None and _keeps(first, tile):
-                return _Tile((first.dim() - 2, first.dim() - 1), tile.hw)
+                return _last(first, tile.hw)
             flat = _rows_of_pixels(x, first, tile)
             if flat is not None:
                 return flat
@@ -415,7 +430,7 @@ class _Watch(TorchDispatchMode):
             )
         if func in (_aten.permute.default, _aten.transpose.int):
             order = _permutation(func, args, nd)
-            return _Tile((order.index(tile.dims[0]), order.index(tile.dims[1])), tile.hw)
+            return _Tile(tuple(order.index(d) for d in tile.dims), tile.hw)
         if func in _ALONG and int(args[1]) % nd not in tile.dims:
             return tile
         if torch.Tag.reduction in func.tags or func in _LAYER_NORM:
@@ -435,7 +450,7 @@ class _Watch(TorchDispatchMode):
             dim = dim % nd if func is not _aten.stack.default else dim
             if dim not in tile.dims:
                 if func is _aten.stack.default:
-                    return _Tile(tuple(d + (d >= dim) for d in tile.dims), tile.hw)  # type: ignore[arg-type]
+                    return _Tile(tuple(d + (d >= dim) for d in tile.dims), tile.hw)
                 return tile
         elif func in _SLICES:
             dim = int(args[1]) % nd
@@ -475,9 +490,18 @@ _REFUSALS: dict[str, tuple[str, str]] = {
     "convolution": ("a functional convolution (F.conv2d) on the tiled map", _USE_MODULES),
     "max_pool2d_with_indices": ("a functional pool (F.max_pool2d) on the tiled map", _USE_MODULES),
     "avg_pool2d": ("a functional pool (F.avg_pool2d) on the tiled map", _USE_MODULES),
+    "max_pool3d_with_indices": ("a functional pool (F.max_pool3d) on the tiled map", _USE_MODULES),
+    "avg_pool3d": ("a functional pool (F.avg_pool3d) on the tiled map", _USE_MODULES),
+    "reflection_pad3d": _EDGE_PAD,
+    "replication_pad3d": _EDGE_PAD,
+    "_adaptive_avg_pool3d": (
+        "adaptive pooling to more than 1x1x1 depends on the whole volume's size",
+        "pool globally (output size 1)",
+    ),
     "constant_pad_nd": (
         "a pad that is not F.pad of the last two dims (or of a tile, not the image)",
-        "pad with F.pad(x, (left, right, top, bottom)) or nn.ZeroPad2d/nn.ConstantPad2d",
+        "pad with F.pad(x, (left, right, top, bottom[, front, back])) or nn.ZeroPad2d/"
+        "nn.ConstantPad2d/nn.ConstantPad3d",
     ),
     "reflection_pad2d": _EDGE_PAD,
     "replication_pad2d": _EDGE_PAD,
@@ -500,22 +524,29 @@ _REFUSALS: dict[str, tuple[str, str]] = {
 
 def _rows_of_pixels(x: torch.Tensor, out: torch.Tensor, tile: _Tile) -> _Tile | None:
     """A view that merges the spatial dims, and those before them, into rows (or undoes it)."""
+    k = len(tile.hw)
     if tile.flat is not None:
         if tuple(out.shape) == (*tile.flat, *x.shape[1:]):
-            return _Tile((len(tile.flat) - 2, len(tile.flat) - 1), tile.hw)
+            return _Tile(tuple(range(len(tile.flat) - k, len(tile.flat))), tile.hw)
         return tile if tuple(out.shape) == tuple(x.shape) else None
-    d0, d1 = tile.dims
-    if d1 != d0 + 1:
+    if not _adjacent(tile):
         return None
-    lead = tuple(int(v) for v in x.shape[: d1 + 1])
-    if tuple(out.shape) == (math.prod(lead), *x.shape[d1 + 1 :]):
-        return _Tile((0, 0), tile.hw, lead)
+    last = tile.dims[-1]
+    lead = tuple(int(v) for v in x.shape[: last + 1])
+    if tuple(out.shape) == (math.prod(lead), *x.shape[last + 1 :]):
+        return _Tile((0,) * k, tile.hw, lead)
     return None
+
+
+def _adjacent(tile: _Tile) -> bool:
+    """Whether the spatial dims are adjacent and in order."""
+    return tile.dims == tuple(range(tile.dims[0], tile.dims[0] + len(tile.dims)))
 
 
 def _keeps(out: torch.Tensor, tile: _Tile) -> bool:
     """Whether ``out`` keeps the (adjacent, last) spatial dims at the same size."""
-    return out.dim() >= 2 and tuple(out.shape[-2:]) == tile.hw and tile.dims[1] == tile.dims[0] + 1
+    k = len(tile.hw)
+    return out.dim() >= k and tuple(out.shape[-k:]) == tile.hw and _adjacent(tile)
 
 
 def _permutation(func: Any, args: Sequence[Any], nd: int) -> list[int]:
@@ -544,8 +575,7 @@ def _reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], nd: in
 def _shifted(tile: _Tile, removed: set[int], keep: bool) -> _Tile:
     if keep:
         return tile
-    dims = tuple(d - sum(r < d for r in removed) for d in tile.dims)
-    return _Tile((dims[0], dims[1]), tile.hw)
+    return _Tile(tuple(d - sum(r < d for r in removed) for d in tile.dims), tile.hw)
 
 
 class _Sites(SiteMode):
@@ -581,6 +611,20 @@ class _Sites(SiteMode):
             )
         if not tiled:
             return func(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input")
+        tile = self.watch.tile_of(x)
+        assert isinstance(x, torch.Tensor) and tile is not None
+        if tile.flat is not None or tile.dims != tuple(range(2, x.dim())):
+            # e.g. F.interpolate(x, mode="linear") of a 2-D map's rows: its spatial form
+            # would resample the wrong dims
+            raise _refuse(
+                name.rsplit("#", 1)[0] or self.watch.root,
+                getattr(func, "__name__", str(func)),
+                f"on a {x.dim()}-D tensor whose tiled dims are {tile.dims}, not its last "
+                f"{x.dim() - 2}",
+                "call it on the (N, C, *spatial) map the grid tiles (a 1-D grid L<GL> for "
+                "(N, C, L) signals)",
+            )
         self.watch.use.functional_sites.add(name)
         self.frames.inside += 1  # its own ops are the spatial form's business
         try:
@@ -588,8 +632,8 @@ class _Sites(SiteMode):
         finally:
             self.frames.inside -= 1
         if isinstance(site, Resample):
-            hw = (int(out.shape[-2]), int(out.shape[-1]))
-            self.watch.mark(out, _Tile((out.dim() - 2, out.dim() - 1), hw))
+            k = out.dim() - 2
+            self.watch.mark(out, _last(out, tuple(int(v) for v in out.shape[-k:])))
         else:
             self.watch.mark_replicated(out, frozenset({name}))
         return out
@@ -611,7 +655,7 @@ def _watch_once(
     frames = Frames(model, known, on_enter=watch.enter, on_leave=watch.leave)
     watch.frames = frames
     x = torch.empty(shape, device="meta", dtype=dtype)
-    watch.mark(x, _Tile((len(shape) - 2, len(shape) - 1), tuple(shape[-2:])))  # type: ignore[arg-type]
+    watch.mark(x, _last(x, tuple(int(v) for v in shape[2:])))
     try:
         with torch.no_grad(), _Sites(watch, frames), watch:
             out = model(x)

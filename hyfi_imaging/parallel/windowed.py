@@ -21,6 +21,10 @@ input and parameter gradients with the ATen backward kernels
 
 Under autocast (bf16 on CUDA) the inputs are cast the way ``F.conv2d`` would
 cast them, once, and backward uses those casts.
+
+Everything here walks the spatial dims of the :class:`Window` (two for a slide's
+tile, three for a volume's sub-volume); the 2-D or 3-D kernel is picked by that
+count (:data:`_OPS`), so there is one implementation of each layer.
 """
 
 from __future__ import annotations
@@ -32,7 +36,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyfi_imaging.parallel.halo import Neighbours, Strips, extend, rebuild, return_halo_grads
+from hyfi_imaging.parallel.halo import (
+    Neighbours,
+    Strips,
+    extend,
+    rebuild,
+    return_halo_grads,
+    trailing,
+)
 
 __all__ = ["Window", "avg_pool", "conv", "max_pool"]
 
@@ -40,30 +51,106 @@ _aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
+class _Ops:
+    """The kernels of one number of spatial dims."""
+
+    conv: Callable[..., torch.Tensor]
+    max_pool: Callable[..., torch.Tensor]
+    max_pool_indices: Any
+    max_pool_backward: Any
+    avg_pool: Callable[..., torch.Tensor]
+    avg_pool_backward: Any
+
+
+def _one_row(fn: Any, *, tensors: int, dilated: bool) -> Callable[..., Any]:
+    """The 1-D form of a 2-D pooling kernel: the signal is a map of one row.
+
+    ATen has no 1-D pooling backward (nor a 1-D ``divisor_override``); the 2-D
+    kernels on ``(N, C, 1, L)`` with ``1 x k`` windows compute the same numbers.
+    The first ``tensors`` arguments get the row (``unsqueeze(-2)``); kernel,
+    stride, padding and, when ``dilated``, dilation (one entry each) get the
+    row's 1, 1, 0, 1 in front; the rest pass as they are (a max-pool's winners
+    stay 2-D, from its forward kernel to its backward one).
+    """
+
+    def run(*args: Any) -> Any:
+        rows = [t.unsqueeze(-2) for t in args[:tensors]]
+        n = 4 if dilated else 3
+        k, s, p, *d = (_one(v) for v in args[tensors : tensors + n])
+        geometry = [[1, *k], [1, *s], [0, *p], *([[1, *d[0]]] if dilated else [])]
+        out = fn(*rows, *geometry, *args[tensors + n :])
+        if isinstance(out, tuple):
+            return out[0].squeeze(-2), out[1]
+        return out.squeeze(-2)
+
+    return run
+
+
+def _one(v: Any) -> list[int]:
+    return [int(v)] if isinstance(v, int) else [int(x) for x in v]
+
+
+_OPS = {
+    1: _Ops(
+        F.conv1d, F.max_pool1d,
+        _one_row(_aten.max_pool2d_with_indices, tensors=1, dilated=True),
+        _one_row(_aten.max_pool2d_with_indices_backward, tensors=2, dilated=True),
+        _one_row(_aten.avg_pool2d, tensors=1, dilated=False),
+        _one_row(_aten.avg_pool2d_backward, tensors=2, dilated=False),
+    ),
+    2: _Ops(
+        F.conv2d, F.max_pool2d, _aten.max_pool2d_with_indices,
+        _aten.max_pool2d_with_indices_backward, F.avg_pool2d, _aten.avg_pool2d_backward,
+    ),
+    3: _Ops(
+        F.conv3d, F.max_pool3d, _aten.max_pool3d_with_indices,
+        _aten.max_pool3d_with_indices_backward, F.avg_pool3d, _aten.avg_pool3d_backward,
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Window:
     """Where one windowed layer's tile sits: halo, extent read, valid part, fill, neighbours.
 
-    ``halo`` is ``(top, bottom, left, right)`` to receive; ``need`` the rows and
-    columns of the extended tile the windows read (a negative halo, i.e. a
-    surplus, makes it shorter than the extended tile); ``valid`` the leading
-    rows and columns of the tile inside the image (the rest is set to ``fill``).
+    ``halo`` is ``(before, after)`` per spatial dim to receive, e.g. ``(top,
+    bottom, left, right)``; ``need`` the length of the extended tile the windows
+    read along each dim (a negative halo, i.e. a surplus, makes it shorter than
+    the extended tile); ``valid`` the leading indices of the tile inside the
+    image along each dim (the rest is set to ``fill``). ``kernel``, ``stride``,
+    ``dilation``: one value per spatial dim (1, 2 or 3 of them).
     """
 
-    halo: tuple[int, int, int, int]
-    need: tuple[int, int]
-    valid: tuple[int, int]
+    halo: tuple[int, ...]
+    need: tuple[int, ...]
+    valid: tuple[int, ...]
     fill: float
     neighbours: Neighbours
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    dilation: tuple[int, int]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
     #: Compute while the halos are in flight (convolutions): the outputs that read the
     #: tile only in forward, the weight gradient in backward.
     overlap: bool = False
 
+    @property
+    def dims(self) -> int:
+        """Number of spatial dims."""
+        return len(self.kernel)
+
+    @property
+    def ops(self) -> _Ops:
+        """The 1-D, 2-D or 3-D kernels."""
+        return _OPS[self.dims]
+
     def extended_shape(self, tile: torch.Size) -> tuple[int, ...]:
-        t, b, lft, r = self.halo
-        return (*tile[:-2], tile[-2] + t + b, tile[-1] + lft + r)
+        nd = self.dims
+        ext = (t + self.halo[2 * k] + self.halo[2 * k + 1] for k, t in enumerate(tile[-nd:]))
+        return (*tile[:-nd], *ext)
+
+    def read(self, ext: torch.Tensor) -> torch.Tensor:
+        """The part of the extended tile the windows read (``need`` along each spatial dim)."""
+        return ext[trailing([slice(0, n) for n in self.need])]
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -77,14 +164,14 @@ def _extend(
     ext, strips = extend(
         x, win.halo, win.neighbours, fill=win.fill, valid=win.valid, overlap=overlap
     )
-    return ext[..., : win.need[0], : win.need[1]], strips
+    return win.read(ext), strips
 
 
 def _outputs(win: Window, tile: torch.Size) -> tuple[tuple[int, int, int], ...]:
     """Per axis: the output count, and the first and end output that read the tile only."""
     axes = []
-    for a in (0, 1):
-        before, n = win.halo[2 * a], tile[-2 + a]
+    for a in range(win.dims):
+        before, n = win.halo[2 * a], tile[a - win.dims]
         extent = win.dilation[a] * (win.kernel[a] - 1) + 1
         m = (win.need[a] - extent) // win.stride[a] + 1
         first = min(m, -(-before // win.stride[a]))
@@ -103,42 +190,47 @@ def _conv_overlapped(
     there yet: the outputs that read the tile's own rows and columns (and the
     fill past the grid's edges) are right, those that read a neighbour's halo
     are not. Once the halos have arrived, those border bands alone are computed
-    again and written over. No interior
-    copy, and the extra work is the border (a few rows and columns per tile).
+    again and written over: per spatial dim, the band before and after the
+    outputs that read the tile only, within the interior of the dims already
+    done (so that no output is computed twice). No interior copy, and the extra
+    work is the border (a few rows and columns per tile).
     """
-    (mh, h0, h1), (mw, w0, w1) = _outputs(win, x.shape)
-    (sh, sw), (eh, ew) = (
-        win.stride,
-        (
-            win.dilation[0] * (win.kernel[0] - 1) + 1,
-            win.dilation[1] * (win.kernel[1] - 1) + 1,
-        ),
-    )
+    axes = _outputs(win, x.shape)
+    extents = [d * (k - 1) + 1 for k, d in zip(win.kernel, win.dilation, strict=True)]
+    conv = win.ops.conv
     out: list[torch.Tensor] = []
 
     def whole(ext: torch.Tensor) -> None:
-        need = ext[..., : win.need[0], : win.need[1]]
-        out.append(F.conv2d(need, weight, bias, win.stride, 0, win.dilation, groups))
+        out.append(conv(win.read(ext), weight, bias, win.stride, 0, win.dilation, groups))
 
     xe, strips = _extend(x, win, overlap=whole)
     y = out[0]
-    nb = win.neighbours
-    bands = (
-        (nb.up, 0, h0, 0, mw),
-        (nb.down, h1, mh, 0, mw),
-        (nb.left, h0 if nb.up is not None else 0, h1 if nb.down is not None else mh, 0, w0),
-        (nb.right, h0 if nb.up is not None else 0, h1 if nb.down is not None else mh, w1, mw),
-    )
-    for peer, r0, r1, c0, c1 in bands:  # the sides whose halo came from a neighbour
-        if peer is not None and r1 > r0 and c1 > c0:
-            part = xe[..., r0 * sh : (r1 - 1) * sh + eh, c0 * sw : (c1 - 1) * sw + ew]
-            y[..., r0:r1, c0:c1] = F.conv2d(part, weight, bias, win.stride, 0, win.dilation, groups)
+    sides = win.neighbours.pairs()[-win.dims :]
+    for k, ((lo, hi), (m, first, end)) in enumerate(zip(sides, axes, strict=True)):
+        for peer, a, b in ((lo, 0, first), (hi, end, m)):
+            if peer is None or b <= a:
+                continue  # this side's halo is fill, known before the overlap ran
+            ranges = [
+                (f if sides[d][0] is not None else 0, e if sides[d][1] is not None else md)
+                if d < k
+                else (a, b)
+                if d == k
+                else (0, md)
+                for d, (md, f, e) in enumerate(axes)
+            ]
+            if any(r1 <= r0 for r0, r1 in ranges):
+                continue
+            reads = zip(ranges, win.stride, extents, strict=True)
+            part = xe[trailing([slice(r0 * s, (r1 - 1) * s + e) for (r0, r1), s, e in reads])]
+            y[trailing([slice(r0, r1) for r0, r1 in ranges])] = conv(
+                part, weight, bias, win.stride, 0, win.dilation, groups
+            )
     return y, strips
 
 
 def _rebuild(x: torch.Tensor, strips: Strips, win: Window) -> torch.Tensor:
     ext = rebuild(x, strips, win.halo, fill=win.fill, valid=win.valid)
-    return ext[..., : win.need[0], : win.need[1]]
+    return win.read(ext)
 
 
 def _tile_grad(
@@ -149,7 +241,7 @@ def _tile_grad(
 ) -> torch.Tensor:
     """Gradient of the tile from that of the read part of the extended tile."""
     full = win.extended_shape(tile)
-    pad = (0, full[-1] - g_need.shape[-1], 0, full[-2] - g_need.shape[-2])
+    pad = tuple(v for d in range(1, win.dims + 1) for v in (0, full[-d] - g_need.shape[-d]))
     g_ext = F.pad(g_need, pad) if any(pad) else g_need
     return return_halo_grads(g_ext, win.halo, win.neighbours, valid=win.valid, overlap=overlap)
 
@@ -186,7 +278,7 @@ class _Conv(torch.autograd.Function):
                 y, strips = _conv_overlapped(x, weight, bias, win, groups)
             else:
                 xe, strips = _extend(x, win)
-                y = F.conv2d(xe, weight, bias, win.stride, 0, win.dilation, groups)
+                y = win.ops.conv(xe, weight, bias, win.stride, 0, win.dilation, groups)
         _save_strips(ctx, x, strips, weight)
         ctx.win, ctx.groups, ctx.has_bias = win, groups, bias is not None
         return y
@@ -198,11 +290,12 @@ class _Conv(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         xe = _rebuild(x, strips, win)
         gy = gy.to(xe.dtype)
+        zeros = [0] * win.dims
 
         def grads(x_: bool, w_: bool, b_: bool) -> tuple[Any, ...]:
             return _aten.convolution_backward(
                 gy, xe, weight, [weight.shape[0]] if ctx.has_bias else None, list(win.stride),
-                [0, 0], list(win.dilation), False, [0, 0], ctx.groups, [x_, w_, b_],
+                zeros, list(win.dilation), False, zeros, ctx.groups, [x_, w_, b_],
             )  # fmt: skip
 
         need_w, need_b = bool(need_w), bool(need_b and ctx.has_bias)
@@ -233,7 +326,7 @@ class _MaxPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, win: Window) -> torch.Tensor:
         xe, strips = _extend(x, win)
-        y = F.max_pool2d(xe, win.kernel, win.stride, 0, win.dilation)
+        y = win.ops.max_pool(xe, win.kernel, win.stride, 0, win.dilation)
         _save_strips(ctx, x, strips)
         ctx.win = win
         return y
@@ -244,28 +337,33 @@ class _MaxPool(torch.autograd.Function):
         win: Window = ctx.win
         xe = _rebuild(x, strips, win)
         # Recomputing the winners costs one pooling pass; storing them would cost int64 per output.
-        idx = _aten.max_pool2d_with_indices(xe, win.kernel, win.stride, [0, 0], win.dilation)[1]
-        gi = _aten.max_pool2d_with_indices_backward(
-            gy, xe, win.kernel, win.stride, [0, 0], win.dilation, False, idx
+        zeros = [0] * win.dims
+        idx = win.ops.max_pool_indices(xe, win.kernel, win.stride, zeros, win.dilation)[1]
+        gi = win.ops.max_pool_backward(
+            gy, xe, win.kernel, win.stride, zeros, win.dilation, False, idx
         )
         return _tile_grad(gi, x.shape, win), None
 
 
 def _window_counts(
-    win: Window, origin: tuple[int, int], size: tuple[int, int], device: Any
+    win: Window, origin: tuple[int, ...], size: tuple[int, ...], device: Any
 ) -> torch.Tensor:
     """Per output pixel, how many window pixels lie inside the image (global padding excluded).
 
     ``origin`` is the global index of the first read row/column (negative at
     the top/left border), ``size`` the true input size: pure geometry, no message.
     """
-    counts = []
-    for a in (0, 1):
+    total: torch.Tensor | None = None
+    for a in range(win.dims):
         idx = torch.arange(win.need[a], device=device) + origin[a]
         inside = ((idx >= 0) & (idx < size[a])).to(torch.float64)
         span = win.dilation[a] * (win.kernel[a] - 1) + 1
-        counts.append(inside.unfold(0, span, win.stride[a])[:, :: win.dilation[a]].sum(-1))
-    return counts[0].view(-1, 1) * counts[1].view(1, -1)
+        count = inside.unfold(0, span, win.stride[a])[:, :: win.dilation[a]].sum(-1)
+        shape = [1] * win.dims
+        shape[a] = -1
+        total = count.view(shape) if total is None else total * count.view(shape)
+    assert total is not None
+    return total
 
 
 class _AvgPool(torch.autograd.Function):
@@ -274,10 +372,11 @@ class _AvgPool(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, win: Window, divisor: torch.Tensor | int | None
     ) -> torch.Tensor:
         xe, _ = _extend(x, win)
+        pool = win.ops.avg_pool
         if isinstance(divisor, torch.Tensor):
-            y = F.avg_pool2d(xe, win.kernel, win.stride, 0, False, True, 1) / divisor.to(xe.dtype)
+            y = pool(xe, win.kernel, win.stride, 0, False, True, 1) / divisor.to(xe.dtype)
         else:
-            y = F.avg_pool2d(xe, win.kernel, win.stride, 0, False, True, divisor)
+            y = pool(xe, win.kernel, win.stride, 0, False, True, divisor)
         ctx.win, ctx.divisor, ctx.tile, ctx.need_shape = win, divisor, x.shape, xe.shape
         return y
 
@@ -288,8 +387,8 @@ class _AvgPool(torch.autograd.Function):
         shape_of = gy.new_empty(ctx.need_shape)  # the kernel reads only its shape
         if isinstance(divisor, torch.Tensor):
             gy, divisor = gy / divisor.to(gy.dtype), 1
-        gi = _aten.avg_pool2d_backward(
-            gy, shape_of, win.kernel, win.stride, [0, 0], False, True, divisor
+        gi = win.ops.avg_pool_backward(
+            gy, shape_of, win.kernel, win.stride, [0] * win.dims, False, True, divisor
         )
         return _tile_grad(gi, ctx.tile, win), None, None
 
@@ -311,7 +410,7 @@ def avg_pool(
     win: Window,
     *,
     divisor_override: int | None,
-    exclude_padding_at: tuple[tuple[int, int], tuple[int, int]] | None,
+    exclude_padding_at: tuple[tuple[int, ...], tuple[int, ...]] | None,
 ) -> torch.Tensor:
     """Average-pooling of a tile.
 

@@ -254,10 +254,10 @@ def plan_crop(
     Returns the plan, the tissue mask and the mask's ``(dy, dx)`` downsample (for QC pictures).
     """
     thumb, thumb_ds = thumbnail(reader, options.thumbnail_size)
+    rgb = is_rgb(reader.channel_names)
     if options.tissue == "none":
         mask = np.ones(thumb.shape[1:], dtype=bool)
     else:
-        rgb = is_rgb(reader.channel_names)
         mask = tissue_mask(thumb, rgb=rgb, channel=tissue_channel(reader, options.tissue))
     scale, level, mpp = _resolution(reader, options)
     h0, w0 = reader.level_dimensions[0]
@@ -271,7 +271,10 @@ def plan_crop(
         raise SlideError(
             reader.path,
             "no tissue found on the thumbnail (the slide looks blank)",
-            "check the slide, or leave it out of the run",
+            "check the slide, or leave it out of the run"
+            if rgb
+            else "check the slide, name the channel that shows it (--tissue NAME), "
+            "or keep the whole image (--tissue none)",
         )
     sy, sx, sh, sw = box
     canvas_h, canvas_w = options.size

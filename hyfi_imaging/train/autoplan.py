@@ -35,17 +35,25 @@ def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:
 
     from hyfi_imaging.data.dataset import load_samples
     from hyfi_imaging.train.inputs import build_model, data_pixels
+    from hyfi_imaging.train.tasks import manifest_kind
 
     r = recipe
+    if manifest_kind(r.data.manifest) == "volumes":  # the planner's model is 2-D
+        raise ConfigError(
+            "parallel: auto",
+            "plans layouts for slides only",
+            "write the parallel section for volumes (spatial 1x1, data N)",
+        )
     model = build_model(r, data_pixels(r).channels)
-    hw = load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
+    hw = load_samples(r.data.manifest, labels=False)[0].image_hw
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     return model, hw, NOMINAL_RATE[kind], r.optim.name
 
 
 def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
     """The fastest layout of ``devices`` ranks whose predicted peak fits this machine's devices."""
-    from hyfi_imaging.parallel.plan import candidates, device_memory, predict, rank
+    from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
+    from hyfi_imaging.parallel.plan import predict
 
     model, hw, rate, optimizer = _setting(recipe)
     batch = recipe.train.batch_size
@@ -68,6 +76,7 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
     c = best.candidate
     return ParallelConfig(
         spatial=c.layout.sp,
+        stage_grids=c.layout.grids,
         pipeline=c.layout.pp,
         data=c.layout.dp,
         microbatches=c.microbatches,
@@ -80,14 +89,17 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
 def fit_warning(recipe: Recipe, memory: int | None = None) -> str | None:
     """One line when the planner predicts the recipe's layout will not fit a device, else None.
 
-    ``memory`` is the bytes of one device (default: :func:`~.plan.device_memory`).
+    ``memory`` is the bytes of one device (default: :func:`~.candidates.device_memory`).
     """
-    from hyfi_imaging.parallel.layout import Layout
-    from hyfi_imaging.parallel.plan import Candidate, device_memory, predict
+    from hyfi_imaging.parallel.candidates import device_memory
+    from hyfi_imaging.parallel.plan import Candidate, predict
+    from hyfi_imaging.train.tasks import manifest_kind
 
+    if manifest_kind(recipe.data.manifest) == "volumes":
+        return None  # the planner predicts 2-D slides only
     p = recipe.parallel
     cand = Candidate(
-        Layout(dp=p.data, pp=p.pipeline, sp=p.spatial), p.microbatches, p.checkpointing,
+        p.layout(), p.microbatches, p.checkpointing,
         p.schedule, tuple(p.balance) if p.balance else None,
     )  # fmt: skip
     model, hw, rate, optimizer = _setting(recipe)

@@ -12,12 +12,13 @@ closest valid spelling.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hyfi_imaging.errors import ConfigError
 
@@ -27,6 +28,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "Recipe",
+    "TaskConfig",
     "TrainConfig",
     "load_recipe",
     "parse_overrides",
@@ -74,7 +76,9 @@ class DataConfig(_Strict):
     manifest: Path
     val_manifest: Path | None = None
     val_fraction: float = Field(0.25, ge=0, lt=1)
-    classes: list[str]
+    #: Class names (classification: the slide labels; segmentation: the label values
+    #: 0, 1, ... of the masks, 0 the background); not used by regression.
+    classes: list[str] = []
     task: Literal["binary", "graded", "multiclass"] = "binary"
     augment: AugmentSection = AugmentSection()
     workers: int = Field(0, ge=0)
@@ -91,6 +95,30 @@ class DataConfig(_Strict):
         return v
 
 
+class TaskConfig(_Strict):
+    """What is learned (:mod:`hyfi_imaging.train.tasks`): one label per image, a mask, or numbers.
+
+    ``classification``: one class per image (``data.task`` says binary, graded
+    or multiclass). ``segmentation``: a class per pixel (voxel) from the
+    store's label image ``labels`` (slides: ``hyfi-preprocess --annotations``
+    writes ``annotations``; volumes: the manifest's ``labels`` column), loss
+    ``ce_weight`` x cross-entropy + ``dice_weight`` x (1 - Dice);
+    ``foreground``: every non-zero label value is class 1 (blob instances).
+    ``regression``: the volume manifest's ``target_<name>`` columns ``targets``
+    (default: all, sorted), loss ``mse`` or ``mae``. ``overlays``: overlay
+    pictures written for that many validation images (segmentation).
+    """
+
+    name: Literal["classification", "segmentation", "regression"] = "classification"
+    loss: Literal["auto", "ce", "dice_ce", "mse", "mae"] = "auto"
+    ce_weight: float = Field(1.0, ge=0)
+    dice_weight: float = Field(1.0, ge=0)
+    labels: str = "annotations"
+    foreground: bool = False
+    targets: list[str] | None = None
+    overlays: int = Field(4, ge=0)
+
+
 class ModelConfig(_Strict):
     """A registered model and its options (``num_classes`` comes from the data)."""
 
@@ -98,14 +126,41 @@ class ModelConfig(_Strict):
     kwargs: dict[str, Any] = {}
 
 
-class ParallelConfig(_Strict):
-    """The layout and the pipeline schedule."""
+def _read_grid(v: Any) -> Any:
+    if isinstance(v, str):
+        one = re.fullmatch(r"\s*[lL]\s*(\d+)\s*", v)  # a 1-D grid: a signal cut along L
+        if one:
+            return (int(one.group(1)),)
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", v)
+        if not m:
+            raise ValueError(
+                "write the grid as GYxGX, e.g. 2x2, GZxGYxGX for volumes, e.g. 2x1x2, or L<GL> "
+                f"for 1-D signals, e.g. L4 (got {v!r})"
+            )
+        return tuple(int(g) for g in m.groups() if g is not None)
+    return v
 
-    spatial: tuple[int, int] = (1, 1)
+
+class ParallelConfig(_Strict):
+    """The layout and the pipeline schedule.
+
+    ``spatial`` is one grid for every stage (``2x2``) or one per pipeline stage
+    (``[2x2, 1x2, 1x1]``, the junction): then ``spatial`` holds the first
+    stage's grid (the one the data path reads tiles for) and ``stage_grids`` all of them.
+    Volumes take a grid of sub-volumes ``GZxGYxGX`` (``2x1x2``) for every stage, 1-D
+    signals a grid of segments ``L<GL>`` (``L4``).
+    """
+
+    spatial: tuple[int] | tuple[int, int] | tuple[int, int, int] = (1, 1)
+    stage_grids: tuple[tuple[int, int], ...] | None = None
     pipeline: int = Field(1, ge=1)
     data: int = Field(1, ge=1)
     microbatches: int = Field(1, ge=1)
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    #: gpipe, 1f1b; bidirectional (two mirrored replicas, GEMS); interleaved1f1b, zbv, dualpipev
+    #: (torch's schedules with two stages per rank: ``balance`` then lists 2 x pipeline counts).
+    schedule: Literal["gpipe", "1f1b", "bidirectional", "interleaved1f1b", "zbv", "dualpipev"] = (
+        "gpipe"
+    )
     balance: list[int] | None = None
     checkpointing: str = "none"
     #: Compute each convolution's interior while its halos are in flight.
@@ -113,15 +168,32 @@ class ParallelConfig(_Strict):
     #: One halo exchange serves up to this many consecutive windowed layers.
     halo_depth: int = Field(1, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _per_stage(cls, data: Any) -> Any:
+        """``spatial: [2x2, 1x2, 1x1]`` -> the first grid plus ``stage_grids``."""
+        if not isinstance(data, dict):
+            return data
+        v = data.get("spatial")
+        if isinstance(v, str) and "," in v:
+            v = [p for p in v.split(",") if p.strip()]
+        if isinstance(v, list | tuple) and v and not isinstance(v[0], int):
+            grids = tuple(tuple(_read_grid(g)) for g in v)
+            data = {**data, "spatial": grids[0]}
+            if len(set(grids)) > 1:
+                data["stage_grids"] = grids
+        return data
+
     @field_validator("spatial", mode="before")
     @classmethod
     def _grid(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", v)
-            if not m:
-                raise ValueError(f"write the grid as GYxGX, e.g. 2x2 (got {v!r})")
-            return (int(m.group(1)), int(m.group(2)))
-        return v
+        return _read_grid(v)
+
+    def layout(self) -> Any:
+        """The :class:`~hyfi_imaging.parallel.layout.Layout` of this section (ConfigError if invalid)."""
+        from hyfi_imaging.parallel.layout import Layout
+
+        return Layout(dp=self.data, pp=self.pipeline, sp=self.spatial, grids=self.stage_grids)
 
     @field_validator("checkpointing")
     @classmethod
@@ -163,6 +235,7 @@ class Recipe(_Strict):
     """A whole training recipe."""
 
     name: str = "run"
+    task: TaskConfig = TaskConfig()
     data: DataConfig
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
@@ -172,7 +245,9 @@ class Recipe(_Strict):
     @property
     def world_size(self) -> int:
         p = self.parallel
-        return p.data * p.pipeline * p.spatial[0] * p.spatial[1]
+        if p.stage_grids is not None:
+            return int(p.data * sum(gy * gx for gy, gx in p.stage_grids))
+        return p.data * p.pipeline * math.prod(p.spatial)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -268,6 +343,8 @@ def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
     raw = _read_yaml(path, "hyfi-train")
     raw = _card_defaults(raw, path.parent, path)
     raw = _merge(raw, parse_overrides(overrides or []))
+    if isinstance(raw.get("task"), str):  # "task: segmentation" names the task alone
+        raw = {**raw, "task": {"name": raw["task"]}}
     auto = raw.get("parallel") == "auto"
     if auto:
         raw = {**raw, "parallel": {}}

@@ -43,7 +43,10 @@ def data_pixels(recipe: Recipe) -> StorePixels:
     """
     from hyfi_imaging.data.dataset import load_samples
 
-    sample = load_samples(recipe.data.manifest, classes=recipe.data.classes)[0]
+    classify = recipe.task.name == "classification"  # else the slide labels are not read
+    sample = load_samples(
+        recipe.data.manifest, classes=recipe.data.classes if classify else None, labels=classify
+    )[0]
     pixels = read_store_pixels(sample.path)
     if pixels is None:
         raise ConfigError(
@@ -89,8 +92,11 @@ def check_data(recipe: Recipe, pixels: StorePixels) -> None:
     normalization(recipe).check(c, "data.normalize")
 
 
-def build_model(recipe: Recipe, channels: int | None) -> nn.Module:
+def build_model(recipe: Recipe, channels: int | None, num_classes: int | None = None) -> nn.Module:
     """The recipe's model for images of ``channels`` channels (``None``: unknown, its default).
+
+    ``num_classes``: the model's outputs (default: one per class of the recipe;
+    a regression passes its number of targets).
 
     See the module docstring for the rule; raises ConfigError on a mismatch.
     """
@@ -111,7 +117,8 @@ def build_model(recipe: Recipe, channels: int | None) -> nn.Module:
     if passed:
         kwargs["in_chans"] = channels
     try:
-        model = create_model(r.model.name, num_classes=len(r.data.classes), **kwargs)
+        outputs = len(r.data.classes) if num_classes is None else num_classes
+        model = create_model(r.model.name, num_classes=outputs, **kwargs)
     except (ConfigError, TypeError) as err:
         if not (passed and "in_chans" in str(err)):
             raise

@@ -1,4 +1,8 @@
-"""The training loop of ``hyfi-train``: tiles in, a whole-slide classifier out.
+"""The training loop of ``hyfi-train``: tiles in; a classifier, a segmenter or a regressor out.
+
+What differs between the tasks (what a sample's target is, the loss, the
+metrics, what is written at the end) lives in :mod:`.tasks`, :mod:`.losses`
+and :mod:`.outputs`; the loop is the same.
 
 Each rank loads only its own tile of each image (first pipeline stage) and
 every rank knows the labels; :class:`~hyfi_imaging.parallel.engine.ParallelModel`
@@ -18,14 +22,13 @@ import logging
 import math
 import os
 import resource
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,14 +37,11 @@ import torch.nn.functional as F
 import yaml
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.train.config import ParallelConfig, Recipe
+from hyfi_imaging.train.config import Recipe
+from hyfi_imaging.train.preflight import plan_of
 from hyfi_imaging.train.rundir import StartMode
 
-if TYPE_CHECKING:
-    from hyfi_imaging.parallel.engine import ParallelPlan
-    from hyfi_imaging.parallel.layout import Layout
-
-__all__ = ["Trainer", "lr_at", "preflight"]
+__all__ = ["Trainer", "lr_at"]
 
 log = logging.getLogger("hyfi_imaging.train")
 
@@ -56,124 +56,6 @@ def lr_at(step: int, recipe: Recipe, total_steps: int) -> float:
     span = max(1, total_steps - o.warmup_steps)
     progress = min(1.0, (step - o.warmup_steps) / span)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
-    """Every check that needs no process group: runs on every rank before any allocation.
-
-    ``hyfi-train --check`` runs exactly this: the manifests (usable slides,
-    one image size, a label on every training slide), the layout against the
-    model and the image (grid, stages, balance, checkpointing, micro-batches;
-    the model is built on the meta device), and the run directory (writable,
-    free space, ``--no-resume`` into a used one).
-    """
-    from hyfi_imaging.data.dataset import level_hw, load_samples
-    from hyfi_imaging.train.inputs import check_data, data_pixels
-    from hyfi_imaging.train.rundir import check_start
-
-    samples = load_samples(recipe.data.manifest, classes=recipe.data.classes)
-    if not samples:
-        raise ConfigError(
-            recipe.data.manifest,
-            "no usable slides (status ok) in the manifest",
-            "run hyfi-preprocess first",
-        )
-    sizes = {s.image_hw for s in samples}
-    if len(sizes) != 1:
-        raise ConfigError(
-            recipe.data.manifest,
-            f"images have different sizes {sorted(sizes)}",
-            "preprocess all slides with the same --size",
-        )
-    _check_labels(recipe.data.manifest, samples, len(recipe.data.classes))
-    pixels = data_pixels(recipe)
-    check_data(recipe, pixels)
-    if recipe.data.val_manifest is not None:
-        val = load_samples(recipe.data.val_manifest, classes=recipe.data.classes)
-        _check_labels(recipe.data.val_manifest, val, len(recipe.data.classes))
-        val_pixels = data_pixels(
-            recipe.model_copy(
-                update={
-                    "data": recipe.data.model_copy(update={"manifest": recipe.data.val_manifest})
-                }
-            )
-        )
-        if (val_pixels.channels, val_pixels.dtype) != (pixels.channels, pixels.dtype):
-            raise ConfigError(
-                recipe.data.val_manifest,
-                f"holds {val_pixels.channels} {val_pixels.dtype} channels, the training "
-                f"images {pixels.channels} {pixels.dtype}",
-                "validate on images preprocessed like the training images",
-            )
-    p = recipe.parallel
-    if recipe.train.batch_size % p.microbatches:
-        raise ConfigError(
-            "train.batch_size",
-            f"{recipe.train.batch_size} is not divisible by parallel.microbatches {p.microbatches}",
-            "make the batch a multiple of the micro-batch count",
-        )
-    _check_layout(recipe, level_hw(samples[0].image_hw, recipe.data.level), pixels.channels)
-    out = recipe.train.out_dir
-    check_start(out, start)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"x" * 4096)
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(
-            out,
-            f"output directory is not writable ({err.strerror or err})",
-            "choose another train.out_dir",
-        ) from err
-    free = shutil.disk_usage(out).free
-    if free < 256 * 2**20:
-        raise ConfigError(
-            out,
-            f"only {free / 2**20:.0f} MiB free on the output disk",
-            "free space or choose another train.out_dir",
-        )
-
-
-def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
-    """ConfigError unless every usable slide has a label among the ``classes`` indices."""
-    bad = [s.slide_id for s in samples if not 0 <= s.label < classes]
-    if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ConfigError(
-            manifest,
-            f"{len(bad)} slide(s) with status ok have no label in 0..{classes - 1} ({shown})",
-            "give them labels (hyfi-preprocess --labels) or set their status to failed",
-        )
-
-
-def _check_layout(recipe: Recipe, image_hw: tuple[int, int], channels: int) -> None:
-    """The engine's checks that need no process group, on a meta-device model."""
-    from hyfi_imaging.parallel.geometry import padded_hw
-    from hyfi_imaging.parallel.layout import Layout
-    from hyfi_imaging.train.inputs import build_model
-
-    r, p = recipe, recipe.parallel
-    with torch.device("meta"):
-        model = build_model(r, channels)
-    padded_hw(image_hw, p.spatial, int(getattr(model, "total_stride", 1)))
-    plan = plan_of(p, Layout(dp=p.data, pp=p.pipeline, sp=p.spatial))
-    plan.validate(model, recipe.train.batch_size)
-
-
-def plan_of(p: ParallelConfig, layout: Layout) -> ParallelPlan:
-    """The :class:`ParallelPlan` a recipe's ``parallel`` section describes."""
-    from hyfi_imaging.parallel.engine import ParallelPlan
-
-    return ParallelPlan(
-        layout=layout,
-        microbatches=p.microbatches,
-        schedule=p.schedule,
-        balance=tuple(p.balance) if p.balance else None,
-        checkpointing=p.checkpointing,
-        overlap=p.overlap,
-        halo_depth=p.halo_depth,
-    )
 
 
 @dataclass
@@ -198,25 +80,35 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Start the process group, build the parallel model, optimiser and data split."""
-        from hyfi_imaging.data.dataset import level_hw, load_samples
+        from hyfi_imaging.data.dataset import load_samples
         from hyfi_imaging.parallel.engine import ParallelModel
         from hyfi_imaging.parallel.launch import init_parallel
-        from hyfi_imaging.parallel.layout import Layout
-        from hyfi_imaging.train.inputs import build_model, data_pixels
+        from hyfi_imaging.train.inputs import build_model
+        from hyfi_imaging.train.tasks import load_cohort, num_outputs, task_loss
 
         r = self.recipe
         p = r.parallel
-        layout = Layout(dp=p.data, pp=p.pipeline, sp=p.spatial)
+        layout = p.layout()
         self.pc = init_parallel(layout)
         self.rank0 = self.pc.rank == 0
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.pc.world_size)))
-        self.samples = load_samples(r.data.manifest, classes=r.data.classes)
-        self.image_hw = level_hw(self.samples[0].image_hw, r.data.level)
-        self.pixels = data_pixels(r)
+        self.cohort = load_cohort(r, r.data.manifest)
+        self.task = r.task.name
+        # Classification keeps the manifest's samples (labels, ids) as before.
+        self.samples: Sequence[Any] = (
+            load_samples(r.data.manifest, classes=r.data.classes)
+            if self.task == "classification"
+            else self.cohort.ids
+        )
+        self.val_cohort = self.cohort  # until _split reads a val_manifest
+        #: Segmentation: label images exist to score against (hyfi-predict may lack them).
+        self.has_truth = True
+        self.image_hw: tuple[int, ...] = self.cohort.size
         torch.manual_seed(r.train.seed)
-        model = build_model(r, self.pixels.channels)  # in_chans comes from the data
+        # in_chans comes from the data, the outputs from the classes (or the targets)
+        model = build_model(r, self.cohort.channels, num_outputs(r, self.cohort))
         plan = plan_of(p, layout)
-        self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw)
+        self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw, loss_fn=task_loss(r))
         # Tiles are aligned to the stride spatialize() used (measured for a model that
         # does not declare its total_stride), so that the data path reads the same tiles.
         self.align = self.pm.ctx.align if self.pm.ctx is not None else 1
@@ -252,34 +144,44 @@ class Trainer:
         self.total_steps = r.train.max_steps or self.steps_per_epoch * r.train.epochs
 
     def _split(self) -> tuple[list[int], list[int]]:
+        from hyfi_imaging.train.tasks import load_cohort
+
         r = self.recipe
-        n = len(self.samples)
+        n = len(self.cohort)
         if r.data.val_manifest is not None:
             from hyfi_imaging.data.dataset import load_samples
 
-            self.val_samples = load_samples(r.data.val_manifest, classes=r.data.classes)
-            return list(range(n)), list(range(len(self.val_samples)))
+            self.val_cohort = load_cohort(r, r.data.val_manifest)
+            self.val_samples: Sequence[Any] = (
+                load_samples(r.data.val_manifest, classes=r.data.classes)
+                if self.task == "classification"
+                else self.val_cohort.ids
+            )
+            return list(range(n)), list(range(len(self.val_cohort)))
+        self.val_cohort = self.cohort
         self.val_samples = self.samples
         rng = np.random.default_rng([r.train.seed, 7919])
-        labels = np.array([s.label for s in self.samples])
+        labels = np.array(self.cohort.strata)
         val: list[int] = []
-        for c in np.unique(labels):  # stratified
+        for c in np.unique(labels):  # stratified (one stratum unless classification)
             idx = rng.permutation(np.flatnonzero(labels == c))
             val.extend(int(i) for i in idx[: round(len(idx) * r.data.val_fraction)])
         val_set = set(val)
         return [i for i in range(n) if i not in val_set], sorted(val)
 
-    def _dataset(self, augment: bool, manifest: Path) -> Any:
+    def _tile_dataset(self, augment: bool, manifest: Path) -> Any:
+        """The slide :class:`~hyfi_imaging.data.dataset.TileDataset` of this rank's tiles."""
         from hyfi_imaging.data.augment import AugmentConfig
         from hyfi_imaging.data.dataset import TileDataset
         from hyfi_imaging.train.inputs import normalization
 
         a = self.recipe.data.augment
+        classify = self.task == "classification"
         aug = (
             AugmentConfig(
                 flip=a.flip,
                 rot90=a.rot90,
-                out_size=self.image_hw,  # rot90 of a non-square image keeps its shape
+                out_size=(self.image_hw[0], self.image_hw[1]),  # rot90 keeps a non-square shape
                 brightness=a.brightness,
                 contrast=a.contrast,
                 saturation=a.saturation,
@@ -290,44 +192,67 @@ class Trainer:
         )
         return TileDataset(
             manifest,
-            grid=self.recipe.parallel.spatial,
-            rank=self.pc.tile,
+            grid=(self.pc.grid[0], self.pc.grid[1]),  # slides: a 2-D grid (check_task)
+            rank=(self.pc.tile[0], self.pc.tile[1]),
             halo=0,
             align=self.align,
             augment=aug,
             seed=self.recipe.train.seed,
             level=self.recipe.data.level,
-            classes=self.recipe.data.classes,
+            classes=self.recipe.data.classes if classify else None,
+            labels=classify,
             normalize=normalization(self.recipe),
         )
 
-    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+    def _dataset(self, augment: bool, manifest: Path) -> Any:
+        """This rank's dataset for the task: tiles (and mask tiles) or sub-volumes."""
+        from hyfi_imaging.train.tasks import task_dataset
+
+        cohort = self.cohort if manifest == self.recipe.data.manifest else self.val_cohort
+        return task_dataset(
+            self.recipe,
+            cohort,
+            manifest,
+            augment=augment,
+            grid=self.recipe.parallel.spatial,
+            rank=self.pc.tile,
+            align=self.align,
+            slides=self._tile_dataset,
+            truth=self.has_truth,
+        )
+
+    def _normalise(self, item: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
         """Mean/std normalisation on the host (in the prefetch thread), pinned for CUDA.
 
-        One value for every channel (default 0.5 / 0.25) or one per channel.
+        One value for every channel (default 0.5 / 0.25) or one per channel;
+        a target rides along untouched.
         """
+        x, target = item
         d = self.recipe.data
-        mean = torch.tensor(d.mean or (0.5,), dtype=x.dtype).view(1, -1, 1, 1)
-        std = torch.tensor(d.std or (0.25,), dtype=x.dtype).view(1, -1, 1, 1)
+        shape = (1, -1, *[1] * (x.dim() - 2))
+        mean = torch.tensor(d.mean or (0.5,), dtype=x.dtype).view(shape)
+        std = torch.tensor(d.std or (0.25,), dtype=x.dtype).view(shape)
         x = (x - mean) / std
-        return x.pin_memory() if self.pc.device.type == "cuda" else x
+        return (x.pin_memory() if self.pc.device.type == "cuda" else x), target
 
     def _batches(
         self, dataset: Any, batches: Sequence[Sequence[int]]
-    ) -> Iterator[torch.Tensor | None]:
-        """Tiles of each batch for first-stage ranks, read ahead in the background; None elsewhere.
+    ) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Tiles (and their targets) of each batch for first-stage ranks; None elsewhere.
 
         A :class:`~hyfi_imaging.data.prefetch.Prefetcher` keeps the next two
         batches coming (read, augmented, normalised and pinned) while the current
         step computes; the copy to the GPU is non-blocking. ``self.feed`` exposes
-        how long each step waited for its tiles.
+        how long each step waited for its tiles. The target is the batch's
+        per-pixel (per-voxel) label tiles where the dataset reads them
+        (segmentation), else None (the labels are known on every rank).
         """
         from hyfi_imaging.data.prefetch import Prefetcher
 
-        self.feed: Prefetcher[torch.Tensor] | None = None
+        self.feed: Prefetcher[tuple[torch.Tensor, Any]] | None = None
         if not self.pm.is_first:
             for _ in batches:
-                yield None
+                yield None, None
             return
         workers = self.recipe.data.workers
         loader = torch.utils.data.DataLoader(
@@ -336,11 +261,17 @@ class Trainer:
             num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
         )
-        feed = Prefetcher((item["image"] for item in loader), depth=2, transform=self._normalise)
+        dense = self.task == "segmentation"
+        feed = Prefetcher(
+            ((item["image"], item["target"] if dense else None) for item in loader),
+            depth=2,
+            transform=self._normalise,
+        )
         self.feed = feed
         try:
-            for x in feed:
-                yield x.to(self.pc.device, non_blocking=True)
+            for x, target in feed:
+                yield x.to(self.pc.device, non_blocking=True), target
+
         finally:
             feed.close()
 
@@ -437,33 +368,152 @@ class Trainer:
         return found.meta
 
     # -- evaluation --------------------------------------------------------------------------
-    def predict(self, manifest: Path, indices: Sequence[int]) -> np.ndarray:
-        """Class probabilities ``(len(indices), K)`` for samples of ``manifest``, on every rank."""
-        if not indices:
-            return np.zeros((0, len(self.recipe.data.classes)), dtype=np.float32)
+    def _outputs(
+        self, manifest: Path, indices: Sequence[int]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
+        """Eval-mode outputs batch by batch: (this rank's output, its target tile or None, rows).
+
+        The last batch is padded with repeats of the last index (the schedule needs
+        whole batches); ``rows`` are the real indices of the batch, without them.
+        """
         dataset = self._dataset(False, manifest)
         bs = self.recipe.train.batch_size
         idx = list(indices)
-        padded = idx + [idx[-1]] * (-len(idx) % bs)  # the schedule needs whole batches
+        padded = idx + [idx[-1]] * (-len(idx) % bs)
         batches = [padded[i : i + bs] for i in range(0, len(padded), bs)]
-        probs: list[torch.Tensor] = []
         with torch.no_grad(), self.autocast:
-            for tiles in self._batches(dataset, batches):
-                probs.append(torch.softmax(self.pm.predict(tiles).float(), dim=1).cpu())
-        return torch.cat(probs)[: len(idx)].numpy()
+            for b, (tiles, target) in enumerate(self._batches(dataset, batches)):
+                rows = idx[b * bs : (b + 1) * bs]
+                yield self.pm.predict(tiles).float(), target, rows
 
-    def evaluate(self) -> dict[str, Any]:
-        """Validation metrics (identical on every rank); the EvalResult under ``"_result"``."""
+    def predict(self, manifest: Path, indices: Sequence[int]) -> np.ndarray:
+        """Class probabilities ``(len(indices), K)`` (regression: the outputs), on every rank."""
+        if not indices:
+            return np.zeros((0, len(self.recipe.data.classes)), dtype=np.float32)
+        parts: list[torch.Tensor] = []
+        for out, _, rows in self._outputs(manifest, indices):
+            value = out if self.task == "regression" else torch.softmax(out, dim=1)
+            parts.append(value[: len(rows)].cpu())
+        return torch.cat(parts).numpy()
+
+    def predict_masks(
+        self, manifest: Path, indices: Sequence[int], out_dir: Path | None, *, overlays: int = 0
+    ) -> dict[str, Any]:
+        """Segment ``indices`` of ``manifest``: per-image Dice/IoU and loss; masks written to ``out_dir``.
+
+        Every rank returns the same metrics (exact: all-reduced counts over the
+        tiles). With ``out_dir``, rank 0 writes ``masks/<id>.zarr`` for every
+        image and ``overlays/<id>.png`` for the first ``overlays``
+        (:mod:`.outputs`); the label tiles are gathered over the grid.
+        """
+        from hyfi_imaging.train.losses import overlap_counts, scores_from_counts
+        from hyfi_imaging.train.outputs import gather_masks, write_mask, write_overlay
+
+        r = self.recipe
+        cohort = self.cohort if manifest == r.data.manifest else self.val_cohort
+        loss_fn = self.pm.loss_fn
+        dice: list[float] = []
+        iou: list[float] = []
+        losses: list[float] = []
+        written = 0
+        for out, target, rows in self._outputs(manifest, indices):
+            if target is None:  # segmentation is one stage: every rank holds both
+                raise ConfigError("predict_masks", "no label tiles were read", "use pipeline=1")
+            target = target.to(out.device)
+            if self.has_truth:
+                counts = overlap_counts(out, target, self.pm.ctx, self.pm.out_map)
+                d, j = scores_from_counts(counts)
+                dice.extend(float(v) for v in d[: len(rows)])
+                iou.extend(float(v) for v in j[: len(rows)])
+                value = loss_fn(out, target, self.pm.ctx, self.pm.out_map)  # type: ignore[call-arg]
+                losses.append(float(value) * len(rows))
+            if out_dir is None:
+                continue
+            masks = gather_masks(out.argmax(1), self.pc, self.pm.tile_hw, self.image_hw)
+            if masks is None:
+                continue
+            for k, i in enumerate(rows):
+                sid, store = cohort.ids[i], cohort.stores[i]
+                write_mask(
+                    out_dir / "masks" / f"{sid}.zarr",
+                    masks[k],
+                    classes=r.data.classes,
+                    image=store,
+                    scale=None,
+                )
+                if written < overlays:
+                    score = f" (Dice {dice[len(dice) - len(rows) + k]:.3f})" if dice else ""
+                    write_overlay(
+                        out_dir / "overlays" / f"{sid}.png",
+                        masks[k],
+                        image=store,
+                        title=f"{sid}: predicted {', '.join(r.data.classes[1:])}{score}",
+                    )
+                    written += 1
+        if not dice:  # no label images to score against
+            return {"n": len(indices), "dice": None, "iou": None, "val_loss": None, "per_image": []}
+        return {
+            "n": len(dice),
+            "dice": float(np.mean(dice)),
+            "iou": float(np.mean(iou)),
+            "val_loss": sum(losses) / len(dice),
+            "per_image": [
+                {"id": cohort.ids[i], "dice": dv, "iou": jv}
+                for i, dv, jv in zip(indices, dice, iou, strict=True)
+            ],
+        }
+
+    def evaluate(self, out_dir: Path | None = None) -> dict[str, Any]:
+        """Validation metrics (identical on every rank); a classification's EvalResult under ``"_result"``.
+
+        Segmentation: per-image Dice and IoU (means, and each image under
+        ``"_per_image"``), masks and overlays written under ``out_dir`` when given.
+        Regression: MSE and MAE (and per target); predictions written to
+        ``out_dir/val_predictions.csv`` when given.
+        """
         from hyfi_imaging.train.metrics import evaluate_predictions
 
         r = self.recipe
-        p = self.predict(r.data.val_manifest or r.data.manifest, self.val_idx)
+        manifest = r.data.val_manifest or r.data.manifest
+        if self.task == "segmentation":
+            m = self.predict_masks(manifest, self.val_idx, out_dir, overlays=r.task.overlays)
+            per_image = m.pop("per_image")
+            line = f"dice {m['dice']:.4f}  iou {m['iou']:.4f}  val_loss {m['val_loss']:.4f}"
+            return {**m, "_per_image": per_image, "_line": line}
+        p = self.predict(manifest, self.val_idx)
+        if self.task == "regression":
+            from hyfi_imaging.train.losses import regression_errors
+
+            assert self.val_cohort.targets is not None
+            truth = self.val_cohort.targets[self.val_idx]
+            names = self.val_cohort.target_names
+            errors = regression_errors(torch.from_numpy(p), truth, names)
+            errors["val_loss"] = errors["mae" if r.task.loss == "mae" else "mse"]
+            if out_dir is not None and self.rank0:
+                from hyfi_imaging.train.outputs import write_regressions
+
+                ids = [self.val_cohort.ids[i] for i in self.val_idx]
+                write_regressions(out_dir / "val_predictions.csv", ids, p, names, truth.numpy())
+            line = "  ".join(f"{k} {v:.4f}" for k, v in errors.items())
+            return {**errors, "n": len(self.val_idx), "_line": line}
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
         result = evaluate_predictions(p, labels, task=r.data.task, class_names=r.data.classes)
         loss = float(
             F.nll_loss(torch.log(torch.from_numpy(p).clamp_min(1e-12)), torch.from_numpy(labels))
         )
-        return {**result.as_dict(), "val_loss": loss, "_result": result}
+        return {**result.as_dict(), "val_loss": loss, "_result": result, "_line": result.line()}
+
+    def _labels(self) -> torch.Tensor | None:
+        """Every sample's target, known on every rank: class indices or regression targets.
+
+        None for segmentation: its targets are the label tiles read with the images.
+        """
+        if self.task == "segmentation":
+            return None
+        if self.task == "regression":
+            assert self.cohort.targets is not None
+            return self.cohort.targets
+        return torch.tensor([s.label for s in self.samples])
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -471,6 +521,7 @@ class Trainer:
         from tqdm import tqdm
 
         from hyfi_imaging.train.logs import RunLogger
+        from hyfi_imaging.train.outputs import write_scores
         from hyfi_imaging.train.plots import plot_confusion_matrix, plot_training_curves
 
         self.setup()
@@ -484,7 +535,7 @@ class Trainer:
             (self.out / "recipe.yaml").write_text(yaml.safe_dump(json.loads(r.model_dump_json())))
             print(self.pm.describe(), file=sys.stderr)
         train_set = self._dataset(True, r.data.manifest)
-        labels_all = torch.tensor([s.label for s in self.samples])
+        labels_all = self._labels()
         summary: dict[str, Any] = {}
         start = time.monotonic()
         data_wait = 0.0  # seconds first-stage ranks waited for tiles (0 elsewhere)
@@ -502,14 +553,18 @@ class Trainer:
                 batches = self._epoch_batches(pos.epoch)
                 todo = batches[pos.batch :]
                 t0 = time.monotonic()
-                for tiles, batch in zip(self._batches(train_set, todo), todo, strict=True):
+                for (tiles, target), batch in zip(
+                    self._batches(train_set, todo), todo, strict=True
+                ):
                     wait = self.feed.last_wait_s if self.feed is not None else 0.0
                     data_wait += wait
                     lr = lr_at(pos.step, r, self.total_steps)
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
                     with self.autocast:
-                        loss = self.pm.train_step(tiles, labels_all[batch].to(self.pc.device))
+                        labels = target if labels_all is None else labels_all[batch]
+                        assert labels is not None  # segmentation is one stage: tiles and masks
+                        loss = self.pm.train_step(tiles, labels.to(self.pc.device))
                     if r.optim.grad_clip > 0:
                         self.pm.clip_grad_norm_(r.optim.grad_clip)
                     self.optimizer.step()
@@ -519,7 +574,7 @@ class Trainer:
                     dt = time.monotonic() - t0
                     t0 = time.monotonic()
                     ips = len(batch) * r.parallel.data / max(dt, 1e-9)
-                    mp = ips * self.image_hw[0] * self.image_hw[1] / 1e6
+                    mp = ips * math.prod(self.image_hw) / 1e6  # voxels for a volume
                     logger.log_step(
                         pos.step,
                         epoch=pos.epoch,
@@ -546,21 +601,27 @@ class Trainer:
                 last = pos.step >= self.total_steps or pos.epoch >= r.train.epochs
                 due = (epoch_done and pos.epoch % r.train.eval_every_epochs == 0) or last
                 if due and self.val_idx:
-                    metrics = self.evaluate()
-                    result = metrics.pop("_result")
+                    # The last evaluation also writes the predictions (masks, overlays, CSV).
+                    metrics = self.evaluate(self.out if last else None)
+                    result = metrics.pop("_result", None)
+                    line = metrics.pop("_line")
+                    per_image = metrics.pop("_per_image", None)
                     logger.log_eval(pos.step, pos.epoch, {**metrics, "run_id": self.run_id})
                     summary = metrics
                     if self.rank0:
-                        bar.write(f"epoch {pos.epoch}: {result.line()}")
+                        bar.write(f"epoch {pos.epoch}: {line}")
                         plot_training_curves(logger.history, self.out / "training_curves.png")
-                        plot_confusion_matrix(
-                            result.confusion,
-                            r.data.classes,
-                            self.out / "confusion_matrix.png",
-                            title=f"{r.name}, step {pos.step}",
-                        )
+                        if per_image is not None:
+                            write_scores(self.out / "val_per_image.csv", per_image)
+                        if result is not None:
+                            plot_confusion_matrix(
+                                result.confusion,
+                                r.data.classes,
+                                self.out / "confusion_matrix.png",
+                                title=f"{r.name}, step {pos.step}",
+                            )
             if not summary and self.val_idx:  # relaunched after the end: still report
-                summary = self.evaluate()
+                summary = self.evaluate(self.out)
             self._save(pos)
         finally:
             bar.close()

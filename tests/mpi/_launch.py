@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,13 @@ __all__ = [
     "Job",
     "have_mpiexec",
     "json_line",
+    "marked_results_per_world",
     "mpiexec",
+    "results_per_world",
     "plain",
     "run",
     "torchrun",
+    "training_verdict",
 ]
 
 MPI_DIR = Path(__file__).resolve().parent
@@ -115,3 +119,55 @@ def json_line(job: Job) -> dict[str, Any]:
         if line.startswith("{"):
             return json.loads(line)  # type: ignore[no-any-return]
     raise AssertionError(f"no JSON result line\n{job.describe()}")
+
+
+def results_per_world(
+    worker: str | Path, worlds: dict[int, list[str]], *, per_case: float = 60.0
+) -> dict[str, tuple[dict[str, Any], Job]]:
+    """Every case of ``worlds`` (world size -> case names), one ``mpiexec`` per world size.
+
+    A launch costs seconds of start-up and a case less, so the cases of one size share one.
+    The worker gets the case names as arguments and prints one JSON line per case with its
+    name under ``"case"``; a case without one gets ``{"error": "no result"}`` and its job.
+    """
+    out: dict[str, tuple[dict[str, Any], Job]] = {}
+    for n, cases in worlds.items():
+        job = mpiexec(n, str(worker), *cases, timeout=120 + per_case * len(cases))
+        lines = [json.loads(ln) for ln in job.stdout.splitlines() if ln.startswith("{")]
+        for case in cases:
+            found = next((r for r in lines if r.get("case") == case), {"error": "no result"})
+            out[case] = found, job
+    return out
+
+
+def marked_results_per_world(
+    script: str | Path, worlds: Iterable[int], marker: str, *, timeout: float = 540.0
+) -> dict[int, dict[str, Any]]:
+    """One ``mpiexec`` of ``script`` per world size, one after the other (few cores): the JSON
+    object of the last line starting with ``marker`` (every case's verdict by name), or
+    ``{"_launch": {"ok": False, "error": ...}}`` when the launch printed none."""
+    out: dict[int, dict[str, Any]] = {}
+    for n in worlds:
+        job = mpiexec(n, str(script), timeout=timeout)
+        lines = [ln for ln in job.stdout.splitlines() if ln.startswith(marker)]
+        out[n] = (
+            json.loads(lines[-1][len(marker) :])
+            if lines
+            else {"_launch": {"ok": False, "error": job.describe()[-3000:]}}
+        )
+    return out
+
+
+#: What a training-layout case must have compared with one process (not just some of it).
+COMPARED_KINDS = ("loss", "grad/", "final/", "predict/output", "output[", "input_grad[")
+
+
+def training_verdict(launches: dict[int, dict[str, Any]], n: int, name: str) -> dict[str, Any]:
+    """Case ``name``'s verdict from the launch of ``n`` ranks (:func:`marked_results_per_world`),
+    asserted exact and comparing every kind of tensor of :data:`COMPARED_KINDS`."""
+    verdict = launches[n].get(name) or launches[n].get("_launch")
+    assert verdict is not None, f"{name}: no result"
+    assert verdict.get("ok"), f"{name}: {verdict}"
+    for kind in COMPARED_KINDS:
+        assert any(kind in x for x in verdict["names"]), f"{name}: nothing named {kind!r} compared"
+    return verdict

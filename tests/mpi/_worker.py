@@ -19,6 +19,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "merge_ranks",
     "parse_grid",
     "run_cases",
+    "run_world",
     "start",
 ]
 
@@ -43,7 +45,7 @@ MARKER = "HYFI-RESULT "
 Case = dict[str, Any]
 
 
-def start(grid: tuple[int, int]) -> Any:
+def start(grid: tuple[int, ...]) -> Any:
     """Join the job as one tile of ``grid`` (mpiexec, torchrun or a plain process)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -104,6 +106,14 @@ def run_cases(cases: dict[str, Callable[[], Case]]) -> dict[str, Case]:
     return out
 
 
+def run_world(
+    cases: dict[str, tuple[int, Any]], run: Callable[[Any], Case], world: int
+) -> dict[str, Case]:
+    """The cases of a table ``name -> (ranks, config)`` meant for a launch of ``world`` ranks,
+    each ``run(config)``'s verdict (:func:`run_cases`: an exception fails that case only)."""
+    return run_cases({name: partial(run, cfg) for name, (n, cfg) in cases.items() if n == world})
+
+
 def merge_ranks(local: dict[str, Case]) -> dict[str, Case]:
     """Every rank's verdicts, merged on rank 0: ok on all ranks, worst error, first failure."""
     world = dist.get_world_size()
@@ -135,6 +145,9 @@ def emit(payload: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def parse_grid(text: str) -> tuple[int, int]:
-    gy, gx = text.lower().split("x")
-    return int(gy), int(gx)
+def parse_grid(text: str) -> tuple[int, ...]:
+    """``"2x2"`` -> (2, 2); ``"2x1x2"`` -> (2, 1, 2) (a volume's grid); ``"L3"`` -> (3,) (a
+    signal's 1-D grid, spelled as the command line does)."""
+    if text.lower().startswith("l"):
+        return (int(text[1:]),)
+    return tuple(int(v) for v in text.lower().split("x"))

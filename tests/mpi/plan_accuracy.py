@@ -1,7 +1,7 @@
 """Worker: the planner's per-rank peak against the measured one, for one layout.
 
 Run under ``mpiexec -n N`` (or plainly for one process) with the layout as
-``--layout DP,PP,GY,GX`` plus micro-batches, schedule and checkpointing. Every
+``--layout DP,PP,GY,GX`` (per-stage grids: ``--grids 1x2,1x1``) plus micro-batches, schedule and checkpointing. Every
 rank builds its part (:class:`ParallelModel`, SGD with momentum), then the
 resident set after the build is the baseline; two training steps (data
 created inside the step, as a loader delivers it) and optimizer steps follow,
@@ -41,10 +41,12 @@ def main() -> None:
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--ck", default="none")
+    p.add_argument("--grids", help="per-stage grids, e.g. 1x2,1x1 (GY,GX of --layout ignored)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dp, pp, gy, gx = (int(v) for v in args.layout.split(","))
-    layout = Layout(dp=dp, pp=pp, sp=(gy, gx))
+    grids = Layout.parse_grids(args.grids) if args.grids else None
+    layout = Layout(dp=dp, pp=pp, sp=(gy, gx), grids=grids)
     hw = (args.image, args.image)
     cand = Candidate(layout, args.m, args.ck, args.schedule)
 
@@ -81,6 +83,7 @@ def main() -> None:
     emit(
         {
             "predicted": pred.peak,
+            "predicted_stages": list(pred.rank_peaks),
             "parts": {
                 "activations": pred.activations,
                 "transient": pred.transient,

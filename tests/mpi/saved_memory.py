@@ -1,6 +1,7 @@
 """Worker: what each rank saves for backward, layer by layer, against one process.
 
-Run under ``mpiexec -n N`` with ``--model NAME --grid GYxGX --image H[xW]``.
+Run under ``mpiexec -n N`` with ``--model NAME --grid GYxGX --image H[xW]``
+(a volume model: ``--grid GZxGYxGX --image DxHxW``).
 Rank 0 also counts the plain model on the whole image. For every windowed
 layer (conv, max-pool, avg-pool) it records the bytes of storages the layer
 saved first (``new``), the bytes of its input tile and the bytes of the halo
@@ -21,22 +22,45 @@ from _worker import emit, parse_grid, start
 
 from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel.memory import saved_activations
-from hyfi_imaging.parallel.spatial import SpatialAvgPool2d, SpatialConv2d, SpatialMaxPool2d
+from hyfi_imaging.parallel.spatial import (
+    SpatialAvgPool2d,
+    SpatialAvgPool3d,
+    SpatialConv2d,
+    SpatialConv3d,
+    SpatialMaxPool2d,
+    SpatialMaxPool3d,
+)
 from hyfi_imaging.parallel.verify import pad_image, spatial_context_for
 
-WINDOWED = (SpatialConv2d, SpatialMaxPool2d, SpatialAvgPool2d)
+WINDOWED = (
+    SpatialConv2d, SpatialMaxPool2d, SpatialAvgPool2d,
+    SpatialConv3d, SpatialMaxPool3d, SpatialAvgPool3d,
+)  # fmt: skip
 
 
 def _strip_bytes(m: Any, x: torch.Tensor) -> int:
-    """Bytes of the halo strips this rank receives for layer ``m`` on input ``x``."""
+    """Bytes of the halo strips this rank receives for layer ``m`` on input ``x``.
+
+    The exchange goes dim by dim, outermost first: dim ``k``'s strips span the
+    halos of the dims before it (already in place) and the tile along the dims after.
+    """
     win = m._window(x, 0.0)
-    top, bottom, left, right = win.halo
-    nb = win.neighbours
-    th, tw = x.shape[-2:]
+    nd = len(win.kernel)
+    tile = [int(v) for v in x.shape[-nd:]]
+    sides = win.neighbours.pairs()[-nd:]
     lead = x.shape[0] * x.shape[1] * x.element_size()
-    rows = (top if nb.up is not None else 0) + (bottom if nb.down is not None else 0)
-    cols = (left if nb.left is not None else 0) + (right if nb.right is not None else 0)
-    return lead * (rows * tw + cols * (th + top + bottom))
+    total = 0
+    for k, (lo, hi) in enumerate(sides):
+        before, after = win.halo[2 * k], win.halo[2 * k + 1]
+        got = (before if lo is not None else 0) + (after if hi is not None else 0)
+        across = 1
+        for j in range(nd):
+            if j < k:
+                across *= tile[j] + win.halo[2 * j] + win.halo[2 * j + 1]
+            elif j > k:
+                across *= tile[j]
+        total += got * across
+    return lead * total
 
 
 def main() -> None:
@@ -63,9 +87,8 @@ def main() -> None:
     model = create_model(args.model, **kwargs).train()
     ctx = spatial_context_for(model, pc)
     ctx.set_image_size(hw)  # type: ignore[arg-type]
-    rows, cols = ctx.tile_slice(hw)  # type: ignore[arg-type]
     # A loader yields a contiguous tile (a view of the whole image would count the whole storage).
-    tile = pad_image(image, ctx.padded_size(hw))[..., rows, cols].contiguous()  # type: ignore[arg-type]
+    tile = pad_image(image, ctx.padded_size(hw))[(..., *ctx.tile_slice(hw))].contiguous()
     layers: dict[str, dict[str, int]] = {}
     hooks = []
     for path, m in model.named_modules():

@@ -1,6 +1,7 @@
 """mpiexec worker: deep halos (one exchange for several windowed layers), grid vs one process.
 
-Usage: ``mpiexec -n N python tests/workers/deep_halo.py MODEL GY GX H W DEPTH [overlap] [pp2]``;
+Usage: ``mpiexec -n N python tests/workers/deep_halo.py MODEL GRID SIZE DEPTH [overlap] [pp2]``
+(``GRID`` ``GYxGX`` or ``GZxGYxGX``, ``SIZE`` ``HxW`` or ``DxHxW``);
 ``hyfi_imaging.verify_model`` in float64 (two SGD steps; outputs, input and
 parameter gradients, weights, BatchNorm statistics) at ``halo_depth=1`` and at
 ``DEPTH``, counting the halo messages of each (forward and backward). One JSON
@@ -13,7 +14,11 @@ line on rank 0. ``pp2``: two pipeline stages (no deep halo crosses a stage cut).
   classifier head;
 * ``resnet18``: the registered ResNet-18 (narrow): runs inside each basic
   block (conv-bn-relu-conv) and the stem (conv-bn-relu-maxpool); the residual
-  adds end them.
+  adds end them;
+* ``mixed3d``: the same kinds of run on volumes (Conv3d, BatchNorm3d,
+  MaxPool3d, AvgPool3d) for a 3-D grid of sub-volumes;
+* ``unet3d``: the registered 3D U-Net (narrow): runs in every double
+  convolution; the pools, transposed convolutions and concatenations end them.
 """
 
 from __future__ import annotations
@@ -62,7 +67,40 @@ def resnet18() -> nn.Module:
     return create_model("resnet18", num_classes=3, width=0.125)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"mixed": mixed, "resnet18": resnet18}
+def mixed3d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1, bias=False),
+        nn.BatchNorm3d(4),
+        nn.ReLU(inplace=True),
+        nn.Conv3d(4, 4, (3, 5, 3), padding=(1, 2, 1)),
+        _Silu(),
+        nn.Conv3d(4, 6, 3, padding=2, dilation=2, bias=False),
+        nn.BatchNorm3d(6),
+        nn.ReLU(),
+        nn.MaxPool3d(3, stride=2, padding=1),
+        nn.Conv3d(6, 6, 1),
+        nn.Conv3d(6, 6, 3, stride=(1, 2, 2), padding=1),
+        nn.LeakyReLU(0.1),
+        nn.AvgPool3d(3, stride=1, padding=1, count_include_pad=False),
+        nn.Conv3d(6, 6, 3, padding=1),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(1),
+        nn.Linear(6, 3),
+    )
+
+
+def unet3d() -> nn.Module:
+    from hyfi_imaging.models import create_model
+
+    return create_model("unet3d", in_chans=2, num_classes=3, width=2, depth=2)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mixed": mixed,
+    "resnet18": resnet18,
+    "mixed3d": mixed3d,
+    "unet3d": unet3d,
+}
 
 
 def _count_messages() -> list[int]:
@@ -85,11 +123,12 @@ def main(argv: list[str]) -> int:
     from hyfi_imaging.parallel.launch import init_parallel, shutdown
 
     name = argv[0]
-    gy, gx, h, w, depth = (int(v) for v in argv[1:6])
-    overlap = "overlap" in argv[6:]
+    grid, size = Layout.parse_grid(argv[1]), Layout.parse_grid(argv[2])
+    depth = int(argv[3])
+    overlap = "overlap" in argv[4:]
     torch.set_num_threads(1)
     count = _count_messages()
-    pc = init_parallel(Layout(sp=(gy, gx), pp=2 if "pp2" in argv[6:] else 1))
+    pc = init_parallel(Layout(sp=grid, pp=2 if "pp2" in argv[4:] else 1))
     messages = []
     try:
         reports = []
@@ -98,7 +137,7 @@ def main(argv: list[str]) -> int:
             reports.append(
                 verify_model(
                     MODELS[name],
-                    (h, w),
+                    size,
                     pc,
                     batch=2,
                     microbatches=pc.layout.pp,
@@ -116,7 +155,7 @@ def main(argv: list[str]) -> int:
     torch.distributed.all_reduce(total)
     report = reports[-1]
     if torch.distributed.get_rank() == 0:
-        print(report.format(f"{name} {h}x{w} on {gy}x{gx}, depth {depth}"), file=sys.stderr)
+        print(report.format(f"{name} {argv[2]} on {argv[1]}, depth {depth}"), file=sys.stderr)
         failed = [c.name for c in report.comparisons if not c.ok]
         print(json.dumps({"ok": report.ok and reports[0].ok, "max_rel_error": report.max_rel_error,
                           "failed": failed, "messages": total.tolist()}))  # fmt: skip

@@ -79,6 +79,24 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "timm-tf_efficientnet_b0": _timm("tf_efficientnet_b0", drop_rate=0.2, drop_path_rate=0.2),
     "timm-nf_resnet26": _timm("nf_resnet26"),
     "timm-poolformer_s12": _timm("poolformer_s12", drop_path_rate=0.2),
+    # Families the product was not written for (a sweep on 2026-11-25: each exact or refused).
+    "tv-shufflenet_v2_x0_5": _tv("shufflenet_v2_x0_5"),  # channel shuffle: view + transpose
+    "tv-googlenet": _tv("googlenet", aux_logits=False, init_weights=False),
+    "tv-mnasnet0_5": _tv("mnasnet0_5"),
+    "tv-regnet_x_400mf": _tv("regnet_x_400mf"),
+    "tv-squeezenet1_0": _tv("squeezenet1_0"),  # dropout on the feature map
+    "tv-alexnet": _tv("alexnet"),  # adaptive pooling to 6x6
+    "timm-dla34": _timm("dla34"),  # trees of concatenated levels
+    "timm-resnest14d": _timm("resnest14d"),  # split attention: a pooled softmax over radices
+    "timm-skresnet18": _timm("skresnet18"),  # selective kernel: dilated branches, pooled gate
+    "timm-ghostnet_050": _timm("ghostnet_050"),
+    "timm-repvgg_a0": _timm("repvgg_a0"),
+    "timm-lcnet_050": _timm("lcnet_050"),
+    "timm-ese_vovnet19b_dw": _timm("ese_vovnet19b_dw"),  # effective SE: a pooled hard-sigmoid
+    "timm-gernet_s": _timm("gernet_s"),
+    "timm-hrnet_w18_small": _timm("hrnet_w18_small"),  # parallel resolutions, upsampled fusions
+    "timm-tresnet_m": _timm("tresnet_m"),  # space-to-depth stem: a view across the map
+    "timm-mobilevit_xxs": _timm("mobilevit_xxs"),  # attention over unfolded patches
 }
 
 

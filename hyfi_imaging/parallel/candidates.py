@@ -1,0 +1,152 @@
+"""The layouts ``hyfi-plan`` and ``parallel: auto`` consider, and how they are ranked.
+
+:func:`candidates` enumerates every layout of a number of devices worth
+predicting -- data replicas x pipeline stages x one grid for every stage, and
+per-stage grids (:func:`junction_grids`, the junction) for pipelines of up to
+:data:`JUNCTION_STAGES` stages -- with every micro-batch count, schedule and
+checkpointing mode the engine's own checks accept; :mod:`.plan` predicts each
+one's memory and step time; :func:`rank` orders the predictions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.layout import Grid, Layout
+from hyfi_imaging.parallel.plan import (
+    CHECKPOINTING,
+    Candidate,
+    Prediction,
+    candidate_plan,
+    check_pooled,
+    tile_hw,
+)
+from hyfi_imaging.parallel.schedules import SCHEDULES
+
+__all__ = [
+    "JUNCTION_LIMIT",
+    "JUNCTION_STAGES",
+    "candidates",
+    "device_memory",
+    "junction_grids",
+    "rank",
+]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+#: Per-stage grid sequences offered per (data replicas, pipeline stages): the ones with the most
+#: tiles up front come first, so a bound keeps the activation-heavy ones.
+JUNCTION_LIMIT = 8
+#: Deepest pipeline offered with per-stage grids (only the front stages need tiles; a bound on
+#: the candidates, each of which is traced stage by stage).
+JUNCTION_STAGES = 4
+
+
+def junction_grids(ranks: int, pp: int, *, limit: int = JUNCTION_LIMIT) -> list[tuple[Grid, ...]]:
+    """Per-stage 2-D grids for ``pp`` stages whose tiles sum to ``ranks`` (one replica), none
+    growing along the pipe (the junction's rule), not all equal; at most ``limit``.
+
+    OK: ``junction_grids(3, 2) == [((1, 2), (1, 1)), ((2, 1), (1, 1))]``;
+    ``junction_grids(7, 3)`` holds ``((2, 2), (1, 2), (1, 1))``.
+    """
+    out: list[tuple[Grid, ...]] = []
+
+    def extend(prefix: tuple[Grid, ...], left: int) -> None:
+        stages_left = pp - len(prefix)
+        if len(out) >= limit or stages_left == 0:
+            if left == 0 and len(set(prefix)) > 1 and len(out) < limit:
+                out.append(prefix)
+            return
+        for size in range(left - stages_left + 1, 0, -1):  # every later stage needs a rank
+            if left - size > size * (stages_left - 1):
+                break  # the later stages, no larger than this one, cannot take the rest
+            for gy in _divisors(size):
+                grid = (gy, size // gy)
+                if prefix and any(g > p for g, p in zip(grid, prefix[-1], strict=True)):
+                    continue
+                extend((*prefix, grid), left - size)
+
+    if pp >= 2:
+        extend((), ranks)
+    return out
+
+
+def candidates(
+    model: nn.Module, image_hw: tuple[int, int], devices: int, batch: int
+) -> Iterator[Candidate]:
+    """Every layout of ``devices`` ranks worth predicting for this model and image.
+
+    Besides one grid for every stage, pipelines of two or more stages get per-stage grids
+    (:func:`junction_grids`, for models with a pooled output). With a pipeline, every schedule
+    is a candidate; combinations training would refuse (odd
+    ``pp`` for ``bidirectional``, too few micro-batches for 1F1B, ZBV or DualPipeV, more model
+    stages than layers, a model without checkpointable blocks) are left out, by the engine's own
+    checks (:func:`~.plan.candidate_plan`).
+    """
+    align = int(getattr(model, "total_stride", 1))
+
+    def roomy(grid: Grid) -> bool:
+        try:
+            tile = tile_hw(image_hw, grid, align)
+        except ConfigError:
+            return False
+        # tiles of one pixel at the deepest layer: no room for halos
+        return math.prod(grid) == 1 or min(tile) >= 2 * align
+
+    try:
+        check_pooled(model, image_hw, Layout(pp=2, grids=((1, 2), (1, 1))))
+        pooled = True
+    except ConfigError:
+        pooled = False
+    for dp in _divisors(devices):
+        layouts = []
+        for pp in range(1, devices // dp + 1):
+            ranks = devices // dp
+            if ranks % pp == 0:
+                sp = ranks // pp
+                layouts += [Layout(dp=dp, pp=pp, sp=(gy, sp // gy)) for gy in _divisors(sp)]
+            if pooled and pp <= JUNCTION_STAGES:  # per-stage grids: splits of the replica's ranks
+                for grids in junction_grids(ranks, pp):
+                    try:
+                        layouts.append(Layout(dp=dp, pp=pp, grids=grids))
+                    except ConfigError:
+                        continue
+        for lay in layouts:
+            if not all(roomy(lay.grid_of(s)) for s in range(lay.pp)):
+                continue
+            for m in _divisors(batch):
+                for schedule in SCHEDULES if lay.pp > 1 else ("gpipe",):
+                    for ck in CHECKPOINTING:
+                        cand = Candidate(lay, m, ck, schedule)
+                        try:
+                            candidate_plan(cand).validate(model, batch)
+                        except ConfigError:
+                            continue  # e.g. per-stage grids with a schedule they do not run
+                        yield cand
+
+
+def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:
+    """Fitting layouts first (fastest per device, then smallest), then the rest by peak."""
+    fit = [p for p in predictions if p.peak <= memory]
+    rest = [p for p in predictions if p.peak > memory]
+    per_device = lambda p: p.images_per_s / p.candidate.layout.world_size  # noqa: E731
+    fit.sort(key=lambda p: (-per_device(p), p.peak))
+    rest.sort(key=lambda p: p.peak)
+    return fit + rest
+
+
+def device_memory(devices: int) -> int:
+    """Bytes of one device: this machine's GPU, or its RAM shared by ``devices`` ranks."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(ram) // max(1, devices)

@@ -1,0 +1,213 @@
+"""What segmentation and regression write: mask label images, overlay pictures, a CSV.
+
+Why here and not in the loop: ``hyfi-train`` (after its last evaluation) and
+``hyfi-predict`` write the same files, from any layout.
+
+* **Masks.** On a spatial grid each rank holds its tile of the predicted
+  class map; the tiles are gathered over the ``sp`` group to the tile
+  ``(0, 0)`` rank, cut free of the padded tail and written by rank 0 as
+  ``<out>/masks/<id>.zarr``: an OME-Zarr (NGFF 0.5) group whose image is the
+  class map (one uint8 channel) and whose ``labels/prediction`` is the same
+  map as an NGFF label image (colours and class names, like the annotation
+  masks of :mod:`hyfi_imaging.io.labels`), so viewers that know NGFF show it
+  coloured. ``attributes.hyfi.image`` names the image it was predicted from.
+  Volumes get the same layout with axes ``c, z, y, x``.
+* **Overlays.** ``<out>/overlays/<id>.png``: the slide at its coarsest level
+  of at most 1024 px (a volume: its middle z-plane) with the predicted mask in
+  the label colours over it -- the picture to look at first.
+* **Regressions.** One CSV row per image: id, then ``pred_<target>`` and,
+  where known, ``true_<target>``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hyfi_imaging.parallel.collectives import all_gather_grid
+from hyfi_imaging.parallel.launch import ParallelContext
+
+__all__ = ["gather_masks", "write_mask", "write_overlay", "write_regressions", "write_scores"]
+
+
+def gather_masks(
+    pred: Tensor, pc: ParallelContext, tile_hw: Sequence[int], size: Sequence[int]
+) -> np.ndarray | None:
+    """The whole ``(N, *size)`` uint8 class map on global rank 0 from every tile's ``pred``.
+
+    ``pred`` is this rank's ``(N, *tile)`` tile of the arg-max classes (``tile_hw``: a
+    tile, or a sub-volume on a 3-D grid). On a one-tile grid it is the map itself.
+    Other ranks get None. Collective over the ``sp`` group (every spatial rank of the
+    first replica must call it); the tiles are stitched by
+    :func:`~hyfi_imaging.parallel.collectives.all_gather_grid`, the one place for that.
+    """
+    pred = pred.to(torch.uint8)
+    if tuple(pred.shape[1:]) != tuple(int(t) for t in tile_hw):
+        raise ValueError(f"a mask tile of {tuple(pred.shape[1:])} is not a tile of {tile_hw}")
+    grid = pc.grid
+    if math.prod(grid) == 1:
+        return pred.cpu().numpy() if pc.rank == 0 else None
+    # On the group's device (NCCL gathers device tensors, Gloo CPU ones).
+    whole = all_gather_grid(pred.to(pc.device), grid, pc.group("sp"))
+    if pc.rank != 0:
+        return None
+    return whole[(slice(None), *(slice(0, int(n)) for n in size))].cpu().numpy()
+
+
+def write_mask(
+    out: Path,
+    mask: np.ndarray,
+    *,
+    classes: Sequence[str],
+    image: str,
+    scale: float | None,
+) -> Path:
+    """Write one ``(H, W)`` or ``(D, H, W)`` class map as ``out`` (see the module docstring).
+
+    An existing ``out`` is replaced (a new prediction of the same image).
+    ``scale``: microns per pixel (voxel) of the map, when known.
+    """
+    from hyfi_imaging.io.labels import write_label_image
+    from hyfi_imaging.io.zarr_store import _ArraySource, write_ome_zarr
+
+    attrs = {"kind": "prediction", "image": image, "classes": list(classes), "background": 0}
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if mask.ndim == 3:
+        from hyfi_imaging.io.volume_store import write_ome_zarr_volume
+
+        voxel = scale or 1.0
+        return write_ome_zarr_volume(
+            out,
+            mask[None].astype(np.uint8),
+            voxel_size=(voxel,) * 3,
+            chunks=32,
+            channel_names=["class"],
+            name=out.stem,
+            attrs=attrs,
+            labels={"prediction": mask.astype(np.uint8)},
+        )
+    write_ome_zarr(
+        out,
+        mask[None].astype(np.uint8),
+        mpp=scale,
+        hyfi_attrs=attrs,
+        name=out.stem,
+        channel_names=["class"],
+    )
+    write_label_image(
+        out,
+        _ArraySource(mask[None].astype(np.uint8)),
+        mpp=scale,
+        classes={name: value for value, name in enumerate(classes) if value},
+        attrs=attrs,
+        name="prediction",
+    )
+    return out
+
+
+def _colour(mask: np.ndarray) -> np.ndarray:
+    """``(h, w, 4)`` uint8 RGBA of a class map in the label colours (0 transparent)."""
+    from hyfi_imaging.io.labels import LABEL_COLORS
+
+    palette = np.array(LABEL_COLORS, dtype=np.uint8)
+    index = np.where(mask == 0, 0, 1 + (mask.astype(np.int64) - 1) % (len(palette) - 1))
+    return palette[index]
+
+
+def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.ndarray, int]:
+    """The image (RGB float in [0, 1]) at the coarsest level of at most ``limit`` px, its factor."""
+    if len(shape) == 3:  # a volume: its middle z-plane, first channel
+        from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
+
+        store = VolumeStore(image_store)
+        d, h, w = store.shapes[0]
+        plane = read_subvolume(store, 0, (d // 2, 0, 0, 1, h, w))[0, 0].astype(np.float64)
+        lo, hi = np.percentile(plane, [1, 99])
+        grey = np.clip((plane - lo) / max(hi - lo, 1e-12), 0, 1)
+        return np.repeat(grey[..., None], 3, axis=2), 1
+    from hyfi_imaging.io.zarr_store import ZarrReader
+
+    with ZarrReader(image_store) as reader:
+        level = 0
+        while level + 1 < reader.level_count and max(reader.level_dimensions[level]) > limit:
+            level += 1
+        h, w = reader.level_dimensions[level]
+        pixels = reader.read_region(level, 0, 0, h, w).astype(np.float64)
+    if pixels.shape[0] >= 3:
+        rgb = pixels[:3].transpose(1, 2, 0) / 255.0
+    else:
+        grey = pixels[0]
+        lo, hi = np.percentile(grey, [1, 99])
+        rgb = np.repeat(np.clip((grey - lo) / max(hi - lo, 1e-12), 0, 1)[..., None], 3, axis=2)
+    return rgb, 2**level
+
+
+def write_overlay(
+    out: Path, mask: np.ndarray, *, image: str, title: str, limit: int = 1024
+) -> Path:
+    """A PNG of the image with the predicted class map over it (see the module docstring)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rgb, factor = _background(image, mask.shape, limit)
+    plane = mask[mask.shape[0] // 2] if mask.ndim == 3 else mask
+    small = plane[::factor, ::factor][: rgb.shape[0], : rgb.shape[1]]
+    rgb = rgb[: small.shape[0], : small.shape[1]]
+    rgba = _colour(small).astype(np.float64) / 255.0
+    alpha = rgba[..., 3:4]
+    blend = rgb * (1 - alpha) + rgba[..., :3] * alpha
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 6 * blend.shape[0] / max(blend.shape[1], 1)))
+    ax.imshow(blend, interpolation="nearest")
+    ax.set_title(title, fontsize=9)
+    ax.axis("off")
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def write_regressions(
+    out: Path,
+    ids: Sequence[str],
+    pred: np.ndarray,
+    names: Sequence[str],
+    truth: np.ndarray | None,
+) -> Path:
+    """One CSV row per image: ``id, pred_<name>... [, true_<name>...]`` (atomically)."""
+    from hyfi_imaging.atomic import write_atomic
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    header = ["id", *(f"pred_{n}" for n in names)]
+    if truth is not None:
+        header += [f"true_{n}" for n in names]
+    w.writerow(header)
+    for i, vid in enumerate(ids):
+        row = [vid, *(f"{float(v):.6g}" for v in pred[i])]
+        if truth is not None:
+            row += [f"{float(v):.6g}" for v in truth[i]]
+        w.writerow(row)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(out, buf.getvalue())
+
+
+def write_scores(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Per-image segmentation scores as CSV (``id, dice, iou``), atomically."""
+    from hyfi_imaging.atomic import write_atomic
+
+    lines = ["id,dice,iou"] + [f"{r['id']},{r['dice']:.6f},{r['iou']:.6f}" for r in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, "\n".join(lines) + "\n")

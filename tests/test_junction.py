@@ -1,0 +1,175 @@
+"""Per-stage grids without processes: layouts, rank numbering, pieces, refusals before compute.
+
+The exactness of the junction itself is tests/test_junction_mpi.py's; here the
+pure parts: the layout value and its one place of rank arithmetic, the pieces
+every valid pixel travels in (each exactly once), and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.engine import ParallelPlan
+from hyfi_imaging.parallel.junction import check_junction_model, pieces, stage_tiles
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.train.config import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layout_with_a_grid_per_stage() -> None:
+    lay = Layout(dp=2, pp=3, grids=((2, 2), (1, 2), (1, 1)))
+    assert lay.junction and lay.sp == (2, 2)
+    assert lay.replica_size == 7 and lay.world_size == 14
+    assert [lay.grid_of(s) for s in range(3)] == [(2, 2), (1, 2), (1, 1)]
+    assert lay.describe() == "dp=2 x pp=3 x sp=[2x2,1x2,1x1]"
+    assert lay.coords(0) == (0, 0, 0, 0)
+    assert lay.coords(4) == (0, 1, 0, 0)
+    assert lay.coords(6) == (0, 2, 0, 0)
+    assert lay.coords(10) == (1, 0, 1, 1)
+    # Equal grids are the plain layout: one rectangular mesh, nothing re-partitioned.
+    same = Layout(pp=2, grids=((1, 2), (1, 2)))
+    assert not same.junction and same == Layout(pp=2, sp=(1, 2))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(dp=2, pp=2, sp=(1, 2)),
+        Layout(dp=3, pp=1, sp=(2, 3)),
+        Layout(pp=3, grids=((2, 2), (1, 2), (1, 1))),
+        Layout(dp=2, pp=2, grids=((3, 2), (3, 1))),
+    ],
+)
+def test_coords_and_rank_of_are_inverse(layout: Layout) -> None:
+    seen = set()
+    for rank in range(layout.world_size):
+        d, p, i, j = layout.coords(rank)
+        gy, gx = layout.grid_of(p)
+        assert 0 <= i < gy and 0 <= j < gx
+        assert layout.rank_of(d, p, i, j) == rank
+        seen.add((d, p, i, j))
+    assert len(seen) == layout.world_size
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"pp": 2, "grids": ((2, 2), (1, 2), (1, 1))}, ["3 stage grids for 2 pipeline stages", "--pipeline 3"]),
+        ({"pp": 2, "grids": ((1, 2), (2, 1))}, ["stage 1's grid 2x1", "only shrink", "2x2,1x2,1x1"]),
+        ({"pp": 2, "grids": ((2, 2), (0, 1))}, ["below 1"]),
+    ],
+)  # fmt: skip
+def test_invalid_stage_grids_are_refused_in_one_line(
+    kwargs: dict[str, object], words: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        Layout(**kwargs)  # type: ignore[arg-type]
+    text = str(err.value)
+    assert "\n" not in text
+    for w in words:
+        assert w in text, text
+
+
+def test_world_size_mismatch_names_the_sum_of_the_grids() -> None:
+    with pytest.raises(
+        ConfigError, match=r"needs 7 ranks but the job has 4.*-np 7.*sum of the stage grids"
+    ):
+        Layout(pp=3, grids=((2, 2), (1, 2), (1, 1))).check_world(4)
+
+
+def test_parse_grids() -> None:
+    assert Layout.parse_grids("2x2,1x2,1x1") == ((2, 2), (1, 2), (1, 1))
+    assert Layout.parse_grids("2x2") == ((2, 2),)
+    assert Layout.parse_grids("2,3") == ((2, 3),)  # one grid written with a comma
+    with pytest.raises(ConfigError):
+        Layout.parse_grids("2x2,axb")
+
+
+def test_bidirectional_schedule_is_refused_with_a_junction() -> None:
+    with pytest.raises(ConfigError) as err:
+        ParallelPlan(Layout(pp=2, grids=((2, 2), (1, 1))), schedule="bidirectional")  # type: ignore[arg-type]
+    assert "gpipe and 1f1b" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dense_outputs_are_refused_with_a_junction() -> None:
+    lay = Layout(pp=2, grids=((2, 2), (1, 1)))
+    check_junction_model(lay, (1, 3), (1, 3))  # a classifier: fine
+    with pytest.raises(ConfigError, match="pooled output"):
+        check_junction_model(lay, (1, 3, 64, 64), (1, 3, 32, 32))
+
+
+@pytest.mark.parametrize(
+    ("valid", "src", "dst"),
+    [((75, 53), (2, 2), (1, 1)), ((7, 13), (2, 2), (1, 2)), ((9, 9), (3, 1), (2, 1)), ((5, 6), (1, 1), (1, 1))],
+)  # fmt: skip
+def test_pieces_carry_every_valid_pixel_exactly_once(
+    valid: tuple[int, int], src: tuple[int, int], dst: tuple[int, int]
+) -> None:
+    def tile(n: int, g: int) -> int:
+        return n if g == 1 else -(-n // g) + 1  # a padded tile with a tail
+
+    ts = (tile(valid[0], src[0]), tile(valid[1], src[1]))
+    td = (tile(valid[0], dst[0]), tile(valid[1], dst[1]))
+    got: dict[tuple[int, int], int] = {}
+    for pc in pieces(valid, src, ts, dst, td):
+        (sr, sc), (dr, dc) = pc.src_box, pc.dst_box
+        assert (sr.stop - sr.start, sc.stop - sc.start) == (dr.stop - dr.start, dc.stop - dc.start)
+        for r, c in itertools.product(range(sr.start, sr.stop), range(sc.start, sc.stop)):
+            y, x = pc.src[0] * ts[0] + r, pc.src[1] * ts[1] + c
+            # The same global pixel on the receiving side.
+            assert (y - pc.dst[0] * td[0], x - pc.dst[1] * td[1]) == (
+                dr.start + r - sr.start,
+                dc.start + c - sc.start,
+            )
+            got[(y, x)] = got.get((y, x), 0) + 1
+    assert set(got) == set(itertools.product(range(valid[0]), range(valid[1])))
+    assert set(got.values()) == {1}
+
+
+def test_stage_tiles_pad_each_grid_to_the_stride() -> None:
+    # A grid of more than one tile pads both axes (padded_hw); a 1x1 grid is the image.
+    lay = Layout(pp=3, grids=((2, 2), (1, 2), (1, 1)))
+    assert stage_tiles(lay, (71, 101), 32) == [(64, 64), (96, 64), (71, 101)]
+
+
+def test_recipe_takes_a_grid_per_stage(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"dataset: {ROOT}/datasets/synthetic.yaml\n"
+        "model: {name: resnet18, kwargs: {width: 0.25}}\n"
+        "data: {manifest: m.csv}\n"
+        "parallel: {pipeline: 3, spatial: [2x2, 1x2, 1x1], data: 2}\n"
+        f"train: {{out_dir: {tmp_path}/out}}\n"
+    )
+    r = load_recipe(path)
+    assert r.parallel.spatial == (2, 2)  # the grid the data path reads tiles for
+    assert r.parallel.stage_grids == ((2, 2), (1, 2), (1, 1))
+    assert r.world_size == 14 and r.parallel.layout().world_size == 14
+    r = load_recipe(path, ["parallel.spatial=2x2,1x1", "parallel.pipeline=2", "parallel.data=1"])
+    assert r.parallel.stage_grids == ((2, 2), (1, 1)) and r.world_size == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--pipeline", "3", "--spatial", "2x2,1x1"], "2 stage grids for 3 pipeline stages"),
+        (["--pipeline", "2", "--spatial", "2x2,1x1"], "needs 5 ranks but the job has 1"),
+    ],
+)
+def test_hyfi_verify_refuses_bad_junction_layouts_in_one_line(args: list[str], words: str) -> None:
+    """Before any process group or model memory: one line on stderr, exit status 2."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.verify", "--model", "resnet18"]
+    job = subprocess.run(
+        [*cmd, "--image-size", "64x64", *args], capture_output=True, text=True, timeout=120
+    )
+    lines = [ln for ln in job.stderr.splitlines() if ln.strip()]
+    assert job.returncode == 2, job.stderr
+    assert len(lines) == 1 and words in lines[0], job.stderr

@@ -1,0 +1,230 @@
+"""The task recipes end to end at tiny sizes: train, the loss falls, outputs are written and read.
+
+``slide-segmentation-synthetic`` on a 1x2 tile grid (2 ranks under mpiexec):
+masks as OME-Zarr label images, overlays, per-image Dice/IoU; then
+``hyfi-predict`` in one process writes the same masks as the grid did.
+``cosmoflow-synthetic`` (regression of the field parameters) and ``unet3d-synthetic``
+(blob segmentation) on one tile, with data replicas, and on grids of sub-volumes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+pytestmark = pytest.mark.mpi
+QUICK = ("train.progress=false", "optim.warmup_steps=0", "optim.schedule=constant")
+
+
+def _run(cmd: list[str], ranks: int = 1) -> subprocess.CompletedProcess[str]:
+    if ranks > 1:
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _train(recipe: str, out: Path, *sets: str, ranks: int = 1) -> None:
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / recipe)]
+    for s in (f"train.out_dir={out}", *QUICK, *sets):
+        cmd += ["--set", s]
+    _run(cmd, ranks)
+
+
+def _predict(run: Path, manifest: Path, out: Path, *args: str, ranks: int = 1) -> None:
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.predict", str(run)]
+    _run([*cmd, "--manifest", str(manifest), "--out", str(out), *args], ranks)
+
+
+def _losses(out: Path) -> list[float]:
+    with (out / "metrics.csv").open() as f:
+        return [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+
+
+def _evals(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+
+
+def _falls(values: list[float]) -> bool:
+    k = max(1, len(values) // 3)
+    return all(map(math.isfinite, values)) and np.mean(values[-k:]) < np.mean(values[:k])
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hyfi_imaging.data.synthetic import write_synthetic_cohort
+    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+    root = tmp_path_factory.mktemp("seg")
+    labels = write_synthetic_cohort(root / "slides", 8, seed=3, size=(512, 512), lesions=4)
+    summary = run_preprocess(
+        [root / "slides"],
+        root / "data",
+        PreprocessOptions(mpp=2.0, size=(90, 75)),
+        labels_path=labels,
+        annotations=root / "slides",  # synth_NNN.geojson: lesion masks in labels/annotations
+        progress=False,
+        qc=False,
+    )
+    assert summary.manifest is not None and not summary.failed
+    return summary.manifest
+
+
+@pytest.mark.slow
+def test_slide_segmentation_on_a_grid_writes_masks(slides: Path, tmp_path: Path) -> None:
+    from hyfi_imaging.io.labels import open_labels
+
+    run = tmp_path / "run"
+    _train(
+        "slide-segmentation-synthetic.yaml",
+        run,
+        f"data.manifest={slides}",
+        "model.kwargs.width=4",
+        "model.kwargs.depth=2",
+        "data.augment.flip=false",
+        "data.augment.rot90=false",
+        "optim.lr=0.01",
+        "train.epochs=3",
+        "train.checkpoint_every_steps=0",
+        ranks=2,  # parallel.spatial 1x2 from the recipe
+    )
+    assert _falls(_losses(run)), _losses(run)
+    rows = list(csv.DictReader((run / "val_per_image.csv").open()))
+    assert len(rows) == 2 and all(0 <= float(r["dice"]) <= 1 for r in rows)
+    assert {"dice", "iou", "val_loss"} <= set(_evals(run)[-1])
+    assert len(list((run / "overlays").glob("*.png"))) == 2
+    grid = {}
+    for r in rows:
+        with open_labels(run / "masks" / f"{r['id']}.zarr", "prediction") as reader:
+            assert reader.level_dimensions[0] == (90, 75)
+            grid[r["id"]] = reader.read_region(0, 0, 0, 90, 75)[0]
+    # hyfi-predict on one tile: masks of every slide, the grid's within float32 rounding.
+    pred = tmp_path / "pred"
+    _predict(run, slides, pred, "--overlays", "1")
+    assert len(list((pred / "masks").glob("*.zarr"))) == 8
+    assert len(list(csv.DictReader((pred / "per_image.csv").open()))) == 8
+    for sid, mask in grid.items():
+        with open_labels(pred / "masks" / f"{sid}.zarr", "prediction") as reader:
+            assert (reader.read_region(0, 0, 0, 90, 75)[0] == mask).mean() > 0.99
+
+
+@pytest.mark.slow
+def test_cosmoflow_regression_learns_and_predicts(tmp_path: Path) -> None:
+    from hyfi_imaging.data.volumes import write_grf_cohort
+
+    manifest = write_grf_cohort(tmp_path / "grf", 8, size=16)
+    run = tmp_path / "run"
+    _train(
+        "cosmoflow-synthetic.yaml",
+        run,
+        f"data.manifest={manifest}",
+        "model.kwargs.size=16",
+        "model.kwargs.n_conv_layers=2",
+        "parallel.data=1",
+        "parallel.spatial=1x1x1",
+        "train.batch_size=2",
+        "train.epochs=3",
+    )
+    evals = _evals(run)
+    assert len(evals) == 3 and evals[-1]["mse"] < evals[0]["mse"], evals
+    assert {"mae", "mae_spectral_index", "mae_amplitude"} <= set(evals[-1])
+    assert len((run / "val_predictions.csv").read_text().splitlines()) == 3
+    out = tmp_path / "pred.csv"
+    _predict(run, manifest, out)
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 8 and set(rows[0]) == {
+        "id",
+        "pred_spectral_index",
+        "pred_amplitude",
+        "true_spectral_index",
+        "true_amplitude",
+    }
+
+
+def test_cosmoflow_trains_on_a_grid_of_sub_volumes_like_one_process(tmp_path: Path) -> None:
+    """The recipe's ``parallel.spatial: 1x1x2`` on a volume the grid divides evenly (16^3, two
+    sub-volumes of 16x16x8): the 'same'-padded convolutions, pools and the flatten that gathers
+    the last map into the dense head give the losses of one process (float32 rounding)."""
+    from hyfi_imaging.data.volumes import write_grf_cohort
+
+    manifest = write_grf_cohort(tmp_path / "grf", 4, size=16)
+    sets = (
+        f"data.manifest={manifest}",
+        "model.kwargs.size=16",
+        "model.kwargs.n_conv_layers=2",
+        "parallel.data=1",
+        "train.batch_size=1",
+        "train.epochs=1",
+        "data.augment.rot90=false",
+        "optim.name=sgd",
+        "optim.lr=0.01",
+    )
+    grid, one = tmp_path / "grid", tmp_path / "one"
+    _train("cosmoflow-synthetic.yaml", grid, *sets, "parallel.spatial=1x1x2", ranks=2)
+    _train("cosmoflow-synthetic.yaml", one, *sets, "parallel.spatial=1x1x1")
+    got, want = _losses(grid), _losses(one)
+    assert len(got) == len(want) == 3 and np.allclose(got, want, rtol=1e-5), (got, want)
+
+
+@pytest.mark.slow
+def test_unet3d_segmentation_with_data_replicas(tmp_path: Path) -> None:
+    from hyfi_imaging.data.volumes import write_blob_cohort
+    from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
+
+    manifest = write_blob_cohort(
+        tmp_path / "blobs", 8, shape=16, n_blobs=3, radius_range=(2.0, 4.0)
+    )
+    run = tmp_path / "run"
+    _train(
+        "unet3d-synthetic.yaml",
+        run,
+        f"data.manifest={manifest}",
+        "parallel.data=2",
+        "train.batch_size=1",
+        "train.epochs=3",
+        "optim.lr=0.01",
+        ranks=2,
+    )
+    assert _falls(_losses(run)), _losses(run)
+    rows = list(csv.DictReader((run / "val_per_image.csv").open()))
+    assert len(rows) == 2
+    store = VolumeStore(run / "masks" / f"{rows[0]['id']}.zarr", label="prediction")
+    mask = read_subvolume(store, 0, (0, 0, 0, 16, 16, 16))[0]
+    assert mask.shape == (16, 16, 16) and set(np.unique(mask)) <= {0, 1}
+
+
+def test_unet3d_trains_on_a_grid_of_sub_volumes_like_one_process(tmp_path: Path) -> None:
+    """``parallel.spatial=2x1x2``: 4 ranks each read and train their sub-volume (+ halo);
+    the losses equal one process's (float32 rounding) and the gathered masks are whole."""
+    from hyfi_imaging.data.volumes import write_blob_cohort
+    from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
+
+    manifest = write_blob_cohort(tmp_path / "blobs", 4, shape=(12, 10, 14), n_blobs=2)
+    sets = (
+        f"data.manifest={manifest}",
+        "train.epochs=1",
+        "train.batch_size=1",
+        "data.augment.rot90=false",
+        # SGD: Adam would turn the rounding noise of BatchNorm-cancelled biases into steps.
+        "optim.name=sgd",
+        "optim.lr=0.05",
+    )
+    grid, one = tmp_path / "grid", tmp_path / "one"
+    _train("unet3d-synthetic.yaml", grid, *sets, "parallel.spatial=2x1x2", ranks=4)
+    _train("unet3d-synthetic.yaml", one, *sets)
+    got, want = _losses(grid), _losses(one)
+    assert len(got) == len(want) == 3 and np.allclose(got, want, rtol=1e-5), (got, want)
+    rows = list(csv.DictReader((grid / "val_per_image.csv").open()))
+    store = VolumeStore(grid / "masks" / f"{rows[0]['id']}.zarr", label="prediction")
+    assert read_subvolume(store, 0, (0, 0, 0, 12, 10, 14))[0].shape == (12, 10, 14)

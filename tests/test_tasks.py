@@ -1,0 +1,238 @@
+"""Training tasks in one process: losses, metrics, outputs, and refusals before any rank starts.
+
+The tiled exactness of Dice + cross-entropy is tests/test_dense_loss_mpi.py;
+whole runs of the task recipes are tests/test_task_recipes_mpi.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyfi_imaging.data.volumes import write_blob_cohort, write_grf_cohort
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.train.config import load_recipe
+from hyfi_imaging.train.losses import (
+    DiceCELoss,
+    RegressionLoss,
+    overlap_counts,
+    regression_errors,
+    scores_from_counts,
+)
+from hyfi_imaging.train.preflight import preflight
+from hyfi_imaging.train.tasks import manifest_kind
+
+ROOT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)
+
+
+# -- losses and metrics ------------------------------------------------------------------------
+def test_dice_ce_is_the_sum_of_its_terms() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 3, (2, 5, 7), generator=gen)
+    p = torch.softmax(logits, 1)
+    t = F.one_hot(target, 3).movedim(-1, 1).double()
+    inter, total = (p * t).sum((2, 3)), (p + t).sum((2, 3))
+    dice = ((2 * inter + 1) / (total + 1)).mean()  # per image and class, then the mean
+    want = 0.5 * F.cross_entropy(logits, target) + 2.0 * (1 - dice)
+    got = DiceCELoss(ce_weight=0.5, dice_weight=2.0)(logits, target)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
+    got.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+def test_dice_ce_of_a_perfect_prediction_is_small_and_volumes_work() -> None:
+    target = torch.zeros(1, 4, 6, 8, dtype=torch.long)
+    target[:, 1:3, 2:5, 3:6] = 1
+    logits = 40.0 * F.one_hot(target, 2).movedim(-1, 1).double()  # (N, K, D, H, W)
+    assert float(DiceCELoss()(logits, target)) < 1e-6
+    with pytest.raises(ConfigError, match="do not match the logits"):
+        DiceCELoss()(logits, target[..., :4])
+
+
+def test_overlap_counts_and_scores_by_hand() -> None:
+    target = torch.tensor([[[0, 1, 1, 0]], [[0, 0, 0, 0]]])  # (N=2, 1, 4)
+    pred = torch.tensor([[[0, 1, 0, 1]], [[0, 0, 0, 0]]])
+    logits = F.one_hot(pred, 2).movedim(-1, 1).double()
+    counts = overlap_counts(logits, target)
+    assert counts.shape == (2, 2, 3)
+    assert counts[0, 1].tolist() == [1, 2, 2]  # intersection, predicted, true of class 1
+    dice, iou = scores_from_counts(counts)
+    assert dice.tolist() == pytest.approx([0.5, 1.0])  # image 2: nothing to find, none found
+    assert iou.tolist() == pytest.approx([1 / 3, 1.0])
+
+
+def test_regression_losses_and_errors() -> None:
+    out = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    target = torch.tensor([[1.5, 2.0], [2.0, 5.0]])
+    assert float(RegressionLoss("mse")(out, target)) == pytest.approx((0.25 + 1.0) / 4)
+    assert float(RegressionLoss("mae")(out, target)) == pytest.approx(1.5 / 4)
+    errors = regression_errors(out, target, ["index", "amplitude"])
+    assert errors["mae_index"] == pytest.approx(0.75) and errors["mae_amplitude"] == 0.0
+    assert errors["mse"] == pytest.approx(1.25 / 4)
+    with pytest.raises(ConfigError, match="number of outputs"):
+        RegressionLoss()(out[:, :1], target)
+
+
+# -- recipes and preflight ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def volumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("volumes")
+    return {
+        "grf": write_grf_cohort(root / "grf", 4, size=8),
+        "blobs": write_blob_cohort(root / "blobs", 2, shape=8, n_blobs=2, radius_range=(1.5, 2.5)),
+    }
+
+
+def _load(recipe: str, tmp_path: Path, *sets: str) -> object:
+    return load_recipe(ROOT / "recipes" / recipe, [f"train.out_dir={tmp_path / 'run'}", *sets])
+
+
+def test_task_shorthand_and_manifest_kind(tmp_path: Path, volumes: dict[str, Path]) -> None:
+    r = load_recipe(ROOT / "recipes" / "synthetic.yaml", ["task=segmentation"])
+    assert r.task.name == "segmentation" and r.task.loss == "auto"
+    assert manifest_kind(volumes["grf"]) == "volumes"
+    assert manifest_kind(tmp_path / "missing.csv") == "slides"
+
+
+def test_volume_recipes_pass_preflight(tmp_path: Path, volumes: dict[str, Path]) -> None:
+    cosmo = _load(
+        "cosmoflow-synthetic.yaml",
+        tmp_path,
+        f"data.manifest={volumes['grf']}",
+        "model.kwargs.size=8",
+        "model.kwargs.n_conv_layers=2",
+        "train.batch_size=1",
+    )
+    preflight(cosmo)  # type: ignore[arg-type]
+    unet = _load("unet3d-synthetic.yaml", tmp_path, f"data.manifest={volumes['blobs']}")
+    preflight(unet)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "cohort", "sets", "message"),
+    [
+        (
+            "cosmoflow-synthetic.yaml",
+            "grf",
+            ["task.targets=[spectral_index, omega_m]"],
+            "has no target omega_m",
+        ),
+        ("cosmoflow-synthetic.yaml", "grf", ["parallel.spatial=1x2"], "a grid of 2-D tiles"),
+        ("cosmoflow-synthetic.yaml", "grf", ["task.loss=dice_ce"], "not a regression loss"),
+        ("cosmoflow-synthetic.yaml", "grf", ["task.name=classification"], "have no class labels"),
+        ("unet3d-synthetic.yaml", "blobs", ["model.name=unet2d"], "is 2-D but the images"),
+        ("unet3d-synthetic.yaml", "grf", [], "names no label image"),
+        (
+            "cosmoflow-synthetic.yaml",
+            "blobs",
+            ["task.name=segmentation", "task.loss=auto", "data.classes=[bg, blob]"],
+            "gives (1, 2) for one image, but segmentation needs (1, 2, 8, 8, 8)",
+        ),
+        ("unet3d-synthetic.yaml", "blobs", ["parallel.pipeline=2"], "parallel.pipeline"),
+        ("unet3d-synthetic.yaml", "blobs", ["data.classes=[background]"], "at least two"),
+    ],
+)
+def test_volume_task_refusals_are_one_line(
+    tmp_path: Path,
+    volumes: dict[str, Path],
+    recipe: str,
+    cohort: str,
+    sets: list[str],
+    message: str,
+) -> None:
+    base = ["model.kwargs.size=8", "model.kwargs.n_conv_layers=2", "train.batch_size=1"]
+    r = _load(
+        recipe,
+        tmp_path,
+        f"data.manifest={volumes[cohort]}",
+        *(base if "cosmoflow" in recipe else []),
+        *sets,
+    )
+    with pytest.raises(ConfigError) as err:
+        preflight(r)  # type: ignore[arg-type]
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_segmentation_of_slides_without_masks_is_refused(tmp_path: Path) -> None:
+    """A slide store without labels/annotations: one line naming the fix, before any rank."""
+    from hyfi_imaging.data.synthetic import write_synthetic_cohort
+    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+
+    labels = write_synthetic_cohort(
+        tmp_path / "slides", 2, seed=1, size=(256, 256), lesions=2, annotations=False
+    )
+    summary = run_preprocess(
+        [tmp_path / "slides"],
+        tmp_path / "data",
+        PreprocessOptions(mpp=2.0, size=(64, 64)),
+        labels_path=labels,
+        progress=False,
+        qc=False,
+    )
+    assert summary.manifest is not None
+    r = _load("slide-segmentation-synthetic.yaml", tmp_path, f"data.manifest={summary.manifest}")
+    with pytest.raises(ConfigError) as err:
+        preflight(r)  # type: ignore[arg-type]
+    assert "have no label image 'annotations'" in str(err.value)
+    assert "--annotations" in str(err.value) and "\n" not in str(err.value)
+    r = _load(
+        "slide-segmentation-synthetic.yaml",
+        tmp_path,
+        f"data.manifest={summary.manifest}",
+        "task.name=regression",
+    )
+    with pytest.raises(ConfigError, match="is a slide manifest"):
+        preflight(r)  # type: ignore[arg-type]
+
+
+def test_hyfi_train_refuses_an_unknown_task_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hyfi_imaging.cli.train import main
+
+    code = main([str(ROOT / "recipes" / "cosmoflow-synthetic.yaml"), "--set", "task=detection"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "task.name" in err, err
+
+
+def test_mask_writer_roundtrip(tmp_path: Path) -> None:
+    """A predicted mask is an OME-Zarr label image with class names (2-D and 3-D)."""
+    from hyfi_imaging.io.labels import open_labels
+    from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
+    from hyfi_imaging.train.outputs import write_mask
+
+    mask = np.zeros((37, 45), np.uint8)
+    mask[5:20, 7:30] = 1
+    out = write_mask(
+        tmp_path / "s.zarr", mask, classes=["background", "lesion"], image="x", scale=2.0
+    )
+    with open_labels(out, "prediction") as reader:
+        assert np.array_equal(reader.read_region(0, 0, 0, 37, 45)[0], mask)
+    cube = np.zeros((6, 7, 8), np.uint8)
+    cube[1:4, 2:5, 3:7] = 1
+    out = write_mask(
+        tmp_path / "v.zarr", cube, classes=["background", "blob"], image="y", scale=None
+    )
+    store = VolumeStore(out, label="prediction")
+    assert np.array_equal(read_subvolume(store, 0, (0, 0, 0, 6, 7, 8))[0], cube)
+
+
+def test_hyfi_predict_refuses_volumes_without_the_targets(
+    tmp_path: Path, volumes: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's targets are checked against the manifest before any rank starts."""
+    from hyfi_imaging.cli.predict import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text((ROOT / "recipes" / "cosmoflow-synthetic.yaml").read_text())
+    code = main([str(run), "--manifest", str(volumes["blobs"]), "--out", str(tmp_path / "p.csv")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "has no target spectral_index" in err
