@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 
-from _launch import have_mpiexec, json_line, mpiexec
+from _launch import have_mpiexec, merged_result, mpiexec
 
 pytestmark = [
     pytest.mark.mpi,
@@ -46,8 +46,7 @@ def _run(model: str, grid: str, image: str) -> dict[str, Any]:
         4, "tests/mpi/saved_memory.py", "--model", model, "--grid", grid, "--image", image,
         *OPTIONS.get(model, ()),
     )  # fmt: skip
-    assert job.returncode == 0, job.describe()
-    return json_line(job)
+    return merged_result(job)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -35,7 +35,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 
 import grid_cases
-from _launch import Job, have_mpiexec, json_line, mpiexec
+from _launch import Job, have_mpiexec, json_line, merged_result, mpiexec
 
 pytestmark = [
     pytest.mark.mpi,
@@ -81,7 +81,7 @@ def _grid_results(grid: str) -> dict[str, Any]:
         gy, gx = _grid(grid)
         job = mpiexec(gy * gx, "tests/mpi/grid_cases.py", grid, timeout=300)
         try:
-            _RESULTS[grid] = json_line(job) if job.returncode == 0 else job
+            _RESULTS[grid] = merged_result(job)
         except AssertionError:
             _RESULTS[grid] = job
     got = _RESULTS[grid]

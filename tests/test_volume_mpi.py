@@ -30,7 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 
-from _launch import Job, have_mpiexec, json_line, mpiexec
+from _launch import Job, have_mpiexec, json_line, merged_result, mpiexec
 from volume_cases import case_names
 
 pytestmark = [
@@ -63,9 +63,10 @@ def _sweep(grid: str) -> dict[str, Any]:
         for g in grid.lstrip("L").split("x"):
             ranks *= int(g)
         job = mpiexec(ranks, str(ROOT / "mpi" / "volume_cases.py"), grid, timeout=540)
-        _launches[grid] = (
-            json_line(job)["cases"] if job.returncode == 0 else {"job": job.describe()}
-        )
+        try:
+            _launches[grid] = merged_result(job)["cases"]
+        except AssertionError as err:  # no result line: every case of the grid fails with it
+            _launches[grid] = {"job": str(err)}
     assert "job" not in _launches[grid], _launches[grid]["job"]
     return _launches[grid]
 

@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one halo exchange serves up to N consecutive windowed layers (default 1)",
     )
     p.add_argument(
+        "--streaming",
+        choices=("none", "stem"),
+        default="none",
+        help="stem: run the model's leading convolution, BatchNorm, activation and max-pool "
+        "in row bands (a chain model; default none)",
+    )
+    p.add_argument(
         "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"
     )
     p.add_argument(
@@ -190,6 +197,7 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
         balance_by=by,  # type: ignore[arg-type]
         overlap=args.overlap,
         halo_depth=args.halo_depth,
+        streaming=args.streaming,
     )
 
 

@@ -39,7 +39,7 @@ import difflib
 import fnmatch
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -310,6 +310,25 @@ class CheckpointedBlock(nn.Module):
         return self.forward_block(x)
 
 
+def run_chain(modules: Sequence[nn.Module], x: Any) -> Any:
+    """``x`` through ``modules`` in order, as a chain model and a pipeline stage run them.
+
+    A layer may carry ``hyfi_stem`` (:class:`~hyfi_imaging.parallel.streaming.Stem`): it
+    runs that layer and the ones after it in row bands. It runs in their place when all
+    of them follow, in order; a pipeline cut inside the stem runs them one by one.
+    """
+    i = 0
+    while i < len(modules):
+        stem = getattr(modules[i], "hyfi_stem", None)
+        if stem is not None and list(modules[i : i + len(stem)]) == stem.modules:
+            x = stem(x)
+            i += len(stem)
+        else:
+            x = modules[i](x)
+            i += 1
+    return x
+
+
 class ModelBase(nn.Module):
     """What every registered model offers, chain or not.
 
@@ -357,9 +376,7 @@ class ChainModel(ModelBase):
     head_start: int
 
     def _run(self, x: Any, start: int, stop: int | None) -> Any:
-        for module in list(self.children())[start:stop]:
-            x = module(x)
-        return x
+        return run_chain(list(self.children())[start:stop], x)
 
     def forward_features(self, x: torch.Tensor) -> Any:
         """The feature map before global pooling (the children before the head)."""

@@ -126,6 +126,7 @@ from hyfi_imaging.parallel.schedules import (
 )
 from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
 from hyfi_imaging.parallel.spatial import SpatialContext, tile_shaped
+from hyfi_imaging.parallel.streaming import STREAMING_MODES, stream_stem
 
 __all__ = [
     "ParallelModel",
@@ -151,6 +152,9 @@ class ParallelPlan:
     gradient while the halo gradients are): same results, less exposed waiting.
     ``halo_depth`` > 1: one halo exchange serves up to that many consecutive
     windowed layers (fewer messages; the border is computed twice).
+    ``streaming``: ``"stem"`` runs a chain's leading convolution, BatchNorm,
+    activation and max-pool in row bands (:mod:`.streaming`): their maps are
+    never whole, which is the peak of a checkpointed ResNet.
     ``schedule`` is ``gpipe``, ``1f1b``, or one with two stages per rank
     (:mod:`.schedules`): ``bidirectional`` (two mirrored replicas, GEMS),
     ``interleaved1f1b``, ``zbv``, ``dualpipev`` (torch's; the model is cut into
@@ -174,9 +178,16 @@ class ParallelPlan:
     balance_by: BalanceBy = "time"
     overlap: bool = False
     halo_depth: int = 1
+    streaming: str = "none"
 
     def __post_init__(self) -> None:
         check_junction_plan(self.layout, self.schedule)
+        if self.streaming not in STREAMING_MODES:
+            raise ConfigError(
+                f"streaming {self.streaming!r}",
+                "is not a streaming mode",
+                f"use one of {', '.join(STREAMING_MODES)}",
+            )
         if not isinstance(self.halo_depth, int) or self.halo_depth < 1:
             raise ConfigError(
                 f"--halo-depth {self.halo_depth}",
@@ -349,6 +360,8 @@ class ParallelModel:
             overlap=plan.overlap,
             halo_depth=plan.halo_depth,
         )
+        #: The streamed stem's layers (parallel/streaming.py), empty without streaming.
+        self.streamed: list[str] = stream_stem(model, self.ctx) if plan.streaming == "stem" else []
         self.padded_hw: tuple[int, ...] = self.image_hw
         self.tile_hw: tuple[int, ...] = self.image_hw
         #: The plain model as it runs on a tile's shape (stage shapes, layer timing).
@@ -424,7 +437,10 @@ class ParallelModel:
             tile_names=None if self.ctx is None else self.ctx.tile_param_names,
             tiles=plan.layout.stage_size(self.pp_rank),
             reshard_after_forward=plan.microbatches == 1,
-            called=called_modules(self._meta_model, (1, self.in_chans, *self.image_hw)),
+            # A streamed stem's layers are not called one by one: their parameters are the
+            # root's, gathered when the stage starts.
+            called=called_modules(self._meta_model, (1, self.in_chans, *self.image_hw))
+            - set(self.streamed),
         )
         # FSDP2 hands a unit its input as a view made by a custom Function, which an
         # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).

@@ -38,6 +38,7 @@ __all__ = [
     "rebuild",
     "return_halo_grads",
     "trailing",
+    "window_of",
 ]
 
 
@@ -273,6 +274,59 @@ def rebuild(
         region = _core_view(ext, pairs, range(k + 1, nd))
         _put(region, region.dim() - nd + k, before, after, strips[2 * k : 2 * k + 2], fill)
     return ext
+
+
+def window_of(
+    x: torch.Tensor, strips: Strips, halo: Sequence[int], box: Sequence[slice]
+) -> torch.Tensor:
+    """``extend(x, halo, ...)[0][..., *box]`` built from the tile and the strips alone.
+
+    A rebuilt window (a band of rows, say) instead of the whole extended tile: the
+    streamed stem reads its input one band at a time. ``box`` has a slice with explicit
+    bounds per spatial dim, in extended-tile indices; a part whose strip is None (no
+    neighbour) is left 0. Strip ``k`` spans the extended tile along the dims before
+    ``k`` and the tile along the dims after it, as :func:`extend` receives them.
+    """
+    pairs = _pairs(halo)
+    nd = len(pairs)
+    tile = x.shape[x.dim() - nd :]
+    spans = [(int(b.start), int(b.stop)) for b in box]
+    out = x.new_zeros((*x.shape[: x.dim() - nd], *(e - s for s, e in spans)))
+    # Per dim: the part of the box before the tile, in it and after it, in extended indices.
+    parts = []
+    for (before, _), n, (s, e) in zip(pairs, tile, spans, strict=True):
+        cuts = [(0, max(s, 0), min(e, before)), (1, max(s, before), min(e, before + n)),
+                (2, max(s, before + n), e)]  # fmt: skip
+        parts.append([c for c in cuts if c[2] > c[1]])
+
+    def place(k: int, chosen: list[tuple[int, int, int]]) -> None:
+        if k < nd:
+            for part in parts[k]:
+                place(k + 1, [*chosen, part])
+            return
+        dst = tuple(
+            slice(lo - s, hi - s) for (_, lo, hi), (s, _) in zip(chosen, spans, strict=True)
+        )
+        side = max((d for d, (w, _, _) in enumerate(chosen) if w != 1), default=-1)
+        if side < 0:
+            src_t: torch.Tensor | None = x
+            offsets = [pairs[d][0] for d in range(nd)]
+        else:
+            which = chosen[side][0]
+            src_t = strips[2 * side + (0 if which == 0 else 1)]
+            offsets = [
+                0
+                if d < side
+                else (pairs[d][0] if d > side else (0 if which == 0 else pairs[d][0] + tile[d]))
+                for d in range(nd)
+            ]
+        if src_t is None:
+            return
+        src = tuple(slice(lo - o, hi - o) for (_, lo, hi), o in zip(chosen, offsets, strict=True))
+        out[trailing(dst)] = src_t[trailing(src)]
+
+    place(0, [])
+    return out
 
 
 def _reduce(

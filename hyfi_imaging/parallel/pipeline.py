@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock
+from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock, run_chain
 
 __all__ = [
     "StageModule",
@@ -196,9 +196,7 @@ class StageModule(nn.Module):
                 _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
                 for a in args
             )
-        x: Any = args[0] if len(args) == 1 else tuple(args)
-        for module in self.children():
-            x = module(x)
+        x: Any = run_chain(list(self.children()), args[0] if len(args) == 1 else tuple(args))
         if isinstance(x, tuple | list):
             x = tuple(self._boundary(t) for t in x)
         else:

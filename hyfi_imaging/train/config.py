@@ -167,6 +167,9 @@ class ParallelConfig(_Strict):
     overlap: bool = False
     #: One halo exchange serves up to this many consecutive windowed layers.
     halo_depth: int = Field(1, ge=1)
+    #: ``stem``: the leading convolution, BatchNorm, activation and max-pool run in row bands
+    #: (their maps are never whole: the peak of a checkpointed ResNet).
+    streaming: Literal["none", "stem"] = "none"
 
     @model_validator(mode="before")
     @classmethod

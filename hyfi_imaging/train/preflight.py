@@ -168,4 +168,5 @@ def plan_of(p: ParallelConfig, layout: Layout) -> ParallelPlan:
         checkpointing=p.checkpointing,
         overlap=p.overlap,
         halo_depth=p.halo_depth,
+        streaming=p.streaming,
     )

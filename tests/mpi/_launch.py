@@ -27,6 +27,7 @@ __all__ = [
     "have_mpiexec",
     "json_line",
     "marked_results_per_world",
+    "merged_result",
     "mpiexec",
     "results_per_world",
     "plain",
@@ -119,6 +120,21 @@ def json_line(job: Job) -> dict[str, Any]:
         if line.startswith("{"):
             return json.loads(line)  # type: ignore[no-any-return]
     raise AssertionError(f"no JSON result line\n{job.describe()}")
+
+
+def merged_result(job: Job) -> dict[str, Any]:
+    """The merged result line of a worker that ends with ``_worker.emit``, else the job's failure.
+
+    Rank 0 prints that line only after every rank finished every case and the verdicts were
+    gathered, so it is complete whatever happens at teardown. A rank once died there on CI
+    (MPICH reported SIGKILL after the line was out); such a death is reported on stderr
+    rather than turned into thirty failed comparisons.
+    """
+    lines = [ln for ln in job.stdout.splitlines() if ln.startswith(MARKER)]
+    assert lines, f"no merged result line\n{job.describe()}"
+    if job.returncode != 0:
+        print(f"after its result: {job.describe()[-1500:]}", file=sys.stderr)
+    return json.loads(lines[-1][len(MARKER) :])  # type: ignore[no-any-return]
 
 
 def results_per_world(

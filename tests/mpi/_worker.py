@@ -132,17 +132,17 @@ def merge_ranks(local: dict[str, Case]) -> dict[str, Case]:
 def emit(payload: dict[str, Any]) -> None:
     """Print the results line on rank 0 and leave without interpreter teardown.
 
-    ``os._exit`` after a barrier: tearing down gloo and MPI at interpreter exit
-    sometimes aborts ("terminate called without an active exception", exit 6)
-    after all the work is done, which would fail a launch that passed.
+    After a barrier, :func:`~hyfi_imaging.parallel.launch.exit_now` (MPI finalized, then
+    ``os._exit``): tearing down gloo at interpreter exit sometimes aborts ("terminate called
+    without an active exception", exit 6) after all the work is done.
     """
+    from hyfi_imaging.parallel.launch import exit_now
+
     if dist.get_rank() == 0:
         text = json.dumps(payload, allow_nan=True)
         print(MARKER + text, flush=True)
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def parse_grid(text: str) -> tuple[int, ...]:
