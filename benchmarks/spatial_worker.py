@@ -144,6 +144,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--checkpointing", default="none", help="none, full, every:N or selective (as hyfi-train)"
     )
+    p.add_argument(
+        "--streaming", choices=("none", "stem"), default="none", help="as parallel.streaming"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--count-halo", action="store_true")
     p.add_argument("--saved", action="store_true", help="count tensors saved for backward")
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.parallel.memory import PARAMETERS, saved_activations
     from hyfi_imaging.parallel.pipeline import set_checkpointing
     from hyfi_imaging.parallel.sharding import apply_fsdp
+    from hyfi_imaging.parallel.streaming import stream_stem
     from hyfi_imaging.parallel.verify import pad_image, spatial_context_for
 
     grid = Layout.parse_grid(args.grid)
@@ -183,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     set_checkpointing(model, args.checkpointing)
     model.train()
     rank, world, ctx = 0, 1, None
+    if not spatial and args.streaming == "stem":
+        stream_stem(model)
     if spatial:
         pc = init_parallel(Layout(sp=grid))
         rank, world = pc.rank, pc.world_size
         ctx = spatial_context_for(model, pc)
+        streamed = stream_stem(model, ctx) if args.streaming == "stem" else []
         if args.shard == "fsdp" and pc.shard_mesh is not None:
             apply_fsdp(
                 model,
@@ -194,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 tile_names=ctx.tile_param_names,
                 tiles=world,
                 reshard_after_forward=True,
+                # a streamed stem's layers are not called one by one: the root holds them
+                called={n for n, _ in model.named_modules()} - set(streamed),
             )
         if args.count_halo:
             _install_halo_counter()

@@ -52,7 +52,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
-from hyfi_imaging.parallel.halo import extend, window_of
+from hyfi_imaging.parallel.halo import extend, return_halo_grads, window_of
 
 __all__ = ["STREAMING_MODES", "Stem", "stream_stem"]
 
@@ -278,6 +278,8 @@ class Stem:
     def __init__(self, layers: list[_Layer], ctx: Any, band_rows: int = _BAND_ROWS) -> None:
         self.layers, self.ctx, self.band_rows = layers, ctx, band_rows
         self.modules = [ly.module for ly in layers]
+        #: Forward passes run in bands (tests and the verify report read it).
+        self.runs = 0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -301,11 +303,11 @@ class Stem:
         return [getattr(self.layers[lvl].module, name) for lvl, name in self.keys()]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad or x.dim() != 4:
-            # The stem of a later input (not the image): run the layers as they are.
-            for m in self.modules:
+        if x.dim() != 4:
+            for m in self.modules:  # not a batch of images: the layers as they are
                 x = m(x)
             return x
+        self.runs += 1
         out: torch.Tensor = _Streamed.apply(x, self, *self.params())
         return out
 
@@ -320,11 +322,15 @@ class Stem:
         upto: int,
         bound: dict[tuple[int, str], torch.Tensor],
         grad: bool = False,
+        input_grad: bool = False,
     ) -> list[torch.Tensor]:
         """Maps of band ``i`` at levels 0..``upto`` (each its box), from the input source,
-        with the parameters ``bound`` (:meth:`keys` -> tensor)."""
+        with the parameters ``bound`` (:meth:`keys` -> tensor); ``input_grad``: the input
+        box (``maps[0]``) records its gradient."""
         rows, cols = plan.rows[i], plan.cols
         x = src(rows[0], cols[0])
+        if input_grad:
+            x.requires_grad_()
         maps = [x]
         for lvl in range(upto):
             ly = self.layers[lvl]
@@ -334,10 +340,10 @@ class Stem:
                 x = _window(ly, x, box, out, weight, bias)
             elif ly.kind == "bn":
                 x = self._norm(ly, lvl, x, stats, weight, bias)
-            elif getattr(ly.module, "inplace", False):
-                x = ly.module(x.clone())  # a band's own copy: the map below stays what it was
             else:
-                x = ly.module(x)
+                # ``forward``, not the module's hooks (once per band); an in-place one on the
+                # band's own copy, so that the map below stays what it was.
+                x = ly.module.forward(x.clone() if getattr(ly.module, "inplace", False) else x)
             if grad and lvl + 1 < upto and not x.requires_grad:
                 x.requires_grad_()
             maps.append(x)
@@ -501,21 +507,42 @@ class _Streamed(torch.autograd.Function):
                     del maps, z, dz, xhat
                 assert s1 is not None and s2 is not None
                 sums[lvl] = (stem.all_reduce(s1), stem.all_reduce(s2))
+            need_x = bool(ctx.needs_input_grad[0])
+            # The input's gradient, halos included (sent back to their owners at the end).
+            halo = ctx.halo
+            gx = (
+                x.new_zeros(
+                    (*x.shape[:2], x.shape[2] + halo[0] + halo[1], x.shape[3] + halo[2] + halo[3])
+                )
+                if need_x
+                else None
+            )
+            wanted = [k for k, p in enumerate(params) if p.requires_grad]
             for i in range(len(plan.bands)):
                 with torch.enable_grad():
-                    maps = stem.band(plan, src, i, stats, n, bound, grad=True)
+                    maps = stem.band(plan, src, i, stats, n, bound, grad=True, input_grad=need_x)
                     hooks = _global_terms(bound, stem, plan, i, maps, stats, sums)
-                    wanted = [k for k, p in enumerate(params) if p.requires_grad]
-                    got = torch.autograd.grad(
-                        maps[-1], [params[k] for k in wanted], g_band(i), allow_unused=True
-                    )
+                    inputs = [params[k] for k in wanted] + ([maps[0]] if need_x else [])
+                    got = torch.autograd.grad(maps[-1], inputs, g_band(i), allow_unused=True)
                     for h in hooks:
                         h.remove()
-                for k, gk in zip(wanted, got, strict=True):
+                for k, gk in zip(wanted, got[: len(wanted)], strict=True):
                     if gk is not None:
                         grads[k] += gk
-                del maps
-        return (None, None, *grads)
+                if gx is not None and got[-1] is not None:
+                    rows, cols = plan.rows[i][0], plan.cols[0]
+                    r0 = rows.start - frame.start[0] + halo[0]
+                    c0 = cols.start - frame.start[1] + halo[2]
+                    gx[..., r0 : r0 + rows.size, c0 : c0 + cols.size] += got[-1]
+                del maps, got
+        g_input = None
+        if gx is not None:
+            if frame.spatial:
+                valid = tuple(max(0, frame.size[a] - frame.start[a]) for a in range(2))
+                g_input = return_halo_grads(gx, halo, stem.ctx.neighbours, valid=valid)
+            else:
+                g_input = gx
+        return (g_input, None, *grads)
 
 
 def _global_terms(
