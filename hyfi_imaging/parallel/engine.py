@@ -844,6 +844,8 @@ class ParallelModel:
             f"checkpointing {plan.checkpointing}; each replica's batch is split into "
             f"{plan.microbatches} equal micro-batches, BatchNorm per micro-batch",
         ]
+        if self.streamed:
+            lines.append(f"  streaming: stem {', '.join(self.streamed)} in row bands")
         if len(self.local) > 1:
             held = ", ".join(
                 f"{'AB'[ls.replica] if self.copies > 1 else ''}{ls.index}"

@@ -156,6 +156,7 @@ class VerifyReport:
             "worst": [{"name": c.name, "max_abs": c.max_abs, "max_rel": c.max_rel} for c in worst],
             "losses": self.losses,
             "reference_losses": self.reference_losses,
+            "plan": self.plan,
         }
 
 

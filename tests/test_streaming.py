@@ -1,0 +1,175 @@
+"""The streamed stem in one process: bands give what the whole map gives (float64).
+
+The multi-rank cases (tiles, halos, pipeline, data replicas) run through hyfi-verify in
+``tests/test_streaming_mpi.py``; here the band arithmetic, the BatchNorm passes and the
+memory claim are checked without processes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.models import create_model
+from hyfi_imaging.parallel.halo import window_of
+from hyfi_imaging.parallel.pipeline import set_checkpointing
+from hyfi_imaging.parallel.streaming import stream_stem
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _compare(plain: nn.Module, streamed: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Two SGD steps of both models on the same data; the worst relative difference of the
+    outputs, input gradients, parameter gradients and BatchNorm buffers."""
+    worst = 0.0
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, streamed)]
+    for _ in range(2):
+        outs, grads = [], []
+        for m, opt in zip((plain, streamed), opts, strict=True):
+            opt.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = m(xi)
+            F.cross_entropy(out, y).backward()
+            outs.append(out.detach())
+            grads.append(xi.grad)
+            opt.step()
+        worst = max(worst, _rel(outs[1], outs[0]), _rel(grads[1], grads[0]))
+    for (_, a), (_, b) in zip(plain.named_parameters(), streamed.named_parameters(), strict=True):
+        worst = max(worst, _rel(b.grad, a.grad), _rel(b, a))
+    for (_, a), (_, b) in zip(plain.named_buffers(), streamed.named_buffers(), strict=True):
+        worst = max(worst, _rel(b.double(), a.double()))
+    return worst
+
+
+@pytest.mark.parametrize(("size", "band_rows"), [((67, 45), 3), ((64, 64), 1), ((33, 70), 100)])
+def test_resnet_stem_in_bands_trains_like_the_whole_map(
+    size: tuple[int, int], band_rows: int
+) -> None:
+    """Odd sizes (windows hanging over the end), one-row bands, one band for everything."""
+    torch.manual_seed(0)
+    plain = create_model("resnet18", num_classes=3, width=0.25).double().train()
+    streamed = copy.deepcopy(plain)
+    assert stream_stem(streamed, band_rows=band_rows) == ["conv1", "bn1", "relu", "maxpool"]
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    assert _compare(plain, streamed, x, torch.tensor([1, 2])) < 1e-11
+    assert streamed.conv1.hyfi_stem.runs == 2  # both steps ran in bands
+
+
+def test_a_stem_of_two_batchnorms_and_a_trailing_convolution() -> None:
+    """conv/2 > BN > ReLU6 > conv (dilated, grouped, biased) > BN (no affine, cumulative
+    running average) > SiLU > max-pool > 1x1 conv: one BatchNorm pass each, in order."""
+    torch.manual_seed(1)
+    plain = nn.Sequential(
+        nn.Conv2d(3, 6, 5, stride=2, padding=2, bias=False),
+        nn.BatchNorm2d(6),
+        nn.ReLU6(inplace=True),
+        nn.Conv2d(6, 6, 3, padding=2, dilation=2, groups=2),
+        nn.BatchNorm2d(6, affine=False, momentum=None),
+        nn.SiLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(6, 4, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).double()
+    streamed = copy.deepcopy(plain)
+    assert stream_stem(streamed, band_rows=2) == [str(i) for i in range(8)]
+    x = torch.randn(3, 3, 41, 38, dtype=torch.float64)
+    assert _compare(plain, streamed, x, torch.tensor([0, 1, 2])) < 1e-11
+
+
+def test_evaluation_uses_the_running_statistics() -> None:
+    torch.manual_seed(2)
+    plain = create_model("resnet18", num_classes=2, width=0.25).double().eval()
+    streamed = copy.deepcopy(plain)
+    stream_stem(streamed, band_rows=5)
+    x = torch.randn(1, 3, 50, 61, dtype=torch.float64)
+    with torch.no_grad():
+        assert _rel(streamed(x), plain(x)) < 1e-12
+
+
+def test_with_checkpointed_blocks() -> None:
+    torch.manual_seed(3)
+    plain = create_model("resnet18", num_classes=2, width=0.25).double().train()
+    streamed = copy.deepcopy(plain)
+    set_checkpointing(streamed, "full")
+    stream_stem(streamed)
+    x = torch.randn(2, 3, 90, 75, dtype=torch.float64)
+    assert _compare(plain, streamed, x, torch.tensor([0, 1])) < 1e-11
+
+
+def test_backward_keeps_no_map_of_the_stem() -> None:
+    """What autograd saves for the stem is the image and the parameters, nothing of the
+    size of a map (the plain stem keeps the convolution's output and the ReLU's, 16
+    channels at half resolution each: 2.7x the RGB image)."""
+    torch.manual_seed(4)
+    model = create_model("resnet18", num_classes=2, width=0.25).train()
+    stem = model.conv1, model.bn1, model.relu, model.maxpool
+    x = torch.randn(1, 3, 256, 256)
+
+    def saved_bytes() -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() != x.data_ptr() and not isinstance(t, nn.Parameter):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            from hyfi_imaging.models.registry import run_chain
+
+            run_chain(list(stem), x)
+        return sum(seen.values())
+
+    plain = saved_bytes()
+    stream_stem(model)
+    assert plain > 2 * x.numel() * 4  # the maps (16 channels at 128x128, twice)
+    # the parameters as autograd hands them over (views) and the statistics: < 1 KiB each
+    assert saved_bytes() < 16 * 1024
+
+
+def test_models_that_cannot_stream_are_refused_in_one_line() -> None:
+    class NotAChain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x).mean((2, 3))
+
+    with pytest.raises(ConfigError, match="not one") as err:
+        stream_stem(NotAChain())
+    assert "\n" not in str(err.value) and "streaming=none" in str(err.value)
+    with pytest.raises(ConfigError, match="'0' \\(Flatten\\)"):
+        stream_stem(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)))
+
+
+@pytest.mark.parametrize("halo", [(2, 1, 3, 0), (0, 2, 1, 1), (1, 1, 1, 1)])
+def test_a_window_of_the_tile_and_its_strips_is_the_extended_tile_s(
+    halo: tuple[int, int, int, int],
+) -> None:
+    """window_of reads the part of the extended tile asked for from the tile and the strips
+    (row strips over the tile's columns, column strips over the extended rows)."""
+    gen = torch.Generator().manual_seed(5)
+    top, bottom, left, right = halo
+    ext = torch.randn(2, 3, 7 + top + bottom, 6 + left + right, generator=gen)
+    x = ext[..., top : top + 7, left : left + 6].clone()
+    cols = slice(left, left + 6)
+    strips = (
+        ext[..., :top, cols].clone() if top else None,
+        ext[..., top + 7 :, cols].clone() if bottom else None,
+        ext[..., :, :left].clone() if left else None,
+        ext[..., :, left + 6 :].clone() if right else None,
+    )
+    h, w = ext.shape[-2:]
+    for r0, r1, c0, c1 in [(0, h, 0, w), (1, h - 1, 0, 3), (top, top + 2, 2, w), (h - 2, h, 0, w)]:
+        got = window_of(x, strips, halo, (slice(r0, r1), slice(c0, c1)))
+        assert torch.equal(got, ext[..., r0:r1, c0:c1])
