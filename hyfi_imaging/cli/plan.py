@@ -53,6 +53,7 @@ the activations their order keeps in flight. Measured on CPU (tests/test_plan_mp
 -19.5 % and dualpipev -20 % (under-predicted, not calibrated: leave them a margin). Per-stage
 grids (sp2x2,1x2,1x1, the junction): each stage on its own grid; the busiest (front) rank
 within 1 %, later stages up to 14 % lower. "recommended" lists every pipeline rank's peak.
+ckpt full+stem: every block checkpointed and the stem streamed in row bands (parallel.streaming).
 step s / bubble: the schedule's own order replayed (forward = the stage's FLOPs at the rate,
 backward twice that, zbv/dualpipev's input and weight halves equal) plus halo, stage-to-stage,
 FSDP2 and bidirectional mirror traffic at --bandwidth. Not calibrated against measured wall
@@ -123,6 +124,8 @@ def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
         f"  schedule: {cand.schedule}",
         f"  checkpointing: {cand.checkpointing}",
     ]
+    if cand.streaming != "none":
+        lines.append(f"  streaming: {cand.streaming}")
     if lay.pp > 1:
         lines.append(f"  balance: [{', '.join(map(str, balance))}]")
     return "\n".join(lines)
@@ -150,7 +153,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
         p = r.parallel
         own = Candidate(
             p.layout(), p.microbatches,
-            p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None,
+            p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None, p.streaming,
         )  # fmt: skip
         devices = args.devices or own.layout.world_size
         return (
@@ -201,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         f"({'given' if args.rate else 'measured on ' + device.type}), "
         f"{len(preds)} layouts"
     )
-    head = f"{'#':>3} {'layout':28} {'m':>2} {'schedule':15} {'ckpt':9} {'peak GiB':>9} " \
+    head = f"{'#':>3} {'layout':28} {'m':>2} {'schedule':15} {'ckpt':14} {'peak GiB':>9} " \
            f"{'act':>7} {'state':>7} {'step s':>9} {'bubble':>6} {'img/s/dev':>10}  fits"  # fmt: skip
     print(head)
     shown = ranked[: args.top]
@@ -212,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         lay = f"dp{c.layout.dp} pp{c.layout.pp} sp{grids_text(c.layout)}"
         mark = " <- recipe" if c == own else ""
         print(
-            f"{i:>3} {lay:28} {c.microbatches:>2} {c.schedule:15} {c.checkpointing:9} "
+            f"{i:>3} {lay:28} {c.microbatches:>2} {c.schedule:15} "
+            f"{c.checkpointing + ('+stem' if c.streaming == 'stem' else ''):14} "
             f"{_gib(p.peak):>9} {_gib(p.activations + p.transient):>7} {_gib(p.state):>7} "
             f"{p.step_s:>9.3g} {p.bubble:>6.2f} {p.images_per_s / c.layout.world_size:>10.3g}  "
             f"{'yes' if p.peak <= memory else 'NO'}{mark}"

@@ -10,6 +10,7 @@ one's memory and step time; :func:`rank` orders the predictions.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from hyfi_imaging.parallel.plan import (
     tile_hw,
 )
 from hyfi_imaging.parallel.schedules import SCHEDULES
+from hyfi_imaging.parallel.streaming import stream_stem
 
 __all__ = [
     "JUNCTION_LIMIT",
@@ -103,6 +105,11 @@ def candidates(
         return math.prod(grid) == 1 or min(tile) >= 2 * align
 
     try:
+        stream_stem(copy.deepcopy(model).to("meta"))
+        streams = True
+    except ConfigError:
+        streams = False
+    try:
         check_pooled(model, image_hw, Layout(pp=2, grids=((1, 2), (1, 1))))
         pooled = True
     except ConfigError:
@@ -126,12 +133,16 @@ def candidates(
             for m in _divisors(batch):
                 for schedule in SCHEDULES if lay.pp > 1 else ("gpipe",):
                     for ck in CHECKPOINTING:
-                        cand = Candidate(lay, m, ck, schedule)
-                        try:
-                            candidate_plan(cand).validate(model, batch)
-                        except ConfigError:
-                            continue  # e.g. per-stage grids with a schedule they do not run
-                        yield cand
+                        # The streamed stem where memory matters most: every block
+                        # checkpointed, tiles and replicas only (bounds the search).
+                        both = ck == "full" and lay.pp == 1 and streams
+                        for streaming in ("none", "stem") if both else ("none",):
+                            cand = Candidate(lay, m, ck, schedule, streaming=streaming)
+                            try:
+                                candidate_plan(cand).validate(model, batch)
+                            except ConfigError:
+                                continue  # e.g. per-stage grids with a schedule they do not run
+                            yield cand
 
 
 def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:

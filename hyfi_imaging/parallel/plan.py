@@ -77,6 +77,7 @@ from hyfi_imaging.parallel.schedules import (
     simulate_orders,
 )
 from hyfi_imaging.parallel.sharding import shard_units
+from hyfi_imaging.parallel.streaming import Stem, stream_stem
 
 __all__ = [
     "Candidate",
@@ -100,18 +101,19 @@ CHECKPOINTING = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run: layout, micro-batches, schedule, checkpointing, stage cut."""
+    """One way to run: layout, micro-batches, schedule, checkpointing, stage cut, streaming."""
 
     layout: Layout
     microbatches: int = 1
     checkpointing: str = "none"
     schedule: str = "gpipe"
     balance: tuple[int, ...] | None = None
+    streaming: str = "none"
 
     def describe(self) -> str:
         return (
             f"{self.layout.describe()}, m={self.microbatches} {self.schedule}, "
-            f"ckpt {self.checkpointing}"
+            f"ckpt {self.checkpointing}" + (", stem streamed" if self.streaming == "stem" else "")
         )
 
 
@@ -239,6 +241,7 @@ def candidate_plan(candidate: Candidate) -> ParallelPlan:
         schedule=cast(Schedule, candidate.schedule),
         balance=candidate.balance,
         checkpointing=candidate.checkpointing,
+        streaming=candidate.streaming,
     )
 
 
@@ -406,7 +409,7 @@ def _stage_costs(
     lay = candidate.layout
     grids = [lay.grid_of(s) if lay.junction else lay.sp for s in range(n_stages)]
     key = (image_hw, tuple(grids), mb, candidate.checkpointing, n_stages, candidate.balance,
-           flops_per_s, bandwidth)  # fmt: skip
+           flops_per_s, bandwidth, candidate.streaming)  # fmt: skip
     cache = _COSTS.setdefault(model, {})
     if key in cache:
         return cast(tuple[tuple[int, ...], list[_StageCost]], cache[key])
@@ -420,6 +423,9 @@ def _stage_costs(
         return tile_hw(image_hw, grid, align) if lay.junction or math.prod(grid) > 1 else image_hw
 
     blocks = set_checkpointing(meta, candidate.checkpointing)
+    if candidate.streaming == "stem":
+        # Traced as one process on the tile: the stem keeps the image and its parameters.
+        stream_stem(meta)
     policy = "selective" if candidate.checkpointing == "selective" else "full"
     for blk in meta.modules():  # traced plainly; the accounting above models the recompute
         if isinstance(blk, CheckpointedBlock):
@@ -481,11 +487,17 @@ def _stage_cost(
     weighted = dict(stage.named_modules())
     # Forward, and backward at twice the forward's FLOPs plus the forward of recomputed
     # blocks again (convolutions kept by selective checkpointing are not recomputed: a half).
+    # A streamed stem runs its layers once per pass in forward and again per pass in backward.
+    stem = next((getattr(m, "hyfi_stem", None) for m in stage.children()), None)
+    passes = {path: stem.passes for path in stem.paths} if stem is not None else {}
+    flops = _layer_flops(stage, ins)
+    if stem is not None:
+        flops.update(_stem_flops(stem, ins[0]))
     fwd = bwd = 0.0
-    for name, f in _layer_flops(stage, ins).items():
+    for name, f in flops.items():
         redo = any(b.split(".")[0] == name for b in mine)
-        fwd += f
-        bwd += f * (2 + ((1.0 if policy == "full" else 0.5) if redo else 0.0))
+        fwd += f * passes.get(name, 1)
+        bwd += f * (2 + ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0))
     return _StageCost(
         act=act + strips,
         transient=transient,
@@ -513,6 +525,18 @@ def _layer_flops(stage: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str
     for name, _ in stage.named_children():
         key = f"{type(stage).__name__}.{name}"
         out[name] = float(sum(per_module.get(key, {}).values()))
+    return out
+
+
+def _stem_flops(stem: Stem, x: torch.Tensor) -> dict[str, float]:
+    """Forward FLOPs of each layer of a streamed stem, run plainly once (meta device)."""
+    out = {}
+    with torch.no_grad():
+        for path, m in zip(stem.paths, stem.modules, strict=True):
+            counter = FlopCounterMode(display=False)
+            with counter:
+                x = m(x)
+            out[path] = float(counter.get_total_flops())
     return out
 
 

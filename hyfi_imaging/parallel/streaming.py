@@ -288,6 +288,12 @@ class Stem:
     def paths(self) -> list[str]:
         return [ly.path for ly in self.layers]
 
+    @property
+    def passes(self) -> int:
+        """Times forward (and backward again) runs the layers: once, plus once per
+        BatchNorm with batch statistics."""
+        return 1 + len(self.training_norms())
+
     def keys(self) -> list[tuple[int, str]]:
         """``(layer, name)`` of the parameters, in the order of :meth:`params`."""
         return [
@@ -420,6 +426,9 @@ class _Streamed(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, stem: Stem, *params: torch.Tensor) -> torch.Tensor:
         frame = _Frame.of(x, stem.ctx)
         plan = _Plan(stem.layers, frame, stem.band_rows)
+        if x.device.type == "meta":  # a planner's trace: the shape, and what is saved
+            ctx.save_for_backward(x, *params)
+            return x.new_empty((x.shape[0], _out_channels(stem, x), *plan.out_len))
         strips: tuple[Any, ...] = (None,) * 4
         halo = (0, 0, 0, 0)
         if frame.spatial:

@@ -100,7 +100,7 @@ def fit_warning(recipe: Recipe, memory: int | None = None) -> str | None:
     p = recipe.parallel
     cand = Candidate(
         p.layout(), p.microbatches, p.checkpointing,
-        p.schedule, tuple(p.balance) if p.balance else None,
+        p.schedule, tuple(p.balance) if p.balance else None, p.streaming,
     )  # fmt: skip
     model, hw, rate, optimizer = _setting(recipe)
     pred = predict(model, hw, recipe.train.batch_size, cand, optimizer=optimizer, flops_per_s=rate)
