@@ -26,12 +26,13 @@ pytestmark = [
 ]
 
 TOLERANCE = 0.15
-#: name -> (ranks, dp,pp,gy,gx, checkpointing, micro-batches, schedule[, per-stage grids]);
+#: name -> (ranks, dp,pp,gy,gx, checkpointing[+stem], micro-batches, schedule[, per-stage grids]);
 #: ResNet-18 x0.25, 1024^2, batch 2.
 LAYOUTS: dict[str, tuple[Any, ...]] = {
     "1-process": (1, "1,1,1,1", "none", 1, "gpipe"),
     "sp2x2": (4, "1,1,2,2", "none", 1, "gpipe"),
     "sp2x2-full": (4, "1,1,2,2", "full", 1, "gpipe"),
+    "sp2x2-full+stem": (4, "1,1,2,2", "full+stem", 1, "gpipe"),
     "sp1x2-selective": (2, "1,1,1,2", "selective", 1, "gpipe"),
     "pp2-1f1b": (2, "1,2,1,1", "none", 2, "1f1b"),
     "dp2-sp1x2": (4, "2,1,1,2", "none", 1, "gpipe"),
@@ -52,8 +53,15 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
 # (-14 %, not the busiest rank). Known under-predictions: ZBV (pp2-zbv, -19.5 %: the split
 # input/weight backward's working set is not modelled; it read -7 % only while the transient
 # of one stage was added to the other's activations) and DualPipeV (pp 2, m 4, -20 %).
-XFAIL = {"pp2-zbv": "ZBV's split backward working set is not modelled (-19.5 %)"}
-SLOW = {"pp2-sp1x2-full", "pp2-zbv"}
+# The streamed stem (sp2x2-full+stem): predicted 29.9 / measured 38.6 MiB (-22.6 %) at 1024^2
+# batch 2, 51.9 / 61.9 (-16 %) at 2048^2, 283.6 / 282 (+0.6 %) at 5120^2 (bench_scale's probe):
+# right where the stem's maps dominate; below that a part of ~9 MiB that does not scale with the
+# image is missing from the model (not found yet).
+XFAIL = {
+    "pp2-zbv": "ZBV's split backward working set is not modelled (-19.5 %)",
+    "sp2x2-full+stem": "small images: ~9 MiB of the streamed stem's run not modelled (-22.6 %)",
+}
+SLOW = {"pp2-sp1x2-full", "pp2-zbv", "sp2x2-full+stem"}
 
 
 @pytest.mark.parametrize(
@@ -69,9 +77,10 @@ SLOW = {"pp2-sp1x2-full", "pp2-zbv"}
 )
 def test_predicted_peak_within_15_percent(name: str) -> None:
     ranks, layout, ck, m, schedule, *grids = LAYOUTS[name]
+    ck, _, stem = ck.partition("+")  # "full+stem": the stem streamed too
     job = mpiexec(
         ranks, "tests/mpi/plan_accuracy.py", "--layout", layout, "--ck", ck,
-        "--m", str(m), "--schedule", schedule, "--image", "1024",
+        "--streaming", stem or "none", "--m", str(m), "--schedule", schedule, "--image", "1024",
         *(("--grids", grids[0]) if grids else ()),
     )  # fmt: skip
     result = merged_result(job)

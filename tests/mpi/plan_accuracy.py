@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--ck", default="none")
+    p.add_argument("--streaming", default="none")
     p.add_argument("--grids", help="per-stage grids, e.g. 1x2,1x1 (GY,GX of --layout ignored)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def main() -> None:
     grids = Layout.parse_grids(args.grids) if args.grids else None
     layout = Layout(dp=dp, pp=pp, sp=(gy, gx), grids=grids)
     hw = (args.image, args.image)
-    cand = Candidate(layout, args.m, args.ck, args.schedule)
+    cand = Candidate(layout, args.m, args.ck, args.schedule, streaming=args.streaming)
 
     def build() -> Any:
         torch.manual_seed(0)
@@ -62,6 +63,7 @@ def main() -> None:
         schedule=args.schedule,  # type: ignore[arg-type]
         balance=pred.balance,
         checkpointing=args.ck,
+        streaming=args.streaming,
     )
     pm = ParallelModel(build(), pc, plan, image_hw=hw)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-3, momentum=0.9)
