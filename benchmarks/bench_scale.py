@@ -155,6 +155,14 @@ def _peak(
         return None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
+        # Killed for memory: the side does not fit. Anything else is a failure to report,
+        # not a size to bisect away from.
+        killed = "signal 9" in proc.stdout + proc.stderr or proc.returncode in (-9, 137)
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-3:]
+        print(f"  probe {grid} {side}^2 failed (exit {proc.returncode}): {' | '.join(tail)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if not killed:
+            raise SystemExit(f"bench_scale: the {grid} probe at {side}^2 failed; see above")
         return None
     ranks = json.loads(lines[-1][len("RESULT ") :])["ranks"]
     peaks = []
