@@ -9,14 +9,18 @@ Two parts, each printing ratios measured side by side in this one run:
    ResNet-18 (``--width``, default 0.25) with checkpointing of every block. It
    records the per-rank peak resident memory (every rank's ``ru_maxrss``, as
    ``summary.json`` reports it), the step time, the time each step waited for
-   its tiles (target: < 5 % of the step) and the loss.
+   its tiles (target: < 5 % of the step) and the loss; ``--streaming stem``
+   streams the stem as well.
 2. **Largest image** (``--part largest``), found by *running*, not
-   extrapolated: for one process, 2x2, and 2x2 + checkpointing, a bisection
+   extrapolated: for one process, 2x2, 2x2 + checkpointing, and 2x2 +
+   checkpointing + the streamed stem (``parallel.streaming: stem``), a bisection
    on the image side (multiples of 64) runs two training steps in fresh
    processes (``spatial_worker.py``) and keeps the largest side whose peak
    memory (over the RSS after the model build, glibc's mmap threshold fixed)
    stays within ``--cap-gib`` on every rank. Targets (issue 8): 2x2 fits
-   >= 3.6x the pixels of one process, and >= 12x with checkpointing. The
+   >= 3.6x the pixels of one process, and >= 12x with checkpointing (the last
+   two rows are judged against it; a failed probe other than a kill for memory
+   stops the search). The
    default cap is 1 GiB so that the search fits a 2-core machine; the ratios
    are what matters.
 
@@ -58,7 +62,7 @@ def _verdict(what: str, ok: bool, detail: str) -> str:
 
 
 def _train(
-    manifest: Path, out: Path, steps: int, checkpointing: str, width: float
+    manifest: Path, out: Path, steps: int, checkpointing: str, width: float, streaming: str
 ) -> dict[str, Any] | None:
     cmd = [
         "mpiexec", "-n", "4", sys.executable, "-m", "hyfi_imaging.cli.train",
@@ -69,6 +73,7 @@ def _train(
         f"train.out_dir={out}",
         "parallel.spatial=2x2",
         f"parallel.checkpointing={checkpointing}",
+        f"parallel.streaming={streaming}",
         f"model.kwargs.width={width}",
         "train.batch_size=1",
         "train.epochs=100",
@@ -100,7 +105,9 @@ def _train(
     }
 
 
-def part_train(sizes: list[int], steps: int, checkpointing: str, width: float) -> list[str]:
+def part_train(
+    sizes: list[int], steps: int, checkpointing: str, width: float, streaming: str
+) -> list[str]:
     lines, rows = [], []
     for size in sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +116,7 @@ def part_train(sizes: list[int], steps: int, checkpointing: str, width: float) -
             manifest = cohort(work, size, n=2)
             prep = time.perf_counter() - t0
             print(f"  {size}^2: cohort written and converted in {prep:.0f} s", file=sys.stderr)
-            r = _train(manifest, work / "run", steps, checkpointing, width)
+            r = _train(manifest, work / "run", steps, checkpointing, width, streaming)
         if r is None:
             lines.append(f"MISS: hyfi-train at {size}^2 failed (see the log above)")
             continue
@@ -124,7 +131,7 @@ def part_train(sizes: list[int], steps: int, checkpointing: str, width: float) -
         )
     print(
         f"\n1. hyfi-train at the mission's sizes: 2x2 grid (4 ranks), ResNet-18 x{width:g}, batch 1, "
-        f"checkpointing {checkpointing}, {steps} steps"
+        f"checkpointing {checkpointing}, streaming {streaming}, {steps} steps"
     )
     print(f"{'image':>8s}{'preprocess':>12s}{'step s':>9s}{'wait s':>9s}{'wait %':>8s}"
           f"{'peak RSS per rank (MiB)':>28s}  loss by step")  # fmt: skip
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="training steps per size (part 1)")
     p.add_argument("--checkpointing", default="full", help="part 1 checkpointing mode")
     p.add_argument("--width", type=float, default=0.25, help="part 1 ResNet-18 width")
+    p.add_argument("--streaming", default="none", help="part 1 streaming (none or stem)")
     p.add_argument("--cap-gib", type=float, default=1.0, help="per-rank memory cap (part 2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per probe (part 2)")
     args = p.parse_args(argv)
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     if "train" in parts:
         sizes = [int(s) for s in args.sizes.split(",")]
-        verdicts += part_train(sizes, args.steps, args.checkpointing, args.width)
+        verdicts += part_train(sizes, args.steps, args.checkpointing, args.width, args.streaming)
     if "largest" in parts:
         verdicts += part_largest(args.cap_gib, args.timeout)
     print()
