@@ -173,3 +173,23 @@ def test_a_window_of_the_tile_and_its_strips_is_the_extended_tile_s(
     for r0, r1, c0, c1 in [(0, h, 0, w), (1, h - 1, 0, 3), (top, top + 2, 2, w), (h - 2, h, 0, w)]:
         got = window_of(x, strips, halo, (slice(r0, r1), slice(c0, c1)))
         assert torch.equal(got, ext[..., r0:r1, c0:c1])
+
+
+def test_under_autocast_the_stem_is_as_close_to_float32_as_the_plain_one() -> None:
+    """bf16 autocast (CPU here, CUDA on a cluster): bands recompute under the same autocast
+    in backward; their gradients are as far from float32 as the plain model's (bf16 noise on
+    a tiny model is tens of percent, so the check is relative)."""
+    torch.manual_seed(6)
+    ref = create_model("resnet18", num_classes=3, width=0.25).train()
+    plain, streamed = copy.deepcopy(ref), copy.deepcopy(ref)
+    stream_stem(streamed, band_rows=4)
+    x, y = torch.randn(2, 3, 160, 144), torch.tensor([1, 2])
+    F.cross_entropy(ref(x), y).backward()
+    for m in (plain, streamed):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        F.cross_entropy(out.float(), y).backward()
+    for name in ("conv1.weight", "bn1.weight", "layer1.0.conv1.weight"):
+        want = dict(ref.named_parameters())[name].grad
+        errs = [_rel(dict(m.named_parameters())[name].grad, want) for m in (plain, streamed)]
+        assert errs[1] < 2 * errs[0] + 0.05, (name, errs)

@@ -504,7 +504,7 @@ class _Streamed(torch.autograd.Function):
                         maps = stem.band(plan, src, i, stats, n, bound, grad=True)
                         hooks = _global_terms(bound, stem, plan, i, maps, stats, sums)
                         z = maps[lvl + 1]
-                        (dz,) = torch.autograd.grad(maps[-1], z, g_band(i))
+                        (dz,) = torch.autograd.grad(maps[-1], z, g_band(i).to(maps[-1].dtype))
                         for h in hooks:
                             h.remove()
                     xhat = (maps[lvl].detach() - _shape(stats[lvl].mean)) * _shape(stats[lvl].rstd)
@@ -532,7 +532,9 @@ class _Streamed(torch.autograd.Function):
                     maps = stem.band(plan, src, i, stats, n, bound, grad=True, input_grad=need_x)
                     hooks = _global_terms(bound, stem, plan, i, maps, stats, sums)
                     inputs = [params[k] for k in wanted] + ([maps[0]] if need_x else [])
-                    got = torch.autograd.grad(maps[-1], inputs, g_band(i), allow_unused=True)
+                    got = torch.autograd.grad(
+                        maps[-1], inputs, g_band(i).to(maps[-1].dtype), allow_unused=True
+                    )
                     for h in hooks:
                         h.remove()
                 for k, gk in zip(wanted, got[: len(wanted)], strict=True):
