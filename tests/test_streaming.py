@@ -193,3 +193,21 @@ def test_under_autocast_the_stem_is_as_close_to_float32_as_the_plain_one() -> No
         want = dict(ref.named_parameters())[name].grad
         errs = [_rel(dict(m.named_parameters())[name].grad, want) for m in (plain, streamed)]
         assert errs[1] < 2 * errs[0] + 0.05, (name, errs)
+
+
+def test_layers_whose_forward_is_their_own_are_not_streamed() -> None:
+    """A subclass may compute more than its base (an activation folded into a norm, a
+    standardised weight): the stem ends before it; a deep halo is refused with it."""
+
+    class NormAct(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(super().forward(x))
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), NormAct(4), nn.MaxPool2d(2))
+    assert stream_stem(model) == ["0"]
+
+    from hyfi_imaging.parallel.engine import ParallelPlan
+    from hyfi_imaging.parallel.layout import Layout
+
+    with pytest.raises(ConfigError, match="use halo_depth 1 with streaming"):
+        ParallelPlan(Layout(), streaming="stem", halo_depth=2)

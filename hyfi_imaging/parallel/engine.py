@@ -188,6 +188,13 @@ class ParallelPlan:
                 "is not a streaming mode",
                 f"use one of {', '.join(STREAMING_MODES)}",
             )
+        if self.streaming != "none" and self.halo_depth > 1:
+            raise ConfigError(
+                f"streaming {self.streaming} with halo_depth {self.halo_depth}",
+                "a deep halo would carry a border out of the streamed stem, which computes "
+                "its own tile only",
+                "use halo_depth 1 with streaming, or streaming none",
+            )
         if not isinstance(self.halo_depth, int) or self.halo_depth < 1:
             raise ConfigError(
                 f"--halo-depth {self.halo_depth}",

@@ -53,6 +53,7 @@ from torch import nn
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
 from hyfi_imaging.parallel.halo import extend, return_halo_grads, window_of
+from hyfi_imaging.parallel.spatial import SpatialBatchNorm2d, SpatialConv2d, SpatialMaxPool2d
 
 __all__ = ["STREAMING_MODES", "Stem", "stream_stem"]
 
@@ -78,19 +79,31 @@ class _Layer:
     geoms: tuple[LayerGeom, LayerGeom] | None  # (rows, cols) of a windowed layer
 
 
+#: The exact classes that stream (plain, and their spatial forms): a subclass may compute
+#: something else in its ``forward`` (timm's BatchNormAct2d, a weight-standardised conv).
+_CONVS = (nn.Conv2d, SpatialConv2d)
+_MAX_POOLS = (nn.MaxPool2d, SpatialMaxPool2d)
+_NORMS = (nn.BatchNorm2d, SpatialBatchNorm2d)
+
+
 def _layer(path: str, m: nn.Module) -> _Layer | None:
     """The stem layer ``m`` is, or None when it cannot stream."""
-    if isinstance(m, nn.Conv2d) and not isinstance(m.padding, str) and m.padding_mode == "zeros":
-        if type(m).__name__ == "SpatialConv2dSame":
+    kind = type(m)
+    if kind in _CONVS:
+        assert isinstance(m, nn.Conv2d)
+        if isinstance(m.padding, str) or m.padding_mode != "zeros":
             return None
         g = layer_geom(m)
         return _Layer("conv", path, m, (g[0], g[1]))
-    if isinstance(m, nn.MaxPool2d) and not m.ceil_mode and not m.return_indices:
+    if kind in _MAX_POOLS:
+        assert isinstance(m, nn.MaxPool2d)
+        if m.ceil_mode or m.return_indices:
+            return None
         g = layer_geom(m)
         return _Layer("max", path, m, (g[0], g[1]))
-    if isinstance(m, nn.BatchNorm2d):
+    if kind in _NORMS:
         return _Layer("bn", path, m, None)
-    if type(m) in _ACTIVATIONS:
+    if kind in _ACTIVATIONS:
         return _Layer("act", path, m, None)
     return None
 
