@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+    from hyfi_imaging.parallel.launch import exit_now, init_parallel
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.memory import PARAMETERS, saved_activations
     from hyfi_imaging.parallel.pipeline import set_checkpointing
@@ -313,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather_object(gathered, result)
         if rank == 0:
             print("RESULT " + json.dumps({"grid": list(grid), "ranks": gathered}), flush=True)
-        shutdown()
+        dist.barrier()
+        # Not interpreter teardown: gloo's threads sometimes abort it ("terminate called
+        # without an active exception") after all the work is done (the product's own exit).
+        exit_now(0)
     else:
         print("RESULT " + json.dumps({"grid": [1, 1], "ranks": [result]}), flush=True)
     return 0
