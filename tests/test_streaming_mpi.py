@@ -70,4 +70,15 @@ def test_streamed_stem_trains_like_one_process(ranks: int, options: tuple[str, .
     report = json_line(job)
     assert job.returncode == 0 and report["ok"], (report.get("worst"), job.describe())
     assert report["max_rel_error"] < 1e-10 and report["compared"] > 250
-    assert "streaming: stem conv1, bn1, relu, maxpool" in report["plan"]
+    assert "streaming: stem conv1, bn1, relu, maxpool in row bands" in report["plan"]
+
+
+def test_a_pipeline_cut_inside_the_stem_runs_it_layer_by_layer_and_says_so() -> None:
+    job = mpiexec(
+        2, "-m", "hyfi_imaging.cli.verify", "--model", "resnet18", "--width", "0.25",
+        "--streaming", "stem", "--pipeline", "2", "--microbatches", "2", "--balance", "2,9",
+        "--image-size", "64x64", "--json", timeout=300,
+    )  # fmt: skip
+    report = json_line(job)
+    assert job.returncode == 0 and report["ok"], (report.get("worst"), job.describe())
+    assert "maxpool NOT streamed: the first pipeline stage ends inside it" in report["plan"]

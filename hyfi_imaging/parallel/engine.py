@@ -396,6 +396,9 @@ class ParallelModel:
         del plain
         self.balance = self.balance_info.balance
         bounds = stage_bounds(self.balance)
+        #: Whether the first stage holds the whole streamed stem (a cut inside it runs its
+        #: layers one by one: exact, without the memory saving; said in the plan).
+        self.stem_whole = not self.streamed or bounds[0][1] >= len(self.streamed)
         # A chain is cut into stages of its children; any other model is one stage, the
         # model itself, running its own forward under its own parameter names.
         self._submods: list[nn.Module] = [model]
@@ -852,7 +855,13 @@ class ParallelModel:
             f"{plan.microbatches} equal micro-batches, BatchNorm per micro-batch",
         ]
         if self.streamed:
-            lines.append(f"  streaming: stem {', '.join(self.streamed)} in row bands")
+            how = (
+                "in row bands"
+                if self.stem_whole
+                else "NOT streamed: the first pipeline stage ends inside it, so its layers run "
+                "one by one (give the first stage more layers with --balance)"
+            )
+            lines.append(f"  streaming: stem {', '.join(self.streamed)} {how}")
         if len(self.local) > 1:
             held = ", ".join(
                 f"{'AB'[ls.replica] if self.copies > 1 else ''}{ls.index}"
