@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,18 +12,18 @@ import torch
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import json_line, mpiexec
+
 pytestmark = pytest.mark.mpi
 WORKER = Path(__file__).parent / "workers" / "global_max_pool.py"
 
 
 def _run_worker(worker: Path, *args: object, ranks: int) -> dict[str, Any]:
     """Run a worker under ``mpiexec -n ranks``; its last stdout line, parsed."""
-    cmd = [str(Path(sys.executable).with_name("mpiexec")), "-n", str(ranks), sys.executable,
-           str(worker), *map(str, args)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    job = mpiexec(ranks, str(worker), *map(str, args), timeout=240)
+    assert job.returncode == 0, job.describe()
+    return json_line(job)
 
 
 @pytest.mark.parametrize(("grid", "size"), [((2, 2), (130, 98)), ((1, 3), (70, 200))])
