@@ -31,6 +31,13 @@ def _run(cmd: list[str], ranks: int = 1) -> subprocess.CompletedProcess[str]:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=False)
+    if ranks > 1 and proc.returncode != 0 and "Killed (signal 9)" in proc.stdout + proc.stderr:
+        # A rank SIGKILLed unasked after its work (MPICH, rare, cause unknown; see
+        # tests/mpi/_launch.mpiexec): once more, said on stderr.
+        print(f"relaunched after a rank was killed: {proc.stderr[-1500:]}", file=sys.stderr)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=400, check=False
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
