@@ -16,7 +16,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
-from hyfi_imaging.parallel.halo import window_of
+from hyfi_imaging.parallel.halo import rebuild, window_of
 from hyfi_imaging.parallel.pipeline import set_checkpointing
 from hyfi_imaging.parallel.streaming import stream_stem
 
@@ -173,6 +173,13 @@ def test_a_window_of_the_tile_and_its_strips_is_the_extended_tile_s(
     for r0, r1, c0, c1 in [(0, h, 0, w), (1, h - 1, 0, 3), (top, top + 2, 2, w), (h - 2, h, 0, w)]:
         got = window_of(x, strips, halo, (slice(r0, r1), slice(c0, c1)))
         assert torch.equal(got, ext[..., r0:r1, c0:c1])
+        # A tile past the image's edge (valid) and a fill where no neighbour sends: as rebuilt.
+        for fill, valid in ((0.0, (5, 6)), (float("-inf"), (7, 4)), (2.0, (3, 2))):
+            none_left = (*strips[:2], None, strips[3])
+            whole = rebuild(x, none_left, halo, fill=fill, valid=valid)
+            box = (slice(r0, r1), slice(c0, c1))
+            got = window_of(x, none_left, halo, box, fill=fill, valid=valid)
+            assert torch.equal(got, whole[..., r0:r1, c0:c1])
 
 
 def test_under_autocast_the_stem_is_as_close_to_float32_as_the_plain_one() -> None:

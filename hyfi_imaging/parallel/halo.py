@@ -23,6 +23,7 @@ sub-volumes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "extend",
     "fill_tail",
     "halo_exchange",
+    "new_like",
     "rebuild",
     "return_halo_grads",
     "trailing",
@@ -119,6 +121,25 @@ def _buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
+def new_like(x: torch.Tensor, shape: Sequence[int], *, zero: bool = False) -> torch.Tensor:
+    """A new tensor of ``shape`` in ``x``'s dtype, device and memory layout.
+
+    A channels-last activation (a model that converts its input, cuDNN's
+    preferred layout for bf16) keeps its layout through the extended tiles,
+    the rebuilt windows and the streamed stem's maps: no kernel then reorders
+    the whole tile. Anything else is standard contiguous.
+    """
+    fmt = torch.contiguous_format
+    if len(shape) == x.dim() and not x.is_contiguous():
+        for cl in (torch.channels_last, torch.channels_last_3d):
+            if x.dim() == (4 if cl is torch.channels_last else 5) and x.is_contiguous(
+                memory_format=cl
+            ):
+                fmt = cl
+    out = torch.empty(tuple(shape), dtype=x.dtype, device=x.device, memory_format=fmt)
+    return out.zero_() if zero else out
+
+
 def trailing(index: Sequence[slice | int]) -> tuple[Any, ...]:
     """The key ``(..., *index)``: ``index`` applies to the last ``len(index)`` dims."""
     return (Ellipsis, *index)
@@ -165,7 +186,7 @@ def _new_ext(
     ):
         return x
     shape = (*lead, *(t + b + a for t, (b, a) in zip(tile, pairs, strict=True)))
-    ext = torch.empty(shape, dtype=x.dtype, device=x.device)
+    ext = new_like(x, shape)
     core = _core_view(ext, pairs, range(nd))
     core.copy_(x)
     if valid is not None:
@@ -277,21 +298,30 @@ def rebuild(
 
 
 def window_of(
-    x: torch.Tensor, strips: Strips, halo: Sequence[int], box: Sequence[slice]
+    x: torch.Tensor,
+    strips: Strips,
+    halo: Sequence[int],
+    box: Sequence[slice],
+    *,
+    fill: float = 0.0,
+    valid: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``extend(x, halo, ...)[0][..., *box]`` built from the tile and the strips alone.
+    """``extend(x, halo, fill=fill, valid=valid)[0][..., *box]`` from the tile and strips alone.
 
     A rebuilt window (a band of rows, say) instead of the whole extended tile: the
-    streamed stem reads its input one band at a time. ``box`` has a slice with explicit
-    bounds per spatial dim, in extended-tile indices; a part whose strip is None (no
-    neighbour) is left 0. Strip ``k`` spans the extended tile along the dims before
-    ``k`` and the tile along the dims after it, as :func:`extend` receives them.
+    streamed stem reads its input one band at a time, a spatial convolution's
+    backward one band at a time. ``box`` has a slice with explicit bounds per
+    spatial dim, in extended-tile indices; a part whose strip is None (no
+    neighbour) is ``fill``, and so is the tile past ``valid`` (as :func:`extend`
+    masks it). Strip ``k`` spans the extended tile along the dims before ``k`` and
+    the tile along the dims after it, as :func:`extend` receives them.
     """
     pairs = _pairs(halo)
     nd = len(pairs)
     tile = x.shape[x.dim() - nd :]
     spans = [(int(b.start), int(b.stop)) for b in box]
-    out = x.new_zeros((*x.shape[: x.dim() - nd], *(e - s for s, e in spans)))
+    out = new_like(x, (*x.shape[: x.dim() - nd], *(e - s for s, e in spans)))
+    out.fill_(fill)
     # Per dim: the part of the box before the tile, in it and after it, in extended indices.
     parts = []
     for (before, _), n, (s, e) in zip(pairs, tile, spans, strict=True):
@@ -299,11 +329,9 @@ def window_of(
                 (2, max(s, before + n), e)]  # fmt: skip
         parts.append([c for c in cuts if c[2] > c[1]])
 
-    def place(k: int, chosen: list[tuple[int, int, int]]) -> None:
-        if k < nd:
-            for part in parts[k]:
-                place(k + 1, [*chosen, part])
-            return
+    # Every combination of parts, one per dim (a loop, not a recursive closure: that
+    # would be a reference cycle keeping ``out`` alive until the garbage collector ran).
+    for chosen in itertools.product(*parts):
         dst = tuple(
             slice(lo - s, hi - s) for (_, lo, hi), (s, _) in zip(chosen, spans, strict=True)
         )
@@ -321,11 +349,20 @@ def window_of(
                 for d in range(nd)
             ]
         if src_t is None:
-            return
+            continue
         src = tuple(slice(lo - o, hi - o) for (_, lo, hi), o in zip(chosen, offsets, strict=True))
         out[trailing(dst)] = src_t[trailing(src)]
-
-    place(0, [])
+    if valid is not None:
+        # The tile's part past the image (core indices >= valid along a dim), as _new_ext
+        # masks it; the strips come masked by their owners.
+        core = out
+        for k, ((before, _), n, (s, e)) in enumerate(zip(pairs, tile, spans, strict=True)):
+            lo, hi = max(s, before), min(e, before + n)
+            if lo >= hi:
+                return out  # the box holds none of the tile
+            core = core.narrow(out.dim() - nd + k, lo - s, hi - lo)
+        starts = [max(s, before) - before for (before, _), (s, _) in zip(pairs, spans, strict=True)]
+        fill_tail(core, [v - o for v, o in zip(valid, starts, strict=True)], fill)
     return out
 
 

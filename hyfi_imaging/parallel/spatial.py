@@ -841,7 +841,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         var = all_reduce_sum(squares, group) / n
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
-        y = xhat if weight is None else xhat * weight.view(shape) + bias.view(shape)  # type: ignore[union-attr]
+        # One output allocation (xhat * w + b would hold a second tile-sized temporary).
+        y = xhat if weight is None else torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
         ctx.save_for_backward(xhat, rstd, weight, outside)
         ctx.n, ctx.group, ctx.own = n, group, own
         ctx.mark_non_differentiable(mean, var)

@@ -52,7 +52,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
-from hyfi_imaging.parallel.halo import extend, return_halo_grads, window_of
+from hyfi_imaging.parallel.halo import extend, new_like, return_halo_grads, window_of
 from hyfi_imaging.parallel.spatial import SpatialBatchNorm2d, SpatialConv2d, SpatialMaxPool2d
 
 __all__ = ["STREAMING_MODES", "Stem", "stream_stem"]
@@ -467,7 +467,7 @@ class _Streamed(torch.autograd.Function):
             _update_running(stem, stats)
             lead = x.shape[0]
             chans = _out_channels(stem, x)
-            out = x.new_zeros((lead, chans, *plan.out_len))
+            out = new_like(x, (lead, chans, *plan.out_len), zero=True)
             for i in range(len(plan.bands)):
                 y = stem.band(plan, src, i, stats, n, bound)[-1]
                 rows, cols = plan.rows[i][n], plan.cols[n]
@@ -533,8 +533,10 @@ class _Streamed(torch.autograd.Function):
             # The input's gradient, halos included (sent back to their owners at the end).
             halo = ctx.halo
             gx = (
-                x.new_zeros(
-                    (*x.shape[:2], x.shape[2] + halo[0] + halo[1], x.shape[3] + halo[2] + halo[3])
+                new_like(
+                    x,
+                    (*x.shape[:2], x.shape[2] + halo[0] + halo[1], x.shape[3] + halo[2] + halo[3]),
+                    zero=True,
                 )
                 if need_x
                 else None
