@@ -78,6 +78,7 @@ from hyfi_imaging.parallel.schedules import (
 )
 from hyfi_imaging.parallel.sharding import shard_units
 from hyfi_imaging.parallel.streaming import Stem, stream_stem
+from hyfi_imaging.parallel.windowed import backward_band
 
 __all__ = [
     "Candidate",
@@ -203,7 +204,7 @@ def _stage_memory(
             ]
     total = sum(n for _, n in kept)
     peak = 0
-    for i, (path, _, in_bytes, out_bytes, _) in enumerate(trace.calls):
+    for i, (path, _, in_bytes, out_bytes, in_shape) in enumerate(trace.calls):
         b = _in_block(path, blocks)
         if b is None:
             base = sum(n for pos, n in kept if pos <= i)
@@ -212,22 +213,36 @@ def _stage_memory(
             base = sum(n for pos, n in kept if pos <= start)
             base += sum(n for pos, n, bb in items if bb == b and pos <= i)
         peak = max(
-            peak, base + out_bytes + _transient_factor(kinds.get(path, ""), spatial) * in_bytes
+            peak,
+            base
+            + out_bytes
+            + int(_transient_factor(kinds.get(path, ""), spatial, in_shape) * in_bytes),
         )
     return total, max(0, peak - total)
 
 
-def _transient_factor(kind: str, spatial: bool) -> int:
+def _transient_factor(kind: str, spatial: bool, in_shape: Sequence[int] = ()) -> float:
     """Input-sized tensors a layer's backward holds at once, besides its output gradient.
 
     Spatial BatchNorm (:class:`~.spatial.SpatialBatchNorm2d`): a product for the
     channel sums and the input gradient; PyTorch's fused kernel: the input
-    gradient. A spatial window op: the rebuilt extended tile and its gradient
-    (reduced in place), and the recomputed max-pool winners; a plain one: the
-    input gradient and a layout reorder. Pointwise layers: the input gradient.
+    gradient. A spatial convolution runs its backward in bands
+    (:func:`~.windowed.backward_band`): the extended gradient, and per band a
+    rebuilt slab, its gradient, the output gradient's band and the kernel's
+    reorders (about four band-sized tensors); in one piece (a tile of few rows)
+    the rebuilt extended tile, its gradient and the kernel's reorder. A spatial
+    pool: the rebuilt extended tile, its gradient and the recomputed max-pool
+    winners; a plain window op: the input gradient and a layout reorder.
+    Pointwise layers: the input gradient. The bands are counted on the input's
+    rows (a strided convolution has fewer output rows: at most one band fewer).
     """
     if kind.endswith("BatchNorm2d"):
         return 2 if spatial else 1
+    if kind == "Conv2d" and spatial and len(in_shape) == 4:
+        rows = int(in_shape[-2])
+        bands = -(-rows // backward_band(rows))
+        if bands > 1:
+            return 1 + 4 / bands
     if kind in ("Conv2d", "MaxPool2d", "AvgPool2d"):
         return 3 if spatial else 2
     return 1
