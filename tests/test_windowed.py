@@ -89,3 +89,22 @@ def test_bands_cover_a_tile_in_about_sixteen_pieces_of_at_least_the_minimum() ->
     for rows in (9, 17, 100, 641, 4096):
         step = windowed.backward_band(rows)
         assert -(-rows // step) <= windowed.BACKWARD_BANDS
+
+
+def test_extended_tiles_and_windows_keep_a_channels_last_layout() -> None:
+    """A channels-last tile (cuDNN's layout for bf16) stays channels-last through the
+    extended tile, its rebuild and a rebuilt window, with the same values."""
+    from hyfi_imaging.parallel.halo import extend, rebuild, window_of
+
+    x = torch.randn(2, 5, 9, 7)
+    halo, valid = (1, 2, 2, 1), (8, 6)
+    for tile in (x, x.contiguous(memory_format=torch.channels_last)):
+        ext, strips = extend(tile, halo, Neighbours(), fill=-1.0, valid=valid)
+        again = rebuild(tile, strips, halo, fill=-1.0, valid=valid)
+        part = window_of(tile, strips, halo, (slice(2, 9), slice(0, 10)), fill=-1.0, valid=valid)
+        cl = tile is not x
+        for t in (ext, again, part):
+            assert t.is_contiguous(memory_format=torch.channels_last) == cl
+        torch.testing.assert_close(again, ext, rtol=0, atol=0)
+        torch.testing.assert_close(part, ext[..., 2:9, 0:10], rtol=0, atol=0)
+        assert (ext[..., 1 + 8 :, :] == -1).all() and (ext[..., :1, :] == -1).all()
