@@ -2,8 +2,9 @@
 
 Why MPI only for the bootstrap: PyTorch's MPI backend needs a source build,
 while NCCL and Gloo come with every wheel. Under ``mpirun`` we read rank, size
-and local rank from mpi4py, let rank 0 choose a free TCP port and broadcast the
-address, and then start an ordinary NCCL (CUDA) or Gloo (CPU) process group.
+and local rank from mpi4py, let rank 0 start the rendezvous store on a port the
+kernel picks as it binds, broadcast the address, and then start an ordinary
+NCCL (CUDA) or Gloo (CPU) process group on that store.
 Under ``torchrun`` the environment already says everything. A plain process
 gets a world of one with an in-memory store, so the same code runs everywhere.
 
@@ -142,27 +143,40 @@ class ParallelContext:
         )
 
 
-def _mpi_environment() -> tuple[int, int, int]:
+def _mpi_environment(timeout: datetime.timedelta) -> tuple[int, int, int, Any]:
+    """Rank, size and local rank from MPI, and the rendezvous store (None: ``env://``).
+
+    Without ``MASTER_ADDR``/``MASTER_PORT``, rank 0 starts the store on a port the
+    kernel picks *while binding* (port 0) and broadcasts it: choosing a free port,
+    closing it and binding it again later would let another job on the host (two
+    trainings, a test's concurrent launches) take it in between and join the wrong
+    job.
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        addr_port = None
-        if rank == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            host = socket.gethostname()
-            try:
-                addr = socket.gethostbyname(host) if size > 1 else "127.0.0.1"
-            except OSError:
-                addr = "127.0.0.1"
-            addr_port = (addr, port)
-        addr, port = comm.bcast(addr_port, root=0)
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    return rank, size, local_rank
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return rank, size, local_rank, None
+    store = None
+    addr_port = None
+    if rank == 0:
+        host = socket.gethostname()
+        try:
+            addr = socket.gethostbyname(host) if size > 1 else "127.0.0.1"
+        except OSError:
+            addr = "127.0.0.1"
+        store = dist.TCPStore(addr, 0, size, True, timeout, wait_for_workers=False)
+        addr_port = (addr, store.port)
+    addr, port = comm.bcast(addr_port, root=0)
+    if store is None:
+        store = dist.TCPStore(addr, port, size, False, timeout)
+    comm.Barrier()  # rank 0 keeps its store until every rank has connected to it
+    # A later init in this process (after shutdown) finds RANK/WORLD_SIZE set and
+    # rendezvouses with env://, on this address.
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    return rank, size, local_rank, store
 
 
 def init_parallel(
@@ -177,11 +191,12 @@ def init_parallel(
     """
     fix_malloc_threshold()
     launcher = detect_launcher()
+    store = None
     if launcher == "torchrun":
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
     elif launcher == "mpi":
-        rank, world, local_rank = _mpi_environment()
+        rank, world, local_rank, store = _mpi_environment(datetime.timedelta(seconds=timeout_s))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     else:
         rank, world, local_rank = 0, 1, 0
@@ -200,7 +215,8 @@ def init_parallel(
         else:
             dist.init_process_group(
                 backend,
-                init_method="env://",
+                init_method=None if store is not None else "env://",
+                store=store,
                 rank=rank,
                 world_size=world,
                 timeout=timeout,

@@ -364,49 +364,54 @@ class _Conv(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, (weight,), strips = _load_strips(ctx)
         win: Window = ctx.win
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x_dtype, w_dtype = ctx.dtypes
+        gy = gy.to(x.dtype)
         rows = backward_band(gy.shape[gy.dim() - win.dims])
         if not win.overlap and rows < gy.shape[gy.dim() - win.dims]:
-            gx_, gw_, gb_ = _conv_grads_banded(ctx, gy.to(x.dtype), x, weight, strips, rows)
-            return (
-                gx_.to(x_dtype) if gx_ is not None else None,
-                gw_.to(w_dtype) if gw_ is not None else None,
-                gb_.to(w_dtype) if gb_ is not None else None,
-                None,
-                None,
-            )
-        xe = _rebuild(x, strips, win)
-        gy = gy.to(xe.dtype)
-        zeros = [0] * win.dims
-
-        def grads(x_: bool, w_: bool, b_: bool) -> tuple[Any, ...]:
-            return _aten.convolution_backward(
-                gy, xe, weight, [weight.shape[0]] if ctx.has_bias else None, list(win.stride),
-                zeros, list(win.dilation), False, zeros, ctx.groups, [x_, w_, b_],
-            )  # fmt: skip
-
-        need_w, need_b = bool(need_w), bool(need_b and ctx.has_bias)
-        held: list[Any] = [None, None, None]
-        gx: torch.Tensor | None = None
-        if win.overlap and need_x:
-            # The halo gradients travel to their owners while the weight gradient is computed
-            # (the overlap always runs: at the end when no message is sent).
-            def weight_grads() -> None:
-                held[:] = grads(False, need_w, need_b)
-
-            gx = _tile_grad(grads(True, False, False)[0], x.shape, win, overlap=weight_grads)
+            gx, gw, gb = _conv_grads_banded(ctx, gy, x, weight, strips, rows)
         else:
-            held[:] = grads(bool(need_x), need_w, need_b)
-            gx = _tile_grad(held[0], x.shape, win) if need_x else None
-        gw, gb = held[1], held[2]
+            gx, gw, gb = _conv_grads_whole(ctx, gy, x, weight, strips)
+        x_dtype, w_dtype = ctx.dtypes
         return (
             gx.to(x_dtype) if gx is not None else None,
-            gw.to(w_dtype) if need_w else None,
-            gb.to(w_dtype) if need_b else None,
+            gw.to(w_dtype) if gw is not None else None,
+            gb.to(w_dtype) if gb is not None else None,
             None,
             None,
         )
+
+
+def _conv_grads_whole(
+    ctx: Any, gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, strips: Strips
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """As :func:`_conv_grads_banded`, in one piece on the rebuilt extended tile.
+
+    Overlapped (``win.overlap``), the halo gradients travel to their owners while
+    the weight gradient is computed.
+    """
+    win: Window = ctx.win
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    need_w, need_b = bool(need_w), bool(need_b and ctx.has_bias)
+    xe = _rebuild(x, strips, win)
+    zeros = [0] * win.dims
+
+    def grads(x_: bool, w_: bool, b_: bool) -> tuple[Any, ...]:
+        return _aten.convolution_backward(
+            gy, xe, weight, [weight.shape[0]] if ctx.has_bias else None, list(win.stride),
+            zeros, list(win.dilation), False, zeros, ctx.groups, [x_, w_, b_],
+        )  # fmt: skip
+
+    held: list[Any] = [None, None, None]
+    gx: torch.Tensor | None = None
+    if win.overlap and need_x:
+        # The overlap always runs (at the end when no message is sent).
+        def weight_grads() -> None:
+            held[:] = grads(False, need_w, need_b)
+
+        gx = _tile_grad(grads(True, False, False)[0], x.shape, win, overlap=weight_grads)
+    else:
+        held[:] = grads(bool(need_x), need_w, need_b)
+        gx = _tile_grad(held[0], x.shape, win) if need_x else None
+    return gx, held[1] if need_w else None, held[2] if need_b else None
 
 
 class _MaxPool(torch.autograd.Function):
