@@ -20,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import rank_killed
+
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 pytestmark = pytest.mark.mpi
@@ -31,7 +34,7 @@ def _run(cmd: list[str], ranks: int = 1) -> subprocess.CompletedProcess[str]:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=False)
-    if ranks > 1 and proc.returncode != 0 and "Killed (signal 9)" in proc.stdout + proc.stderr:
+    if ranks > 1 and proc.returncode != 0 and rank_killed(proc.stdout + proc.stderr):
         # A rank SIGKILLed unasked after its work (MPICH, rare, cause unknown; see
         # tests/mpi/_launch.mpiexec): once more, said on stderr.
         print(f"relaunched after a rank was killed: {proc.stderr[-1500:]}", file=sys.stderr)

@@ -288,39 +288,51 @@ def _conv_grads_banded(
     gradient (bands overlap by ``extent - s`` rows), its weight and bias
     gradients into the totals. The output gradient's band is made contiguous
     first: oneDNN given a strided view of the whole gradient held a copy of all
-    of it (measured: 25 MiB above a 1 MiB band).
+    of it (measured: 25 MiB above a 1 MiB band). Overlapped (``win.overlap``),
+    the input gradients come first and the weight and bias gradients are
+    computed, band by band again, while the halo gradients travel.
     """
     win: Window = ctx.win
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    need_w, need_b = bool(need_w), bool(need_b and ctx.has_bias)
+    need_x, need_w, need_b = bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)
     axis = gy.dim() - win.dims
     extent = win.dilation[0] * (win.kernel[0] - 1) + 1
     zeros = [0] * win.dims
     g_ext = new_like(gy, win.extended_shape(x.shape), zero=True) if need_x else None
     g_read = win.read(g_ext) if g_ext is not None else None
-    gw: torch.Tensor | None = None
-    gb: torch.Tensor | None = None
-    for o0 in range(0, gy.shape[axis], rows):
-        o1 = min(gy.shape[axis], o0 + rows)
-        r0, r1 = o0 * win.stride[0], (o1 - 1) * win.stride[0] + extent
-        box = [slice(r0, r1), *(slice(0, n) for n in win.need[1:])]
-        slab = window_of(x, strips, win.halo, box, fill=win.fill, valid=win.valid)
-        g_slab, gw_b, gb_b = _aten.convolution_backward(
-            gy.narrow(axis, o0, o1 - o0).contiguous(), slab, weight,
-            [weight.shape[0]] if ctx.has_bias else None, list(win.stride), zeros,
-            list(win.dilation), False, zeros, ctx.groups, [bool(need_x), need_w, need_b],
-        )  # fmt: skip
-        if g_read is not None:
-            g_read.narrow(axis, r0, r1 - r0).add_(g_slab)
-        if need_w:
-            gw = gw_b if gw is None else gw.add_(gw_b)
-        if need_b:
-            gb = gb_b if gb is None else gb.add_(gb_b)
-        del slab, g_slab
+    held: list[torch.Tensor | None] = [None, None]  # weight and bias gradient totals
+
+    def bands(x_: bool, w_: bool, b_: bool) -> None:
+        for o0 in range(0, gy.shape[axis], rows):
+            o1 = min(gy.shape[axis], o0 + rows)
+            r0, r1 = o0 * win.stride[0], (o1 - 1) * win.stride[0] + extent
+            box = [slice(r0, r1), *(slice(0, n) for n in win.need[1:])]
+            slab = window_of(x, strips, win.halo, box, fill=win.fill, valid=win.valid)
+            got = _aten.convolution_backward(
+                gy.narrow(axis, o0, o1 - o0).contiguous(), slab, weight,
+                [weight.shape[0]] if ctx.has_bias else None, list(win.stride), zeros,
+                list(win.dilation), False, zeros, ctx.groups, [x_, w_, b_],
+            )  # fmt: skip
+            if x_ and g_read is not None:
+                g_read.narrow(axis, r0, r1 - r0).add_(got[0])
+            for k, wanted in ((0, w_), (1, b_)):
+                if wanted:
+                    total = held[k]
+                    held[k] = got[k + 1] if total is None else total.add_(got[k + 1])
+            del slab, got
+
     gx = None
-    if g_ext is not None:
-        gx = return_halo_grads(g_ext, win.halo, win.neighbours, valid=win.valid)
-    return gx, gw, gb
+    if g_ext is not None and win.overlap:
+        bands(True, False, False)
+        gx = return_halo_grads(
+            g_ext, win.halo, win.neighbours, valid=win.valid,
+            overlap=(lambda: bands(False, need_w, need_b)) if need_w or need_b else None,
+        )  # fmt: skip
+    else:
+        bands(need_x, need_w, need_b)
+        if g_ext is not None:
+            gx = return_halo_grads(g_ext, win.halo, win.neighbours, valid=win.valid)
+    return gx, held[0], held[1]
 
 
 def _save_strips(ctx: Any, x: torch.Tensor, strips: Strips, *params: torch.Tensor | None) -> None:
@@ -366,7 +378,7 @@ class _Conv(torch.autograd.Function):
         win: Window = ctx.win
         gy = gy.to(x.dtype)
         rows = backward_band(gy.shape[gy.dim() - win.dims])
-        if not win.overlap and rows < gy.shape[gy.dim() - win.dims]:
+        if rows < gy.shape[gy.dim() - win.dims]:
             gx, gw, gb = _conv_grads_banded(ctx, gy, x, weight, strips, rows)
         else:
             gx, gw, gb = _conv_grads_whole(ctx, gy, x, weight, strips)

@@ -100,6 +100,11 @@ def run(cmd: list[str], *, timeout: float) -> Job:
 _KILLED = "Killed (signal 9)"
 
 
+def rank_killed(output: str) -> bool:
+    """Whether MPICH reported a rank killed by SIGKILL in a job's ``output``."""
+    return _KILLED in output
+
+
 def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...] = ()) -> Job:
     """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``).
 
@@ -113,7 +118,7 @@ def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...]
     if (
         job.returncode != 0
         and not job.timed_out
-        and _KILLED in job.stdout + job.stderr
+        and rank_killed(job.stdout + job.stderr)
         and not any("kill_rank" in a for a in args)
     ):
         print(f"relaunched after a rank was killed:\n{job.describe()[-1500:]}", file=sys.stderr)
