@@ -37,13 +37,14 @@ __all__ = [
     "apply_spatial",
     "init_parallel",
     "open_slide",
+    "tile_of",
     "tiled_mean",
     "verify_model",
 ]
 
 _PARALLEL = {
-    "Layout", "ParallelModel", "ParallelPlan", "apply_spatial", "init_parallel", "tiled_mean",
-    "verify_model",
+    "Layout", "ParallelModel", "ParallelPlan", "apply_spatial", "init_parallel", "tile_of",
+    "tiled_mean", "verify_model",
 }  # fmt: skip
 
 

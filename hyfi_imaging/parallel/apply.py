@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.collectives import all_reduce_replicated
+from hyfi_imaging.parallel.grad_sync import TileGradSync
 from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
@@ -91,6 +92,7 @@ def apply_spatial(
     align: int | None = None,
     overlap: bool = False,
     halo_depth: int = 1,
+    reduce_grads: bool = True,
 ) -> SpatialContext | None:
     """Make ``model`` (in place) compute this rank's tile of ``pc.grid``; returns the context.
 
@@ -105,6 +107,11 @@ def apply_spatial(
     convolution computes its interior while its halos are in flight.
     ``halo_depth``: one exchange serves up to that many consecutive windowed
     layers (a deeper halo, its border recomputed; see ``spatialize``).
+    ``reduce_grads``: at the end of every backward, sum the gradients of the
+    parameters that see tiles over the grid (:class:`~.grad_sync.TileGradSync`),
+    so that a plain ``loss.backward(); optimizer.step()`` trains exactly as one
+    process would; off only for an engine that reduces them itself
+    (:class:`~.engine.ParallelModel` with FSDP2).
 
     OK::
 
@@ -112,6 +119,8 @@ def apply_spatial(
         model = torchvision.models.resnet18(num_classes=2)
         ctx = apply_spatial(model, pc, image_size=(1024, 1024))
         logits = model(tile_of(images, ctx, (1024, 1024)))  # the same on every rank
+        F.cross_entropy(logits, labels).backward()  # tile gradients summed over the grid
+        optimizer.step()
 
     Error::
 
@@ -139,6 +148,8 @@ def apply_spatial(
     )
     if image_size is not None:
         ctx.set_image_size(tuple(int(v) for v in image_size))
+    if reduce_grads:
+        ctx.grad_sync = TileGradSync(model, ctx.tile_param_names, ctx.group)
     log.info(
         "apply_spatial: %s on a %s grid, tile %s, tiles aligned to %d px, %d parameters "
         "summed over tiles, %d deep-halo runs",

@@ -366,6 +366,7 @@ class ParallelModel:
             in_chans=self.in_chans,
             overlap=plan.overlap,
             halo_depth=plan.halo_depth,
+            reduce_grads=False,  # FSDP2 reduces them (sharding.py: the tile/head rule)
         )
         #: The streamed stem's layers (parallel/streaming.py), empty without streaming.
         self.streamed: list[str] = stream_stem(model, self.ctx) if plan.streaming == "stem" else []

@@ -65,6 +65,7 @@ from hyfi_imaging.parallel.geometry import (
     resampled_tile,
     transposed_halo,
 )
+from hyfi_imaging.parallel.grad_sync import TileGradSync
 from hyfi_imaging.parallel.halo import Neighbours, halo_exchange, trailing
 from hyfi_imaging.parallel.randomness import install_rng_sync
 from hyfi_imaging.parallel.watch import watch_tiles
@@ -151,6 +152,9 @@ class SpatialContext:
         self.image_hw: tuple[int, ...] | None = None
         self.sizes: dict[str, tuple[int, ...]] = {}
         self.tile_param_names: set[str] = set()
+        #: The gradient rule for a user's own loop (apply_spatial), None where an engine
+        #: reduces the gradients itself.
+        self.grad_sync: TileGradSync | None = None
         #: Global pools whose output is used again on the tiles (squeeze-excite).
         self.rejoined_pools: set[str] = set()
         #: Modules that draw random numbers in training (drop-path), synchronised over the

@@ -1,0 +1,216 @@
+"""The spatial gradient rule, applied by itself at the end of every backward.
+
+Why: on a tile grid every rank computes a *part* of the gradient of each
+parameter that sees tiles (a convolution's weight sums over the pixels of the
+image, each rank holds the sum over its own tile), while the head after a
+global pool is computed whole on every rank. The true gradient is therefore the
+**sum over the tiles** for the former and the local value for the latter
+(DESIGN.md invariant 5). A user who runs ``loss.backward(); optimizer.step()``
+after :func:`~.apply.apply_spatial` -- the loop every PyTorch tutorial writes --
+must get that rule without knowing it: a plain step would train each rank on
+its own tile's gradient, and the ranks' weights drift apart (silently wrong);
+an all-reduce of every gradient, as a DDP user would write, counts the head's
+gradients once per tile (silently wrong again).
+
+How: a tensor hook on each tile parameter notes that the parameter received a
+gradient in this backward and queues, once per backward, a callback that the
+autograd engine runs when the backward ends (DDP's mechanism). The callback sums
+what this backward added to each tile parameter's ``.grad`` over the spatial
+group, in flat buckets, in the parameters' fixed order (the same collectives on
+every rank, whatever order autograd visited them in). Only what *this* backward
+added is summed, so accumulating gradients over several backwards before a step
+stays exact; a parameter that received no gradient on some rank takes part
+with zeros and a presence flag, so the ranks never disagree about the
+collectives they issue.
+
+Why a digest: the rule keeps replicas equal only if they started equal. Ranks
+seeded differently, or a second reduction written by hand, make them differ;
+every ``digest_every`` backwards (and at the first) one float64 sum per
+parameter is compared across the group (two small all-reduces, one host sync)
+and a difference is refused in one line naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from hyfi_imaging.errors import HyfiError
+
+__all__ = ["DriftError", "TileGradSync"]
+
+#: Elements per all-reduce bucket (64 MiB of float32): few messages, bounded extra memory.
+BUCKET_NUMEL = 16 * 1024 * 1024
+#: Relative difference of a parameter's float64 sum across ranks that counts as drift.
+DRIFT_RTOL = 1e-9
+
+
+class DriftError(HyfiError):
+    """The copies of a parameter differ between the ranks that must hold it alike."""
+
+    collective = True
+
+
+class _Fresh:
+    """Marks a parameter whose ``.grad`` was empty when this backward reached it."""
+
+
+_FRESH = _Fresh()
+
+
+class TileGradSync:
+    """Sums the tile parameters' gradients over ``group`` when each backward ends.
+
+    ``model``: the spatialized model; ``tile_names``: the parameters whose
+    gradient comes from tiles (``SpatialContext.tile_param_names``); the others
+    are left as they are. ``digest_every``: compare every parameter across the
+    group at the first backward and then every that many (0: never).
+    :meth:`remove` takes the hooks off.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tile_names: set[str],
+        group: ProcessGroup | None,
+        *,
+        digest_every: int = 100,
+    ) -> None:
+        named = list(model.named_parameters())
+        self.names = [n for n, p in named if n in tile_names and p.requires_grad]
+        self._params = [p for n, p in named if n in tile_names and p.requires_grad]
+        self._everything = named
+        self.group = group
+        self.digest_every = digest_every
+        #: Backwards whose end this object has handled.
+        self.backwards = 0
+        self._pending: dict[int, Tensor | _Fresh] = {}
+        self._queued = False
+        self._handles: list[RemovableHandle] = [
+            p.register_hook(partial(self._arrived, i)) for i, p in enumerate(self._params)
+        ]
+
+    def remove(self) -> None:
+        """Stop applying the rule (the hooks are removed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _arrived(self, index: int, grad: Tensor) -> None:
+        """A gradient for parameter ``index`` is about to be accumulated into its ``.grad``."""
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._queued = True
+        seen = self._pending.get(index)
+        if seen is None:
+            # An empty .grad will hold exactly what this backward adds: keep no copy.
+            self._pending[index] = _FRESH if self._params[index].grad is None else grad
+        elif isinstance(seen, Tensor):  # a second time in one backward (re-entrant)
+            self._pending[index] = seen + grad
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        pending, self._pending = self._pending, {}
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        if self.digest_every and self.backwards % self.digest_every == 0:
+            self.check_agreement()
+        self.backwards += 1
+        for bucket in self._buckets():
+            self._reduce(bucket, pending)
+
+    def _buckets(self) -> Iterator[list[int]]:
+        """Parameter indices in fixed order, cut where the dtype or device changes or a
+        bucket is full."""
+        bucket: list[int] = []
+        numel = 0
+        for i, p in enumerate(self._params):
+            if bucket and (
+                numel + p.numel() > BUCKET_NUMEL
+                or (p.dtype, p.device)
+                != (self._params[bucket[0]].dtype, self._params[bucket[0]].device)
+            ):
+                yield bucket
+                bucket, numel = [], 0
+            bucket.append(i)
+            numel += p.numel()
+        if bucket:
+            yield bucket
+
+    def _reduce(self, bucket: list[int], pending: dict[int, Tensor | _Fresh]) -> None:
+        params = [self._params[i] for i in bucket]
+        sizes = [p.numel() for p in params]
+        total = sum(sizes)
+        first = params[0]
+        flat = torch.empty(total + len(bucket), dtype=first.dtype, device=first.device)
+        parts = list(flat[:total].split(sizes))
+        flags = flat[total:]
+        for k, (i, p, part) in enumerate(zip(bucket, params, parts, strict=True)):
+            added = self._added(p, pending.get(i))
+            if added is None:
+                part.zero_()
+                flags[k] = 0
+            else:
+                part.copy_(added.reshape(-1))
+                flags[k] = 1
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        # Read the flags on the host only where this rank had no gradient (a sync): a
+        # parameter with a gradient here has one in the sum.
+        absent = [k for k, i in enumerate(bucket) if self._added(params[k], pending.get(i)) is None]
+        elsewhere = set(absent) & set((flags > 0).nonzero().flatten().tolist()) if absent else set()
+        for k, (i, p, part) in enumerate(zip(bucket, params, parts, strict=True)):
+            if k in absent and k not in elsewhere:
+                continue
+            summed = part.view_as(p)
+            seen = pending.get(i)
+            if p.grad is None:
+                p.grad = summed.clone()
+            elif isinstance(seen, _Fresh):
+                p.grad.copy_(summed)
+            elif isinstance(seen, Tensor):
+                p.grad.add_(summed).sub_(seen)
+            else:  # no gradient here this time, some on other tiles
+                p.grad.add_(summed)
+
+    @staticmethod
+    def _added(p: nn.Parameter, seen: Tensor | _Fresh | None) -> Tensor | None:
+        """What this backward added to ``p.grad`` (None: nothing)."""
+        if isinstance(seen, _Fresh):
+            return p.grad
+        return seen
+
+    # ------------------------------------------------------------------ drift
+
+    def check_agreement(self) -> None:
+        """Refuse (:class:`DriftError`, on every rank) parameters that differ across the group."""
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        device = self._params[0].device if self._params else torch.device("cpu")
+        digest = torch.stack(
+            [p.detach().to(device=device, dtype=torch.float64).sum() for _, p in self._everything]
+        )
+        low, high = digest.clone(), digest.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        gap = (high - low).abs() > DRIFT_RTOL * (high.abs() + low.abs() + 1.0)
+        if not bool(gap.any()):
+            return
+        k = int(gap.nonzero()[0])
+        name = self._everything[k][0]
+        raise DriftError(
+            f"parameter {name!r}",
+            f"differs between the ranks of one image's tiles (its sum is {low[k].item():.6g} on "
+            f"one rank, {high[k].item():.6g} on another; {int(gap.sum())} of {len(gap)} "
+            f"parameters differ, after {self.backwards} backward(s))",
+            "build the model with the same seed on every rank (torch.manual_seed before "
+            "creating it) and let apply_spatial sum the tile gradients: do not all-reduce "
+            "gradients yourself",
+        )
