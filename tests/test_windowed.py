@@ -33,12 +33,14 @@ CASES = [
 ]
 
 
-def _tile_model(conv: nn.Module, size: tuple[int, ...], overlap: bool) -> tuple[nn.Module, Any]:
+def _tile_model(
+    conv: nn.Module, size: tuple[int, ...], overlap: bool, bands: bool = True
+) -> tuple[nn.Module, Any]:
     model = nn.Sequential(conv)
     grid = (1,) * len(size)
     ctx = spatialize(
         model, grid=grid, tile=(0,) * len(size), neighbours=Neighbours(), group=None,  # type: ignore[arg-type]
-        in_chans=3, overlap=overlap,
+        in_chans=3, overlap=overlap, backward_bands=bands,
     )  # fmt: skip
     ctx.set_image_size(size)
     return model, ctx
@@ -49,7 +51,8 @@ def test_the_banded_backward_equals_the_plain_layer_s(
     name: str, make: Any, size: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Input, weight and bias gradients of the spatial convolution, banded (several bands
-    of a few rows) and in one piece, equal the plain layer's in float64."""
+    of a few rows), in one piece on the extended tile, and on the tile itself (the
+    default, no bands), equal the plain layer's in float64."""
     torch.manual_seed(3)
     plain = nn.Sequential(make()).double()
     x = torch.randn(2, 3, *size, dtype=torch.float64, requires_grad=True)
@@ -65,10 +68,12 @@ def test_the_banded_backward_equals_the_plain_layer_s(
 
     monkeypatch.setattr(windowed, "_conv_grads_banded", counting)
     # Bands of 3+ rows, one piece; and both again with the weight gradient computed in
-    # the halo gradients' flight (overlap).
-    for min_rows, overlap in ((3, False), (10_000, False), (3, True), (10_000, True)):
+    # the halo gradients' flight (overlap); then the default path (no bands), both ways.
+    runs = [(3, False, True), (10_000, False, True), (3, True, True), (10_000, True, True),
+            (3, False, False), (3, True, False)]  # fmt: skip
+    for min_rows, overlap, banded in runs:
         monkeypatch.setattr(windowed, "MIN_BAND_ROWS", min_rows)
-        spatial, ctx = _tile_model(make().double(), size, overlap)
+        spatial, ctx = _tile_model(make().double(), size, overlap, banded)
         spatial.load_state_dict(plain.state_dict())
         padded = ctx.padded_size(size)
         xt = torch.zeros(2, 3, *padded, dtype=torch.float64)

@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute each convolution's interior while its halos are in flight",
     )
     p.add_argument(
+        "--backward-bands",
+        action="store_true",
+        help="run each convolution's backward in bands of output rows (less memory, slower)",
+    )
+    p.add_argument(
         "--halo-depth",
         type=int,
         default=1,
@@ -198,6 +203,7 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
         overlap=args.overlap,
         halo_depth=args.halo_depth,
         streaming=args.streaming,
+        backward_bands=args.backward_bands,
     )
 
 

@@ -93,6 +93,7 @@ def apply_spatial(
     overlap: bool = False,
     halo_depth: int = 1,
     reduce_grads: bool = True,
+    backward_bands: bool = False,
 ) -> SpatialContext | None:
     """Make ``model`` (in place) compute this rank's tile of ``pc.grid``; returns the context.
 
@@ -107,6 +108,9 @@ def apply_spatial(
     convolution computes its interior while its halos are in flight.
     ``halo_depth``: one exchange serves up to that many consecutive windowed
     layers (a deeper halo, its border recomputed; see ``spatialize``).
+    ``backward_bands``: each convolution's backward runs in bands of output
+    rows (band-sized transients instead of tile-sized ones, at more kernel
+    calls: a memory tool, see :class:`~.engine.ParallelPlan`).
     ``reduce_grads``: at the end of every backward, sum the gradients of the
     parameters that see tiles over the grid (:class:`~.grad_sync.TileGradSync`),
     so that a plain ``loss.backward(); optimizer.step()`` trains exactly as one
@@ -145,6 +149,7 @@ def apply_spatial(
         overlap=overlap,
         halo_depth=halo_depth,
         stage_cuts=pc.layout.pp > 1,
+        backward_bands=backward_bands,
     )
     if image_size is not None:
         ctx.set_image_size(tuple(int(v) for v in image_size))

@@ -155,6 +155,10 @@ class ParallelPlan:
     ``streaming``: ``"stem"`` runs a chain's leading convolution, BatchNorm,
     activation and max-pool in row bands (:mod:`.streaming`): their maps are
     never whole, which is the peak of a checkpointed ResNet.
+    ``backward_bands``: each spatial convolution's backward runs in bands of
+    output rows (:func:`~.windowed.backward_band`): band-sized transients
+    instead of tile-sized ones, for about nine times the kernel calls -- a
+    memory tool the planner chooses only where a layout does not fit without it.
     ``schedule`` is ``gpipe``, ``1f1b``, or one with two stages per rank
     (:mod:`.schedules`): ``bidirectional`` (two mirrored replicas, GEMS),
     ``interleaved1f1b``, ``zbv``, ``dualpipev`` (torch's; the model is cut into
@@ -179,6 +183,7 @@ class ParallelPlan:
     overlap: bool = False
     halo_depth: int = 1
     streaming: str = "none"
+    backward_bands: bool = False
 
     def __post_init__(self) -> None:
         check_junction_plan(self.layout, self.schedule)
@@ -367,6 +372,7 @@ class ParallelModel:
             overlap=plan.overlap,
             halo_depth=plan.halo_depth,
             reduce_grads=False,  # FSDP2 reduces them (sharding.py: the tile/head rule)
+            backward_bands=plan.backward_bands,
         )
         #: The streamed stem's layers (parallel/streaming.py), empty without streaming.
         self.streamed: list[str] = stream_stem(model, self.ctx) if plan.streaming == "stem" else []

@@ -33,12 +33,16 @@ import torch.distributed as dist
 
 __all__ = [
     "Neighbours",
+    "add_to_parts",
+    "exchange_strips",
     "extend",
     "fill_tail",
     "halo_exchange",
     "new_like",
     "rebuild",
     "return_halo_grads",
+    "return_strip_grads",
+    "strip_box",
     "trailing",
     "window_of",
 ]
@@ -321,7 +325,6 @@ def window_of(
     tile = x.shape[x.dim() - nd :]
     spans = [(int(b.start), int(b.stop)) for b in box]
     out = new_like(x, (*x.shape[: x.dim() - nd], *(e - s for s, e in spans)))
-    out.fill_(fill)
     # Per dim: the part of the box before the tile, in it and after it, in extended indices.
     parts = []
     for (before, _), n, (s, e) in zip(pairs, tile, spans, strict=True):
@@ -348,7 +351,8 @@ def window_of(
                 else (pairs[d][0] if d > side else (0 if which == 0 else pairs[d][0] + tile[d]))
                 for d in range(nd)
             ]
-        if src_t is None:
+        if src_t is None:  # fill: only the parts no tile or strip covers are written twice-free
+            out[trailing(dst)] = fill
             continue
         src = tuple(slice(lo - o, hi - o) for (_, lo, hi), o in zip(chosen, offsets, strict=True))
         out[trailing(dst)] = src_t[trailing(src)]
@@ -364,6 +368,192 @@ def window_of(
         starts = [max(s, before) - before for (before, _), (s, _) in zip(pairs, spans, strict=True)]
         fill_tail(core, [v - o for v, o in zip(valid, starts, strict=True)], fill)
     return out
+
+
+def strip_box(k: int, side: int, halo: Sequence[int], tile: Sequence[int]) -> list[tuple[int, int]]:
+    """Extended-tile index ranges, per spatial dim, of strip ``k`` (``side`` 0: before, 1: after).
+
+    Strip ``k`` spans the extended tile along the dims before ``k``, its halo along ``k``
+    and the tile along the dims after ``k``: the strips and the tile partition the
+    extended tile (the order :func:`extend` exchanges in; corners ride on the later dims).
+    """
+    pairs = _pairs(halo)
+    box = []
+    for d, ((before, after), n) in enumerate(zip(pairs, tile, strict=True)):
+        if d < k:
+            box.append((0, before + n + after))
+        elif d > k:
+            box.append((before, before + n))
+        else:
+            box.append((0, before) if side == 0 else (before + n, before + n + after))
+    return box
+
+
+def exchange_strips(
+    x: torch.Tensor,
+    halo: Sequence[int],
+    neighbours: Neighbours,
+    *,
+    fill: float = 0.0,
+    valid: Sequence[int] | None = None,
+    overlap: Callable[[], None] | None = None,
+) -> Strips:
+    """The strips :func:`extend` receives, without building the extended tile (no autograd).
+
+    Why: a layer that computes its interior from the tile itself needs only the
+    strips; building the extended tile would copy the whole tile once more. What
+    is sent is cut from the tile (masked past ``valid``, as :func:`extend` masks
+    it) and, for a later dim, from the strips already received (the corners):
+    strip-sized messages, no tile-sized copy. ``overlap()``, if given, runs while
+    the first messages are in flight (or at the end when none are sent).
+    """
+    pairs = _pairs(halo)
+    nd = len(pairs)
+    tile = [int(v) for v in x.shape[x.dim() - nd :]]
+    got: list[torch.Tensor | None] = []
+    lead = tuple(x.shape[: x.dim() - nd])
+    for k, ((before, after), (lo, hi)) in enumerate(
+        zip(pairs, neighbours.pairs()[-nd:], strict=True)
+    ):
+        known = (*got, *(None,) * (2 * (nd - k)))
+
+        def cut(start: int, size: int, k: int = k, known: Strips = known) -> torch.Tensor:
+            box = strip_box(k, 0, halo, tile)
+            box[k] = (pairs[k][0] + start, pairs[k][0] + start + size)
+            spans = [slice(a, b) for a, b in box]
+            return window_of(x, known, halo, spans, fill=fill, valid=valid)
+
+        def empty(side: int, k: int = k) -> torch.Tensor:
+            box = strip_box(k, side, halo, tile)
+            return torch.empty((*lead, *(b - a for a, b in box)), dtype=x.dtype, device=x.device)
+
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor]] = []
+        strips: list[torch.Tensor | None] = [None, None]
+        if lo is not None:
+            if after:  # my first positions are lo's after-halo
+                sends.append((lo, cut(0, after)))
+            if before:
+                strips[0] = buf = empty(0)
+                recvs.append((lo, buf))
+        if hi is not None:
+            if before:  # my last positions are hi's before-halo
+                sends.append((hi, cut(tile[k] - before, before)))
+            if after:
+                strips[1] = buf = empty(1)
+                recvs.append((hi, buf))
+        overlap = _overlapped(sends, recvs, overlap)
+        got += strips
+    if overlap is not None:
+        overlap()
+    return tuple(got)
+
+
+def _add_box(
+    into: torch.Tensor,
+    into_box: Sequence[tuple[int, int]],
+    src: torch.Tensor,
+    src_box: Sequence[tuple[int, int]],
+) -> None:
+    """Add the part of ``src`` (covering extended-tile ranges ``src_box``) that lies in
+    ``into_box`` into ``into`` (covering ``into_box``)."""
+    both = [
+        (max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(into_box, src_box, strict=True)
+    ]
+    if any(e <= s for s, e in both):
+        return
+    dst = [slice(s - a0, e - a0) for (s, e), (a0, _) in zip(both, into_box, strict=True)]
+    cut = [slice(s - b0, e - b0) for (s, e), (b0, _) in zip(both, src_box, strict=True)]
+    into[trailing(dst)].add_(src[trailing(cut)])
+
+
+def add_to_parts(
+    src: torch.Tensor,
+    src_box: Sequence[tuple[int, int]],
+    halo: Sequence[int],
+    tile: Sequence[int],
+    strip_grads: Sequence[torch.Tensor | None],
+    gx: torch.Tensor | None = None,
+) -> None:
+    """Add ``src`` (a gradient over extended-tile ranges ``src_box``) into the strips'
+    gradients ``strip_grads`` (``(before, after)`` per dim, None where nothing is
+    returned) and, if given, its part on the tile into the tile's gradient ``gx``."""
+    pairs = _pairs(halo)
+    if gx is not None:
+        _add_box(gx, [(b, b + n) for (b, _), n in zip(pairs, tile, strict=True)], src, src_box)
+    for j, g in enumerate(strip_grads):
+        if g is not None:
+            _add_box(g, strip_box(j // 2, j % 2, halo, tile), src, src_box)
+
+
+def _add_returned(
+    buf: torch.Tensor,
+    box: Sequence[tuple[int, int]],
+    halo: Sequence[int],
+    tile: Sequence[int],
+    strip_grads: Sequence[torch.Tensor | None],
+    gx: torch.Tensor,
+) -> None:
+    """Add a neighbour's returned halo gradient into this tile's border (and corners).
+
+    Every returned gradient of :func:`return_strip_grads` passes here (the tests break it
+    on purpose, ``tests/mpi/broken_halo.py``, to prove the checks catch a lost gradient).
+    """
+    add_to_parts(buf, box, halo, tile, strip_grads, gx)
+
+
+def return_strip_grads(
+    gx: torch.Tensor,
+    strip_grads: list[torch.Tensor | None],
+    halo: Sequence[int],
+    neighbours: Neighbours,
+    *,
+    valid: Sequence[int] | None = None,
+    overlap: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Adjoint of :func:`exchange_strips`: the strips' gradients go to their owners.
+
+    ``gx`` is the tile's own gradient (written in place and returned);
+    ``strip_grads`` the gradients of the strips this rank received, ``(before,
+    after)`` per dim (None where there is no neighbour). Dims are undone in
+    reverse order: what comes back along dim ``k`` covers the extended tile along
+    the dims before ``k``, so its part in an earlier dim's halo (a corner) is
+    added into that strip's gradient, sent on in its turn. ``overlap()`` runs
+    while the first messages are in flight (a layer computes its weight
+    gradient). Past ``valid`` the tile's gradient is 0.
+    """
+    pairs = _pairs(halo)
+    nd = len(pairs)
+    tile = [int(v) for v in gx.shape[gx.dim() - nd :]]
+    for k in reversed(range(nd)):
+        (before, after), (lo, hi) = pairs[k], neighbours.pairs()[-nd:][k]
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor, list[tuple[int, int]]]] = []
+        for side, peer, width, start in (
+            (0, lo, after, before),
+            (1, hi, before, before + tile[k] - before),
+        ):
+            g = strip_grads[2 * k + side]
+            if peer is None:
+                continue
+            if g is not None:
+                sends.append((peer, g))
+            if width:  # my positions that are the peer's halo
+                box = strip_box(k, 0, halo, tile)
+                box[k] = (start, start + width)
+                buf = torch.empty(
+                    (*gx.shape[: gx.dim() - nd], *(b - a for a, b in box)),
+                    dtype=gx.dtype, device=gx.device,
+                )  # fmt: skip
+                recvs.append((peer, buf, box))
+        overlap = _overlapped(sends, [(p, b) for p, b, _ in recvs], overlap)
+        for _, buf, box in recvs:
+            _add_returned(buf, box, halo, tile, strip_grads[: 2 * k], gx)
+    if overlap is not None:
+        overlap()
+    if valid is not None:
+        fill_tail(gx, valid, 0.0)
+    return gx
 
 
 def _reduce(

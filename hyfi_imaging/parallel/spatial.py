@@ -137,6 +137,7 @@ class SpatialContext:
         *,
         align: int,
         overlap: bool = False,
+        backward_bands: bool = False,
     ) -> None:
         self.grid, self.tile, self.neighbours, self.group, self.align = (
             tuple(grid), tuple(tile), neighbours, group, align,
@@ -145,6 +146,8 @@ class SpatialContext:
         self.nd = len(self.grid)
         #: Convolutions compute their interior while their halos are in flight.
         self.overlap = overlap
+        #: Convolutions run their backward in bands of output rows (a memory tool).
+        self.backward_bands = backward_bands
         #: Deep halos: at most this many windowed layers with a halo per exchange, and the
         #: runs of layers that share one (see _plan_deep_halos).
         self.halo_depth = 1
@@ -641,6 +644,7 @@ class _SpatialMixin:
             stride=stride,
             dilation=dilation,
             overlap=ctx.overlap,
+            bands=ctx.backward_bands,
         )
 
 
@@ -1309,6 +1313,7 @@ def spatialize(
     overlap: bool = False,
     halo_depth: int = 1,
     stage_cuts: bool = False,
+    backward_bands: bool = False,
 ) -> SpatialContext:
     """Turn ``model`` (in place) into its spatial form for tile ``tile`` of ``grid``.
 
@@ -1366,7 +1371,9 @@ def spatialize(
         or int(getattr(model, "total_stride", 0))
         or _total_stride(reference, in_chans, use.tile_modules, nd)
     )
-    ctx = SpatialContext(grid, tile, neighbours, group, align=align, overlap=overlap)
+    ctx = SpatialContext(
+        grid, tile, neighbours, group, align=align, overlap=overlap, backward_bands=backward_bands
+    )
     ctx._reference = reference
     ctx._in_chans = in_chans
     ctx.tile_param_names = use.tile_params

@@ -52,7 +52,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
-from hyfi_imaging.parallel.halo import extend, new_like, return_halo_grads, window_of
+from hyfi_imaging.parallel.halo import exchange_strips, new_like, return_halo_grads, window_of
 from hyfi_imaging.parallel.spatial import SpatialBatchNorm2d, SpatialConv2d, SpatialMaxPool2d
 
 __all__ = ["STREAMING_MODES", "Stem", "stream_stem"]
@@ -458,7 +458,7 @@ class _Streamed(torch.autograd.Function):
                     "use fewer tiles (larger ones), or parallel.streaming=none",
                 )
             valid = tuple(max(0, frame.size[a] - frame.start[a]) for a in range(2))
-            _, strips = extend(x, halo, stem.ctx.neighbours, fill=0.0, valid=valid)
+            strips = exchange_strips(x, halo, stem.ctx.neighbours, fill=0.0, valid=valid)
         src = _source(x, strips, halo, frame)
         n = len(stem.layers)
         with torch.no_grad():

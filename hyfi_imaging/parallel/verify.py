@@ -370,6 +370,7 @@ def verify_model(
     seed: int = 0,
     overlap: bool = False,
     halo_depth: int = 1,
+    backward_bands: bool = False,
 ) -> VerifyReport:
     """Prove that *any* model trains on a layout exactly as in one process: ``hyfi-verify`` for your model.
 
@@ -395,7 +396,7 @@ def verify_model(
     reduces across tiles itself. Default: :func:`~.apply.cross_entropy`.
     ``target(output_shape, generator)`` draws targets for the global batch's
     output shape (default: class indices, :func:`default_target`).
-    ``overlap`` and ``halo_depth`` are :class:`~.engine.ParallelPlan`'s.
+    ``overlap``, ``halo_depth`` and ``backward_bands`` are :class:`~.engine.ParallelPlan`'s.
 
     Returns the :class:`VerifyReport` (``ok`` on every rank; the comparisons of
     all ranks merged). The process group is left running.
@@ -423,7 +424,11 @@ def verify_model(
         build = model
     pc = layout if isinstance(layout, ParallelContext) else init_parallel(layout or Layout())
     plan = ParallelPlan(
-        pc.layout, microbatches=microbatches, overlap=overlap, halo_depth=halo_depth
+        pc.layout,
+        microbatches=microbatches,
+        overlap=overlap,
+        halo_depth=halo_depth,
+        backward_bands=backward_bands,
     )
     return run_verify(
         build,

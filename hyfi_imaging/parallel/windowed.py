@@ -39,10 +39,15 @@ import torch.nn.functional as F
 from hyfi_imaging.parallel.halo import (
     Neighbours,
     Strips,
+    add_to_parts,
+    exchange_strips,
     extend,
+    fill_tail,
     new_like,
     rebuild,
     return_halo_grads,
+    return_strip_grads,
+    strip_box,
     trailing,
     window_of,
 )
@@ -142,6 +147,9 @@ class Window:
     #: Compute while the halos are in flight (convolutions): the outputs that read the
     #: tile only in forward, the weight gradient in backward.
     overlap: bool = False
+    #: Backward in bands of output rows (a memory tool: band-sized transients, more
+    #: kernel calls); else one piece on the tile itself.
+    bands: bool = False
 
     @property
     def dims(self) -> int:
@@ -236,6 +244,212 @@ def _conv_overlapped(
                 part, weight, bias, win.stride, 0, win.dilation, groups
             )
     return y, strips
+
+
+def direct_padding(win: Window, tile: torch.Size) -> tuple[int, ...] | None:
+    """The padding with which the layer on the tile alone puts every output where the
+    extended tile would (None: it cannot, the extended path runs).
+
+    With padding ``p = before`` along a dim, output ``o`` reads tile positions
+    ``[o s - before, o s - before + extent)``, exactly what it reads in the
+    extended tile; the output count must be the extended tile's too.
+    """
+    pads = []
+    for a, (m, _, _) in enumerate(_outputs(win, tile)):
+        before, n = win.halo[2 * a], int(tile[a - win.dims])
+        extent = win.dilation[a] * (win.kernel[a] - 1) + 1
+        if (n + 2 * before - extent) // win.stride[a] + 1 != m:
+            return None
+        pads.append(before)
+    return tuple(pads)
+
+
+def _border_bands(win: Window, tile: torch.Size) -> list[list[tuple[int, int]]]:
+    """Output ranges (per spatial dim) that the padded tile alone gets wrong.
+
+    Those whose windows read a neighbour's halo (outside the grid the padding
+    is the fill itself, and the tile past ``valid`` is masked by
+    :func:`_base`). The ranges do not overlap: per dim, the bands before and
+    after the clean outputs, within the clean range of the dims already done.
+    """
+    axes = _outputs(win, tile)
+    sides = win.neighbours.pairs()[-win.dims :]
+    clean = []
+    for (lo, hi), (m, first, end) in zip(sides, axes, strict=True):
+        c0 = first if lo is not None else 0
+        c1 = end if hi is not None else m
+        clean.append((c0, max(c0, c1), m))
+    bands = []
+    for k, (c0, c1, m) in enumerate(clean):
+        for a, b in ((0, c0), (c1, m)):
+            if b <= a:
+                continue
+            ranges = [
+                (cd0, cd1) if d < k else (a, b) if d == k else (0, md)
+                for d, (cd0, cd1, md) in enumerate(clean)
+            ]
+            if all(r1 > r0 for r0, r1 in ranges):
+                bands.append(ranges)
+    return bands
+
+
+def _base(x: torch.Tensor, win: Window) -> torch.Tensor:
+    """What the layer reads of its own tile: the tile, or on a tile that reaches past the
+    image (the last along an axis) a copy with that tail set to ``fill``.
+
+    Why a copy there: the tail holds whatever the layers before computed on padding
+    (-inf after a max-pool, say), and a weight gradient multiplies it, so it cannot be
+    corrected afterwards (inf - inf); the copy is paid on those tiles only.
+    """
+    tile = x.shape[x.dim() - win.dims :]
+    if all(v >= n for v, n in zip(win.valid, tile, strict=True)):
+        return x
+    masked = x.clone()
+    fill_tail(masked, win.valid, win.fill)
+    return masked
+
+
+def _reads(win: Window, outputs: list[tuple[int, int]]) -> list[slice]:
+    """Extended-tile positions the outputs ``[o0, o1)`` per dim read."""
+    return [
+        slice(o0 * s, (o1 - 1) * s + d * (k - 1) + 1)
+        for (o0, o1), s, k, d in zip(outputs, win.stride, win.kernel, win.dilation, strict=True)
+    ]
+
+
+def _conv_direct(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    win: Window,
+    groups: int,
+    pad: tuple[int, ...],
+) -> tuple[torch.Tensor, Strips]:
+    """The convolution on the tile itself, its border bands redone from the strips.
+
+    The tile, padded by the kernel with zeros, gives every output whose window
+    lies in the tile (or in the fill past the grid's edge) without any copy of
+    the tile; while the halos travel (``win.overlap``) or after. Then only the
+    outputs that read a neighbour's strip or the masked tail are computed
+    again, each band from a slab rebuilt from the tile's edge and the strips,
+    and written over. Copies: the strips sent and the border slabs.
+    """
+    conv = win.ops.conv
+    out: list[torch.Tensor] = []
+
+    base = _base(x, win)
+
+    def interior() -> None:
+        out.append(conv(base, weight, bias, win.stride, pad, win.dilation, groups))
+
+    strips = exchange_strips(
+        x, win.halo, win.neighbours, fill=win.fill, valid=win.valid,
+        overlap=interior if win.overlap else None,
+    )  # fmt: skip
+    if not out:
+        interior()
+    y = out[0]
+    for band in _border_bands(win, x.shape):
+        slab = window_of(x, strips, win.halo, _reads(win, band), fill=win.fill, valid=win.valid)
+        y[trailing([slice(o0, o1) for o0, o1 in band])] = conv(
+            slab, weight, bias, win.stride, 0, win.dilation, groups
+        )
+    return y, strips
+
+
+def _conv_grads_direct(
+    ctx: Any, gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, strips: Strips
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of :func:`_conv_direct`: the tile's gradient written once, halo gradients
+    from the border bands only.
+
+    The padded tile's backward gives the input gradient of every tile position
+    (a position's gradient does not depend on what the window read beside it)
+    and the weight and bias gradients as if the halos were 0 and the tail
+    unmasked. Per border band, one more backward on the slab's *difference*
+    (strips and masked tail minus what the padded tile read) corrects the
+    weight gradient and yields the gradients of the strips, which go back to
+    their owners and are added into their borders. Overlapped, the weight
+    gradient is computed while those travel.
+    """
+    win: Window = ctx.win
+    pad: tuple[int, ...] = ctx.pad
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    need_x, need_w, need_b = bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)
+    zeros = [0] * win.dims
+    bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+    tile = [int(v) for v in x.shape[x.dim() - win.dims :]]
+    lead = tuple(x.shape[: x.dim() - win.dims])
+    held: list[torch.Tensor | None] = [None, None, None]
+    base = _base(x, win) if need_w else x  # the input gradient does not read it
+
+    def padded(x_: bool, w_: bool, b_: bool) -> None:
+        got = _aten.convolution_backward(
+            gy, base, weight, bias_sizes, list(win.stride), list(pad), list(win.dilation),
+            False, zeros, ctx.groups, [x_, w_, b_],
+        )  # fmt: skip
+        for k, wanted in enumerate((x_, w_, b_)):
+            if wanted:
+                held[k] = got[k] if held[k] is None else held[k].add_(got[k])  # type: ignore[union-attr]
+
+    strip_grads: list[torch.Tensor | None] = [
+        None
+        if s is None
+        else torch.zeros(
+            (*lead, *(b - a for a, b in strip_box(j // 2, j % 2, win.halo, tile))),
+            dtype=gy.dtype,
+            device=gy.device,
+        )
+        for j, s in enumerate(strips)
+    ]
+    none: Strips = (None,) * len(strips)
+    corrections: list[torch.Tensor] = []
+
+    def bands(x_: bool, w_: bool) -> None:
+        for band in _border_bands(win, x.shape):
+            reads = _reads(win, band)
+            slab = window_of(x, strips, win.halo, reads, fill=win.fill, valid=win.valid)
+            slab.sub_(window_of(x, none, win.halo, reads, fill=win.fill, valid=win.valid))
+            got = _aten.convolution_backward(
+                gy[trailing([slice(o0, o1) for o0, o1 in band])].contiguous(), slab, weight,
+                None, list(win.stride), zeros, list(win.dilation), False, zeros, ctx.groups,
+                [x_, w_, False],
+            )  # fmt: skip
+            if x_:
+                box = [(r.start, r.stop) for r in reads]
+                add_to_parts(got[0], box, win.halo, tile, strip_grads)
+            if w_:
+                corrections.append(got[1])
+
+    gx: torch.Tensor | None = None
+    if need_x:
+        padded(True, False, False)
+        gx = held[0]
+        assert gx is not None
+        if win.overlap:
+            bands(True, False)
+
+            def weights() -> None:
+                padded(False, need_w, need_b)
+                if need_w:
+                    bands(False, True)
+
+            gx = return_strip_grads(
+                gx, strip_grads, win.halo, win.neighbours, valid=win.valid,
+                overlap=weights if need_w or need_b else None,
+            )  # fmt: skip
+        else:
+            bands(True, need_w)
+            padded(False, need_w, need_b)
+            gx = return_strip_grads(gx, strip_grads, win.halo, win.neighbours, valid=win.valid)
+    else:
+        padded(False, need_w, need_b)
+        if need_w:
+            bands(False, True)
+    gw = held[1]
+    for c in corrections:
+        gw = c if gw is None else gw.add_(c)
+    return gx, gw, held[2]
 
 
 def _rebuild(x: torch.Tensor, strips: Strips, win: Window) -> torch.Tensor:
@@ -362,14 +576,17 @@ class _Conv(torch.autograd.Function):
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
+        pad = direct_padding(win, x.shape)
         with torch.autocast(x.device.type, enabled=False):
-            if win.overlap:
+            if pad is not None:
+                y, strips = _conv_direct(x, weight, bias, win, groups, pad)
+            elif win.overlap:
                 y, strips = _conv_overlapped(x, weight, bias, win, groups)
             else:
                 xe, strips = _extend(x, win)
                 y = win.ops.conv(xe, weight, bias, win.stride, 0, win.dilation, groups)
         _save_strips(ctx, x, strips, weight)
-        ctx.win, ctx.groups, ctx.has_bias = win, groups, bias is not None
+        ctx.win, ctx.groups, ctx.has_bias, ctx.pad = win, groups, bias is not None, pad
         return y
 
     @staticmethod
@@ -378,7 +595,9 @@ class _Conv(torch.autograd.Function):
         win: Window = ctx.win
         gy = gy.to(x.dtype)
         rows = backward_band(gy.shape[gy.dim() - win.dims])
-        if rows < gy.shape[gy.dim() - win.dims]:
+        if ctx.pad is not None and not win.bands:
+            gx, gw, gb = _conv_grads_direct(ctx, gy, x, weight, strips)
+        elif win.bands and rows < gy.shape[gy.dim() - win.dims]:
             gx, gw, gb = _conv_grads_banded(ctx, gy, x, weight, strips, rows)
         else:
             gx, gw, gb = _conv_grads_whole(ctx, gy, x, weight, strips)
@@ -426,27 +645,92 @@ def _conv_grads_whole(
     return gx, held[1] if need_w else None, held[2] if need_b else None
 
 
+def _pool_padding(win: Window, tile: torch.Size) -> tuple[int, ...] | None:
+    """:func:`direct_padding` for a pool, whose padding PyTorch caps at half its window."""
+    pad = direct_padding(win, tile)
+    if pad is None:
+        return None
+    for p, k, d in zip(pad, win.kernel, win.dilation, strict=True):
+        if 2 * p > d * (k - 1) + 1:
+            return None
+    return pad
+
+
+def _strip_grads(win: Window, tile: torch.Size, like: torch.Tensor) -> list[torch.Tensor | None]:
+    """Zeroed gradients of the strips this rank receives (None where none is received)."""
+    sides = win.neighbours.pairs()[-win.dims :]
+    lead = tuple(like.shape[: like.dim() - win.dims])
+    size = [int(v) for v in tile[-win.dims :]]
+    out: list[torch.Tensor | None] = []
+    for j in range(2 * win.dims):
+        if sides[j // 2][j % 2] is None or win.halo[j] == 0:
+            out.append(None)
+            continue
+        box = strip_box(j // 2, j % 2, win.halo, size)
+        shape = (*lead, *(b - a for a, b in box))
+        out.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+    return out
+
+
+def _band_index(band: list[tuple[int, int]]) -> tuple[Any, ...]:
+    return trailing([slice(o0, o1) for o0, o1 in band])
+
+
 class _MaxPool(torch.autograd.Function):
+    """Max-pooling; on the tile itself with its border bands redone (as :func:`_conv_direct`)
+    where :func:`_pool_padding` allows, else on the extended tile."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, win: Window) -> torch.Tensor:
-        xe, strips = _extend(x, win)
-        y = win.ops.max_pool(xe, win.kernel, win.stride, 0, win.dilation)
+        pad = _pool_padding(win, x.shape)
+        pool = win.ops.max_pool
+        if pad is None:
+            xe, strips = _extend(x, win)
+            y = pool(xe, win.kernel, win.stride, 0, win.dilation)
+        else:
+            strips = exchange_strips(x, win.halo, win.neighbours, fill=win.fill, valid=win.valid)
+            y = pool(_base(x, win), win.kernel, win.stride, pad, win.dilation)
+            for band in _border_bands(win, x.shape):
+                slab = window_of(
+                    x, strips, win.halo, _reads(win, band), fill=win.fill, valid=win.valid
+                )
+                y[_band_index(band)] = pool(slab, win.kernel, win.stride, 0, win.dilation)
         _save_strips(ctx, x, strips)
-        ctx.win = win
+        ctx.win, ctx.pad = win, pad
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, _, strips = _load_strips(ctx)
         win: Window = ctx.win
-        xe = _rebuild(x, strips, win)
-        # Recomputing the winners costs one pooling pass; storing them would cost int64 per output.
+        ops = win.ops
+
+        def grad(g: torch.Tensor, inp: torch.Tensor, pad: Any) -> torch.Tensor:
+            # Recomputing the winners costs one pooling pass; storing them would cost int64
+            # per output.
+            idx = ops.max_pool_indices(inp, win.kernel, win.stride, pad, win.dilation)[1]
+            return ops.max_pool_backward(
+                g, inp, win.kernel, win.stride, pad, win.dilation, False, idx
+            )
+
         zeros = [0] * win.dims
-        idx = win.ops.max_pool_indices(xe, win.kernel, win.stride, zeros, win.dilation)[1]
-        gi = win.ops.max_pool_backward(
-            gy, xe, win.kernel, win.stride, zeros, win.dilation, False, idx
-        )
-        return _tile_grad(gi, x.shape, win), None
+        if ctx.pad is None:
+            return _tile_grad(grad(gy, _rebuild(x, strips, win), zeros), x.shape, win), None
+        # Every output's gradient goes to its winner in the padded tile; for the border
+        # outputs that is taken back and given to the true winner (in the tile or a strip).
+        gx = grad(gy, _base(x, win), list(ctx.pad))
+        strip_grads = _strip_grads(win, x.shape, gy)
+        none: Strips = (None,) * len(strips)
+        tile = [int(v) for v in x.shape[x.dim() - win.dims :]]
+        for band in _border_bands(win, x.shape):
+            reads = _reads(win, band)
+            box = [(r.start, r.stop) for r in reads]
+            g_band = gy[_band_index(band)]
+            seen = window_of(x, none, win.halo, reads, fill=win.fill, valid=win.valid)
+            add_to_parts(grad(g_band, seen, zeros).neg_(), box, win.halo, tile, [], gx)
+            true = window_of(x, strips, win.halo, reads, fill=win.fill, valid=win.valid)
+            add_to_parts(grad(g_band, true, zeros), box, win.halo, tile, strip_grads, gx)
+        return return_strip_grads(gx, strip_grads, win.halo, win.neighbours, valid=win.valid), None
 
 
 def _window_counts(
@@ -471,30 +755,66 @@ def _window_counts(
 
 
 class _AvgPool(torch.autograd.Function):
+    """Average-pooling; on the tile itself where :func:`_pool_padding` allows (its
+    backward needs no input at all: each window pixel gets ``1 / divisor``)."""
+
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, win: Window, divisor: torch.Tensor | int | None
     ) -> torch.Tensor:
-        xe, _ = _extend(x, win)
+        pad = _pool_padding(win, x.shape)
         pool = win.ops.avg_pool
-        if isinstance(divisor, torch.Tensor):
-            y = pool(xe, win.kernel, win.stride, 0, False, True, 1) / divisor.to(xe.dtype)
+        by = divisor if isinstance(divisor, int) else None
+
+        def run(inp: torch.Tensor, p: Any, part: Any = None) -> torch.Tensor:
+            y = pool(inp, win.kernel, win.stride, p, False, True, 1 if part is not None else by)
+            return y / part.to(y.dtype) if part is not None else y
+
+        def counts(band: Any) -> Any:
+            return divisor[band] if isinstance(divisor, torch.Tensor) else None
+
+        if pad is None:
+            xe, _ = _extend(x, win)
+            y = run(xe, 0, counts(...))
+            ctx.need_shape = xe.shape
         else:
-            y = pool(xe, win.kernel, win.stride, 0, False, True, divisor)
-        ctx.win, ctx.divisor, ctx.tile, ctx.need_shape = win, divisor, x.shape, xe.shape
+            strips = exchange_strips(x, win.halo, win.neighbours, fill=win.fill, valid=win.valid)
+            y = run(_base(x, win), pad, counts(...))
+            for band in _border_bands(win, x.shape):
+                slab = window_of(
+                    x, strips, win.halo, _reads(win, band), fill=win.fill, valid=win.valid
+                )
+                y[_band_index(band)] = run(slab, 0, counts(_band_index(band)))
+        ctx.win, ctx.divisor, ctx.tile, ctx.pad = win, divisor, x.shape, pad
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         win: Window = ctx.win
         divisor = ctx.divisor
-        shape_of = gy.new_empty(ctx.need_shape)  # the kernel reads only its shape
         if isinstance(divisor, torch.Tensor):
             gy, divisor = gy / divisor.to(gy.dtype), 1
-        gi = win.ops.avg_pool_backward(
-            gy, shape_of, win.kernel, win.stride, [0] * win.dims, False, True, divisor
-        )
-        return _tile_grad(gi, ctx.tile, win), None, None
+
+        def grad(g: torch.Tensor, shape: Any, pad: Any) -> torch.Tensor:
+            shape_of = g.new_empty(shape)  # the kernel reads only its shape
+            return win.ops.avg_pool_backward(
+                g, shape_of, win.kernel, win.stride, pad, False, True, divisor
+            )
+
+        zeros = [0] * win.dims
+        if ctx.pad is None:
+            return _tile_grad(grad(gy, ctx.need_shape, zeros), ctx.tile, win), None, None
+        gx = grad(gy, ctx.tile, list(ctx.pad))
+        strip_grads = _strip_grads(win, ctx.tile, gy)
+        tile = [int(v) for v in ctx.tile[-win.dims :]]
+        lead = tuple(ctx.tile[: len(ctx.tile) - win.dims])
+        for band in _border_bands(win, ctx.tile):
+            reads = _reads(win, band)
+            shape = (*lead, *(r.stop - r.start for r in reads))
+            g_slab = grad(gy[_band_index(band)], shape, zeros)
+            add_to_parts(g_slab, [(r.start, r.stop) for r in reads], win.halo, tile, strip_grads)
+        gx = return_strip_grads(gx, strip_grads, win.halo, win.neighbours, valid=win.valid)
+        return gx, None, None
 
 
 def conv(

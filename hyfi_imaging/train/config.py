@@ -170,6 +170,8 @@ class ParallelConfig(_Strict):
     #: ``stem``: the leading convolution, BatchNorm, activation and max-pool run in row bands
     #: (their maps are never whole: the peak of a checkpointed ResNet).
     streaming: Literal["none", "stem"] = "none"
+    #: Each convolution's backward in bands of output rows: less memory, more kernel calls.
+    backward_bands: bool = False
 
     @model_validator(mode="before")
     @classmethod

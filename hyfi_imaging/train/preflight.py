@@ -169,4 +169,5 @@ def plan_of(p: ParallelConfig, layout: Layout) -> ParallelPlan:
         overlap=p.overlap,
         halo_depth=p.halo_depth,
         streaming=p.streaming,
+        backward_bands=p.backward_bands,
     )

@@ -38,17 +38,22 @@ def _drop(
     return g.narrow(dim, before, g.shape[dim] - before - after).clone(), overlap
 
 
+def _lose(*args: object) -> None:
+    """Receive a neighbour's halo gradient and add it nowhere."""
+
+
 @contextmanager
 def dropped_halo_gradients() -> Iterator[None]:
-    """Within the block, the halo exchange's backward loses every halo gradient."""
+    """Within the block, the halo exchange's backward loses every halo gradient (both the
+    extended-tile adjoint and the one of layers computed on the tile itself)."""
     from hyfi_imaging.parallel import halo
 
-    saved = halo._reduce
-    halo._reduce = _drop
+    saved = halo._reduce, halo._add_returned
+    halo._reduce, halo._add_returned = _drop, _lose
     try:
         yield
     finally:
-        halo._reduce = saved
+        halo._reduce, halo._add_returned = saved
 
 
 def main() -> int:

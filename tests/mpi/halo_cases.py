@@ -85,6 +85,38 @@ def _adjoint(pc: Any, tile: tuple[int, int], halo: Halo, channels_last: bool) ->
     return {"ok": rel < 1e-13, "max_rel": rel, "detail": f"<Fx,y>={lhs:.17g} <x,F*y>={rhs:.17g}"}
 
 
+def _strips_adjoint(pc: Any, tile: tuple[int, int], halo: Halo, channels_last: bool) -> Case:
+    """The same for the strips alone (``exchange_strips``) and their adjoint
+    (``return_strip_grads``), what layers computed on the tile itself use."""
+    from hyfi_imaging.parallel.halo import exchange_strips, return_strip_grads
+
+    gen = torch.Generator().manual_seed(2000 + pc.rank)
+    x = torch.randn(2, 3, *tile, generator=gen, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    nb = _neighbours(pc)
+    strips = exchange_strips(x, halo, nb, fill=0.0)
+    ys = [
+        None if s is None else torch.randn(s.shape, generator=gen, dtype=torch.float64)
+        for s in strips
+    ]
+    fty = return_strip_grads(
+        torch.zeros_like(x), [None if y is None else y.clone() for y in ys], halo, nb
+    )
+    pairs = [(s, y) for s, y in zip(strips, ys, strict=True) if s is not None and y is not None]
+    terms = torch.stack(
+        [
+            sum(((s * y).sum() for s, y in pairs), torch.zeros((), dtype=torch.float64)),
+            (x * fty).sum(),
+            sum(((s.abs() * y.abs()).sum() for s, y in pairs), torch.ones((), dtype=torch.float64)),
+        ]
+    )
+    dist.all_reduce(terms, group=pc.group("sp"))
+    lhs, rhs, scale = (float(t) for t in terms)
+    rel = abs(lhs - rhs) / scale
+    return {"ok": rel < 1e-13, "max_rel": rel, "detail": f"<Fx,y>={lhs:.17g} <x,F*y>={rhs:.17g}"}
+
+
 def _global_index(pc: Any, tile: tuple[int, int], halo: Halo, fill: float) -> Case:
     """Each owned cell holds its global index; every ghost must hold its owner's (or ``fill``)."""
     from hyfi_imaging.parallel.halo import halo_exchange
@@ -172,6 +204,12 @@ def cases(pc: Any) -> dict[str, Callable[[], Case]]:
         out[f"sabotaged/adjoint/{name}"] = lambda t=tile, h=halo, cl=last: _sabotaged(
             lambda: _adjoint(pc, t, h, cl)
         )
+        out[f"adjoint/strips:{name}"] = lambda t=tile, h=halo, cl=last: _strips_adjoint(
+            pc, t, h, cl
+        )
+        out[f"sabotaged/adjoint/strips:{name}"] = lambda t=tile, h=halo, cl=last: _sabotaged(
+            lambda: _strips_adjoint(pc, t, h, cl)
+        )
         if not last:
             for fill in FILL:
                 out[f"index/{name}/fill={fill}"] = lambda t=tile, h=halo, f=fill: _global_index(
@@ -188,6 +226,7 @@ def case_names(grid: tuple[int, int]) -> list[str]:
     names = []
     for name, _, _ in ADJOINT:
         names += [f"adjoint/{name}", f"sabotaged/adjoint/{name}"]
+        names += [f"adjoint/strips:{name}", f"sabotaged/adjoint/strips:{name}"]
         if name != "channels-last":
             names += [f"index/{name}/fill={fill}" for fill in FILL]
     if grid[0] * grid[1] == 2:
