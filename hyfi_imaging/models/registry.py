@@ -301,6 +301,13 @@ class CheckpointedBlock(nn.Module):
     def forward(self, x: Any) -> Any:
         """Run :meth:`forward_block`, checkpointed when enabled."""
         if self.grad_checkpointing and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                raise ConfigError(
+                    f"checkpointed block {type(self).__name__}",
+                    "activation checkpointing cannot run under torch.compile (it keeps BatchNorm "
+                    "statistics from being updated twice with a context torch.compile refuses)",
+                    "compile without checkpointing (parallel.checkpointing: none) or run eagerly",
+                )
             return checkpoint(
                 self.forward_block,
                 x,

@@ -1,0 +1,197 @@
+"""``benchmarks/gpu_check.py --dry-run``: every item of the GPU check runs on the CPU and is recorded.
+
+The dry run is the CI check of the script a lent GPU machine runs first (issue 19, item 5):
+the same code paths, tiny sizes, Gloo instead of NCCL, a simulated memory cap for the
+largest-image search. Its figures mean nothing; what is checked is that every item ran,
+that the facts the CPU can decide hold (resume is bitwise, hyfi-verify agrees, the search
+finds the simulated caps), and that the report names the device and the date.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def test_dry_run_records_every_item(tmp_path: Path) -> None:
+    out, md = tmp_path / "check" / "gpu_check.json", tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n")
+    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--markdown", str(md)]
+    # About a minute on two idle cores; the budgets leave room for a busy machine.
+    for budget in ("a=120", "b=60", "c=60", "d=90", "e=120"):
+        cmd += ["--budget", budget]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    items = report["items"]
+    assert sorted(items) == ["a", "b", "c", "d", "e"]
+    for key, item in items.items():
+        assert item["status"] == "ok", (key, item.get("error"))
+    a = items["a"]
+    assert a["interrupted"] and a["losses_equal"] and a["backend"] == "gloo", a
+    assert a["resumed_from_step"] >= a["killed_after_checkpoint"]
+    assert items["b"]["ok"] and items["b"]["1x2"]["status"] == "skipped"
+    assert {r["contender"] for r in items["c"]["rows"]} >= {"plain", "hyfi", "hyfi_ckpt"}
+    assert all(r["flops"] > 0 for r in items["c"]["rows"])
+    # the simulated caps (64 and 128): found exactly, 4x the pixels
+    assert (items["d"]["plain"]["side"], items["d"]["hyfi_ckpt"]["side"]) == (64, 128)
+    assert items["e"]["hyfi"]["status"] == "ok" and items["e"]["hyfi"]["compile_s"] > 0
+
+    verdicts = report["verdicts"]
+    assert verdicts and all(v.startswith(("PASS: ", "MISS: ")) for v in verdicts)
+    assert all(v in proc.stdout for v in verdicts)
+    assert "need several GPUs" in report["multi_gpu"]
+
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n")  # appended to, never replaced
+    section = text[text.index("\n## GPU check") :]
+    assert report["device"]["name"] in section and report["date"] in section
+    day = datetime.date.fromisoformat(report["date"][:10])
+    assert abs((datetime.datetime.now(datetime.timezone.utc).date() - day).days) <= 1
+    assert "dry run" in section.splitlines()[1]
+    assert all(v in section for v in verdicts)
+
+
+def test_no_cuda_without_dry_run_is_one_line(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run")
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--markdown", str(tmp_path / "b.md")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA device" in proc.stderr
+    assert not out.exists() and not (tmp_path / "b.md").exists()
+
+
+@functools.cache
+def _script() -> ModuleType:
+    """The script as a module (benchmarks/ is not a package); it imports torch lazily."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peak_table_by_device_name() -> None:
+    gc = _script()
+    names = {
+        "NVIDIA H100 80GB HBM3": 989.0,
+        "NVIDIA H100 PCIe": 756.0,
+        "NVIDIA H100 NVL": 835.0,
+        "NVIDIA H200": 989.0,
+        "NVIDIA A100-SXM4-80GB": 312.0,
+        "NVIDIA L4": None,
+    }
+    assert {n: gc.peak_tflops(n) for n in names} == names
+
+
+@pytest.mark.parametrize(
+    ("limit", "start", "known", "found"),
+    [(1000, 64, 0, 992), (20000, 2048, 8192, None), (100, 256, 0, 96), (31, 32, 0, 0)],
+)
+def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, found: int) -> None:
+    gc = _script()
+    probed: list[int] = []
+
+    def fits(side: int) -> bool:
+        probed.append(side)
+        return side <= limit
+
+    lo, hi, converged = gc.largest_side(
+        fits, start=start, known=known, deadline=time.monotonic() + 60
+    )
+    assert converged and lo <= limit < hi and lo % 32 == 0 and hi % 32 == 0
+    assert hi - lo <= max(32, lo // 64)
+    assert found is None or lo == found
+    assert known not in probed and len(probed) == len(set(probed))
+
+
+def test_largest_side_stops_when_a_probe_runs_out_of_time() -> None:
+    gc = _script()
+    answers = iter([True, None])
+    lo, hi, converged = gc.largest_side(
+        lambda side: next(answers), start=64, deadline=time.monotonic() + 60
+    )
+    assert (lo, hi, converged) == (64, None, False)
+
+
+def _gpu_like_items(gc: ModuleType) -> dict[str, dict[str, Any]]:
+    """Records as a one-H100 run could leave them: out of memory at 8192^2, a compile error."""
+    oom = {"status": "oom", "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate"}
+    rows = []
+    for side, flops, steps in ((4096, 8.12e12, (0.0250, 0.0262, 0.0190, 0.0195, 0.041)),
+                               (8192, 32.48e12, (None, None, None, None, 0.170))):  # fmt: skip
+        results: list[dict[str, Any]] = [{"flops": flops}]
+        for name, t in zip(gc.CONTENDERS, steps, strict=True):
+            one = {"contender": name, "side": side}
+            results.append({**one, **oom} if t is None else {**one, "status": "ok", "step_s": t})
+        rows += gc.step_rows(side, results, 989.0, "")
+    probes = [{"side": 16384, "outcome": "oom"}, {"side": 12288, "outcome": "ok"}]
+    return {
+        "a": {"status": "ok", "backend": "nccl", "device": "cuda", "steps": 24,
+              "killed_after_checkpoint": 4, "steps_logged_when_killed": 5, "interrupted": True,
+              "resumed_from_step": 4, "losses_equal": False, "max_abs_loss_diff": 1.2e-7,
+              "losses": [0.7] * 24, "resumed_losses": [0.7] * 24, "seconds": 48.0},
+        "b": {"status": "ok", "ok": True, "max_rel_error": 3e-12, "compared": 800, "failed": [],
+              "backend": "nccl", "1x2": {"status": "skipped"}, "seconds": 14.0},
+        "c": {"status": "ok", "model": "resnet50", "rows": rows, "error": None, "seconds": 70.0},
+        "d": {"status": "ok", "pixel_ratio": (20480 / 9216) ** 2, "error": None, "seconds": 128.0,
+              "plain": {"side": 9216, "upper": 9344, "converged": True, "known": 8192,
+                        "probes": probes},
+              "hyfi_ckpt": {"side": 20480, "upper": None, "converged": False, "known": 8192,
+                            "probes": probes}},
+        "e": {"status": "ok", "backend": "inductor", "side": 4096, "error": None, "seconds": 80.0,
+              "hyfi": {"contender": "hyfi", "status": "ok", "compile_s": 55.0, "step_s": 0.018,
+                       "eager_step_s": 0.026, "speedup": 0.026 / 0.018},
+              "hyfi_ckpt": {"contender": "hyfi_ckpt", "status": "error", "refused": False,
+                            "error": "BackendCompilerFailed: backend='inductor' raised: ..."}},
+    }  # fmt: skip
+
+
+def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
+    """What a GPU run records is judged and written without a fault (no GPU needed)."""
+    gc = _script()
+    items = _gpu_like_items(gc)
+    by = {(r["contender"], r["side"]): r for r in items["c"]["rows"]}
+    assert by["hyfi_cl", 4096]["peak_share"] == pytest.approx(8.12e12 / 0.0195 / 989e12)
+    assert by["hyfi_cl", 4096]["overhead"] == pytest.approx(0.0195 / 0.0190 - 1)
+    assert "overhead" not in by["plain", 4096] and by["hyfi", 8192]["status"] == "oom"
+    lines = gc.verdicts(items, 989.0, "NVIDIA H100 80GB HBM3")
+    text = "\n".join(lines)
+    assert lines[0].startswith("MISS: (a)") and "1.2e-07" in lines[0]
+    assert lines[1].startswith("PASS: (b)")
+    assert "PASS: (c) hyfi 1x1 at 4096^2, share of peak: 416.4 TFLOP/s = 42.1 %" in text
+    assert "PASS: (c) hyfi 1x1 at 4096^2, overhead over plain PyTorch" in text
+    assert "MISS: (c) hyfi 1x1 at 8192^2: did not run (OutOfMemoryError" in text
+    assert "PASS: (d)" in text and "4.94x" in text and "time cap" in text
+    assert "PASS: (e) torch.compile of hyfi 1x1: works (inductor)" in text
+    assert "MISS: (e) torch.compile of hyfi 1x1 + ckpt + streamed stem: fails" in text
+    report = {
+        "date": "2026-11-27 10:00 UTC", "dry_run": False, "seconds": 440.0,
+        "device": {"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "count": 1,
+                   "torch": "2.13.0+cu128", "cuda": "12.8", "cudnn": 91000, "nccl": "2.27.3"},
+        "peak_tflops": 989.0, "peak_source": "table", "multi_gpu": "Several NCCL ranks ...",
+        "items": {k: {"title": gc.ITEMS[k], **v} for k, v in items.items()}, "verdicts": lines,
+    }  # fmt: skip
+    md = gc._markdown(report, tmp_path / "gpu_check.json")
+    assert "## GPU check, 2026-11-27 10:00 UTC: NVIDIA H100 80GB HBM3\n" in md
+    assert "| resnet50 bf16, batch 1 |" in md
+    assert "| hyfi_cl | 4096 | 19.5 | 416.4 | 42.1 % | +2.6 % |" in md
+    assert "| hyfi_ckpt | 20480 | 419.4 | 16384: oom, 12288: ok |" in md
