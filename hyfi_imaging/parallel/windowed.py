@@ -240,9 +240,8 @@ def _conv_overlapped(
                 continue
             reads = zip(ranges, win.stride, extents, strict=True)
             part = xe[trailing([slice(r0 * s, (r1 - 1) * s + e) for (r0, r1), s, e in reads])]
-            y[trailing([slice(r0, r1) for r0, r1 in ranges])] = conv(
-                part, weight, bias, win.stride, 0, win.dilation, groups
-            )
+            band = trailing([slice(r0, r1) for r0, r1 in ranges])
+            _write(y, band, conv(part, weight, bias, win.stride, 0, win.dilation, groups))
     return y, strips
 
 
@@ -309,6 +308,11 @@ def _base(x: torch.Tensor, win: Window) -> torch.Tensor:
     return masked
 
 
+def _band_index(band: list[tuple[int, int]]) -> tuple[Any, ...]:
+    """The output band's index (``(..., *slices)``)."""
+    return trailing([slice(o0, o1) for o0, o1 in band])
+
+
 def _reads(win: Window, outputs: list[tuple[int, int]]) -> list[slice]:
     """Extended-tile positions the outputs ``[o0, o1)`` per dim read."""
     return [
@@ -351,9 +355,7 @@ def _conv_direct(
     y = out[0]
     for band in _border_bands(win, x.shape):
         slab = window_of(x, strips, win.halo, _reads(win, band), fill=win.fill, valid=win.valid)
-        y[trailing([slice(o0, o1) for o0, o1 in band])] = conv(
-            slab, weight, bias, win.stride, 0, win.dilation, groups
-        )
+        _write(y, _band_index(band), conv(slab, weight, bias, win.stride, 0, win.dilation, groups))
     return y, strips
 
 
@@ -411,7 +413,7 @@ def _conv_grads_direct(
             slab = window_of(x, strips, win.halo, reads, fill=win.fill, valid=win.valid)
             slab.sub_(window_of(x, none, win.halo, reads, fill=win.fill, valid=win.valid))
             got = _aten.convolution_backward(
-                gy[trailing([slice(o0, o1) for o0, o1 in band])].contiguous(), slab, weight,
+                gy[_band_index(band)].contiguous(), slab, weight,
                 None, list(win.stride), zeros, list(win.dilation), False, zeros, ctx.groups,
                 [x_, w_, False],
             )  # fmt: skip
@@ -450,6 +452,18 @@ def _conv_grads_direct(
     for c in corrections:
         gw = c if gw is None else gw.add_(c)
     return gx, gw, held[2]
+
+
+def _write(y: torch.Tensor, index: tuple[Any, ...], part: torch.Tensor) -> None:
+    """Write a border band into the output the layer is still computing.
+
+    Through ``.data``: the band is part of computing ``y``, not a change of a value
+    anyone has seen, and selective activation checkpointing, which may have kept the
+    convolution's output as it came out of the kernel, refuses a kept tensor whose
+    version changed. It sees the finished output (the same storage) on recompute,
+    where the same bands are written again.
+    """
+    y.data[index] = part
 
 
 def _rebuild(x: torch.Tensor, strips: Strips, win: Window) -> torch.Tensor:
@@ -672,10 +686,6 @@ def _strip_grads(win: Window, tile: torch.Size, like: torch.Tensor) -> list[torc
     return out
 
 
-def _band_index(band: list[tuple[int, int]]) -> tuple[Any, ...]:
-    return trailing([slice(o0, o1) for o0, o1 in band])
-
-
 class _MaxPool(torch.autograd.Function):
     """Max-pooling; on the tile itself with its border bands redone (as :func:`_conv_direct`)
     where :func:`_pool_padding` allows, else on the extended tile."""
@@ -694,7 +704,7 @@ class _MaxPool(torch.autograd.Function):
                 slab = window_of(
                     x, strips, win.halo, _reads(win, band), fill=win.fill, valid=win.valid
                 )
-                y[_band_index(band)] = pool(slab, win.kernel, win.stride, 0, win.dilation)
+                _write(y, _band_index(band), pool(slab, win.kernel, win.stride, 0, win.dilation))
         _save_strips(ctx, x, strips)
         ctx.win, ctx.pad = win, pad
         return y
@@ -784,7 +794,7 @@ class _AvgPool(torch.autograd.Function):
                 slab = window_of(
                     x, strips, win.halo, _reads(win, band), fill=win.fill, valid=win.valid
                 )
-                y[_band_index(band)] = run(slab, 0, counts(_band_index(band)))
+                _write(y, _band_index(band), run(slab, 0, counts(_band_index(band))))
         ctx.win, ctx.divisor, ctx.tile, ctx.pad = win, divisor, x.shape, pad
         return y
 
