@@ -147,6 +147,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--streaming", choices=("none", "stem"), default="none", help="as parallel.streaming"
     )
+    p.add_argument(
+        "--backward-bands", action="store_true", help="as parallel.backward_bands (grid runs)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--count-halo", action="store_true")
     p.add_argument("--saved", action="store_true", help="count tensors saved for backward")
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if spatial:
         pc = init_parallel(Layout(sp=grid))
         rank, world = pc.rank, pc.world_size
-        ctx = spatial_context_for(model, pc)
+        ctx = spatial_context_for(model, pc, backward_bands=args.backward_bands)
         streamed = stream_stem(model, ctx) if args.streaming == "stem" else []
         if args.shard == "fsdp" and pc.shard_mesh is not None:
             apply_fsdp(
