@@ -674,8 +674,10 @@ class ParallelModel:
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
         if snapshot is not None:
             self._sync_running_stats(snapshot)
-        local = float(sum(float(v.detach()) for v in losses)) if self.is_last else 0.0
-        total = torch.tensor([local], dtype=torch.float64, device=self.pc.device)
+        # One host read per step (the returned float), not one per micro-batch.
+        total = torch.zeros(1, dtype=torch.float64, device=self.pc.device)
+        if self.is_last and losses:
+            total += torch.stack([v.detach().to(torch.float64).reshape(()) for v in losses]).sum()
         # The world: the loss terms live on the last stage of every replica and tile,
         # and every rank returns the step's loss.
         dist.all_reduce(total, group=dist.group.WORLD)

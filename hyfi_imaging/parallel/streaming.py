@@ -609,8 +609,10 @@ def _statistics(
     stats: dict[int, _Stats] = {}
     for lvl in stem.training_norms():
         parts = []
+        lead = 0
         for i in range(len(plan.bands)):
             y = stem.band(plan, src, i, stats, lvl, bound)[-1]
+            lead = y.shape[0]
             own = stem.owned_view(plan, i, lvl, y)
             cnt = own.shape[0] * own.shape[2] * own.shape[3]
             acc = _acc(own)
@@ -622,13 +624,14 @@ def _statistics(
         chans = _bn(stem, lvl).num_features
         device = next(iter(bound.values())).device
         # Chan's merge of the bands' (count, mean, centred squares), in float64: n*C numbers.
-        total = torch.zeros(chans + 1, dtype=torch.float64, device=device)
+        total = torch.zeros(chans, dtype=torch.float64, device=device)
         for cnt, mean, _ in parts:
-            total[:chans] += mean.double() * cnt
-            total[chans] += cnt
+            total += mean.double() * cnt
         stem.all_reduce(total)
-        count = round(float(total[chans]))
-        gmean = total[:chans] / max(count, 1)
+        # The whole map's pixels of the batch, from geometry: reading the reduced count back
+        # would stop the device stream inside the forward (a host sync).
+        count = lead * plan.length[0][lvl] * plan.length[1][lvl]
+        gmean = total / max(count, 1)
         m2 = torch.zeros(chans, dtype=torch.float64, device=device)
         for cnt, mean, part in parts:
             m2 += part.double() + cnt * (mean.double() - gmean).square()
