@@ -71,6 +71,8 @@ from hyfi_imaging.parallel.randomness import install_rng_sync
 from hyfi_imaging.parallel.watch import watch_tiles
 from hyfi_imaging.parallel.windowed import Window
 
+_aten = torch.ops.aten
+
 __all__ = [
     "SpatialAvgPool1d",
     "SpatialAvgPool2d",
@@ -840,6 +842,9 @@ class _GlobalBatchNorm(torch.autograd.Function):
         group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape, dims = _channel_shape(x)
+        ctx.fast = outside is None and own is None and x.dtype in (torch.float32, torch.float64)
+        if ctx.fast:
+            return _GlobalBatchNorm.forward_whole(ctx, x, weight, bias, n, eps, group)
         xm = x if outside is None else x.masked_fill(outside, 0.0)
         mean = all_reduce_sum(_own(xm, own).sum(dim=dims, dtype=_acc(x)), group) / n
         xhat = xm - mean.to(x.dtype).view(shape)
@@ -857,9 +862,70 @@ class _GlobalBatchNorm(torch.autograd.Function):
         return y, mean, var
 
     @staticmethod
+    def forward_whole(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        n: int,
+        eps: float,
+        group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tile wholly inside the image, in float32/64: PyTorch's own kernels.
+
+        Why: the expression above makes five passes over the tile and three
+        tile-sized temporaries; here one fused pass gives the tile's mean and
+        variance (``var_mean``), Chan's merge across the tiles needs two
+        all-reduces of one number per channel (the mean, then the centred
+        squares: no cancellation), and the normalisation is ATen's inference
+        kernel with the whole image's statistics. The input is saved (it is
+        kept alive instead of a new normalised copy: the same bytes).
+        """
+        _, dims = _channel_shape(x)
+        var_l, mean_l = torch.var_mean(x, dim=dims, correction=0)
+        count = x.numel() // x.shape[1]
+        # The collectives in the dtype the masked path uses: tiles of one image may take
+        # either path, and they must issue the same messages.
+        mean = all_reduce_sum(mean_l * count, group) / n
+        var = all_reduce_sum((var_l + (mean_l - mean).square()) * count, group) / n
+        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.n, ctx.group, ctx.eps = n, group, eps
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward_whole(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Backward of :meth:`forward_whole`: ATen's inference backward gives ``g * scale``
+        and this tile's sums of ``g`` and ``g * xhat`` in one pass; the statistics' part
+        of the gradient, ``-scale * (mean(g) + xhat * mean(g xhat))``, is then added in
+        place as ``a * x + b`` per channel."""
+        x, weight, mean, var = ctx.saved_tensors
+        shape, _ = _channel_shape(gy)
+        dtype = x.dtype
+        w = weight if weight is not None else torch.ones_like(mean, dtype=dtype)
+        dx, sum_gxhat, sum_g = _aten.native_batch_norm_backward(
+            gy, x, w, mean, var, None, None, False, ctx.eps, [True, True, True]
+        )
+        local = torch.stack([sum_g, sum_gxhat])
+        total = all_reduce_sum(local, ctx.group) / ctx.n
+        rstd = torch.rsqrt(var + ctx.eps)
+        scale = rstd * w
+        a = -scale * total[1] * rstd
+        b = -scale * total[0] - a * mean
+        dx.addcmul_(x, a.to(dtype).view(shape)).add_(b.to(dtype).view(shape))
+        if weight is None:
+            return dx, None, None, None, None, None, None, None
+        return (
+            dx, sum_gxhat.to(weight.dtype), sum_g.to(weight.dtype), None, None, None, None, None,
+        )  # fmt: skip
+
+    @staticmethod
     def backward(
         ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
+        if ctx.fast:
+            return _GlobalBatchNorm.backward_whole(ctx, gy)
         xhat, rstd, weight, outside = ctx.saved_tensors
         shape, dims = _channel_shape(gy)
         g = gy if outside is None else gy.masked_fill(outside, 0.0)
