@@ -61,7 +61,7 @@ def _known_failure(grid: str, case: str) -> str | None:
         ("layer/api/", "layer/bn-cumulative-momentum/")
     ):
         return None
-    name, _, size = case.removeprefix("layer/").rpartition("/")
+    name, _, size = case.removeprefix("layer/").removeprefix("extended/").rpartition("/")
     h, w = (int(v) for v in size.split("x"))
     if name == "maxpool3x3-s2-p1-ceil":
         # PyTorch gives ceil((n - 1) / 2) + 1 outputs (one more than floor mode for even n);

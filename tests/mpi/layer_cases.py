@@ -207,7 +207,28 @@ class _InFlight(TorchDispatchMode):
             halo._exchange = real  # type: ignore[assignment]
 
 
-def _run(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int, overlap: bool = False) -> Case:
+def _run(
+    pc: Any,
+    spec: LayerSpec,
+    hw: tuple[int, int],
+    seed: int,
+    overlap: bool = False,
+    border_share: float = 1.0,
+) -> Case:
+    """One case; ``border_share`` is ``windowed.MAX_BORDER_SHARE`` for it: 1 computes every
+    windowed layer on its tile itself (these tiles are small: the library's default would
+    copy most of them into extended tiles), 0 on the extended tile."""
+    from hyfi_imaging.parallel import windowed
+
+    saved = windowed.MAX_BORDER_SHARE
+    windowed.MAX_BORDER_SHARE = border_share
+    try:
+        return _run_case(pc, spec, hw, seed, overlap)
+    finally:
+        windowed.MAX_BORDER_SHARE = saved
+
+
+def _run_case(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int, overlap: bool) -> Case:
     from hyfi_imaging.parallel.verify import gather_tile_grid, pad_image, spatial_context_for
 
     reference = spec.build()
@@ -326,6 +347,9 @@ API: list[str] = ["float64-conv-bias", "in-chans-keyword"]
 
 #: Convolution cases run again with communication overlapped (``overlap/<name>/<size>``).
 OVERLAP = [name for name in LAYERS if name.startswith("conv")]
+#: Windowed cases run again on extended tiles (``extended/<name>/<size>``), the path a layer
+#: takes where its border bands are a large share of its tile.
+EXTENDED = [name for name in LAYERS if name.startswith(("conv", "maxpool", "avgpool"))]
 
 
 def cases(pc: Any) -> dict[str, Callable[[], Case]]:
@@ -338,13 +362,18 @@ def cases(pc: Any) -> dict[str, Callable[[], Case]]:
                 out[f"overlap/{name}/{hw[0]}x{hw[1]}"] = lambda s=spec, h=hw, i=index: _run(
                     pc, s, h, 10 * i, overlap=True
                 )
+            if name in EXTENDED:
+                out[f"extended/{name}/{hw[0]}x{hw[1]}"] = lambda s=spec, h=hw, i=index: _run(
+                    pc, s, h, 10 * i, border_share=0.0
+                )
     return out
 
 
 def case_names() -> list[str]:
     """Names :func:`cases` produces (for pytest, without processes)."""
     names = [f"api/{k}" for k in API] + [f"{n}/{h}x{w}" for n in LAYERS for h, w in SIZES]
-    return names + [f"overlap/{n}/{h}x{w}" for n in OVERLAP for h, w in SIZES]
+    names += [f"overlap/{n}/{h}x{w}" for n in OVERLAP for h, w in SIZES]
+    return names + [f"extended/{n}/{h}x{w}" for n in EXTENDED for h, w in SIZES]
 
 
 def main(argv: list[str]) -> None:

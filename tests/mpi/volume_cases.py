@@ -238,6 +238,20 @@ def _pad_to(t: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
 
 
 def _run(pc: Any, spec: Spec, size: tuple[int, ...], seed: int, overlap: bool = False) -> Case:
+    """One case, every windowed layer computed on its tile itself (these sub-volumes are
+    small: the library's default would copy most of them into extended ones, the path the
+    2-D sweep's ``extended/`` cases cover)."""
+    from hyfi_imaging.parallel import windowed
+
+    saved = windowed.MAX_BORDER_SHARE
+    windowed.MAX_BORDER_SHARE = 1.0
+    try:
+        return _run_case(pc, spec, size, seed, overlap)
+    finally:
+        windowed.MAX_BORDER_SHARE = saved
+
+
+def _run_case(pc: Any, spec: Spec, size: tuple[int, ...], seed: int, overlap: bool) -> Case:
     from hyfi_imaging.parallel.verify import crop, gather_tile_grid, pad_image, spatial_context_for
 
     nd = len(size)
