@@ -2,9 +2,10 @@
 
 Predicts each candidate layout's per-rank peak memory (activations,
 gradients and optimizer state, gathered parameters, buffers) and step time
-from a meta-device trace of the model and this device's measured rate (see
-:mod:`hyfi_imaging.parallel.plan`), ranks them, and prints the recipe lines of
-the best one that fits.
+from a meta-device trace of the model (see :mod:`hyfi_imaging.parallel.plan`)
+on a device of the speed model's table (:mod:`hyfi_imaging.parallel.speed`:
+``--device h100``, ...; this CPU, measured, by default), ranks them, and prints
+the recipe lines of the best one that fits.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ from typing import Any
 from hyfi_imaging.cli.options import size_type
 from hyfi_imaging.errors import ConfigError, HyfiError
 
+#: Rows of the speed model's device table (kept here so that --help needs no torch import).
+DEVICE_NAMES = ("v100", "a100-40gb", "a100-80gb", "h100", "h200", "mi300a")
+
 EXAMPLES = """\
 examples:
-  # the layouts of 8 GPUs of 80 GiB for ResNet-50 on 16384^2 images
-  hyfi-plan --model resnet50 --image-size 16384 --devices 8 --device-memory 80GiB
+  # the layouts of 8 H100s (one node) for ResNet-50 on 16384^2 images
+  hyfi-plan --model resnet50 --image-size 16384 --devices 8 --device h100
+
+  # 64 A100s, 4 per node, on a slower fabric than the table's
+  hyfi-plan --model resnet50 --image-size 8192 --devices 64 --device a100-80gb \
+      --gpus-per-node 4 --inter-bw 12.5GB --inter-latency 15e-6
 
   # a recipe's own layout and its alternatives on as many ranks (same --set as hyfi-train)
   hyfi-plan recipes/synthetic.yaml --set parallel.spatial=1x2 --device-memory 2GiB
@@ -39,6 +47,8 @@ examples:
 
 Memory is the peak over what a rank holds once its model is built; it was
 within 5 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
+Devices (--device): v100, a100-40gb, a100-80gb, h100, h200, mi300a (datasheet
+figures x a stated efficiency), cpu (this CPU, measured once and cached).
 Step times rank layouts; they are not wall-time promises.
 Exit status: 0 a layout fits, 1 none fits, 2 bad arguments.
 """
@@ -53,12 +63,18 @@ the activations their order keeps in flight. Measured on CPU (tests/test_plan_mp
 -19.5 % and dualpipev -20 % (under-predicted, not calibrated: leave them a margin). Per-stage
 grids (sp2x2,1x2,1x1, the junction): each stage on its own grid; the busiest (front) rank
 within 1 %, later stages up to 14 % lower. "recommended" lists every pipeline rank's peak.
-ckpt full+stem: every block checkpointed and the stem streamed in row bands (parallel.streaming).
-step s / bubble: the schedule's own order replayed (forward = the stage's FLOPs at the rate,
-backward twice that, zbv/dualpipev's input and weight halves equal) plus halo, stage-to-stage,
-FSDP2 and bidirectional mirror traffic at --bandwidth. Not calibrated against measured wall
-time (the backward/forward ratio, the I/W split, overlap of communication with compute): it
-ranks layouts, it does not promise wall time."""
+ckpt full+stem: every block checkpointed and the stem streamed in row bands (parallel.streaming);
++bands: each convolution's backward in bands of rows (parallel.backward_bands: less memory,
+more kernel calls; offered with full checkpointing on tiles, chosen only where it is needed to fit).
+step s / bubble: the schedule's own order replayed; a stage's forward and backward are each
+layer's counted FLOPs at the device's rate (each convolution call's fixed cost included),
+its other ops' bytes at its memory bandwidth and its kernel launches, plus halo exchanges,
+BatchNorm statistics and stage-to-stage messages (latency + bytes over NVLink within a node,
+InfiniBand across), then FSDP2 and bidirectional mirror traffic where the runtime does not
+overlap them. comm %: the share of the step spent waiting on messages. On this CPU within
+20 % of measured CPU time for one process (benchmarks/bench_speed_model.py); the spatial
+path measured slower than its counts there, and GPU figures are datasheet peaks x an
+efficiency, not calibrated against a GPU run: it ranks layouts, it does not promise wall time."""
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -94,11 +110,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="(default sgd / recipe)")
     p.add_argument("--device-memory", type=memory_size, help="per device, e.g. 80GiB "
                    "(default: this machine's GPU, else its RAM over the ranks)")  # fmt: skip
-    p.add_argument("--bandwidth", type=memory_size, default=memory_size("10GB"),
-                   help="bytes/s between ranks (default 10GB)")  # fmt: skip
-    p.add_argument("--rate", type=float, help="FLOP/s per device (default: measured here)")
+    p.add_argument("--device", dest="device_name", metavar="NAME",
+                   help="a row of the device table: " + ", ".join((*DEVICE_NAMES, "cpu"))
+                   + " (default: this machine's GPU if the table has it, else this CPU)")  # fmt: skip
+    p.add_argument("--rate", "--flops", dest="rate", type=float,
+                   help="sustained FLOP/s per device (default: the device's)")  # fmt: skip
+    p.add_argument("--mem-bw", type=memory_size, help="bytes/s of memory-bound ops")
+    p.add_argument("--link-bw", "--bandwidth", dest="link_bw", type=memory_size,
+                   help="bytes/s per direction between ranks of a node (NVLink)")  # fmt: skip
+    p.add_argument("--link-latency", type=float, help="seconds per message within a node")
+    p.add_argument("--inter-bw", type=memory_size,
+                   help="bytes/s per GPU across nodes (InfiniBand)")  # fmt: skip
+    p.add_argument("--inter-latency", type=float, help="seconds per message across nodes")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node")
+    p.add_argument("--overlap", action="store_true",
+                   help="as parallel.overlap: halos travel while a layer's interior computes")  # fmt: skip
     p.add_argument("--top", type=int, default=12, help="rows to show (default 12)")
     return p
+
+
+def choose_device(args: argparse.Namespace) -> Any:
+    """The speed model's device: ``--device`` (or this machine's GPU, else this CPU), with the
+    figures given on the command line replacing the table's."""
+    import torch
+
+    from hyfi_imaging.parallel.devices import Link, get_device
+
+    name = args.device_name
+    if name is None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0).lower()
+        big = torch.cuda.get_device_properties(0).total_memory > 50 * 2**30
+        name = next(
+            (k for k, key in (("h200", "h200"), ("h100", "h100"), ("mi300a", "mi300a"),
+                              ("a100-80gb" if big else "a100-40gb", "a100"), ("v100", "v100"))
+             if key in gpu),
+            None,
+        )  # fmt: skip
+    dev = get_device(name or "cpu")
+    intra = Link(args.link_bw or dev.intra.bandwidth, args.link_latency or dev.intra.latency)
+    inter = Link(args.inter_bw or dev.inter.bandwidth, args.inter_latency or dev.inter.latency)
+    return dev.with_(
+        flops=args.rate, mem_bw=args.mem_bw, per_node=args.gpus_per_node, intra=intra, inter=inter
+    )
 
 
 def _gib(n: float) -> str:
@@ -126,9 +179,20 @@ def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
     ]
     if cand.streaming != "none":
         lines.append(f"  streaming: {cand.streaming}")
+    if cand.backward_bands:
+        lines.append("  backward_bands: true")
     if lay.pp > 1:
         lines.append(f"  balance: [{', '.join(map(str, balance))}]")
     return "\n".join(lines)
+
+
+def _ckpt_text(c: Any) -> str:
+    """The checkpointing column: the mode, ``+stem`` (streamed stem), ``+bands`` (banded backward)."""
+    return (
+        c.checkpointing
+        + ("+stem" if c.streaming == "stem" else "")
+        + ("+bands" if c.backward_bands else "")
+    )
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, str, Any]:
@@ -154,6 +218,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
         own = Candidate(
             p.layout(), p.microbatches,
             p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None, p.streaming,
+            p.backward_bands,
         )  # fmt: skip
         devices = args.devices or own.layout.world_size
         return (
@@ -177,15 +242,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
-    from hyfi_imaging.parallel.plan import measure_rate, predict
+    from hyfi_imaging.parallel.plan import predict
 
     model, hw, devices, batch, optimizer, own = _inputs(args)
-    memory = args.device_memory or device_memory(devices)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rate = args.rate or measure_rate(model, device)
+    dev = choose_device(args)
+    on_cpu = dev.name.startswith("this CPU")
+    memory = args.device_memory or (device_memory(devices) if on_cpu else dev.memory)
     todo = list(candidates(model, hw, devices, batch))
     if own is not None and own not in todo:
         todo.insert(0, own)
@@ -193,19 +256,22 @@ def run(args: argparse.Namespace) -> int:
     for cand in todo:
         try:
             preds.append(predict(model, hw, batch, cand, optimizer=optimizer,
-                                 flops_per_s=rate, bandwidth=args.bandwidth))  # fmt: skip
+                                 device=dev, overlap=args.overlap))  # fmt: skip
         except HyfiError:
             continue  # a layout this model or image cannot take
     ranked = rank(preds, memory)
     name = type(model).__name__
     print(
         f"hyfi-plan: {name} on {hw[0]}x{hw[1]}, {devices} device(s) of {_gib(memory)} GiB, "
-        f"batch {batch} per replica, {optimizer}; rate {rate / 1e9:.1f} GFLOP/s per device "
-        f"({'given' if args.rate else 'measured on ' + device.type}), "
-        f"{len(preds)} layouts"
+        f"batch {batch} per replica, {optimizer}, {len(preds)} layouts; "
+        f"device {dev.name}: {dev.flops / 1e12:.3g} TFLOP/s sustained ({dev.dtype}), "
+        f"{dev.mem_bw / 1e9:.0f} GB/s, links {dev.intra.bandwidth / 1e9:.3g} GB/s + "
+        f"{dev.intra.latency * 1e6:.0f} us within {dev.per_node} per node, "
+        f"{dev.inter.bandwidth / 1e9:.3g} GB/s + {dev.inter.latency * 1e6:.0f} us across"
     )
     head = f"{'#':>3} {'layout':28} {'m':>2} {'schedule':15} {'ckpt':14} {'peak GiB':>9} " \
-           f"{'act':>7} {'state':>7} {'step s':>9} {'bubble':>6} {'img/s/dev':>10}  fits"  # fmt: skip
+           f"{'act':>7} {'state':>7} {'step s':>9} {'bubble':>6} {'comm %':>6} " \
+           f"{'img/s/dev':>10}  fits"  # fmt: skip
     print(head)
     shown = ranked[: args.top]
     if own is not None:
@@ -216,9 +282,10 @@ def run(args: argparse.Namespace) -> int:
         mark = " <- recipe" if c == own else ""
         print(
             f"{i:>3} {lay:28} {c.microbatches:>2} {c.schedule:15} "
-            f"{c.checkpointing + ('+stem' if c.streaming == 'stem' else ''):14} "
+            f"{_ckpt_text(c):14} "
             f"{_gib(p.peak):>9} {_gib(p.activations + p.transient):>7} {_gib(p.state):>7} "
-            f"{p.step_s:>9.3g} {p.bubble:>6.2f} {p.images_per_s / c.layout.world_size:>10.3g}  "
+            f"{p.step_s:>9.3g} {p.bubble:>6.2f} {100 * _waiting(p):>6.1f} "
+            f"{p.images_per_s / c.layout.world_size:>10.3g}  "
             f"{'yes' if p.peak <= memory else 'NO'}{mark}"
         )
     print(LEGEND)
@@ -237,6 +304,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nrecommended: {best.candidate.describe()}, {_gib(best.peak)} GiB per rank{stages}\n")
     print(recipe_lines(best.candidate, best.balance))
     return 0
+
+
+def _waiting(pred: Any) -> float:
+    """Share of the step spent waiting on messages (halos, statistics, stages, FSDP2)."""
+    parts = pred.parts
+    wait = sum(parts.get(k, 0.0) for k in ("halo", "collectives", "p2p", "exposed"))
+    return min(1.0, wait / pred.step_s) if pred.step_s > 0 else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:

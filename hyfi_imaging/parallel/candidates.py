@@ -136,13 +136,21 @@ def candidates(
                         # The streamed stem where memory matters most: every block
                         # checkpointed, tiles and replicas only (bounds the search).
                         both = ck == "full" and lay.pp == 1 and streams
+                        # The banded convolution backward likewise, on tiles with every
+                        # block checkpointed: ranked by speed, it wins only where the
+                        # layout does not fit without it.
+                        banded = ck == "full" and any(g > 1 for g in lay.grid_of(0))
                         for streaming in ("none", "stem") if both else ("none",):
-                            cand = Candidate(lay, m, ck, schedule, streaming=streaming)
-                            try:
-                                candidate_plan(cand).validate(model, batch)
-                            except ConfigError:
-                                continue  # e.g. per-stage grids with a schedule they do not run
-                            yield cand
+                            for bands in (False, True) if banded else (False,):
+                                cand = Candidate(
+                                    lay, m, ck, schedule, streaming=streaming,
+                                    backward_bands=bands,
+                                )  # fmt: skip
+                                try:
+                                    candidate_plan(cand).validate(model, batch)
+                                except ConfigError:
+                                    continue  # e.g. per-stage grids with a schedule they do not run
+                                yield cand
 
 
 def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:

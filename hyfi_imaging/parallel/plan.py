@@ -48,7 +48,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
 
@@ -58,6 +58,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.balance import partition
+from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
 from hyfi_imaging.parallel.junction import check_junction_model
@@ -77,7 +78,19 @@ from hyfi_imaging.parallel.schedules import (
     simulate_orders,
 )
 from hyfi_imaging.parallel.sharding import shard_units
-from hyfi_imaging.parallel.streaming import Stem, stream_stem
+from hyfi_imaging.parallel.speed import (
+    Counts,
+    allreduce_s,
+    compute_s,
+    count_chain,
+    halo_copy_bytes,
+    halo_s,
+    message_s,
+    norm_allreduce_s,
+    reduce_scatter_s,
+    spatial_ops,
+)
+from hyfi_imaging.parallel.streaming import stream_stem
 from hyfi_imaging.parallel.windowed import backward_band
 
 __all__ = [
@@ -86,7 +99,10 @@ __all__ = [
     "candidate_plan",
     "check_pooled",
     "measure_rate",
+    "nominal_device",
     "predict",
+    "step_time",
+    "StageCost",
 ]
 
 #: Bytes a rank's runtime allocates on its first training step besides tensors.
@@ -97,6 +113,9 @@ __all__ = [
 RUNTIME_OVERHEAD = {"cpu": 0, "cuda": 512 * 2**20}
 #: Optimizer state tensors per parameter.
 OPT_STATE = {"sgd": 1, "adamw": 2}
+#: Parameter-sized tensors an optimizer step reads plus writes (SGD with momentum: parameter,
+#: gradient and momentum read, parameter and momentum written; AdamW: two moments more).
+OPT_BYTES = {"sgd": 5, "adamw": 7}
 CHECKPOINTING = ("none", "selective", "full")
 
 
@@ -110,11 +129,14 @@ class Candidate:
     schedule: str = "gpipe"
     balance: tuple[int, ...] | None = None
     streaming: str = "none"
+    backward_bands: bool = False
 
     def describe(self) -> str:
         return (
             f"{self.layout.describe()}, m={self.microbatches} {self.schedule}, "
-            f"ckpt {self.checkpointing}" + (", stem streamed" if self.streaming == "stem" else "")
+            f"ckpt {self.checkpointing}"
+            + (", stem streamed" if self.streaming == "stem" else "")
+            + (", banded backward" if self.backward_bands else "")
         )
 
 
@@ -134,6 +156,11 @@ class Prediction:
     bubble: float = 0.0
     #: Every pipeline rank's predicted peak (the busiest one's is :attr:`peak`).
     rank_peaks: tuple[int, ...] = ()
+    #: The step time by part (seconds) and what was counted, for the busiest rank: ``busy``
+    #: (what its device computes and copies, waits excluded: what CPU time measures),
+    #: ``compute``, ``halo``, ``collectives`` (BatchNorm statistics), ``p2p``, ``fsdp``
+    #: (exposed), ``mirror``; ``flops``, ``bytes``, ``ops`` of its step.
+    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -172,7 +199,12 @@ def _strips(model: nn.Module, trace: SavedActivations, grid: Sequence[int]) -> i
 
 
 def _stage_memory(
-    trace: SavedActivations, blocks: Sequence[str], policy: str, *, spatial: bool
+    trace: SavedActivations,
+    blocks: Sequence[str],
+    policy: str,
+    *,
+    spatial: bool,
+    bands: bool = False,
 ) -> tuple[int, int]:
     """(kept activations, backward transient above them) of one micro-batch of a stage."""
     kinds = trace.kinds
@@ -216,21 +248,24 @@ def _stage_memory(
             peak,
             base
             + out_bytes
-            + int(_transient_factor(kinds.get(path, ""), spatial, in_shape) * in_bytes),
+            + int(_transient_factor(kinds.get(path, ""), spatial, in_shape, bands) * in_bytes),
         )
     return total, max(0, peak - total)
 
 
-def _transient_factor(kind: str, spatial: bool, in_shape: Sequence[int] = ()) -> float:
+def _transient_factor(
+    kind: str, spatial: bool, in_shape: Sequence[int] = (), bands: bool = False
+) -> float:
     """Input-sized tensors a layer's backward holds at once, besides its output gradient.
 
     Spatial BatchNorm (:class:`~.spatial.SpatialBatchNorm2d`): a product for the
     channel sums and the input gradient; PyTorch's fused kernel: the input
-    gradient. A spatial convolution runs its backward in bands
-    (:func:`~.windowed.backward_band`): the extended gradient, and per band a
-    rebuilt slab, its gradient, the output gradient's band and the kernel's
-    reorders (about four band-sized tensors); in one piece (a tile of few rows)
-    the rebuilt extended tile, its gradient and the kernel's reorder. A spatial
+    gradient. A spatial convolution computed on its tile (the default): the
+    input gradient and the kernel's reorder of the input; with ``bands`` (the
+    plan's ``backward_bands``, :func:`~.windowed.backward_band`): the extended
+    gradient, and per band a rebuilt slab, its gradient, the output gradient's
+    band and the kernel's reorders (about four band-sized tensors); a small tile
+    copied into an extended one: that tile, its gradient and the reorder. A spatial
     pool: the rebuilt extended tile, its gradient and the recomputed max-pool
     winners; a plain window op: the input gradient and a layout reorder.
     Pointwise layers: the input gradient. The bands are counted on the input's
@@ -240,9 +275,10 @@ def _transient_factor(kind: str, spatial: bool, in_shape: Sequence[int] = ()) ->
         return 2 if spatial else 1
     if kind == "Conv2d" and spatial and len(in_shape) == 4:
         rows = int(in_shape[-2])
-        bands = -(-rows // backward_band(rows))
-        if bands > 1:
-            return 1 + 4 / bands
+        count = -(-rows // backward_band(rows))
+        if bands and count > 1:
+            return 1 + 4 / count
+        return 2
     if kind in ("Conv2d", "MaxPool2d", "AvgPool2d"):
         return 3 if spatial else 2
     return 1
@@ -257,12 +293,14 @@ def candidate_plan(candidate: Candidate) -> ParallelPlan:
         balance=candidate.balance,
         checkpointing=candidate.checkpointing,
         streaming=candidate.streaming,
+        backward_bands=candidate.backward_bands,
     )
 
 
 @dataclass
-class _StageCost:
-    """What one model stage costs per micro-batch on one tile, and what it holds."""
+class StageCost:
+    """What one model stage costs per micro-batch on one tile, and what it holds (the
+    planner's trace, or :mod:`.scaling`'s profile scaled to a tile)."""
 
     act: int  # kept for backward, halo strips included
     transient: int  # the backward's working set above ``act``
@@ -273,6 +311,10 @@ class _StageCost:
     weight_grads: int  # gradients of the parameterised layers' outputs (kept from I to W)
     forward_s: float
     backward_s: float
+    fwd: Counts = field(default_factory=Counts)  # one micro-batch's forward (stem: every pass)
+    bwd: Counts = field(default_factory=Counts)  # its backward, recomputed forwards included
+    halo_s: tuple[float, float] = (0.0, 0.0)  # exposed halo exchange, forward and backward
+    norms_s: tuple[float, float] = (0.0, 0.0)  # BatchNorm statistics all-reduces
 
 
 def predict(
@@ -285,25 +327,40 @@ def predict(
     flops_per_s: float = 1e12,
     bandwidth: float = 10e9,
     overhead: int | None = None,
+    device: Device | None = None,
+    overlap: bool = False,
+    backward_bands: bool = False,
 ) -> Prediction:
     """Predict the busiest rank's peak memory and the step time of ``candidate``.
 
     Raises ConfigError where training would refuse the candidate (the engine's own
     :meth:`~.engine.ParallelPlan.validate`). ``model`` is the single-device model (any device;
-    a meta copy is traced); ``batch`` the per-replica batch. Step time: FLOPs counted on the meta
-    device at ``flops_per_s`` (see :func:`measure_rate`), halo, FSDP2 and GEMS mirror traffic at
-    ``bandwidth`` bytes/s, the pipeline replayed in the schedule's own order
-    (:func:`~.schedules.simulate_orders`). ``overhead`` is what the runtime allocates on a rank's
-    first step besides tensors (kernel workspaces, communication threads); default
-    :data:`RUNTIME_OVERHEAD` for the model's device type.
+    a meta copy is traced); ``batch`` the per-replica batch. Step time (:mod:`.speed`): each
+    layer's forward and backward counted on the meta device, on ``device`` (a row of
+    :data:`~.speed.DEVICES` or :func:`~.speed.calibrate_cpu`; without one, a nominal device of
+    ``flops_per_s`` and ``bandwidth`` whose bytes and kernels cost nothing), plus halo exchanges,
+    BatchNorm statistics, stage-to-stage messages, FSDP2 and GEMS mirror traffic over its links,
+    the pipeline replayed in the schedule's own order (:func:`~.schedules.simulate_orders`).
+    ``overlap``: the runtime's ``overlap: true`` (a layer's interior computes while its halos
+    travel); ``backward_bands``: its ``backward_bands: true`` (each spatial convolution's
+    backward in bands of rows: a call per band). ``overhead`` is what the runtime allocates on a rank's first step besides tensors
+    (kernel workspaces, communication threads); default :data:`RUNTIME_OVERHEAD` for the
+    model's device type.
     """
+    dev = device or nominal_device(flops_per_s, bandwidth)
     lay, m, schedule = candidate.layout, candidate.microbatches, candidate.schedule
     plan = candidate_plan(candidate)
     plan.validate(model, batch)
     if lay.junction:
         check_pooled(model, image_hw, lay)
     balance, costs = _stage_costs(
-        model, image_hw, batch // m, candidate, plan.stages, flops_per_s, bandwidth
+        model,
+        image_hw,
+        batch // m,
+        candidate,
+        plan.stages,
+        dev,
+        (overlap, backward_bands or candidate.backward_bands),
     )
     n_stages = plan.stages
     if overhead is None:
@@ -312,7 +369,6 @@ def predict(
     orders = schedule_actions(schedule, lay.pp, m)
     worst: Prediction | None = None
     peaks: list[int] = []
-    comm_s = 0.0
     for r in range(lay.pp):
         # FSDP2 shards a stage over the ranks that share it: its grid's tiles in every replica
         # (with per-stage grids, each stage its own; every stage of a rank has the same grid).
@@ -363,24 +419,57 @@ def predict(
                 # input gradient until its send completes (measured on CPU, pp 2, m 2 and 4).
                 buffers += c.in_bytes * (runs - flight + int(backward_first))
         held = sum(costs[ls.index].params for ls in mine) // n_shard
-        rank_comm = sum(3 * costs[ls.index].params for ls in mine) * (n_shard - 1) / n_shard
         if schedule == "bidirectional":
             # The mirror sum concatenates both copies' gradient shards once the backward is done.
             transient = max(transient, held - act)
-            rank_comm += held  # an all-reduce over a pair sends each rank's bytes once
-        comm_s = max(comm_s, rank_comm / bandwidth)
         pred = Prediction(candidate, tuple(balance), act, transient, state, buffers + overhead)
         peaks.append(pred.peak)
         if worst is None or pred.peak > worst.peak:
             worst = pred
     assert worst is not None
     worst.rank_peaks = tuple(peaks)
-    # A stage whose input comes from another rank waits for it (forward) and sends its
-    # gradient back (backward): the bytes its own tile receives -- at a junction, its share of
-    # the whole feature map, which crosses once -- at ``bandwidth``.
-    owner = {ls.index: r for r in range(lay.pp) for ls in local_stages(schedule, lay.pp, r)}
+    worst.step_s, worst.bubble, worst.parts = step_time(costs, lay, m, schedule, dev, optimizer)
+    worst.images_per_s = lay.dp * batch / worst.step_s
+    return worst
+
+
+def step_time(
+    costs: Sequence[StageCost],
+    lay: Layout,
+    microbatches: int,
+    schedule: str,
+    dev: Device,
+    optimizer: str = "sgd",
+) -> tuple[float, float, dict[str, float]]:
+    """(step seconds, bubble, parts of the rank that waits longest outside the schedule).
+
+    Every rank's order replayed with each stage's forward and backward seconds, plus the
+    stage-to-stage message a stage waits for when its neighbour is on another rank (forward:
+    its input; backward: the gradient it returns) -- the bytes its own tile receives; at a
+    junction, its share of the whole feature map, which crosses once -- then FSDP2 and GEMS's
+    mirror traffic where they do not overlap (:func:`_rank_time`).
+    """
+    m = microbatches
+    orders = schedule_actions(schedule, lay.pp, m)
+    n_stages = len(costs)
+    comm_s, parts = -1.0, {}
+    for r in range(lay.pp):
+        # FSDP2 shards a stage over the ranks that share it: its grid's tiles in every replica.
+        n_shard = lay.dp * lay.stage_size(r)
+        mine = local_stages(schedule, lay.pp, r)
+        rank_parts = _rank_time(orders[r], costs, mine, n_shard, m, schedule, dev, optimizer, lay)
+        if rank_parts["exposed"] > comm_s:
+            comm_s, parts = rank_parts["exposed"], rank_parts
+    # Chain A's placement (GEMS's chain B is its mirror: the same neighbours).
+    owner = {
+        ls.index: r
+        for r in range(lay.pp)
+        for ls in local_stages(schedule, lay.pp, r)
+        if ls.replica == 0
+    }
+    replica = dev.link(lay.world_size // lay.dp)  # a replica's ranks are consecutive
     p2p = [
-        costs[s].in_bytes / bandwidth if s > 0 and owner[s] != owner[s - 1] else 0.0
+        message_s(costs[s].in_bytes, replica) if s > 0 and owner[s] != owner[s - 1] else 0.0
         for s in range(n_stages)
     ]
     span, idle = simulate_orders(
@@ -393,10 +482,97 @@ def predict(
             "W": costs[s].backward_s / 2,
         }[kind],
     )
-    worst.bubble = max(0.0, idle)  # rounding can leave -1e-16
-    worst.step_s = span + comm_s
-    worst.images_per_s = lay.dp * batch / worst.step_s
-    return worst
+    bubble = max(0.0, idle)  # rounding can leave -1e-16
+    parts["p2p"] = sum(p2p) * 2 * m
+    parts["bubble_s"] = bubble * span
+    return span + comm_s, bubble, parts
+
+
+def nominal_device(flops_per_s: float, bandwidth: float) -> Device:
+    """A device of ``flops_per_s`` and one link of ``bandwidth`` bytes/s, whose memory-bound
+    bytes, kernel launches and message latencies cost nothing: FLOPs and bytes sent only."""
+    link = Link(bandwidth, 0.0)
+    return Device(
+        "nominal",
+        flops=flops_per_s,
+        mem_bw=math.inf,
+        memory=0,
+        op_overhead=0.0,
+        asynchronous=True,
+        intra=link,
+        inter=link,
+        per_node=1 << 30,
+    )
+
+
+def _rank_time(
+    order: Sequence[tuple[int, int, str, int]],
+    costs: Sequence[StageCost],
+    mine: Sequence[object],
+    n_shard: int,
+    microbatches: int,
+    schedule: str,
+    dev: Device,
+    optimizer: str,
+    lay: Layout,
+) -> dict[str, float]:
+    """One pipeline rank's step by part (see :attr:`Prediction.parts`); ``exposed`` is the
+    communication outside the replayed schedule (FSDP2, GEMS's mirror sum).
+
+    FSDP2 over ``n_shard`` ranks (a replica's ranks are consecutive, the shard group spans
+    them all): with one micro-batch its hooks gather a unit's parameters in forward and
+    again in backward (``reshard_after_forward``) and reduce-scatter its gradient as soon as
+    its backward is done, prefetching the next unit: only the first gather, the last
+    reduction and what exceeds the compute wait. With micro-batches torch's schedules gather
+    a stage once before its first and reduce after its last: nothing overlaps. Its copies
+    (the gather's copy-in and split, the reduction's concatenation and shard) and the
+    optimizer step are memory-bound work on the device.
+    """
+    stages = [costs[ls.index] for ls in mine]  # type: ignore[attr-defined]
+    total = Counts()
+    halo = norms = 0.0
+    for _c, s, kind, _i in order:
+        c = costs[s]
+        if kind == "F":
+            total = total + c.fwd
+            halo, norms = halo + c.halo_s[0], norms + c.norms_s[0]
+        else:  # B, or I and W halves
+            share = 1.0 if kind == "B" else 0.5
+            total = total + c.bwd.times(share)
+            halo, norms = halo + share * c.halo_s[1], norms + share * c.norms_s[1]
+    params = sum(c.params for c in stages)
+    gathers = 2 if microbatches == 1 else 1
+    fsdp = 0.0
+    if n_shard > 1:
+        link = dev.link(lay.world_size)
+        total = total + Counts(bytes=2.0 * (gathers + 1) * (params + params / n_shard))
+        moved = (gathers + 1) * reduce_scatter_s(params, n_shard, link)
+        compute = compute_s(total, dev)
+        if microbatches == 1:
+            units = [u for c in stages for u in c.units] or [params]
+            edge = reduce_scatter_s(units[0], n_shard, link) + reduce_scatter_s(
+                units[-1], n_shard, link
+            )
+            fsdp = edge + max(0.0, moved - compute)
+        else:
+            fsdp = moved
+    total = total + Counts(bytes=float(OPT_BYTES.get(optimizer, 5) * params / n_shard))
+    mirror = 0.0
+    if schedule == "bidirectional":
+        mirror = allreduce_s(params / n_shard, 2, dev.link(lay.world_size // lay.dp))
+    busy = compute_s(total, dev)
+    return {
+        "busy": busy,
+        "compute": busy,
+        "halo": halo,
+        "collectives": norms,
+        "fsdp": fsdp,
+        "mirror": mirror,
+        "exposed": fsdp + mirror,
+        "flops": total.flops,
+        "bytes": total.bytes,
+        "ops": float(total.ops),
+    }
 
 
 #: Stage costs already traced, per model (weakly: a model dropped drops its entries). The
@@ -412,9 +588,9 @@ def _stage_costs(
     mb: int,
     candidate: Candidate,
     n_stages: int,
-    flops_per_s: float,
-    bandwidth: float,
-) -> tuple[tuple[int, ...], list[_StageCost]]:
+    dev: Device,
+    modes: tuple[bool, bool],
+) -> tuple[tuple[int, ...], list[StageCost]]:
     """The stage cut (``candidate.balance`` or one evening out memory) and each stage's costs.
 
     Traced on a meta copy once per (grids, micro-batch, checkpointing, cut) and model: a schedule
@@ -424,10 +600,10 @@ def _stage_costs(
     lay = candidate.layout
     grids = [lay.grid_of(s) if lay.junction else lay.sp for s in range(n_stages)]
     key = (image_hw, tuple(grids), mb, candidate.checkpointing, n_stages, candidate.balance,
-           flops_per_s, bandwidth, candidate.streaming)  # fmt: skip
+           dev, modes, candidate.streaming)  # fmt: skip
     cache = _COSTS.setdefault(model, {})
     if key in cache:
-        return cast(tuple[tuple[int, ...], list[_StageCost]], cache[key])
+        return cast(tuple[tuple[int, ...], list[StageCost]], cache[key])
     meta = copy.deepcopy(model).to("meta")
     dtype = next((p.dtype for p in meta.parameters()), torch.float32)
     in_chans = int(getattr(meta, "in_chans", 3))
@@ -467,8 +643,8 @@ def _stage_costs(
             blocks,
             policy,
             grids[s],
-            flops_per_s,
-            bandwidth,
+            dev,
+            modes,
         )
         for s, (start, stop) in enumerate(stage_bounds(balance))
     ]
@@ -485,10 +661,12 @@ def _stage_cost(
     blocks: Sequence[str],
     policy: str,
     grid: Sequence[int],
-    flops_per_s: float,
-    bandwidth: float,
-) -> _StageCost:
-    """Memory and time of model stage ``s`` (layers ``start:stop``) on one micro-batch's tile."""
+    dev: Device,
+    modes: tuple[bool, bool],
+) -> StageCost:
+    """Memory and time of model stage ``s`` (layers ``start:stop``) on one micro-batch's tile;
+    ``modes``: the runtime's ``(overlap, backward_bands)``."""
+    overlap, banded = modes
     stage = StageModule(layers[start:stop], index=s)
     # A received activation: requires grad from stage 1 on; a non-leaf, so a stage
     # may start with an in-place op (the engine runs that one out of place).
@@ -497,23 +675,48 @@ def _stage_cost(
     names = {n for n, _ in layers[start:stop]}
     mine = [b for b in blocks if b.split(".")[0] in names]
     spatial = any(g > 1 for g in grid)
-    act, transient = _stage_memory(trace, mine, policy, spatial=spatial)
+    act, transient = _stage_memory(trace, mine, policy, spatial=spatial, bands=banded)
     strips = _strips(stage, trace, grid)
     weighted = dict(stage.named_modules())
-    # Forward, and backward at twice the forward's FLOPs plus the forward of recomputed
-    # blocks again (convolutions kept by selective checkpointing are not recomputed: a half).
-    # A streamed stem runs its layers once per pass in forward and again per pass in backward.
+    # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
+    # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
+    # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:
+    # a half). A streamed stem runs its layers once per pass in forward and again per pass in
+    # backward.
     stem = next((getattr(m, "hyfi_stem", None) for m in stage.children()), None)
     passes = {path: stem.passes for path in stem.paths} if stem is not None else {}
-    flops = _layer_flops(stage, ins)
-    if stem is not None:
-        flops.update(_stem_flops(stem, ins[0]))
-    fwd = bwd = 0.0
-    for name, f in flops.items():
-        redo = any(b.split(".")[0] == name for b in mine)
-        fwd += f * passes.get(name, 1)
-        bwd += f * (2 + ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0))
-    return _StageCost(
+    children = list(stage.named_children())
+    x0 = ins[0] if len(ins) == 1 else ins
+    counted, _ = count_chain(children, x0, input_grad=s > 0)
+    fwd = bwd = Counts()
+    for name, (f, b) in counted.items():
+        redo = any(bl.split(".")[0] == name for bl in mine)
+        again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
+        fwd = fwd + f.times(passes.get(name, 1))
+        bwd = bwd + b + f.times(again)
+    halo = norms = (0.0, 0.0)
+    if spatial:
+        ops = spatial_ops(stage, partial(_run_plain, children, x0))
+        link = dev.link(math.prod(grid))
+        copies = Counts(bytes=halo_copy_bytes(ops.windows, grid))
+        # ``backward_bands``: a spatial convolution's backward runs in bands of rows
+        # (:func:`~.windowed.backward_band`): one more call per band, each with its fixed cost
+        # (and a few kernels of bookkeeping).
+        bands = Counts()
+        for w in ops.windows if banded else ():
+            rows = int(w.shape[-2]) if len(w.shape) >= 4 else 1
+            extra = -(-rows // backward_band(rows)) - 1 if w.pixel_flops else 0
+            bands = bands + Counts(ops=4 * extra, pixel_flops=2 * extra * w.pixel_flops)
+        fwd, bwd = fwd + copies, bwd + copies + bands
+        halo = tuple(
+            halo_s(ops.windows, grid, link, dev, overlap=overlap, backward=back)
+            for back in (False, True)
+        )  # type: ignore[assignment]
+        norms = tuple(
+            norm_allreduce_s(ops.norms, math.prod(grid), link, backward=back)
+            for back in (False, True)
+        )  # type: ignore[assignment]
+    return StageCost(
         act=act + strips,
         transient=transient,
         params=sum(p.numel() * p.element_size() for p in stage.parameters()),
@@ -525,34 +728,20 @@ def _stage_cost(
             for path, _, _, out, _ in trace.calls
             if path in weighted and any(True for _ in weighted[path].parameters(recurse=False))
         ),
-        forward_s=fwd / flops_per_s + strips / bandwidth,
-        backward_s=bwd / flops_per_s + strips / bandwidth,
+        forward_s=compute_s(fwd, dev) + halo[0] + norms[0],
+        backward_s=compute_s(bwd, dev) + halo[1] + norms[1],
+        fwd=fwd,
+        bwd=bwd,
+        halo_s=halo,
+        norms_s=norms,
     )
 
 
-def _layer_flops(stage: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str, float]:
-    """Forward FLOPs of each top-level layer of ``stage`` on ``inputs`` (meta device)."""
-    counter = FlopCounterMode(display=False)
-    with counter:  # grad mode on: its module tracker needs outputs with a grad_fn
-        stage(*(t.detach() for t in inputs))
-    per_module = counter.get_flop_counts()
-    out = {}
-    for name, _ in stage.named_children():
-        key = f"{type(stage).__name__}.{name}"
-        out[name] = float(sum(per_module.get(key, {}).values()))
-    return out
-
-
-def _stem_flops(stem: Stem, x: torch.Tensor) -> dict[str, float]:
-    """Forward FLOPs of each layer of a streamed stem, run plainly once (meta device)."""
-    out = {}
-    with torch.no_grad():
-        for path, m in zip(stem.paths, stem.modules, strict=True):
-            counter = FlopCounterMode(display=False)
-            with counter:
-                x = m(x)
-            out[path] = float(counter.get_total_flops())
-    return out
+def _run_plain(layers: Sequence[tuple[str, nn.Module]], x: object) -> object:
+    """The layers one by one (a streamed stem's too, as if not streamed)."""
+    for _, layer in layers:
+        x = layer(x)
+    return x
 
 
 def measure_rate(model: nn.Module, device: torch.device, *, side: int = 128) -> float:

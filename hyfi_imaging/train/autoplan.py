@@ -83,6 +83,8 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
         schedule=c.schedule,
         balance=list(best.balance) if c.layout.pp > 1 else None,
         checkpointing=c.checkpointing,
+        streaming=c.streaming,
+        backward_bands=c.backward_bands,
     )
 
 
@@ -100,7 +102,7 @@ def fit_warning(recipe: Recipe, memory: int | None = None) -> str | None:
     p = recipe.parallel
     cand = Candidate(
         p.layout(), p.microbatches, p.checkpointing,
-        p.schedule, tuple(p.balance) if p.balance else None, p.streaming,
+        p.schedule, tuple(p.balance) if p.balance else None, p.streaming, p.backward_bands,
     )  # fmt: skip
     model, hw, rate, optimizer = _setting(recipe)
     pred = predict(model, hw, recipe.train.batch_size, cand, optimizer=optimizer, flops_per_s=rate)

@@ -1,0 +1,340 @@
+"""The devices a step is predicted on: a table of GPUs with documented figures, and this CPU.
+
+Why a table of figures and not a timing: the layouts worth planning run on GPUs this
+machine does not have. Each row is the vendor's datasheet (dense peak, memory bandwidth,
+memory, NVLink and the usual InfiniBand per GPU) times a stated efficiency
+(:data:`FLOP_EFFICIENCY`, :data:`MEM_EFFICIENCY`) -- an assumption, to be replaced by a
+GPU run's measured share of peak (``benchmarks/gpu_check.py``) when one exists. This CPU
+is measured instead (:func:`calibrate_cpu`, a second or two, cached), with the same
+counting (:class:`~.speed.OpCounter`) the predictions use, so that what is counted and what
+is timed agree. ``hyfi-plan --device NAME`` picks a row; ``--flops``, ``--mem-bw``,
+``--link-bw`` ... replace its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.speed import Counts, OpCounter
+
+__all__ = [
+    "CPU_NAMES",
+    "DEVICES",
+    "FLOP_EFFICIENCY",
+    "MEM_EFFICIENCY",
+    "Device",
+    "Link",
+    "calibrate_cpu",
+    "get_device",
+]
+
+GB = 1e9
+#: Sustained share of the datasheet's dense peak a convolutional network's kernels reach
+#: (cuDNN convolutions in bf16 on tensor cores; an assumption, not a measurement).
+FLOP_EFFICIENCY = 0.5
+#: Sustained share of the datasheet's memory bandwidth of elementwise kernels (STREAM-like).
+MEM_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Link:
+    """One hop between two ranks: ``bandwidth`` bytes/s per direction, ``latency`` seconds."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Device:
+    """What one device does per second, and how it talks to the others.
+
+    ``flops``: sustained FLOP/s of convolutions and matrix products in ``dtype`` on large
+    maps; ``px_half``: output pixels (x batch) of one convolution call at which it runs at
+    half that rate (small tiles do not fill the device: a GPU's SMs, a CPU core's blocking);
+    ``mem_bw``: sustained bytes/s read plus written by memory-bound ops;
+    ``op_overhead``: seconds per kernel (launch or dispatch); ``asynchronous``: the
+    host launches ahead of the device (GPU), so a layer takes the larger of its kernel
+    time and its launches, not their sum. ``intra``: the link to a rank of the same
+    node (NVLink, per GPU and direction), ``inter``: across nodes (the GPU's share of
+    the node's InfiniBand), ``per_node``: devices per node. ``memory``: bytes.
+    """
+
+    name: str
+    flops: float
+    mem_bw: float
+    memory: int
+    op_overhead: float
+    asynchronous: bool
+    intra: Link
+    inter: Link
+    per_node: int
+    px_half: float = 0.0
+    dtype: str = "bf16"
+    note: str = ""
+
+    def link(self, span: int) -> Link:
+        """The slowest link inside a group of ranks ``span`` consecutive ranks wide."""
+        return self.intra if span <= self.per_node else self.inter
+
+    def with_(self, **changes: Any) -> Device:
+        """A copy with some figures replaced (``None`` values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _gpu(
+    name: str,
+    *,
+    peak: float,
+    hbm: float,
+    memory_gb: float,
+    nvlink: float,
+    ib: float,
+    per_node: int,
+    px_half: float,
+    dtype: str = "bf16",
+    note: str,
+) -> Device:
+    return Device(
+        name,
+        flops=FLOP_EFFICIENCY * peak,
+        mem_bw=MEM_EFFICIENCY * hbm,
+        memory=int(memory_gb * 2**30),
+        op_overhead=5e-6,  # eager PyTorch's host cost per kernel launch
+        asynchronous=True,
+        intra=Link(nvlink, 5e-6),  # NCCL's small-message latency within a node
+        inter=Link(ib, 10e-6),  # and across nodes
+        per_node=per_node,
+        px_half=px_half,
+        dtype=dtype,
+        note=note,
+    )
+
+
+#: The device table. Peak figures from the vendors' datasheets (dense, no sparsity); links
+#: per GPU and direction (NVLink: the aggregate over a GPU's links, halved for one
+#: direction; InfiniBand: one NIC per GPU, or the node's rails shared). Sustained rates
+#: apply :data:`FLOP_EFFICIENCY` and :data:`MEM_EFFICIENCY`. ``cpu`` comes from
+#: :func:`calibrate_cpu`.
+DEVICES: dict[str, Device] = {
+    "v100": _gpu(
+        "V100 SXM2 16GB (Lassen/Sierra node: 4 per node, as in Hy-Fi)",
+        peak=15.7e12, hbm=900 * GB, memory_gb=16, nvlink=75 * GB, ib=6.25 * GB, per_node=4,
+        px_half=1024, dtype="fp32",
+        note="fp32 (Hy-Fi/MPI4DL train in fp32); NVLink2 3 links between GPU pairs; "
+        "dual-rail EDR InfiniBand (2 x 100 Gb/s) shared by 4 GPUs",
+    ),
+    "a100-40gb": _gpu(
+        "A100 SXM4 40GB", peak=312e12, hbm=1555 * GB, memory_gb=40, nvlink=300 * GB,
+        ib=25 * GB, per_node=8, px_half=2048, note="bf16 dense 312 TFLOP/s; NVLink3 600 GB/s; HDR 200 Gb/s per GPU",
+    ),
+    "a100-80gb": _gpu(
+        "A100 SXM4 80GB", peak=312e12, hbm=2039 * GB, memory_gb=80, nvlink=300 * GB,
+        ib=25 * GB, per_node=8, px_half=2048, note="bf16 dense 312 TFLOP/s; NVLink3 600 GB/s; HDR 200 Gb/s per GPU",
+    ),
+    "h100": _gpu(
+        "H100 SXM5 80GB", peak=989e12, hbm=3350 * GB, memory_gb=80, nvlink=450 * GB,
+        ib=50 * GB, per_node=8, px_half=4096, note="bf16 dense 989 TFLOP/s; NVLink4 900 GB/s; NDR 400 Gb/s per GPU",
+    ),
+    "h200": _gpu(
+        "H200 SXM 141GB", peak=989e12, hbm=4800 * GB, memory_gb=141, nvlink=450 * GB,
+        ib=50 * GB, per_node=8, px_half=4096, note="bf16 dense 989 TFLOP/s; NVLink4 900 GB/s; NDR 400 Gb/s per GPU",
+    ),
+    "mi300a": _gpu(
+        "MI300A 128GB (El Capitan node: 4 per node)", peak=980.6e12, hbm=5300 * GB, memory_gb=128,
+        nvlink=128 * GB, ib=25 * GB, per_node=4, px_half=4096,
+        note="bf16 dense 980.6 TFLOP/s; unified HBM3 shared with the CPU cores; Infinity Fabric "
+        "between APUs (~128 GB/s per direction, approximate); Slingshot-11 200 Gb/s per APU",
+    ),
+}  # fmt: skip
+#: Names :func:`get_device` accepts besides the table: this CPU, measured.
+CPU_NAMES = ("cpu", "this-cpu")
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+#: Version of :func:`_measure_cpu`'s method: cached figures of another are measured again.
+_CALIBRATION = 8
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "hyfi-imaging" / "speed.json"
+
+
+def _cpu_key() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if "model name" in ln), model)
+    except OSError:
+        pass
+    return f"{model}|torch {torch.__version__}|threads {torch.get_num_threads()}|v{_CALIBRATION}"
+
+
+def _typical_s(fn: Callable[[], object], repeat: int) -> float:
+    """Median of ``repeat`` runs after a warm-up (the fastest caught turbo moments that a
+    training step does not sustain). With one torch thread, the main thread's CPU time (what
+    another process on a shared machine does not inflate), else wall time."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    fn()  # warm-up: first-call allocations and kernel selection
+    spent = []
+    for _ in range(repeat):
+        began = clock()
+        fn()
+        spent.append(clock() - began)
+    return statistics.median(spent)
+
+
+def _counted(fn: Callable[[], object]) -> Counts:
+    counter = OpCounter()
+    with counter:
+        fn()
+    return counter.counts
+
+
+def _conv_step(channels: int, side: int) -> Callable[[], None]:
+    """A 3x3 convolution's forward and backward (input and weight gradients) on ``side^2``."""
+    x = torch.randn(1, channels, side + 2, side + 2, requires_grad=True)
+    w = torch.randn(channels, channels, 3, 3, requires_grad=True)
+
+    def step() -> None:
+        y = torch.nn.functional.conv2d(x, w)
+        y.backward(torch.ones_like(y))
+
+    return step
+
+
+def _measure_cpu(repeat: int = 9) -> dict[str, float]:
+    """Figures of :func:`calibrate_cpu`, each with the same counting as the model uses."""
+    # Host cost per kernel of a training step (module calls, autograd's graph and engine):
+    # a network of the same layers on an 8^2 map, where the arithmetic is negligible.
+    tiny = nn.Sequential(
+        *(
+            m
+            for _ in range(10)
+            for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        )
+    )
+    small = torch.randn(1, 4, 8, 8)
+
+    def step() -> None:
+        tiny(small).sum().backward()
+
+    overhead = _typical_s(step, repeat) / max(1, _counted(step).ops)
+    # Memory-bound ops as a network runs them: BatchNorm, a residual add and a ReLU, forward
+    # and backward, on maps of 0.5 and 2.25 MiB (a plain 64 MiB copy runs about twice as fast
+    # per byte on this project's CPU): their bytes over their time.
+    moved = spent = 0.0
+    for channels, side in ((32, 64), (64, 96)):
+        norm = nn.BatchNorm2d(channels)
+        a = torch.randn(1, channels, side, side, requires_grad=True)
+        b = torch.randn(1, channels, side, side)
+
+        def block(norm: nn.Module = norm, a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            y = torch.relu(norm(a) + b)
+            y.backward(torch.ones_like(y))
+
+        moved += _counted(block).bytes
+        spent += _typical_s(block, repeat)
+    mem_bw = moved / spent
+    # Convolutions from a large map to a small one: time (less launches) = (flops + pixel_flops
+    # x px_half) / rate, fitted by least squares (two unknowns, four sizes).
+    rows = []
+    for channels, side in ((64, 96), (128, 32), (256, 16), (256, 8)):
+        fn = _conv_step(channels, side)
+        c = _counted(fn)
+        rows.append((c.flops, c.pixel_flops, _typical_s(fn, repeat) - c.ops * overhead))
+    sff = sum(f * f for f, _, _ in rows)
+    spp = sum(p * p for _, p, _ in rows)
+    sfp = sum(f * p for f, p, _ in rows)
+    sft = sum(f * t for f, _, t in rows)
+    spt = sum(p * t for _, p, t in rows)
+    det = sff * spp - sfp * sfp
+    per_flop = (sft * spp - spt * sfp) / det  # seconds per FLOP
+    per_pixel = (sff * spt - sfp * sft) / det  # seconds per pixel-FLOP of a call's fixed cost
+    if per_flop <= 0 or per_pixel < 0:  # noise: the large map's rate alone
+        f, _, t = rows[0]
+        per_flop, per_pixel = t / f, 0.0
+    return {
+        "flops": 1 / per_flop,
+        "mem_bw": mem_bw,
+        "op_overhead": overhead,
+        "px_half": per_pixel / per_flop,
+    }
+
+
+def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device:
+    """This CPU as a :class:`Device`, measured once (a few seconds) and cached.
+
+    Figures: 3x3 convolutions' forward and backward (64 channels on 96^2 to 256 on 8^2,
+    fitted by least squares) for :attr:`~Device.flops` and :attr:`~Device.px_half`;
+    BatchNorm + add + ReLU forward and backward on 32x64^2 and 64x96^2 maps for
+    :attr:`~Device.mem_bw` (bytes read + written as :class:`OpCounter` counts them); a
+    training step of 10 x (3x3 convolution, BatchNorm, ReLU) on 4 channels of 8^2 for
+    :attr:`~Device.op_overhead` (seconds per kernel counted; module calls and autograd); all
+    at torch's current thread count, median of 9. Cached in
+    ``$XDG_CACHE_HOME/hyfi-imaging/speed.json`` by CPU model, torch version and thread
+    count (``refresh`` measures again). Links: Gloo over loopback, nominal (2 GB/s,
+    50 µs), not measured.
+    """
+    path = cache or _cache_path()
+    key = _cpu_key()
+    table: dict[str, Any] = {}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    fig = table.get(key) if not refresh else None
+    if not isinstance(fig, dict) or not {"flops", "mem_bw", "op_overhead", "px_half"} <= set(fig):
+        fig = _measure_cpu()
+        table[key] = fig
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: measure again next time
+    loopback = Link(2 * GB, 50e-6)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device(
+        "this CPU (measured: " + key.split("|")[0] + f", {torch.get_num_threads()} thread(s))",
+        flops=float(fig["flops"]),
+        mem_bw=float(fig["mem_bw"]),
+        memory=int(ram),
+        op_overhead=float(fig["op_overhead"]),
+        asynchronous=False,
+        intra=loopback,
+        inter=loopback,
+        per_node=os.cpu_count() or 1,
+        px_half=float(fig["px_half"]),
+        dtype="fp32",
+        note="calibrated: conv 3x3 and BatchNorm+add+ReLU forward+backward, a tiny network",
+    )
+
+
+def get_device(name: str) -> Device:
+    """A device of :data:`DEVICES` by name (case-insensitive), or ``cpu`` (:func:`calibrate_cpu`)."""
+    key = name.strip().lower()
+    if key in CPU_NAMES:
+        return calibrate_cpu()
+    if key in DEVICES:
+        return DEVICES[key]
+    raise ConfigError(
+        f"--device {name}",
+        "is not in the device table",
+        f"use one of {', '.join((*DEVICES, 'cpu'))}, or give --flops/--mem-bw yourself",
+    )

@@ -1,0 +1,218 @@
+"""The speed model's arithmetic on hand-computed cases, and its device table (no processes)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hyfi_imaging.cli.plan import main
+from hyfi_imaging.models import create_model
+from hyfi_imaging.parallel import devices as devices_module
+from hyfi_imaging.parallel.devices import DEVICES, Device, Link, calibrate_cpu, get_device
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.plan import Candidate, StageCost, predict, step_time
+from hyfi_imaging.parallel.speed import (
+    Counts,
+    OpCounter,
+    Window,
+    allreduce_s,
+    compute_s,
+    count_chain,
+    halo_copy_bytes,
+    halo_s,
+    ideal_bubble,
+    message_s,
+)
+
+
+def _device(**kw: object) -> Device:
+    """A device whose every cost is zero unless given."""
+    link = kw.pop("link", Link(math.inf, 0.0))
+    base: dict[str, object] = dict(
+        flops=1e9, mem_bw=math.inf, memory=2**30, op_overhead=0.0, asynchronous=False,
+        intra=link, inter=link, per_node=8, px_half=0.0,
+    )  # fmt: skip
+    base.update(kw)
+    return Device("test", **base)  # type: ignore[arg-type]
+
+
+def test_compute_seconds_add_up() -> None:
+    c = Counts(flops=2e12, bytes=1e9, ops=100, pixel_flops=1e6)
+    cpu = _device(flops=1e12, mem_bw=1e11, op_overhead=1e-5, px_half=1000.0)
+    # (2e12 FLOPs + 1000 pixels x 1e6 FLOPs per pixel) / 1e12 + 1e9 / 1e11 + 100 x 1e-5
+    assert compute_s(c, cpu) == pytest.approx(2.001 + 0.01 + 0.001)
+    gpu = Device(**{**cpu.__dict__, "asynchronous": True})
+    assert compute_s(c, gpu) == pytest.approx(2.011)  # launches hide behind the work
+    assert compute_s(Counts(ops=10**6), gpu) == pytest.approx(10.0)  # unless they dominate
+    scaled = c.scaled(4)
+    assert (scaled.flops, scaled.bytes, scaled.ops, scaled.pixel_flops) == (8e12, 4e9, 100, 1e6)
+
+
+def test_counts_of_a_two_layer_chain() -> None:
+    """Conv 3->4 then 4->4 (3x3, padding 1) on 8x8: 2 x pixels x Cout x Cin x 9 each; the first
+    layer's backward computes only its weight gradient (the image needs none)."""
+    layers = [
+        ("a", nn.Conv2d(3, 4, 3, padding=1, bias=False)),
+        ("b", nn.Conv2d(4, 4, 3, padding=1, bias=False)),
+    ]
+    meta = [(n, m.to("meta")) for n, m in layers]
+    counted, out = count_chain(meta, torch.empty(1, 3, 8, 8, device="meta"))
+    fa, fb = 2 * 64 * 4 * 3 * 9, 2 * 64 * 4 * 4 * 9
+    assert counted["a"][0].flops == fa and counted["a"][1].flops == fa
+    assert counted["b"][0].flops == fb and counted["b"][1].flops == 2 * fb
+    assert counted["b"][0].pixel_flops == fb / 64  # one output pixel of one call
+    assert tuple(out.shape) == (1, 4, 8, 8)
+
+
+def test_grouped_convolution_backward_is_not_inflated() -> None:
+    """torch 2.13's flop_registry ignores groups in the convolution's backward."""
+    x = torch.empty(1, 32, 16, 16, device="meta", requires_grad=True)
+    w = torch.empty(32, 1, 3, 3, device="meta", requires_grad=True)
+    y = nn.functional.conv2d(x, w, padding=1, groups=32)
+    counter = OpCounter()
+    with counter:
+        torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    assert counter.counts.flops == 2 * (2 * 32 * 256 * 9)
+
+
+def test_memory_bound_ops_count_their_bytes_and_views_nothing() -> None:
+    x = torch.empty(1, 4, 8, 8)
+    counter = OpCounter()
+    with counter:
+        y = torch.relu(x)  # reads 1 KiB, writes 1 KiB
+        y.view(-1)  # a view: free
+        y.zero_()  # writes 1 KiB
+    assert counter.counts.bytes == 3 * 1024 and counter.counts.ops == 2
+    assert counter.counts.copy_bytes == 1024
+
+
+def test_halo_messages_and_copies() -> None:
+    """A 3x3/p1 layer's input (1, 16, 64, 32). Rows are extended first (with the image's zero
+    padding where no neighbour is), then columns of the row-extended tile go out (corners):
+    on 1x2 one phase of 66 rows x 16 channels x 4 B per side; on 2x2 a row phase (32 columns,
+    2 KiB per side) then the column phase."""
+    w = Window((1, 16, 64, 32), 4, ((1, 1), (1, 1)))
+    link = Link(1e9, 1e-5)
+    dev = _device()
+    assert halo_s([w], (1, 2), link, dev) == pytest.approx(1e-5 + 4224 / 1e9)
+    assert halo_s([w], (2, 2), link, dev) == pytest.approx(2e-5 + (2048 + 4224) / 1e9)
+    assert halo_copy_bytes([w], (1, 2)) == 4 * (4224 + 4224)
+    # overlap: the interior's FLOPs (here 1 ms at 1 GFLOP/s) hide the messages
+    busy = Window(w.shape, 4, w.halo, flops=1e6)
+    assert halo_s([busy], (1, 2), link, dev, overlap=True) == 0.0
+    assert halo_s([w], (1, 1), link, dev) == 0.0
+
+
+def test_collectives() -> None:
+    link = Link(1e9, 1e-5)
+    assert message_s(0, link) == 0.0
+    assert message_s(1e6, link) == pytest.approx(1e-5 + 1e-3)
+    # ring bytes 2 (r-1)/r, tree latencies 2 ceil(log2 r)
+    assert allreduce_s(1e6, 4, link) == pytest.approx(1.5e-3 + 4e-5)
+    assert allreduce_s(1e6, 1, link) == 0.0
+
+
+def test_bubble_replay_equals_the_hand_computed_makespan() -> None:
+    """GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, a stage-to-stage message of
+    t = 0.25 s + 1e9 B / 4e9 B/s = 0.5 s on stage 1 (forward and backward): rank 1's forwards end
+    at 2 + t and 3 + 2t, its backwards at 5 + 3t and 7 + 4t, rank 0's last backward at 9 + 4t."""
+    t = 0.5
+    dev = _device(link=Link(4e9, 0.25))
+    costs = [
+        StageCost(0, 0, 0, [], 0, in_bytes=0, weight_grads=0, forward_s=1.0, backward_s=2.0),
+        StageCost(0, 0, 0, [], 0, in_bytes=10**9, weight_grads=0, forward_s=1.0, backward_s=2.0),
+    ]
+    step, bubble, parts = step_time(costs, Layout(pp=2), 2, "gpipe", dev)
+    assert step == pytest.approx(9 + 4 * t)
+    busy = 6 + (6 + 4 * t)
+    assert bubble == pytest.approx(1 - busy / (2 * (9 + 4 * t)))
+    assert parts["p2p"] == pytest.approx(4 * t)
+    # with no message: the textbook (m + p - 1) (F + B) and (p - 1) / (m + p - 1)
+    step0, bubble0, _ = step_time(costs, Layout(pp=2), 2, "gpipe", _device())
+    assert step0 == pytest.approx(9.0) and bubble0 == pytest.approx(ideal_bubble("gpipe", 2, 2))
+    # GEMS: two mirrored replicas fill each other's bubble at equal stages
+    _, gems, _ = step_time(costs, Layout(pp=2), 2, "bidirectional", _device())
+    assert gems < bubble0
+    assert ideal_bubble("bidirectional", 4, 4) == pytest.approx(ideal_bubble("1f1b", 4, 4) / 2)
+
+
+def test_predicted_step_of_a_two_layer_chain_on_1x2() -> None:
+    """ConvChain(depth 2, width 4) on 16x16, tiles 16x8: every part by hand.
+
+    FLOPs: conv 3->4 forward 2 x 128 x 4 x 27 = 27,648 and its weight gradient as much; conv 4->4
+    forward 36,864, backward twice; the head's linear 16 forward, 32 backward. At 1 MFLOP/s.
+    Halos: one per convolution and pass, 1 ms latency each (bytes free). FSDP2 over the two
+    tiles: the first unit's gather and the last unit's reduction wait (1 ms each), the rest
+    hides behind the compute. Bytes, launches and the convolutions' fixed cost are free here.
+    """
+    model = create_model("convchain", depth=2, width=4, num_classes=2)
+    dev = _device(flops=1e6, link=Link(1e15, 1e-3))
+    pred = predict(model, (16, 16), 1, Candidate(Layout(sp=(1, 2))), device=dev)
+    flops = 2 * 27648 + 3 * 36864 + 16 + 32
+    assert pred.parts["flops"] == flops
+    halo = 2 * 1e-3  # two convolutions, forward; as much in backward
+    assert pred.parts["halo"] == pytest.approx(2 * halo, rel=1e-6)
+    assert pred.parts["fsdp"] == pytest.approx(2e-3, rel=1e-6)
+    assert pred.step_s == pytest.approx(flops / 1e6 + 2 * halo + 2e-3, rel=1e-6)
+
+
+def test_device_table_is_sane() -> None:
+    for name, d in DEVICES.items():
+        assert get_device(name.upper()) is d
+        assert 5e12 <= d.flops <= 1e15, name  # sustained dense FLOP/s
+        assert 5e11 <= d.mem_bw <= 1e13, name  # bytes/s
+        assert 16 * 2**30 <= d.memory <= 192 * 2**30, name
+        assert 10 <= d.flops / d.mem_bw <= 500, name  # FLOPs per byte at the ridge point
+        assert d.intra.bandwidth > d.inter.bandwidth > 1e9, name
+        assert 1e-6 <= d.intra.latency <= d.inter.latency <= 1e-4, name
+        assert d.per_node in (4, 8) and d.px_half > 0 and d.asynchronous, name
+    assert DEVICES["h200"].memory > DEVICES["h100"].memory
+    assert DEVICES["h100"].flops > DEVICES["a100-80gb"].flops > DEVICES["v100"].flops
+    with pytest.raises(Exception, match="device table"):
+        get_device("tpu-v9")
+
+
+def test_cpu_calibration_is_measured_once_and_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = devices_module._measure_cpu
+
+    def measure(repeat: int = 2) -> dict[str, float]:
+        calls.append(1)
+        return real(repeat=2)
+
+    monkeypatch.setattr(devices_module, "_measure_cpu", measure)
+    cache = tmp_path / "speed.json"
+    first = calibrate_cpu(cache=cache)
+    second = calibrate_cpu(cache=cache)
+    assert len(calls) == 1 and cache.exists()
+    assert first.flops == second.flops
+    figures = (first.flops, first.mem_bw, first.op_overhead, first.px_half)
+    assert 1e9 < first.flops < 1e14 and 1e8 < first.mem_bw < 1e12, figures
+    assert 0 < first.op_overhead < 1e-2 and first.px_half >= 0, figures
+    assert not first.asynchronous
+
+
+def test_cli_takes_a_device_of_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "resnet18", "--width", "0.25", "--image-size", "256", "--devices", "1",
+            "--top", "2"]  # fmt: skip
+    assert main([*args, "--device", "h100", "--link-bw", "100GB"]) == 0
+    out = capsys.readouterr().out
+    assert "H100" in out and "comm %" in out and "80.00 GiB" in out
+    assert main([*args, "--device", "nonesuch"]) == 2
+
+
+def test_hyfi_comparison_rows() -> None:
+    from hyfi_imaging.parallel.scaling import STRATEGIES, compare_hyfi, format_table
+
+    rows = compare_hyfi(models=("resnet18",), sizes=(2048,), gpus=(16,), device="h100")
+    assert [r.strategy for r in rows] == list(STRATEGIES)
+    assert all(r.images_per_s > 0 and r.config is not None for r in rows)
+    assert all(r.config.gpus <= 16 for r in rows if r.config)
+    text = format_table(rows, "h100")
+    assert "PREDICTED" in text and "2.67x" in text
