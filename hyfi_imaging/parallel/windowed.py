@@ -213,8 +213,6 @@ def _conv_overlapped(
     done (so that no output is computed twice). No interior copy, and the extra
     work is the border (a few rows and columns per tile).
     """
-    axes = _outputs(win, x.shape)
-    extents = [d * (k - 1) + 1 for k, d in zip(win.kernel, win.dilation, strict=True)]
     conv = win.ops.conv
     out: list[torch.Tensor] = []
 
@@ -223,25 +221,10 @@ def _conv_overlapped(
 
     xe, strips = _extend(x, win, overlap=whole)
     y = out[0]
-    sides = win.neighbours.pairs()[-win.dims :]
-    for k, ((lo, hi), (m, first, end)) in enumerate(zip(sides, axes, strict=True)):
-        for peer, a, b in ((lo, 0, first), (hi, end, m)):
-            if peer is None or b <= a:
-                continue  # this side's halo is fill, known before the overlap ran
-            ranges = [
-                (f if sides[d][0] is not None else 0, e if sides[d][1] is not None else md)
-                if d < k
-                else (a, b)
-                if d == k
-                else (0, md)
-                for d, (md, f, e) in enumerate(axes)
-            ]
-            if any(r1 <= r0 for r0, r1 in ranges):
-                continue
-            reads = zip(ranges, win.stride, extents, strict=True)
-            part = xe[trailing([slice(r0 * s, (r1 - 1) * s + e) for (r0, r1), s, e in reads])]
-            band = trailing([slice(r0, r1) for r0, r1 in ranges])
-            _write(y, band, conv(part, weight, bias, win.stride, 0, win.dilation, groups))
+    # The sides past the grid's edge are fill, known before the overlap ran.
+    for band in _border_bands(win, x.shape):
+        part = xe[trailing(_reads(win, band))]
+        _write(y, _band_index(band), conv(part, weight, bias, win.stride, 0, win.dilation, groups))
     return y, strips
 
 
@@ -255,20 +238,40 @@ def direct_padding(win: Window, tile: torch.Size) -> tuple[int, ...] | None:
     """
     pads = []
     border = 0.0
-    sides = win.neighbours.pairs()[-win.dims :]
-    for a, (m, first, end) in enumerate(_outputs(win, tile)):
+    for a, (c0, c1, m) in enumerate(_clean(win, tile)):
         before, n = win.halo[2 * a], int(tile[a - win.dims])
         extent = win.dilation[a] * (win.kernel[a] - 1) + 1
         if (n + 2 * before - extent) // win.stride[a] + 1 != m:
             return None
         pads.append(before)
-        lo, hi = sides[a]
-        redone = (first if lo is not None else 0) + (m - end if hi is not None else 0)
-        border += redone / max(m, 1)
+        border += (c0 + m - c1) / max(m, 1)
     # The border bands are computed twice (and run one more small backward each): where
     # they are a large share of a small tile, copying the tile into an extended one is
     # cheaper than the repeated work and the kernels' per-call costs.
     return tuple(pads) if border <= MAX_BORDER_SHARE else None
+
+
+def _clean(win: Window, tile: torch.Size) -> list[tuple[int, int, int]]:
+    """Per spatial dim ``(c0, c1, m)``: the outputs ``[c0, c1)`` read no neighbour's strip
+    (``m`` outputs in all; ``c0 <= c1``).
+
+    An output reads the strip before the tile if its window starts before the tile,
+    the strip after it if its window ends past the tile; on a tile narrower than the
+    window, one output may read both, so the two ranges are taken separately (an
+    output reading the strip after the tile is not clean because the side before
+    has no neighbour).
+    """
+    out = []
+    sides = win.neighbours.pairs()[-win.dims :]
+    for a, ((lo, hi), (m, first, _)) in enumerate(zip(sides, _outputs(win, tile), strict=True)):
+        before, n = win.halo[2 * a], int(tile[a - win.dims])
+        extent = win.dilation[a] * (win.kernel[a] - 1) + 1
+        # The first output whose window ends past the tile (reads the strip after it).
+        last = min(m, max(0, (before + n - extent) // win.stride[a] + 1))
+        c0 = first if lo is not None else 0
+        c1 = last if hi is not None else m
+        out.append((c0, max(c0, c1), m))
+    return out
 
 
 def _border_bands(win: Window, tile: torch.Size) -> list[list[tuple[int, int]]]:
@@ -279,13 +282,7 @@ def _border_bands(win: Window, tile: torch.Size) -> list[list[tuple[int, int]]]:
     :func:`_base`). The ranges do not overlap: per dim, the bands before and
     after the clean outputs, within the clean range of the dims already done.
     """
-    axes = _outputs(win, tile)
-    sides = win.neighbours.pairs()[-win.dims :]
-    clean = []
-    for (lo, hi), (m, first, end) in zip(sides, axes, strict=True):
-        c0 = first if lo is not None else 0
-        c1 = end if hi is not None else m
-        clean.append((c0, max(c0, c1), m))
+    clean = _clean(win, tile)
     bands = []
     for k, (c0, c1, m) in enumerate(clean):
         for a, b in ((0, c0), (c1, m)):

@@ -128,6 +128,10 @@ LAYERS: dict[str, LayerSpec] = {
     ),
     "bn-cumulative-momentum": LayerSpec(_seq(nn.BatchNorm2d(C, momentum=None)), 1, **BN_STEPS),
     "conv-conv": LayerSpec(_seq(_conv(3, 1, 1), nn.ReLU(), _conv(3, 2, 1)), 2),
+    # Tiles narrower than the second layer's window (4 px against 7 after the stride 4):
+    # an output reads the strips on both sides, and a tile with one neighbour must still
+    # redo the outputs that read its strip (AmoebaNet's 1x7 convolutions on deep tiles).
+    "conv-s4-then-k7": LayerSpec(_seq(_conv(3, 4, 1), nn.ReLU(), _conv(7, 1, 3)), 4),
     "conv-bn-relu-conv": LayerSpec(
         _seq(_conv(3, 2, 1, bias=False), nn.BatchNorm2d(C), nn.ReLU(), _conv(3, 1, 1)),
         2,
