@@ -338,10 +338,11 @@ def _conv_direct(
 
     The tile, padded by the kernel with zeros, gives every output whose window
     lies in the tile (or in the fill past the grid's edge) without any copy of
-    the tile; while the halos travel (``win.overlap``) or after. Then only the
-    outputs that read a neighbour's strip or the masked tail are computed
-    again, each band from a slab rebuilt from the tile's edge and the strips,
-    and written over. Copies: the strips sent and the border slabs.
+    the tile (:func:`_base`: on a tile past the image, a masked copy); while the
+    halos travel (``win.overlap``) or after. Then only the outputs that read a
+    neighbour's strip are computed again, each band from a slab rebuilt from the
+    tile's edge and the strips, and written over. Copies: the strips sent and
+    the border slabs.
     """
     conv = win.ops.conv
     out: list[torch.Tensor] = []
@@ -372,9 +373,9 @@ def _conv_grads_direct(
 
     The padded tile's backward gives the input gradient of every tile position
     (a position's gradient does not depend on what the window read beside it)
-    and the weight and bias gradients as if the halos were 0 and the tail
-    unmasked. Per border band, one more backward on the slab's *difference*
-    (strips and masked tail minus what the padded tile read) corrects the
+    and the weight and bias gradients as if the strips were 0. Per border band,
+    one more backward on the slab's *difference* (the strips minus the zeros
+    the padded tile read) corrects the
     weight gradient and yields the gradients of the strips, which go back to
     their owners and are added into their borders. Overlapped, the weight
     gradient is computed while those travel.
@@ -429,26 +430,27 @@ def _conv_grads_direct(
                 corrections.append(got[1])
 
     gx: torch.Tensor | None = None
-    if need_x:
+    if need_x and win.overlap:
         padded(True, False, False)
         gx = held[0]
         assert gx is not None
-        if win.overlap:
-            bands(True, False)
+        bands(True, False)
 
-            def weights() -> None:
-                padded(False, need_w, need_b)
-                if need_w:
-                    bands(False, True)
-
-            gx = return_strip_grads(
-                gx, strip_grads, win.halo, win.neighbours, valid=win.valid,
-                overlap=weights if need_w or need_b else None,
-            )  # fmt: skip
-        else:
-            bands(True, need_w)
+        def weights() -> None:
             padded(False, need_w, need_b)
-            gx = return_strip_grads(gx, strip_grads, win.halo, win.neighbours, valid=win.valid)
+            if need_w:
+                bands(False, True)
+
+        gx = return_strip_grads(
+            gx, strip_grads, win.halo, win.neighbours, valid=win.valid,
+            overlap=weights if need_w or need_b else None,
+        )  # fmt: skip
+    elif need_x:  # input, weight and bias gradients in one kernel call
+        padded(True, need_w, need_b)
+        gx = held[0]
+        assert gx is not None
+        bands(True, need_w)
+        gx = return_strip_grads(gx, strip_grads, win.halo, win.neighbours, valid=win.valid)
     else:
         padded(False, need_w, need_b)
         if need_w:
