@@ -875,14 +875,19 @@ class _GlobalBatchNorm(torch.autograd.Function):
 
         Why: the expression above makes five passes over the tile and three
         tile-sized temporaries; here one fused pass gives the tile's mean and
-        variance (``var_mean``), Chan's merge across the tiles needs two
+        variance (``batch_norm_update_stats`` on CPU, ``var_mean`` elsewhere), Chan's merge across the tiles needs two
         all-reduces of one number per channel (the mean, then the centred
         squares: no cancellation), and the normalisation is ATen's inference
         kernel with the whole image's statistics. The input is saved (it is
         kept alive instead of a new normalised copy: the same bytes).
         """
         _, dims = _channel_shape(x)
-        var_l, mean_l = torch.var_mean(x, dim=dims, correction=0)
+        if x.device.type == "cpu":
+            # ATen's BatchNorm statistics kernel: 4x faster than var_mean on CPU (a
+            # 256-channel 192x96 map: 5.5 vs 21 ms); it has no meta or autocast form.
+            mean_l, var_l = torch.batch_norm_update_stats(x, None, None, 0.0)
+        else:
+            var_l, mean_l = torch.var_mean(x, dim=dims, correction=0)
         count = x.numel() // x.shape[1]
         # The collectives in the dtype the masked path uses: tiles of one image may take
         # either path, and they must issue the same messages.
