@@ -391,7 +391,7 @@ def predict(
         for ls in mine:
             c = costs[ls.index]
             if n_shard > 1:
-                gathered = c.params if m > 1 else 2 * max(c.units, default=0)
+                gathered = c.params  # kept gathered from forward to backward (engine)
                 state += (1 + k_opt) * c.params // n_shard + gathered + max(c.units, default=0)
             else:
                 state += (1 + k_opt) * c.params
@@ -520,8 +520,8 @@ def _rank_time(
     communication outside the replayed schedule (FSDP2, GEMS's mirror sum).
 
     FSDP2 over ``n_shard`` ranks (a replica's ranks are consecutive, the shard group spans
-    them all): with one micro-batch its hooks gather a unit's parameters in forward and
-    again in backward (``reshard_after_forward``) and reduce-scatter its gradient as soon as
+    them all): with one micro-batch its hooks gather a unit's parameters once in forward
+    (kept until backward: ``reshard_after_forward=False``) and reduce-scatter its gradient as soon as
     its backward is done, prefetching the next unit: only the first gather, the last
     reduction and what exceeds the compute wait. With micro-batches torch's schedules gather
     a stage once before its first and reduce after its last: nothing overlaps. Its copies
@@ -541,7 +541,7 @@ def _rank_time(
             total = total + c.bwd.times(share)
             halo, norms = halo + share * c.halo_s[1], norms + share * c.norms_s[1]
     params = sum(c.params for c in stages)
-    gathers = 2 if microbatches == 1 else 1
+    gathers = 1  # parameters stay gathered from forward to backward (engine._shard)
     fsdp = 0.0
     if n_shard > 1:
         link = dev.link(lay.world_size)
