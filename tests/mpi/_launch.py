@@ -26,6 +26,7 @@ __all__ = [
     "Job",
     "have_mpiexec",
     "json_line",
+    "kernel_oom_lines",
     "marked_results_per_world",
     "merged_result",
     "mpiexec",
@@ -105,24 +106,40 @@ def rank_killed(output: str) -> bool:
     return _KILLED in output
 
 
-def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...] = ()) -> Job:
-    """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``).
+def kernel_oom_lines(since: float) -> list[str]:
+    """The kernel log's out-of-memory lines (``oom-kill``, ``Killed process``) of the last
+    minutes, or one line saying the log could not be read.
 
-    Launched once more, and said on stderr, when MPICH reports a rank killed by SIGKILL
-    that nothing in the job asked for: seen twice in some thousand launches (once on CI, once
-    here), each time after every rank had finished its work, the cause not found. A job that
-    kills its own ranks (``kill_rank.py``) is never relaunched.
+    Why: a SIGKILLed rank is usually the kernel's global OOM killer, which the cgroup's
+    own counter does not show; the kernel log names it and the process it killed.
+    """
+    try:
+        proc = subprocess.run(
+            ["dmesg", "--time-format", "iso"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return [f"(kernel log not readable: {err})"]
+    if proc.returncode != 0:
+        return [f"(kernel log not readable: {proc.stderr.strip()[:200]})"]
+    wanted = ("oom-kill", "Killed process", "Out of memory")
+    lines = [ln for ln in proc.stdout.splitlines() if any(w in ln for w in wanted)]
+    return lines[-6:] or [f"(no out-of-memory line in the kernel log since {time.ctime(since)})"]
+
+
+def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...] = ()) -> Job:
+    """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``), once.
+
+    A rank that died is never relaunched away: its death fails the test that reads the
+    job, with its cause -- the exit status and, for a SIGKILL, the kernel's
+    out-of-memory lines (:func:`kernel_oom_lines`) appended to the job's stderr.
     """
     cmd = ["mpiexec", *options, "-n", str(n), sys.executable, *args]
+    began = time.time()
     job = run(cmd, timeout=timeout)
-    if (
-        job.returncode != 0
-        and not job.timed_out
-        and rank_killed(job.stdout + job.stderr)
-        and not any("kill_rank" in a for a in args)
-    ):
-        print(f"relaunched after a rank was killed:\n{job.describe()[-1500:]}", file=sys.stderr)
-        job = run(cmd, timeout=timeout)
+    if job.returncode != 0 and rank_killed(job.stdout + job.stderr):
+        job.stderr += "\nA rank was killed by SIGKILL; kernel log:\n" + "\n".join(
+            kernel_oom_lines(began)
+        )
     return job
 
 
@@ -151,14 +168,12 @@ def merged_result(job: Job) -> dict[str, Any]:
     """The merged result line of a worker that ends with ``_worker.emit``, else the job's failure.
 
     Rank 0 prints that line only after every rank finished every case and the verdicts were
-    gathered, so it is complete whatever happens at teardown. A rank once died there on CI
-    (MPICH reported SIGKILL after the line was out); such a death is reported on stderr
-    rather than turned into thirty failed comparisons.
+    gathered; a job that then fails (a rank dying at teardown) fails the test with its
+    cause all the same: a death is never accepted.
     """
     lines = [ln for ln in job.stdout.splitlines() if ln.startswith(MARKER)]
     assert lines, f"no merged result line\n{job.describe()}"
-    if job.returncode != 0:
-        print(f"after its result: {job.describe()[-1500:]}", file=sys.stderr)
+    assert job.returncode == 0, f"the job failed after its result line\n{job.describe()}"
     return json.loads(lines[-1][len(MARKER) :])  # type: ignore[no-any-return]
 
 
