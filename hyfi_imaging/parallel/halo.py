@@ -351,7 +351,7 @@ def window_of(
                 else (pairs[d][0] if d > side else (0 if which == 0 else pairs[d][0] + tile[d]))
                 for d in range(nd)
             ]
-        if src_t is None:  # fill: only the parts no tile or strip covers are written twice-free
+        if src_t is None:  # no neighbour there: the fill (each part of the box is written once)
             out[trailing(dst)] = fill
             continue
         src = tuple(slice(lo - o, hi - o) for (_, lo, hi), o in zip(chosen, offsets, strict=True))

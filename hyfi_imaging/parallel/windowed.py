@@ -387,7 +387,6 @@ def _conv_grads_direct(
     zeros = [0] * win.dims
     bias_sizes = [weight.shape[0]] if ctx.has_bias else None
     tile = [int(v) for v in x.shape[x.dim() - win.dims :]]
-    lead = tuple(x.shape[: x.dim() - win.dims])
     held: list[torch.Tensor | None] = [None, None, None]
     base = _base(x, win) if need_w else x  # the input gradient does not read it
 
@@ -400,16 +399,7 @@ def _conv_grads_direct(
             if wanted:
                 held[k] = got[k] if held[k] is None else held[k].add_(got[k])  # type: ignore[union-attr]
 
-    strip_grads: list[torch.Tensor | None] = [
-        None
-        if s is None
-        else torch.zeros(
-            (*lead, *(b - a for a, b in strip_box(j // 2, j % 2, win.halo, tile))),
-            dtype=gy.dtype,
-            device=gy.device,
-        )
-        for j, s in enumerate(strips)
-    ]
+    strip_grads = _strip_grads(win, x.shape, x)
     none: Strips = (None,) * len(strips)
     corrections: list[torch.Tensor] = []
 
