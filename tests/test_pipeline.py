@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import shlex
 from collections.abc import Iterator
 
@@ -396,3 +397,31 @@ def test_engine_refuses_bad_inputs_before_compute(single: object) -> None:
         pm.tile_of(torch.zeros(1, 3, 41, 36))
     with pytest.raises(ConfigError, match="not the job's"):
         ParallelModel(_model("resnet18"), single, ParallelPlan(Layout(pp=2)), image_hw=(40, 36))  # type: ignore[arg-type]
+
+
+def test_engine_flags_a_nonfinite_gradient_and_a_skip_restores_batchnorm(single: object) -> None:
+    from hyfi_imaging.train.guard import NonFiniteError, StepGuard
+
+    pm = ParallelModel(_model("resnet18"), single, ParallelPlan(Layout()), image_hw=(40, 36))  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 40, 36, generator=gen, dtype=torch.float64)
+    y = torch.tensor([0, 1])
+    loss = pm.train_step(pm.tile_of(x), y)
+    assert math.isfinite(loss) and pm.grads_finite
+    # A finite loss whose gradient is not: flagged from the same read as the loss.
+    weight = next(pm.parameters())
+    hook = weight.register_hook(lambda g: g * math.inf)
+    guard = StepGuard("skip", 1, newest=lambda: None, say=False)
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    guard.before(pm.module)
+    loss = pm.train_step(pm.tile_of(x), y)
+    assert math.isfinite(loss) and not pm.grads_finite
+    assert not guard.accept(7, loss, pm.grads_finite) and guard.skipped == 1
+    for key, value in pm.state_dict().items():  # the forward's BatchNorm update undone
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    hook.remove()
+    with pytest.raises(NonFiniteError, match=r"step 9: the loss is nan \(2 steps in a row\)"):
+        guard.accept(9, math.nan, True)
+    stop = StepGuard("stop", 1, newest=lambda: "step_00000004", say=False)
+    with pytest.raises(NonFiniteError, match=r"step 3: a gradient is not finite.*step_00000004"):
+        stop.accept(3, 1.0, False)

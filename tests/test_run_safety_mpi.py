@@ -8,6 +8,7 @@ process may not mount one).
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -182,3 +183,85 @@ def test_one_process_trains_and_predicts_an_image_off_the_stride(tmp_path: Path)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(out.read_text().splitlines()) == 5
+
+
+def _steps(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_a_diverging_run_stops_at_its_step_and_keeps_its_good_checkpoints(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+    optim: str,
+) -> None:
+    run = tmp_path / "run"
+    _train(
+        manifest, run, 2, SP, f"optim.name={optim}", "train.epochs=1", "train.keep_checkpoints=2"
+    )
+    good = _steps(run)
+    assert good == ["step_00000002", "step_00000003"]
+    # Every step checkpointed: the optimiser's step 4 makes the state non-finite, and it
+    # is refused before it is saved. Every 3 steps: the next step's loss is not finite and
+    # is refused at that step, before the optimiser sees it.
+    every = "1" if optim == "sgd" else "3"
+    broken = _train(
+        manifest, run, 2, SP, f"optim.name={optim}", "optim.lr=1e37", "optim.warmup_steps=0",
+        "train.keep_checkpoints=2", f"train.checkpoint_every_steps={every}", check=False,
+    )  # fmt: skip
+    assert broken.returncode == 2, broken.stderr[-3000:]
+    lines = _error_lines(broken.stderr)
+    assert len(lines) == 1 and "Traceback" not in broken.stderr, broken.stderr[-3000:]
+    if optim == "sgd":
+        assert "step 4: the model or optimiser state holds NaN or inf" in lines[0], lines[0]
+    else:
+        assert "step 5: the loss is nan" in lines[0], lines[0]
+    assert "is the newest checkpoint, intact" in lines[0] or "stays the newest" in lines[0]
+    # No non-finite state was saved, so retention never evicted a good checkpoint.
+    assert good[-1] in _steps(run)
+    # Relaunched with a sane rate, it resumes from a finite checkpoint and trains on.
+    _train(manifest, run, 2, SP, f"optim.name={optim}", "train.keep_checkpoints=2")
+    assert all(math.isfinite(v) for v in _losses(run)[:3])
+
+
+def test_skipped_steps_are_counted_and_a_run_of_them_stops(manifest: Path, tmp_path: Path) -> None:  # noqa: F811
+    run = tmp_path / "run"
+    broken = _train(
+        manifest, run, 2, SP, "optim.lr=1e30", "optim.warmup_steps=0", "train.nonfinite=skip",
+        "train.max_skipped_steps=1", "train.checkpoint_every_steps=0", check=False,
+    )  # fmt: skip
+    assert broken.returncode == 2, broken.stderr[-3000:]
+    # The first step makes the weights inf; the second is skipped (said once, not per
+    # rank), the third stops the run.
+    assert broken.stderr.count("step 2: the loss is nan; skipped (1 in a row") == 1, broken.stderr
+    (line,) = _error_lines(broken.stderr)
+    assert "step 3: the loss is nan (2 steps in a row)" in line, line
+    assert "no checkpoint was written yet" in line
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ('data.classes=["1", "0"]', "data.classes ['0', '1'] -> now ['1', '0']"),
+        ("model.kwargs.width=0.25", "model.kwargs {'width': 0.125} -> now {'width': 0.25}"),
+        ("data.mean=[0.4]", "data.mean None -> now [0.4]"),
+        ("optim.name=sgd", "optim.name adamw -> now sgd"),
+    ],
+)
+def test_a_resume_that_would_change_the_runs_meaning_is_refused(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+    change: str,
+    named: str,
+) -> None:
+    run = tmp_path / "run"
+    _train(manifest, run, 1, "parallel.spatial=1x1", "train.epochs=1")
+    history = (run / "metrics.csv").read_text()
+    refused = _train(
+        manifest, run, 1, "parallel.spatial=1x1", "train.epochs=2", change, check=False
+    )
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = _error_lines(refused.stderr)
+    assert named in line and "--restart" in line, line
+    assert "put back an intact checkpoint" not in line  # the checkpoint is intact
+    assert (run / "metrics.csv").read_text() == history

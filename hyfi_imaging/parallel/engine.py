@@ -437,6 +437,8 @@ class ParallelModel:
             self._mirror = mirror_groups(pc.mesh.mesh, pc.rank)
         self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
         self.last_logits: Tensor | None = None
+        #: Whether every gradient of the world was finite after the last ``train_step``.
+        self.grads_finite = True
 
     # ------------------------------------------------------------------ set-up
 
@@ -675,15 +677,35 @@ class ParallelModel:
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
         if snapshot is not None:
             self._sync_running_stats(snapshot)
-        # One host read per step (the returned float), not one per micro-batch.
-        total = torch.zeros(1, dtype=torch.float64, device=self.pc.device)
+        # One host read per step (the returned float), not one per micro-batch. It
+        # carries the loss and whether every gradient this rank owns is finite.
+        total = torch.zeros(2, dtype=torch.float64, device=self.pc.device)
         if self.is_last and losses:
-            total += torch.stack([v.detach().to(torch.float64).reshape(()) for v in losses]).sum()
+            total[0] += torch.stack(
+                [v.detach().to(torch.float64).reshape(()) for v in losses]
+            ).sum()
+        total[1] = self._owned_grad_norm()  # summed over the world: finite iff all are
         # The world: the loss terms live on the last stage of every replica and tile,
         # and every rank returns the step's loss.
         dist.all_reduce(total, group=dist.group.WORLD)
+        # NaN unless the loss and every gradient are finite: one read in the common case.
+        loss = float(total[0] + 0.0 * total[1])
+        self.grads_finite = True
+        if not math.isfinite(loss):  # which one (rare: a few more reads)
+            loss, self.grads_finite = float(total[0]), math.isfinite(float(total[1]))
         layout = self.plan.layout
-        return float(total.item()) / layout.stage_size(layout.pp - 1)
+        return loss / layout.stage_size(layout.pp - 1)
+
+    def _owned_grad_norm(self) -> Tensor:
+        """The norm of the gradients this rank owns (its FSDP shards): non-finite iff one is.
+
+        One fused norm per tensor in the gradients' own dtype (no float64 copy of
+        them); summed over the world with the loss, it is the step's one flag.
+        """
+        grads = [_local(p.grad) for p in self.stage_module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.pc.device)
+        return torch.nn.utils.get_total_norm(grads).to(torch.float64)
 
     @torch.no_grad()
     def predict(self, tiles: Tensor | None) -> Tensor:

@@ -35,7 +35,7 @@ import pickle
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,12 +284,19 @@ def _copy_into(dst: Any, src: Any) -> None:
 
 
 def load_latest(
-    root_or_checkpoint: Path, state: dict[str, Any], *, run_id: str | None = None
+    root_or_checkpoint: Path,
+    state: dict[str, Any],
+    *,
+    run_id: str | None = None,
+    expect: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> Loaded | None:
     """Load the newest loadable checkpoint into ``state`` (collectively); None if there is none.
 
     ``root_or_checkpoint`` is a directory of checkpoints or one checkpoint;
-    ``run_id`` restricts the candidates to one run. A checkpoint that fails to
+    ``run_id`` restricts the candidates to one run. ``expect(path, marker)`` is
+    called before each candidate is read and raises when the checkpoint means
+    something else than the run (other classes, model, inputs): such a
+    checkpoint is intact and must not be passed over. A checkpoint that fails to
     load on any rank leaves no trace in ``state`` and the previous one is
     tried. Raises :class:`CheckpointError` (same line on every rank) when
     there are checkpoints and none loads.
@@ -301,10 +308,16 @@ def load_latest(
         reason = ""
         try:
             meta = json.loads((path / MARKER).read_text())
-            staged = _staged(state)
-            dcp.load(staged, checkpoint_id=str(path))
         except _LOAD_ERRORS as err:
-            reason = _reason(err)
+            meta, reason = {}, _reason(err)
+        else:
+            if expect is not None:  # outside the try: another meaning is not damage
+                expect(path, meta)
+            try:
+                staged = _staged(state)
+                dcp.load(staged, checkpoint_id=str(path))
+            except _LOAD_ERRORS as err:
+                reason = _reason(err)
         if all_agree(not reason):
             _copy_into(state, staged)
             return Loaded(path, meta, failures)

@@ -233,6 +233,11 @@ class TrainConfig(_Strict):
     eval_every_epochs: int = Field(1, ge=1)
     checkpoint_every_steps: int = Field(0, ge=0)
     keep_checkpoints: int = Field(3, ge=1)
+    #: A step whose loss or gradient norm is not finite: ``stop`` the run (the last
+    #: checkpoint stays the newest) or ``skip`` it (counted, logged, at most
+    #: ``max_skipped_steps`` in a row).
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = Field(10, ge=1)
     progress: bool = True
 
 

@@ -24,7 +24,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,6 +295,7 @@ class Trainer:
 
     def _save(self, pos: _Position) -> None:
         from hyfi_imaging.train.checkpoint import save_checkpoint
+        from hyfi_imaging.train.guard import NonFiniteError, finite_everywhere
 
         r = self.recipe
         meta = {
@@ -304,15 +305,73 @@ class Trainer:
             "model": r.model.name,
             "layout": self.pc.layout.describe(),
             "classes": r.data.classes,
+            "meaning": self._meaning(),
         }
+        state = self._state(False)
+        if not finite_everywhere(state, self.pc.device):
+            raise NonFiniteError(
+                f"step {pos.step}",
+                "the model or optimiser state holds NaN or inf; not checkpointed",
+                f"lower optim.lr or set optim.grad_clip; {self._newest() or 'no checkpoint'} "
+                "stays the newest checkpoint: relaunch to resume from it",
+            )
         save_checkpoint(
             self.ckpt_root,
             pos.step,
-            self._state(False),
+            state,
             meta,
             keep=r.train.keep_checkpoints,
             run_id=self.run_id,
         )
+
+    def _meaning(self) -> dict[str, Any]:
+        """What a checkpoint's numbers mean: a run resumed or read with another meaning is refused.
+
+        The class order, the task, the model and its options, the input channels,
+        the normalisation, the pyramid level and the optimiser whose state is saved
+        (as JSON reads them back).
+        """
+        r = self.recipe
+        meaning = {
+            "task.name": r.task.name,
+            "data.task": r.data.task,
+            "data.classes": r.data.classes,
+            "task.targets": self.cohort.target_names if r.task.name == "regression" else None,
+            "task.labels": r.task.labels if r.task.name == "segmentation" else None,
+            "task.foreground": r.task.foreground,
+            "model.name": r.model.name,
+            "model.kwargs": r.model.kwargs,
+            "input channels": self.cohort.channels,
+            "data.level": r.data.level,
+            "data.normalize": r.data.normalize.model_dump(),
+            "data.mean": r.data.mean,
+            "data.std": r.data.std,
+            "optim.name": r.optim.name,  # its state is part of the checkpoint
+        }
+        loaded: dict[str, Any] = json.loads(json.dumps(meaning, default=str))
+        return loaded
+
+    def _same_meaning(self, fix: str) -> Callable[[Path, dict[str, Any]], None]:
+        """The check :func:`load_latest` runs on each candidate's marker before reading it."""
+        now = self._meaning()
+
+        def check(path: Path, marker: dict[str, Any]) -> None:
+            was = marker.get("meaning")
+            if not isinstance(was, dict):  # written before meanings were recorded
+                return
+            changed = [k for k in now if k in was and was[k] != now[k]]
+            if changed:
+                said = "; ".join(f"{k} {was[k]} -> now {now[k]}" for k in changed)
+                raise ConfigError(path, f"this checkpoint was trained with another {said}", fix)
+
+        return check
+
+    def _newest(self) -> str | None:
+        """The run's newest checkpoint's path (for messages), or None."""
+        from hyfi_imaging.train.checkpoint import list_checkpoints
+
+        found = list_checkpoints(self.ckpt_root, self.run_id)
+        return str(found[0]) if found else None
 
     def _start_run(self) -> None:
         """Rank 0 makes the run directory this run's (``rundir``); every rank learns the id."""
@@ -334,7 +393,15 @@ class Trainer:
         if self.start != "resume":
             return _Position()
         state = self._state(True)
-        found = load_latest(self.ckpt_root, state, run_id=self.run_id)
+        found = load_latest(
+            self.ckpt_root,
+            state,
+            run_id=self.run_id,
+            expect=self._same_meaning(
+                "put the recipe back as the run had it, or relaunch with --restart for a new run "
+                "(the old one is kept in previous/)"
+            ),
+        )
         if found is None:
             return _Position()
         install_optimizer_state(self.pm.named_parameters(), self.optimizer, state["optim"])
@@ -358,7 +425,11 @@ class Trainer:
 
         if (checkpoint / "checkpoints").is_dir():
             checkpoint = checkpoint / "checkpoints"
-        found = load_latest(checkpoint, {"model": self.pm.state_dict()})
+        found = load_latest(
+            checkpoint,
+            {"model": self.pm.state_dict()},
+            expect=self._same_meaning("predict with the run's own recipe and data of its kind"),
+        )
         if found is None:
             raise ConfigError(
                 checkpoint,
@@ -496,6 +567,15 @@ class Trainer:
                 write_regressions(out_dir / "val_predictions.csv", ids, p, names, truth.numpy())
             line = "  ".join(f"{k} {v:.4f}" for k, v in errors.items())
             return {**errors, "n": len(self.val_idx), "_line": line}
+        if not np.isfinite(p).all():
+            from hyfi_imaging.train.guard import NonFiniteError
+
+            raise NonFiniteError(
+                "evaluation",
+                "the model's outputs are NaN or inf (its weights diverged)",
+                f"lower optim.lr or set optim.grad_clip; {self._newest() or 'no checkpoint'} "
+                "is the newest checkpoint: relaunch to resume from it",
+            )
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
         result = evaluate_predictions(p, labels, task=r.data.task, class_names=r.data.classes)
         loss = float(
@@ -520,6 +600,7 @@ class Trainer:
         """Train to the end (or ``max_steps``), evaluating and checkpointing on the way."""
         from tqdm import tqdm
 
+        from hyfi_imaging.train.guard import StepGuard
         from hyfi_imaging.train.logs import RunLogger
         from hyfi_imaging.train.outputs import write_scores
         from hyfi_imaging.train.plots import plot_confusion_matrix, plot_training_curves
@@ -536,6 +617,9 @@ class Trainer:
             print(self.pm.describe(), file=sys.stderr)
         train_set = self._dataset(True, r.data.manifest)
         labels_all = self._labels()
+        guard = StepGuard(
+            r.train.nonfinite, r.train.max_skipped_steps, newest=self._newest, say=self.rank0
+        )
         summary: dict[str, Any] = {}
         start = time.monotonic()
         data_wait = 0.0  # seconds first-stage ranks waited for tiles (0 elsewhere)
@@ -561,13 +645,15 @@ class Trainer:
                     lr = lr_at(pos.step, r, self.total_steps)
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
+                    guard.before(self.pm.module)
                     with self.autocast:
                         labels = target if labels_all is None else labels_all[batch]
                         assert labels is not None  # segmentation is one stage: tiles and masks
                         loss = self.pm.train_step(tiles, labels.to(self.pc.device))
-                    if r.optim.grad_clip > 0:
-                        self.pm.clip_grad_norm_(r.optim.grad_clip)
-                    self.optimizer.step()
+                    if guard.accept(pos.step + 1, loss, self.pm.grads_finite):
+                        if r.optim.grad_clip > 0:
+                            self.pm.clip_grad_norm_(r.optim.grad_clip)
+                        self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     pos.step += 1
                     pos.batch += 1
@@ -633,6 +719,7 @@ class Trainer:
             epochs=pos.epoch,
             seconds=round(time.monotonic() - start, 1),
             data_wait_s=round(data_wait, 3),
+            skipped_steps=guard.skipped,
             layout=self.pc.layout.describe(),
             world_size=self.pc.world_size,
         )
