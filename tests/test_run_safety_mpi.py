@@ -8,6 +8,7 @@ process may not mount one).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -265,3 +266,50 @@ def test_a_resume_that_would_change_the_runs_meaning_is_refused(
     assert named in line and "--restart" in line, line
     assert "put back an intact checkpoint" not in line  # the checkpoint is intact
     assert (run / "metrics.csv").read_text() == history
+
+
+def test_a_resume_reuses_the_pipeline_cut_of_the_runs_first_launch(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    pp = ("parallel.spatial=1x1", "parallel.pipeline=2", "parallel.microbatches=2")
+    _train(manifest, run, 2, *pp, "train.epochs=1")
+    record = json.loads((run / "run.json").read_text())
+    ((layout, cut),) = record["cuts"].items()
+    assert "pp=2" in layout and len(cut) == 2
+    # Another cut than timing would give: the resume must take it, not time a new one.
+    other = [cut[0] + 1, cut[1] - 1] if cut[1] > 1 else [cut[0] - 1, cut[1] + 1]
+    record["cuts"][layout] = other
+    (run / "run.json").write_text(json.dumps(record))
+    again = _train(manifest, run, 2, *pp, "train.epochs=2")
+    assert (
+        f"pipeline cut {other[0]},{other[1]}: measured at this run's first launch" in again.stderr
+    )
+    assert f"balance {other[0]},{other[1]} " in again.stderr, again.stderr[-3000:]
+    # A restart is a new run: its cut is timed again (timings vary: 1,10 then 4,7 was
+    # seen for the same model) and recorded afresh.
+    fresh = _train(manifest, run, 2, *pp, "train.epochs=1", args=("--restart",))
+    assert "measured at this run's first launch" not in fresh.stderr
+    assert len(json.loads((run / "run.json").read_text())["cuts"][layout]) == 2
+
+
+def test_a_second_run_into_a_busy_directory_is_refused(manifest: Path, tmp_path: Path) -> None:  # noqa: F811
+    from hyfi_imaging.locks import hold_lock
+
+    run = tmp_path / "run"
+    held = hold_lock(run, "hyfi-train", "wait")  # as a running hyfi-train holds it
+    refused = _train(manifest, run, 2, SP, check=False)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = _error_lines(refused.stderr)
+    assert "another hyfi-train run is writing to this directory" in line, line
+    assert not (run / "run.json").exists() and not (run / "metrics.csv").exists()
+    held.close()
+    _train(manifest, run, 1, "parallel.spatial=1x1", "train.epochs=1")
+    # --restart moves every file of the old run aside, predictions included.
+    (run / "masks").mkdir()
+    (run / "val_per_image.csv").write_text("id,dice\n")
+    _train(manifest, run, 1, "parallel.spatial=1x1", "train.epochs=1", args=("--restart",))
+    (aside,) = (run / "previous").iterdir()
+    assert (aside / "masks").is_dir() and (aside / "val_per_image.csv").exists()
+    assert not (run / "masks").exists() and not (run / "val_per_image.csv").exists()

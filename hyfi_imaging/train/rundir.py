@@ -34,6 +34,8 @@ __all__ = [
     "StartMode",
     "check_start",
     "read_run_id",
+    "record_cut",
+    "recorded_cut",
     "start_run",
     "used_by",
 ]
@@ -52,6 +54,10 @@ _RUN_ENTRIES = (
     "confusion_matrix.png",
     "summary.json",
     "recipe.yaml",
+    "masks",
+    "overlays",
+    "val_per_image.csv",
+    "val_predictions.csv",
 )
 
 
@@ -62,6 +68,36 @@ def read_run_id(out: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return str(value) if value else None
+
+
+def recorded_cut(out: Path, layout: str) -> tuple[int, ...] | None:
+    """The pipeline cut (layers per stage) the run in ``out`` measured for ``layout``, if any.
+
+    Why: an automatic cut is timed at launch, and timings vary; a resume that cut
+    the model elsewhere would tile and round differently from the run it continues.
+    The cut measured at a run's first launch on a layout is part of the run.
+    """
+    try:
+        cuts = json.loads((out / RUN_FILE).read_text()).get("cuts", {})
+        return tuple(int(n) for n in cuts[layout])
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def record_cut(out: Path, layout: str, cut: tuple[int, ...]) -> None:
+    """Add ``layout``'s cut to the run's ``run.json`` (rank 0; atomically; once per layout)."""
+    record = json.loads((out / RUN_FILE).read_text())
+    cuts = record.setdefault("cuts", {})
+    if layout in cuts:
+        return
+    cuts[layout] = list(cut)
+    _write_record(out, record)
+
+
+def _write_record(out: Path, record: dict[str, object]) -> None:
+    tmp = out / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(out / RUN_FILE)
 
 
 def used_by(out: Path) -> str | None:
@@ -107,8 +143,5 @@ def start_run(out: Path, mode: StartMode) -> str:
             if (out / name).exists():
                 shutil.move(str(out / name), str(aside / name))
     run_id = uuid.uuid4().hex[:12]
-    record = {"run_id": run_id, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = out / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out / RUN_FILE)
+    _write_record(out, {"run_id": run_id, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return run_id

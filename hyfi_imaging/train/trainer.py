@@ -17,6 +17,7 @@ is needed to continue bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -108,6 +109,19 @@ class Trainer:
         # in_chans comes from the data, the outputs from the classes (or the targets)
         model = build_model(r, self.cohort.channels, num_outputs(r, self.cohort))
         plan = plan_of(p, layout)
+        if plan.balance is None and plan.stages > 1 and self.start == "resume":
+            from hyfi_imaging.train.rundir import recorded_cut
+
+            cut = recorded_cut(r.train.out_dir, layout.describe())
+            if cut is not None:  # the run's own cut, not one timed again
+                plan = dataclasses.replace(plan, balance=cut)
+                if self.rank0:
+                    log.warning(
+                        "pipeline cut %s: measured at this run's first launch on %s",
+                        ",".join(map(str, cut)),
+                        layout.describe(),
+                    )
+        self.measured_cut = plan.balance is None and plan.stages > 1
         self.pm = ParallelModel(model, self.pc, plan, image_hw=self.image_hw, loss_fn=task_loss(r))
         # Tiles are aligned to the stride spatialize() used (measured for a model that
         # does not declare its total_stride), so that the data path reads the same tiles.
@@ -375,11 +389,27 @@ class Trainer:
 
     def _start_run(self) -> None:
         """Rank 0 makes the run directory this run's (``rundir``); every rank learns the id."""
-        from hyfi_imaging.train.rundir import start_run
+        from hyfi_imaging.locks import hold_lock
+        from hyfi_imaging.train.rundir import record_cut, start_run
 
-        ids: list[Any] = [start_run(self.out, self.start) if self.rank0 else None]
+        ids: list[Any] = [None]
+        if self.rank0:
+            try:
+                # Held until this process ends: a second run into the directory is refused.
+                self._lock = hold_lock(
+                    self.out,
+                    "hyfi-train",
+                    "wait for it to finish, or set train.out_dir to another directory",
+                )
+                ids = [start_run(self.out, self.start)]
+                if self.measured_cut:
+                    record_cut(self.out, self.pc.layout.describe(), self.pm.balance)
+            except ConfigError as err:
+                ids = [(err.where, err.what, err.fix)]
         if dist.is_initialized():
             dist.broadcast_object_list(ids, src=0)  # the world: every rank of the job
+        if isinstance(ids[0], tuple):  # refused on rank 0: said once, by every rank alike
+            raise ConfigError(*ids[0])
         self.run_id = str(ids[0])
 
     def _restore(self) -> _Position:
