@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
-__all__ = ["positive_float", "size_type"]
+from hyfi_imaging.errors import ConfigError
+
+__all__ = ["memory_size", "positive_float", "size_type"]
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
 
 
 def positive_float(text: str) -> float:
@@ -31,3 +37,11 @@ def size_type(minimum: int = 1) -> Callable[[str], tuple[int, int]]:
         return values[0], values[-1]
 
     return parse
+
+
+def memory_size(text: str) -> int:
+    """``80GiB``, ``512MiB``, ``40GB`` or plain bytes -> bytes (``--device-memory``, ``--memory-budget``)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"memory size {text!r}", "is not a size", "write e.g. 80GiB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

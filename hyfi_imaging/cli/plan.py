@@ -11,12 +11,11 @@ the recipe lines of the best one that fits.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from hyfi_imaging.cli.options import size_type
+from hyfi_imaging.cli.options import memory_size, size_type
 from hyfi_imaging.errors import ConfigError, HyfiError
 
 #: Rows of the speed model's device table (kept here so that --help needs no torch import).
@@ -75,17 +74,6 @@ overlap them. comm %: the share of the step spent waiting on messages. On this C
 20 % of measured CPU time for one process (benchmarks/bench_speed_model.py); the spatial
 path measured slower than its counts there, and GPU figures are datasheet peaks x an
 efficiency, not calibrated against a GPU run: it ranks layouts, it does not promise wall time."""
-
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
-
-
-def memory_size(text: str) -> int:
-    """``80GiB``, ``512MiB``, ``40GB`` or plain bytes -> bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"memory size {text!r}", "is not a size", "write e.g. 80GiB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def build_parser() -> argparse.ArgumentParser:

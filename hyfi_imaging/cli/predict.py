@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.train.trainer import Trainer
 
     args = build_parser().parse_args(argv)
+    # runs/../x is x: the mask and overlay writers refuse a path that climbs ('..') after
+    # a folder name, the mark of an id like '../../x' (hyfi_imaging.paths.confined).
+    args.out = Path(os.path.normpath(args.out))
     run_dir = _run_dir(args.run)
     try:
         volumes = manifest_kind(args.manifest) == "volumes"

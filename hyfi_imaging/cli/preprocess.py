@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hyfi_imaging.cli.options import positive_float, size_type
+from hyfi_imaging.cli.options import memory_size, positive_float, size_type
 from hyfi_imaging.errors import HyfiError
 
 if TYPE_CHECKING:
     from hyfi_imaging.preprocess.qc import QcChannels
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "verify"]
 
 EXAMPLES = """\
 examples:
@@ -47,6 +47,10 @@ examples:
   hyfi-preprocess slides/ --out data/seg --mpp 2.0 --annotations geojson/ \\
       --annotation-classes Tumor=1,Stroma=2,Ignore=0
 
+  # check a whole cohort's stores: every chunk listed as written exists and
+  # matches its checksum (exit 2 and one line per damaged store)
+  hyfi-preprocess --verify data/cohort
+
 Images are kept as they are: uint8, uint16 or float32 pixels and every
 channel (named from OME-XML or QPTIFF page names) go into the store; 8-bit RGB
 bright-field slides come out exactly as before.
@@ -67,11 +71,24 @@ converted (subfolders without --recursive, other files) is listed with the
 reason at the end, in full in preprocess.log. Inputs, labels and free disk
 space (store size estimated as the uncompressed pyramid / 2) are checked
 before --out is created. The canvas is written shard by shard, so memory does
-not grow with --size. Workers stop when the run is killed.
+not grow with --size. Every read is costed from the sizes the file declares
+before anything is decoded: a slide whose strips, tiles or smallest read do
+not fit --memory-budget (a decompression bomb, or a huge image without a
+pyramid) fails with one line instead of exhausting memory. Workers stop when
+the run is killed.
 
 Re-running the same command resumes: finished slides (same source, same
-options) are skipped. Exit status: 0 all slides converted, 1 some slides
-failed (see manifest.csv and preprocess.log), 2 the run could not start.
+options, every chunk still there) are skipped. Exit status: 0 all slides
+converted, 1 some slides failed (see manifest.csv and preprocess.log), 2 the
+run could not start.
+
+Each store records the chunk (shard) files it was written with and their
+CRC-32 (zarr.json, attributes.hyfi_inventory). Training and prediction refuse
+a store whose needed chunk is gone, instead of reading it as blank background.
+--verify DIR checks every store under DIR against that record, re-reading
+every chunk: exit 0 all intact, 2 a store is damaged (or none was found).
+Stores written before the record existed are counted apart: only their
+metadata can be checked.
 """
 
 
@@ -102,8 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("inputs", nargs="+", type=Path, metavar="SLIDE_OR_DIR")
-    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("inputs", nargs="*", type=Path, metavar="SLIDE_OR_DIR")
+    p.add_argument("--out", type=Path, help="output directory (required to convert)")
+    p.add_argument(
+        "--verify",
+        type=Path,
+        metavar="DIR",
+        help="instead of converting: check every store under DIR against its chunk "
+        "inventory and checksums (exit 2 if one is damaged)",
+    )
     res = p.add_mutually_exclusive_group()
     res.add_argument("--mpp", type=positive_float, help="target microns per pixel (resample)")
     res.add_argument("--level", type=int, help="use this pyramid level as it is (default: 0)")
@@ -152,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
     p.add_argument(
+        "--memory-budget",
+        type=memory_size,
+        metavar="SIZE",
+        help="memory one read of a slide may take in each worker, e.g. 2GiB; a slide whose "
+        "strips, tiles or smallest read need more is refused before decoding (default: a "
+        "quarter of the available memory shared among --workers, at most 4 GiB each)",
+    )
+    p.add_argument(
         "--recursive",
         action="store_true",
         help="search subfolders too (without it they are listed as skipped)",
@@ -194,10 +226,57 @@ def _classes(
     return tuple(class_mapping(overrides).items())
 
 
+def verify(root: Path, *, progress: bool = True) -> int:
+    """``hyfi-preprocess --verify DIR``: check every store under ``root``; returns the exit status.
+
+    Prints one line per damaged store (store, first problem, what to do) and a
+    summary; 2 when a store is damaged, ``root`` does not exist or holds no
+    store, else 0. Every chunk is read again to compare its checksum: expect
+    the time of reading the cohort's compressed bytes once.
+    """
+    from tqdm import tqdm
+
+    from hyfi_imaging.errors import problem
+    from hyfi_imaging.io.inventory import check_store, find_stores
+
+    stores = find_stores(root) if root.is_dir() else []
+    if not stores:
+        what = "holds no OME-Zarr store" if root.is_dir() else "is not a directory"
+        line = problem(root, what, "give the --out folder of a hyfi-preprocess run")
+        print(f"hyfi-preprocess: error: {line}", file=sys.stderr)
+        return 2
+    counts = {"ok": 0, "bad": 0, "no-inventory": 0}
+    chunks = 0
+    with tqdm(stores, unit="store", desc="verify", disable=not progress) as bar:
+        for store in bar:
+            check = check_store(store, checksums=True)
+            counts[check.status] += 1
+            chunks += check.checked
+            if check.status == "bad":
+                bar.write(f"hyfi-preprocess: BAD {check.line()}")
+    print(
+        f"hyfi-preprocess: verified {len(stores)} stores under {root} ({chunks} chunks): "
+        f"{counts['ok']} intact, {counts['bad']} damaged, "
+        f"{counts['no-inventory']} without a chunk inventory"
+    )
+    if counts["no-inventory"]:
+        print(
+            "  stores without a chunk inventory were written by an older hyfi-preprocess: "
+            "a lost chunk in them cannot be detected (convert them again into a new --out)"
+        )
+    return 2 if counts["bad"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``hyfi-preprocess``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verify is not None:
+        if args.inputs or args.out is not None:
+            parser.error("--verify DIR checks stores: give no slides and no --out with it")
+        return verify(args.verify, progress=not args.quiet)
+    if not args.inputs or args.out is None:
+        parser.error("give the slides (SLIDE_OR_DIR ...) and --out, or --verify DIR")
     if args.shard % args.chunk:
         parser.error(f"--shard {args.shard} is not a multiple of --chunk {args.chunk}")
     if args.workers < 1:
@@ -223,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         shard=args.shard,
         tissue=args.tissue,
         annotation_classes=_classes(args.annotations, args.annotation_classes),
+        memory_budget=args.memory_budget,
     )
     # delay=True: the log file is opened at the first record, which run_preprocess
     # emits only after it has checked everything and created --out.

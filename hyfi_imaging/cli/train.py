@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="run every check that needs no processes (recipe, data, labels, layout, "
-        "run directory), then exit",
+        "run directory, and that every store exists and lost no chunk), then exit",
     )
     return p
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     start: StartMode = "restart" if args.restart else "new" if args.no_resume else "resume"
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        preflight(recipe, start=start)
+        preflight(recipe, start=start, stores=args.check)
         warning = fit_warning(recipe)
         manifests = (recipe.data.manifest, recipe.data.val_manifest)
         left_out = [

@@ -111,7 +111,8 @@ def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
     """The path and every row of a ``manifest.csv`` (or its directory), whatever their status.
 
     Raises:
-        ConfigError: missing, unreadable or foreign manifest.
+        ConfigError: missing, unreadable or foreign manifest, or a slide id that
+            is not a plain name (:func:`~hyfi_imaging.paths.safe_id`).
     """
     # Imported here: the preprocess package pulls in image libraries a worker never needs.
     from hyfi_imaging.preprocess.manifest import read_manifest
@@ -121,6 +122,8 @@ def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
         path = path / "manifest.csv"
     try:
         return path, read_manifest(path)
+    except ConfigError:  # a row's own one-line error (an unsafe slide id), already precise
+        raise
     except OSError as err:
         raise ConfigError(
             str(path), f"cannot read the manifest ({err})", "run hyfi-preprocess first"

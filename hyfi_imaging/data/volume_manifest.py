@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hyfi_imaging.atomic import write_atomic
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.paths import safe_id
 
 __all__ = [
     "VOLUME_COLUMNS",
@@ -108,7 +109,9 @@ def write_volume_manifest(rows: Sequence[VolumeRow], path: str | Path) -> Path:
 def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
     """Read a manifest written by :func:`write_volume_manifest` (or its directory).
 
-    Raises :class:`ConfigError` for a missing file, missing columns or bad numbers.
+    Raises :class:`ConfigError` for a missing file, missing columns, bad numbers,
+    or an id or label image name that is not a plain name
+    (:func:`~hyfi_imaging.paths.safe_id`: ids become output file names).
     """
     p = Path(path)
     p = p / "manifest.csv" if p.is_dir() else p
@@ -146,6 +149,10 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
             raise ConfigError(
                 f"{p}:{line}", f"bad value ({err})", "fix or rewrite the row"
             ) from err
+        # Outside the try: a ConfigError is a ValueError, and its own line says more.
+        safe_id(row.volume_id, where=f"{p}:{line}", what="volume id")
+        if row.labels:  # the name of the store's label image: a folder inside it
+            safe_id(row.labels, where=f"{p}:{line}", what="label image")
         if row.status == "ok" and not all(math.isfinite(v) for v in targets.values()):
             raise ConfigError(f"{p}:{line}", "a target is not a finite number", "fix the row")
         rows.append(row)

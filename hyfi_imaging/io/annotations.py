@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.paths import under
 
 __all__ = [
     "ANNOTATION_SUFFIXES",
@@ -301,7 +302,7 @@ def find_annotation(folder: Path, slide_id: str) -> Path | None:
     Raises:
         AnnotationError: more than one of them exists (which one is meant is unclear).
     """
-    found = [folder / f"{slide_id}{s}" for s in ANNOTATION_SUFFIXES]
+    found = [under(folder, f"{slide_id}{s}") for s in ANNOTATION_SUFFIXES]
     found = [p for p in found if p.is_file()]
     if len(found) > 1:
         raise AnnotationError(

@@ -237,11 +237,16 @@ def read_filled(
     fetch: Callable[[int, int, int, int], np.ndarray],
     *,
     fix: str,
+    budget: int | None = None,
+    decoded: Callable[[tuple[int, int, int, int]], int] | None = None,
 ) -> np.ndarray:
     """What every ``read_region`` shares: level check, clipping, background fill, one-line errors.
 
     ``fetch(y0, x0, y1, x1)`` returns the in-image part as ``(C, y1-y0, x1-x0)`` of ``reader.dtype``;
-    its failures become :class:`SlideError` with ``fix`` as the advice.
+    its failures become :class:`SlideError` with ``fix`` as the advice. With a
+    ``budget`` (bytes), a read whose cost is over it is refused before ``fetch``
+    decodes anything (:func:`~hyfi_imaging.io.budget.check_read`);
+    ``decoded(box)`` is what the reader decodes besides the region to read ``box``.
     """
     from hyfi_imaging.errors import SlideError
 
@@ -251,6 +256,11 @@ def read_filled(
         )
     height, width = reader.level_dimensions[level]
     box = clip_region(y, x, h, w, height, width)
+    if budget is not None:
+        from hyfi_imaging.io.budget import check_read
+
+        extra = decoded(box) if decoded is not None and box is not None else 0
+        check_read(reader, level, h, w, budget, extra)
     if box is None:
         return np.full((reader.channels, h, w), reader.background, dtype=reader.dtype)
     try:

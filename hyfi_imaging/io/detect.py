@@ -211,7 +211,12 @@ def _check_tiff_complete(path: Path) -> None:
         ) from err
 
 
-def open_slide(path: str | os.PathLike[str], *, mpp_override: float | None = None) -> SlideReader:
+def open_slide(
+    path: str | os.PathLike[str],
+    *,
+    mpp_override: float | None = None,
+    memory_budget: int | None = None,
+) -> SlideReader:
     """Open a slide, image or OME-Zarr store with the reader its content calls for.
 
     Args:
@@ -220,9 +225,14 @@ def open_slide(path: str | os.PathLike[str], *, mpp_override: float | None = Non
         mpp_override: microns per level-0 pixel; when given it wins over the
             file's metadata (``mpp_source == "override"``). When neither
             exists ``mpp`` stays ``None``: hyfi-imaging never guesses.
+        memory_budget: bytes one read of a TIFF, OpenSlide or PNG/JPEG image
+            may take (default: :func:`~hyfi_imaging.io.budget.default_memory_budget`);
+            an image that cannot be read within it is refused before decoding.
+            (OME-Zarr stores are read chunk by chunk as written.)
 
     Raises:
-        SlideError: missing file, unsupported format, corrupt or truncated file.
+        SlideError: missing file, unsupported format, corrupt or truncated file,
+            a strip, tile or image too large for the memory budget.
 
     Example:
         >>> with open_slide("slide.svs") as slide:          # doctest: +SKIP
@@ -241,19 +251,19 @@ def open_slide(path: str | os.PathLike[str], *, mpp_override: float | None = Non
     if kind in ("png", "jpeg"):
         from hyfi_imaging.io.image_reader import open_image
 
-        return open_image(p, mpp_override=mpp_override)
+        return open_image(p, mpp_override=mpp_override, memory_budget=memory_budget)
     vendor = _openslide_vendor(p)
     if kind == "tiff" and vendor in (None, "generic-tiff"):
         from hyfi_imaging.io.tiff_reader import TiffReader
 
-        return TiffReader(p, mpp_override=mpp_override)
+        return TiffReader(p, mpp_override=mpp_override, memory_budget=memory_budget)
     if vendor is not None:
         from hyfi_imaging.io.openslide_reader import OpenSlideReader
 
         if kind == "tiff":
             _check_tiff_complete(p)
 
-        return OpenSlideReader(p, mpp_override=mpp_override)
+        return OpenSlideReader(p, mpp_override=mpp_override, memory_budget=memory_budget)
     what = FORMAT_NAMES.get(kind, kind) if kind != "dicom" else recognise(p).reason
     raise SlideError(
         str(p),

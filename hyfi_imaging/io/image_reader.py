@@ -25,16 +25,27 @@ __all__ = ["MAX_IMAGE_SIDE", "open_image"]
 MAX_IMAGE_SIDE = 20000
 
 
-def open_image(path: str | os.PathLike[str], *, mpp_override: float | None = None) -> ArrayReader:
+def open_image(
+    path: str | os.PathLike[str],
+    *,
+    mpp_override: float | None = None,
+    memory_budget: int | None = None,
+) -> ArrayReader:
     """Decode a PNG or JPEG into an RGB ``ArrayReader`` (format ``"png"`` / ``"jpeg"``).
 
     Grayscale and palette images become RGB; transparency is composited over white.
+    The whole image is decoded, so its declared size is checked against
+    ``memory_budget`` first (default:
+    :func:`~hyfi_imaging.io.budget.default_memory_budget`).
 
     Raises:
-        SlideError: the file is not a readable image, is truncated, or is
-            larger than ``MAX_IMAGE_SIDE`` on a side.
+        SlideError: the file is not a readable image, is truncated, is
+            larger than ``MAX_IMAGE_SIDE`` on a side, or its decoding is over
+            the memory budget.
     """
     from PIL import Image
+
+    from hyfi_imaging.io.budget import check_need, default_memory_budget, read_cost
 
     where = str(path)
     try:
@@ -49,6 +60,15 @@ def open_image(path: str | os.PathLike[str], *, mpp_override: float | None = Non
                         f"image of {h}x{w} pixels is larger than {MAX_IMAGE_SIDE} on a side",
                         "convert it to a tiled pyramidal TIFF or OME-Zarr",
                     )
+                # Decoded (up to RGBA), converted to RGB, copied to (C, H, W): about three
+                # copies of an RGBA image, before any of it is decoded.
+                check_need(
+                    where,
+                    f"decoding the whole image (declared {h} x {w} px, {len(img.getbands())} "
+                    "channels)",
+                    read_cost(4, 1, h, w, decoded=4 * h * w),
+                    default_memory_budget() if memory_budget is None else memory_budget,
+                )
                 fmt = (img.format or "image").lower()
                 img.load()
                 if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hyfi_imaging.io.inventory import INVENTORY_ATTR, take_inventory
 from hyfi_imaging.io.zarr_store import (
     NGFF_VERSION,
     RegionSource,
@@ -93,8 +94,14 @@ def downsample_labels_2x(labels: np.ndarray) -> np.ndarray:
 
 
 def label_path(store: str | os.PathLike[str], name: str = "annotations") -> Path:
-    """Where label image ``name`` of ``store`` lives."""
-    return Path(store) / "labels" / name
+    """Where label image ``name`` of ``store`` lives (refused unless inside ``labels/``).
+
+    ``name`` comes from a recipe, a volume manifest or the store's own
+    ``labels`` list, so it is checked like an id (:func:`~hyfi_imaging.paths.safe_id`).
+    """
+    from hyfi_imaging.paths import safe_id, under
+
+    return under(Path(store) / "labels", safe_id(name, where=store, what="label image"))
 
 
 def write_label_image(
@@ -115,7 +122,8 @@ def write_label_image(
     the levels, chunks and shards are those :func:`write_ome_zarr` gives an
     image of the same size. ``classes`` (class name -> value) fills
     ``image-label.properties``; ``attrs`` is stored as ``attributes.hyfi``
-    (the annotation file and its fingerprint).
+    (the annotation file and its fingerprint), beside the label image's chunk
+    inventory (:mod:`hyfi_imaging.io.inventory`).
     """
     import zarr
 
@@ -163,6 +171,10 @@ def write_label_image(
                 },
             },
             "hyfi": attrs,
+            # The label image's own shards: its reader guards them like the image's.
+            INVENTORY_ATTR: take_inventory(
+                label_path(store, name), [str(level) for level in range(n_levels)]
+            ),
         }
     )
     root["labels"].attrs.update({"ome": {"version": NGFF_VERSION, "labels": [name]}})

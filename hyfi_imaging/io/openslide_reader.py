@@ -36,6 +36,7 @@ import numpy as np
 
 from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.base import BACKGROUND, level_downsample, read_filled
+from hyfi_imaging.io.budget import default_memory_budget
 from hyfi_imaging.io.pixels import RGB_COLORS, RGB_NAMES
 
 __all__ = ["OpenSlideReader", "mpp_from_resolution"]
@@ -66,12 +67,22 @@ class OpenSlideReader:
     Args:
         path: a file OpenSlide can open.
         mpp_override: microns per level-0 pixel that win over the metadata.
+        memory_budget: bytes one read may take (default:
+            :func:`~hyfi_imaging.io.budget.default_memory_budget`); a read over
+            it is refused before OpenSlide decodes anything.
 
     Raises:
-        SlideError: OpenSlide cannot open or read the file.
+        SlideError: OpenSlide cannot open or read the file, or a read is over
+            the memory budget.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mpp_override: float | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mpp_override: float | None = None,
+        memory_budget: int | None = None,
+    ) -> None:
         import openslide
 
         self.path = str(path)
@@ -97,6 +108,9 @@ class OpenSlideReader:
         self.channel_colors: tuple[str, ...] = RGB_COLORS
         self.background: float = _background(props)
         self.mpp, self.mpp_source = self._mpp(props, mpp_override)
+        self.memory_budget = (
+            default_memory_budget() if memory_budget is None else int(memory_budget)
+        )
 
     def _mpp(self, props: Any, override: float | None) -> tuple[float | None, str]:
         if override is not None:
@@ -138,6 +152,9 @@ class OpenSlideReader:
             w,
             fetch,
             fix="the file may be truncated or corrupt; re-copy or re-export it",
+            budget=self.memory_budget,
+            # OpenSlide hands back the region as RGBA before it is composited.
+            decoded=lambda box: 4 * (box[2] - box[0]) * (box[3] - box[1]),
         )
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ Aperio ``MPP`` in an SVS description (``"vendor"``); ``XResolution`` with
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import xml.etree.ElementTree as ET
@@ -38,6 +39,12 @@ import numpy as np
 
 from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.base import level_downsample, read_filled
+from hyfi_imaging.io.budget import (
+    CONCURRENT_CHUNKS,
+    check_need,
+    declared,
+    default_memory_budget,
+)
 from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
 from hyfi_imaging.io.pixels import (
     cast_to,
@@ -149,12 +156,23 @@ class TiffReader:
     Args:
         path: a TIFF or BigTIFF file.
         mpp_override: microns per level-0 pixel that win over the metadata.
+        memory_budget: bytes one read may take (default:
+            :func:`~hyfi_imaging.io.budget.default_memory_budget`). A level
+            whose strips or tiles alone are over it is refused at open, a read
+            over it before decoding (:mod:`hyfi_imaging.io.budget`).
 
     Raises:
-        SlideError: not a readable TIFF, no image series, unsupported layout.
+        SlideError: not a readable TIFF, no image series, unsupported layout,
+            a strip or tile over the memory budget.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mpp_override: float | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mpp_override: float | None = None,
+        memory_budget: int | None = None,
+    ) -> None:
         import tifffile
         import zarr
 
@@ -217,6 +235,44 @@ class TiffReader:
             "ome-tiff" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
         )
         self.mpp, self.mpp_source = self._mpp(mpp_override)
+        self.memory_budget = (
+            default_memory_budget() if memory_budget is None else int(memory_budget)
+        )
+        self._tiled = [bool(lv.keyframe.is_tiled) for lv in levels]
+        try:
+            self._check_chunks()
+        except SlideError:
+            self._tif.close()
+            raise
+
+    def _chunk_bytes(self, level: int) -> int:
+        """Decoded bytes of one strip or tile of ``level`` (a zarr chunk of the TIFF's view)."""
+        arr = self._arrays[level]
+        return math.prod(int(c) for c in arr.chunks) * arr.dtype.itemsize
+
+    def _check_chunks(self) -> None:
+        """Refuse, at open, a level whose single strip or tile cannot be decoded within the budget."""
+        y, x = self._axes.index("Y"), self._axes.index("X")
+        for level, arr in enumerate(self._arrays):
+            kind = "tile" if self._tiled[level] else "strip"
+            check_need(
+                self.path,
+                f"decoding one {kind} ({arr.chunks[y]} x {arr.chunks[x]} px) of "
+                f"{declared(self, level)}",
+                2 * self._chunk_bytes(level),
+                self.memory_budget,
+            )
+
+    def _decoded(self, level: int, box: tuple[int, int, int, int]) -> int:
+        """Bytes decoded at once besides the region to read ``box`` of ``level`` (its strips/tiles)."""
+        y0, x0, y1, x1 = box
+        chunks = self._arrays[level].chunks
+        cy, cx = chunks[self._axes.index("Y")], chunks[self._axes.index("X")]
+        touched = ((y1 - 1) // cy - y0 // cy + 1) * ((x1 - 1) // cx - x0 // cx + 1)
+        if self._channel_axis is not None:  # planar files: one chunk per channel plane
+            c = self._axes.index(self._channel_axis)
+            touched *= -(-int(self._arrays[level].shape[c]) // int(chunks[c]))
+        return 2 * self._chunk_bytes(level) * min(touched, CONCURRENT_CHUNKS)
 
     def _channel_meta(self, base: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Channel names and colours: RGB's, the OME-XML's, a QPTIFF's page names, or defaults."""
@@ -319,6 +375,8 @@ class TiffReader:
             w,
             fetch,
             fix="the file may be truncated or corrupt; re-copy or re-export it",
+            budget=self.memory_budget,
+            decoded=lambda box: self._decoded(level, box),
         )
 
     def _composite(self, data: np.ndarray) -> np.ndarray:

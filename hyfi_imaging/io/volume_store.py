@@ -17,7 +17,10 @@ axes). The layout follows the 2-D store so that one set of habits serves both:
   taking the first voxel of each block (``nearest``): a mean of labels is no label;
 * the whole group is written into a temporary directory beside ``path`` and
   renamed into place, so a reader sees a finished store or none (an error
-  removes the temporary directory); group attributes are written last.
+  removes the temporary directory); group attributes are written last, with
+  each multiscale group's chunk inventory (:mod:`hyfi_imaging.io.inventory`),
+  so that a shard deleted later is refused by :class:`VolumeStore` instead of
+  reading as zeros.
 
 Reads go through :func:`read_subvolume`, which slices the zarr array, so only
 the chunks a box touches are fetched and decoded; :func:`volume_tile` is one
@@ -40,6 +43,14 @@ import numpy as np
 from hyfi_imaging.data.ndtiles import BoxND, HaloND, read_box_nd, tile_region_nd
 from hyfi_imaging.errors import ConfigError, SlideError
 from hyfi_imaging.io.channels import channel_stats, omero_metadata
+from hyfi_imaging.io.inventory import (
+    INVENTORY_ATTR,
+    ChunkGuard,
+    file_exists,
+    parse_inventory,
+    store_exists,
+    take_inventory,
+)
 from hyfi_imaging.io.pixels import default_channels
 
 __all__ = [
@@ -271,7 +282,10 @@ def write_ome_zarr_volume(
                             "version": NGFF_VERSION,
                             "multiscales": [_multiscales(key, vs, n_lab, "nearest")],
                             "image-label": {"version": NGFF_VERSION, "source": {"image": "../../"}},
-                        }
+                        },
+                        INVENTORY_ATTR: take_inventory(
+                            tmp / "labels" / key, [str(level) for level in range(n_lab)]
+                        ),
                     }
                 )
             root.attrs.update({"ome": {"version": NGFF_VERSION, "labels": list(label_volumes)}})
@@ -285,6 +299,7 @@ def write_ome_zarr_volume(
                 },
                 "hyfi": {**hyfi, "kind": "volume"},
                 "hyfi_stats": stats,
+                INVENTORY_ATTR: take_inventory(tmp, [str(level) for level in range(n_levels)]),
             }
         )
         os.rename(tmp, out)
@@ -305,6 +320,10 @@ class VolumeStore:
     """An open ``(c, z, y, x)`` OME-Zarr volume (or one of its label images).
 
     Opening reads only metadata; voxels are read by :func:`read_subvolume`.
+    A store with a chunk inventory (:mod:`hyfi_imaging.io.inventory`) is
+    guarded: a box whose shard the inventory lists but the store lacks raises
+    :class:`SlideError` naming the store, level and key (each shard is stat-ed
+    once per store object); stores without one are read unchecked.
 
     Args:
         path: the image group.
@@ -339,6 +358,7 @@ class VolumeStore:
             datasets = multiscale["datasets"]
             self._arrays: list[Any] = [group[d["path"]] for d in datasets]
             scale0 = _scale(datasets[0])
+            inventory = parse_inventory(attrs)
             label_attrs: dict[str, Any] = dict(root["labels"].attrs) if "labels" in root else {}
         except Exception as err:  # zarr raises many types for bad stores
             raise SlideError(
@@ -364,6 +384,14 @@ class VolumeStore:
         self.attrs: dict[str, Any] = hyfi if isinstance(hyfi, dict) else {}
         stats = attrs.get("hyfi_stats")
         self.channel_stats: dict[str, Any] = stats if isinstance(stats, dict) else {}
+        prefix = "" if label is None else f"labels/{label}/"
+        self._guard = ChunkGuard(
+            where,
+            inventory,
+            [(str(d["path"]), a) for d, a in zip(datasets, self._arrays, strict=True)],
+            file_exists(Path(path) / prefix) if store is None else store_exists(store, prefix),
+            fix="rewrite this volume's store with the tool that wrote it",
+        )
 
     @property
     def level_count(self) -> int:
@@ -381,6 +409,7 @@ class VolumeStore:
 
     def fetch(self, level: int, box: BoxND) -> np.ndarray:
         """``(C, *box.size)`` of a box inside ``level``: only the chunks it touches are read."""
+        self._guard.check(level, (slice(None), *box.slices()))
         return np.asarray(self._arrays[level][(slice(None), *box.slices())])
 
 

@@ -37,7 +37,10 @@ mean, standard deviation of the coarsest level, optionally within a box)
 under ``attributes.hyfi_stats`` (:mod:`hyfi_imaging.io.channels`): the loader
 normalises with them (:mod:`hyfi_imaging.data.normalize`) without reading any pixels. Group
 attributes are written last, so a group whose attributes exist was written
-completely.
+completely. They also hold the group's chunk inventory (``attributes.hyfi_inventory``,
+:mod:`hyfi_imaging.io.inventory`): the shard files each level really has on
+disk, with their checksums, so that a shard deleted later is refused by the
+reader instead of reading as blank background.
 
 zarr 3 runs an asyncio event-loop thread once it is first used; nothing here
 touches zarr at import time, so importing the module is safe before fork.
@@ -58,6 +61,14 @@ import numpy as np
 from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.base import read_filled
 from hyfi_imaging.io.channels import channel_stats, omero_metadata, parse_omero
+from hyfi_imaging.io.inventory import (
+    INVENTORY_ATTR,
+    ChunkGuard,
+    file_exists,
+    parse_inventory,
+    store_exists,
+    take_inventory,
+)
 from hyfi_imaging.io.pixels import (
     default_background,
     default_channels,
@@ -404,7 +415,7 @@ def write_ome_zarr(
         fill_value=background,
     )
     stats = channel_stats(finer, stats_box, n_levels - 1)
-    # Written last: attributes mark a complete store.
+    # Written last: attributes mark a complete store, and list what it holds.
     group.attrs.update(
         {
             "ome": {
@@ -414,6 +425,7 @@ def write_ome_zarr(
             },
             "hyfi": hyfi_attrs,
             "hyfi_stats": stats,
+            INVENTORY_ATTR: take_inventory(out, [str(level) for level in range(n_levels)]),
         }
     )
 
@@ -456,6 +468,13 @@ class ZarrReader:
     region touches are fetched and decoded. Opening reads only the group and
     array metadata.
 
+    A store with a chunk inventory (:mod:`hyfi_imaging.io.inventory`, written by
+    :func:`write_ome_zarr` and the label writer) is guarded: a region whose
+    shard the inventory lists but the store lacks raises :class:`SlideError`
+    naming the store, level and key, instead of reading as background. Each
+    shard is stat-ed once per reader. Stores without an inventory (written
+    before it existed, or by other tools) read as before, unchecked.
+
     Args:
         path: the group directory.
         mpp_override: microns per level-0 pixel that win over the scale metadata.
@@ -486,6 +505,7 @@ class ZarrReader:
             datasets = multiscale["datasets"]
             self._arrays: list[Any] = [group[d["path"]] for d in datasets]
             scales = [_scale_of(d) for d in datasets]
+            inventory = parse_inventory(attrs)
         except Exception as err:  # zarr raises many types for bad stores
             raise SlideError(
                 self.path,
@@ -526,6 +546,12 @@ class ZarrReader:
         self.background = self.attrs.get(
             "background", default_background(self.dtype, rgb=is_rgb(self.channel_names))
         )
+        self._guard = ChunkGuard(
+            self.path,
+            inventory,
+            [(str(d["path"]), a) for d, a in zip(datasets, self._arrays, strict=True)],
+            file_exists(path) if store is None else store_exists(store),
+        )
 
     @property
     def level_count(self) -> int:
@@ -538,6 +564,7 @@ class ZarrReader:
             sel: list[Any] = [*self._lead, slice(y0, y1), slice(x0, x1)]
             if self._c_axis is not None:
                 sel[self._c_axis] = slice(None)
+            self._guard.check(level, sel)
             inside = np.asarray(self._arrays[level][tuple(sel)])
             return inside if self._c_axis is not None else inside[None]
 

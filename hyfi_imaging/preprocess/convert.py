@@ -50,14 +50,18 @@ import numpy as np
 from hyfi_imaging.errors import ConfigError, HyfiError, SlideError, problem
 from hyfi_imaging.io import open_slide, thumbnail
 from hyfi_imaging.io.base import Downsample, SlideReader, level_for
+from hyfi_imaging.io.budget import check_need, default_memory_budget
+from hyfi_imaging.io.inventory import check_store
 from hyfi_imaging.io.labels import open_labels
 from hyfi_imaging.io.pixels import is_rgb
 from hyfi_imaging.io.zarr_store import (
     ZarrReader,
     level_shapes,
     read_hyfi_attrs,
+    shard_side,
     write_ome_zarr,
 )
+from hyfi_imaging.paths import under
 from hyfi_imaging.preprocess.annotate import (
     annotation_record,
     labelled_polygons,
@@ -77,6 +81,7 @@ __all__ = [
     "PreprocessOptions",
     "annotation_record",
     "check_disk_space",
+    "check_shard_memory",
     "convert_slide",
     "estimate_store_bytes",
     "free_bytes",
@@ -114,6 +119,9 @@ class PreprocessOptions:
     ``annotation_classes``: ``None`` when annotations are not asked for, else
     the class name -> label mapping (``(name, label)`` pairs, names
     casefolded) that every slide's annotation file is rasterized with.
+    ``memory_budget``: bytes one read (or one shard being written) may take
+    (:mod:`hyfi_imaging.io.budget`; ``None``: the default); it decides whether
+    a slide is refused, not what is written, so it is not recorded.
     """
 
     mpp: float | None = None
@@ -128,6 +136,7 @@ class PreprocessOptions:
     pyramid_levels: int = 3
     tissue: str = "auto"
     annotation_classes: tuple[tuple[str, int], ...] | None = None
+    memory_budget: int | None = None
 
     def record(self) -> dict[str, Any]:
         """The JSON-able form stored under ``hyfi.params``.
@@ -137,6 +146,7 @@ class PreprocessOptions:
         :data:`STORE_FORMAT`, so a store of an older pixel format is redone.
         """
         d = asdict(self)
+        del d["memory_budget"]
         d["size"] = list(self.size)
         if self.tissue == "auto":
             del d["tissue"]
@@ -165,8 +175,8 @@ class ConvertResult:
 
 
 def store_path(out_dir: Path, slide_id: str) -> Path:
-    """Where the store of ``slide_id`` lives."""
-    return out_dir / f"{slide_id}.zarr"
+    """Where the store of ``slide_id`` lives (refused unless inside ``out_dir``)."""
+    return under(out_dir, f"{slide_id}.zarr")
 
 
 def source_fingerprint(path: Path) -> dict[str, Any]:
@@ -182,7 +192,11 @@ def is_done(
 
     With annotations asked for (``options.annotation_classes``), the recorded
     annotation file (or its absence) and its fingerprint must equal
-    ``annotation``'s too.
+    ``annotation``'s too. Every shard the store's chunk inventories list must
+    still exist (a stat each, :func:`~hyfi_imaging.io.inventory.check_store`):
+    a store that lost a shard is converted again, which is what the readers'
+    error tells the user to do. (Checksums are not re-read here: that is
+    ``hyfi-preprocess --verify``.)
     """
     from hyfi_imaging import __version__
 
@@ -200,6 +214,7 @@ def is_done(
         and attrs.get("params") == options.record()
         and attrs.get("version") == __version__
         and attrs.get("source") == str(source.resolve())
+        and check_store(store).status != "bad"
     )
 
 
@@ -354,6 +369,24 @@ def check_disk_space(
         )
 
 
+def check_shard_memory(reader: SlideReader, options: PreprocessOptions, budget: int) -> None:
+    """Refuse (one line) a slide whose shards cannot be written within ``budget``.
+
+    The writer holds one shard of the canvas at a time, in the slide's own
+    channels: the renderer's canvas region, the resampled crop pasted into it
+    and the encoder's copy, about three shards' bytes. A shard shrinks for
+    pixels of many bytes, but never below one chunk, so a file that declares
+    thousands of channels would need gigabytes per shard.
+    """
+    side = shard_side(options.shard, options.chunk, reader.channels, reader.dtype.itemsize)
+    check_need(
+        reader.path,
+        f"writing one {side} x {side} shard of its {reader.channels} channels ({reader.dtype})",
+        3 * reader.channels * reader.dtype.itemsize * side * side,
+        budget,
+    )
+
+
 def _atomic_replace(tmp: Path, final: Path) -> None:
     """Move a finished ``tmp`` store to ``final``; an old ``final`` goes only afterwards."""
     trash: Path | None = None
@@ -413,7 +446,7 @@ def convert_slide(
         if is_done(final, source, options, annotation):
             attrs = read_hyfi_attrs(final) or {}
             h, w = attrs.get("size", [0, 0])
-            qc = qc_dir / f"{slide_id}.png" if qc_dir else None
+            qc = under(qc_dir, f"{slide_id}.png") if qc_dir else None
             return ConvertResult(
                 slide_id,
                 str(source),
@@ -424,7 +457,8 @@ def convert_slide(
                 attrs.get("mpp"),
                 qc=str(qc) if qc and qc.exists() else "",
             )
-        with open_slide(source, mpp_override=options.mpp_override) as reader:
+        budget = default_memory_budget() if options.memory_budget is None else options.memory_budget
+        with open_slide(source, mpp_override=options.mpp_override, memory_budget=budget) as reader:
             shown = (qc_channels or QcChannels()).resolve(reader) if qc_dir is not None else None
             polygons = labelled_polygons(annotation, options)
             plan, mask, mask_ds = plan_crop(reader, options)
@@ -450,6 +484,7 @@ def convert_slide(
             if polygons is not None:
                 attrs["annotations"] = annotation_record(annotation)
             check_disk_space(out_dir, options, 1, reader.channels, reader.dtype.itemsize)
+            check_shard_memory(reader, options, budget)
             write_ome_zarr(
                 tmp,
                 canvas,
@@ -471,7 +506,7 @@ def convert_slide(
                 with ZarrReader(tmp) as written:
                     qc_path = str(
                         write_slide_qc(
-                            qc_dir / f"{slide_id}.png",
+                            under(qc_dir, f"{slide_id}.png"),
                             reader,
                             mask,
                             mask_ds,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.paths import safe_id
 
 __all__ = [
     "MANIFEST_COLUMNS",
@@ -111,10 +112,12 @@ def read_labels(
                 f"row has {len(row)} fields, expected at least {max(id_col, label_col) + 1}",
                 "fix or remove that row",
             )
-        sid, label = slide_id_of(row[id_col].strip()), row[label_col].strip()
+        where = f"{path}:{lineno}"
+        sid = safe_id(slide_id_of(row[id_col].strip()), where=where, what="slide id")
+        label = row[label_col].strip()
         if sid in labels and labels[sid] != label:
             raise ConfigError(
-                f"{path}:{lineno}",
+                where,
                 f"slide {sid!r} has two labels ({labels[sid]!r}, {label!r})",
                 "keep one row per slide",
             )
@@ -187,11 +190,15 @@ def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
 
 
 def read_manifest(path: Path) -> list[ManifestRow]:
-    """Read a manifest written by :func:`write_manifest`."""
+    """Read a manifest written by :func:`write_manifest`.
+
+    Every row's slide id must be a plain name (:func:`~hyfi_imaging.paths.safe_id`):
+    ids become output file names, and a manifest may come from anyone.
+    """
     with path.open(newline="", encoding="utf-8") as f:
         return [
             ManifestRow(
-                d["slide_id"],
+                safe_id(d["slide_id"], where=f"{path}:{line}", what="slide id"),
                 d["path"],
                 d["label"],
                 int(d["height"] or 0),
@@ -201,5 +208,5 @@ def read_manifest(path: Path) -> list[ManifestRow]:
                 d["error"],
                 d["source"],
             )
-            for d in csv.DictReader(f)
+            for line, d in enumerate(csv.DictReader(f), start=2)
         ]

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from hyfi_imaging.errors import ConfigError, HyfiError, problem
 from hyfi_imaging.io.annotations import class_mapping, find_annotation
+from hyfi_imaging.io.budget import default_memory_budget
 from hyfi_imaging.preprocess.convert import (
     ConvertResult,
     PreprocessOptions,
@@ -140,7 +141,9 @@ def run_preprocess(
     else the first three channels, or grey for one). ``annotations`` is a
     folder of annotation files named by slide id, rasterized into each store's
     ``labels/annotations`` with ``options.annotation_classes`` (default:
-    :data:`~hyfi_imaging.io.annotations.DEFAULT_CLASSES`).
+    :data:`~hyfi_imaging.io.annotations.DEFAULT_CLASSES`). Without
+    ``options.memory_budget`` each worker gets
+    :func:`~hyfi_imaging.io.budget.default_memory_budget` of ``workers``.
 
     Raises :class:`ConfigError` only for problems that stop the whole run
     (missing input, no slides, unreadable labels file, too little disk space,
@@ -166,6 +169,8 @@ def run_preprocess(
         labels = {**labels_from_names(found.slides, label_from_name), **labels}
     results, todo = _assign_ids(found.slides, labels, labels_path, label_from_name)
     options, matched = _match_annotations(annotations, options, todo, results)
+    if options.memory_budget is None:  # decided once, here, where the workers are known
+        options = replace(options, memory_budget=default_memory_budget(workers))
     pending = sum(
         not is_done(store_path(out_dir, sid), src, options, matched.get(sid)) for sid, src in todo
     )

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hyfi_imaging.errors import HyfiError
 from hyfi_imaging.parallel.collectives import all_agree
+from hyfi_imaging.train.safe_reader import SafeReader
 
 __all__ = [
     "MARKER",
@@ -313,10 +314,13 @@ def load_latest(
         else:
             if expect is not None:  # outside the try: another meaning is not damage
                 expect(path, meta)
+            reader = SafeReader(path)  # metadata that would run code is refused
             try:
                 staged = _staged(state)
-                dcp.load(staged, checkpoint_id=str(path))
+                dcp.load(staged, storage_reader=reader)
             except _LOAD_ERRORS as err:
+                if reader.refused is not None:  # not damage: never passed over silently
+                    raise reader.refused from None
                 reason = _reason(err)
         if all_agree(not reason):
             _copy_into(state, staged)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -239,6 +240,13 @@ class TrainConfig(_Strict):
     nonfinite: Literal["stop", "skip"] = "stop"
     max_skipped_steps: int = Field(10, ge=1)
     progress: bool = True
+
+    @field_validator("out_dir")
+    @classmethod
+    def _normalised(cls, v: Path) -> Path:
+        # runs/../x is x: the writers of per-image outputs refuse a path that climbs
+        # ('..') after a folder name, the mark of an id like '../../x' (hyfi_imaging.paths).
+        return Path(os.path.normpath(v))
 
 
 class Recipe(_Strict):

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from hyfi_imaging.parallel.collectives import all_gather_grid
 from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.paths import confined
 
 __all__ = ["gather_masks", "write_mask", "write_overlay", "write_regressions", "write_scores"]
 
@@ -74,11 +75,15 @@ def write_mask(
     """Write one ``(H, W)`` or ``(D, H, W)`` class map as ``out`` (see the module docstring).
 
     An existing ``out`` is replaced (a new prediction of the same image).
-    ``scale``: microns per pixel (voxel) of the map, when known.
+    ``scale``: microns per pixel (voxel) of the map, when known. An ``out``
+    that climbs out of its folder (``masks/../../x.zarr``, from an id that was
+    never checked) is refused before anything is touched
+    (:func:`~hyfi_imaging.paths.confined`).
     """
     from hyfi_imaging.io.labels import write_label_image
     from hyfi_imaging.io.zarr_store import _ArraySource, write_ome_zarr
 
+    confined(out)  # before anything is removed or written: an id must not climb out
     attrs = {"kind": "prediction", "image": image, "classes": list(classes), "background": 0}
     if out.exists():
         shutil.rmtree(out)
@@ -156,7 +161,11 @@ def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.
 def write_overlay(
     out: Path, mask: np.ndarray, *, image: str, title: str, limit: int = 1024
 ) -> Path:
-    """A PNG of the image with the predicted class map over it (see the module docstring)."""
+    """A PNG of the image with the predicted class map over it (see the module docstring).
+
+    Refused like :func:`write_mask` when ``out`` climbs out of its folder.
+    """
+    confined(out)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -23,19 +23,24 @@ from hyfi_imaging.train.rundir import StartMode
 if TYPE_CHECKING:
     from hyfi_imaging.parallel.engine import ParallelPlan
     from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.train.tasks import Cohort
 
 __all__ = ["plan_of", "preflight"]
 
 
-def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
+def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = False) -> None:
     """Every check that needs no process group: runs on every rank before any allocation.
 
-    ``hyfi-train --check`` runs exactly this: the manifests (usable slides or
-    volumes, one image size, a label on every training slide, label images
-    or regression targets for the task), the layout against the model and
-    the image (grid, stages, balance, checkpointing, micro-batches; the model
-    is built on the meta device), and the run directory (writable, free
-    space, ``--no-resume`` into a used one).
+    ``hyfi-train --check`` runs exactly this, with ``stores=True``: the
+    manifests (usable slides or volumes, one image size, a label on every
+    training slide, label images or regression targets for the task), the
+    layout against the model and the image (grid, stages, balance,
+    checkpointing, micro-batches; the model is built on the meta device), and
+    the run directory (writable, free space, ``--no-resume`` into a used one).
+
+    ``stores``: also check every store the manifests name (:func:`_check_stores`).
+    A launch leaves it off: it stats every shard of the cohort, on every rank,
+    and the readers check the shards of each region they read anyway.
     """
     from hyfi_imaging.data.dataset import load_samples
     from hyfi_imaging.train.inputs import check_data, data_pixels
@@ -48,11 +53,15 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
         _check_labels(recipe.data.manifest, samples, len(recipe.data.classes))
     cohort = load_cohort(recipe, recipe.data.manifest)
     check_task(recipe, cohort, recipe.data.manifest)
+    if stores:
+        _check_stores(cohort, recipe.data.manifest)
     if cohort.kind == "slides":
         check_data(recipe, data_pixels(recipe))
     if recipe.data.val_manifest is not None:
         val = load_cohort(recipe, recipe.data.val_manifest)
         check_task(recipe, val, recipe.data.val_manifest)
+        if stores:
+            _check_stores(val, recipe.data.val_manifest)
         if classify:
             val_samples = load_samples(recipe.data.val_manifest, classes=recipe.data.classes)
             _check_labels(recipe.data.val_manifest, val_samples, len(recipe.data.classes))
@@ -103,6 +112,41 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume") -> None:
             f"only {free / 2**20:.0f} MiB free on the output disk",
             "free space or choose another train.out_dir",
         )
+
+
+def _check_stores(cohort: Cohort, manifest: Path) -> None:
+    """ConfigError unless every store of ``cohort`` is whole: it exists, opens, lost no shard.
+
+    Reads each store's metadata (JSON: the group, its level arrays, its label
+    images) and stats every shard its chunk inventory lists
+    (:func:`~hyfi_imaging.io.inventory.check_store`); no pixel is read, no
+    checksum computed (that is ``hyfi-preprocess --verify``). Stores without
+    an inventory (older ones) pass on their metadata alone.
+    """
+    from hyfi_imaging.io.inventory import check_store
+
+    bad = []
+    for image_id, store in zip(cohort.ids, cohort.stores, strict=True):
+        check = check_store(store)
+        if check.status == "bad":
+            bad.append((image_id, check))
+    if not bad:
+        return
+    image_id, first = bad[0]
+    kind = "slide" if cohort.kind == "slides" else "volume"
+    fix = (
+        f"re-run hyfi-preprocess for {'that slide' if len(bad) == 1 else 'those slides'} "
+        "(the same command converts damaged stores again; hyfi-preprocess --verify "
+        f"{Path(first.store).parent} lists every damaged store)"
+        if cohort.kind == "slides"
+        else "rewrite those volumes' stores with the tool that wrote them"
+    )
+    raise ConfigError(
+        manifest,
+        f"{len(bad)} of {len(cohort)} stores cannot be used ({kind} {image_id}: "
+        f"{first.store}: {first.what()})",
+        fix,
+    )
 
 
 def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:

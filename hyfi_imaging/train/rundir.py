@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.paths import safe_id, under
 
 __all__ = [
     "PREVIOUS",
@@ -62,12 +63,16 @@ _RUN_ENTRIES = (
 
 
 def read_run_id(out: Path) -> str | None:
-    """The id of the run in ``out`` (None if it holds none, or one from before run ids)."""
+    """The id of the run in ``out`` (None if it holds none, or one from before run ids).
+
+    The id names the folder a ``--restart`` moves the run to, so a ``run.json``
+    whose id is not a plain name (:func:`~hyfi_imaging.paths.safe_id`) is refused.
+    """
     try:
         value = json.loads((out / RUN_FILE).read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
-    return str(value) if value else None
+    return safe_id(str(value), where=out / RUN_FILE, what="run id") if value else None
 
 
 def recorded_cut(out: Path, layout: str) -> tuple[int, ...] | None:
@@ -137,7 +142,7 @@ def start_run(out: Path, mode: StartMode) -> str:
             return run_id
     elif mode == "restart" and used_by(out) is not None:
         old = read_run_id(out) or "run"
-        aside = out / PREVIOUS / f"{old}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside = under(out / PREVIOUS, f"{old}-{time.strftime('%Y%m%d-%H%M%S')}")
         aside.mkdir(parents=True, exist_ok=False)
         for name in _RUN_ENTRIES:
             if (out / name).exists():
