@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_train_mpi import _losses, _train, _train_cmd, manifest  # noqa: F401  (fixture)
+from test_train_mpi import MPIEXEC, _losses, _train, _train_cmd, manifest  # noqa: F401  (fixture)
 
 from hyfi_imaging.data.synthetic import write_synthetic_cohort
 from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
@@ -313,3 +313,56 @@ def test_a_second_run_into_a_busy_directory_is_refused(manifest: Path, tmp_path:
     (aside,) = (run / "previous").iterdir()
     assert (aside / "masks").is_dir() and (aside / "val_per_image.csv").exists()
     assert not (run / "masks").exists() and not (run / "val_per_image.csv").exists()
+
+
+def _wait_for_steps(run: Path, n: int, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.csv").exists() and len(_losses(run)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} steps logged in {run} (exit {proc.poll()})")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to mpiexec", "SIGUSR1 to rank 1 only"])
+def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+    how: str,
+) -> None:
+    import signal
+
+    sets = (SP, "train.checkpoint_every_steps=0", "train.epochs=3")
+    reference = tmp_path / "reference"
+    _train(manifest, reference, 2, *sets)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, *sets)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    _wait_for_steps(run, 2, proc)
+    if how == "SIGTERM to mpiexec":
+        proc.send_signal(signal.SIGTERM)
+    else:  # mpiexec -> hydra proxy -> ranks; rank 1 is the later-started python
+        ranks = sorted(p for proxy in _children(proc.pid) for p in _children(proxy))
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    stopped = [ln for ln in stderr.splitlines() if "stopped by" in ln]
+    said = "SIGTERM after step" if how == "SIGTERM to mpiexec" else "SIGUSR1 (to rank 1) after"
+    assert len(stopped) == 1 and f"stopped by {said}" in stopped[0], stderr[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert _steps(run) == [f"step_{step:08d}"] and step < 9, (_steps(run), stderr[-2000:])
+    assert not _error_lines(stderr) and "Traceback" not in stderr
+    # Relaunched, it resumes from that checkpoint and ends as the uninterrupted run did.
+    _train(manifest, run, 2, *sets)
+    assert _losses(run) == _losses(reference)

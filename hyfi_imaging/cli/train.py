@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.autoplan import fit_warning
     from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.preempt import REQUEUE_EXIT
     from hyfi_imaging.train.preflight import preflight
     from hyfi_imaging.train.rundir import StartMode
     from hyfi_imaging.train.tasks import manifest_kind
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         summary = Trainer(recipe, start=start).run()
+        if summary.get("stopped_by"):  # a scheduler's signal: checkpointed, said once
+            shutdown()
+            return REQUEUE_EXIT
         if summary.get("world_size") is not None and launch_rank() in (None, 0):
             keys = ("accuracy", "auc", "macro_auc", "qwk", "val_loss", "steps", "seconds")
             shown = ", ".join(

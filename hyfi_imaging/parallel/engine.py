@@ -439,6 +439,8 @@ class ParallelModel:
         self.last_logits: Tensor | None = None
         #: Whether every gradient of the world was finite after the last ``train_step``.
         self.grads_finite = True
+        #: Whether any rank passed ``stop`` to the last ``train_step``.
+        self.stop_requested = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -648,7 +650,7 @@ class ParallelModel:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, tiles: Tensor | None, labels: Tensor) -> float:
+    def train_step(self, tiles: Tensor | None, labels: Tensor, *, stop: bool = False) -> float:
         """Forward and backward of every micro-batch; returns the global batch's mean loss.
 
         ``tiles``: this rank's tiles of the per-replica batch (first-stage ranks;
@@ -657,6 +659,10 @@ class ParallelModel:
         Gradients of the global batch's mean loss land in ``.grad`` (summed over
         ``sp``, over ``dp`` the mean of the replicas)
         (added to what is there); the optimizer is not stepped.
+
+        The step's one all-reduce also tells every rank whether every gradient is
+        finite (:attr:`grads_finite`) and whether any rank passed ``stop`` (a
+        signal asked it to stop: :attr:`stop_requested`), without another sync.
         """
         batch = int(labels.shape[0])
         self.plan.check_batch(batch)
@@ -679,20 +685,23 @@ class ParallelModel:
             self._sync_running_stats(snapshot)
         # One host read per step (the returned float), not one per micro-batch. It
         # carries the loss and whether every gradient this rank owns is finite.
-        total = torch.zeros(2, dtype=torch.float64, device=self.pc.device)
+        total = torch.zeros(3, dtype=torch.float64, device=self.pc.device)
         if self.is_last and losses:
             total[0] += torch.stack(
                 [v.detach().to(torch.float64).reshape(()) for v in losses]
             ).sum()
         total[1] = self._owned_grad_norm()  # summed over the world: finite iff all are
+        total[2] = float(stop)
         # The world: the loss terms live on the last stage of every replica and tile,
         # and every rank returns the step's loss.
         dist.all_reduce(total, group=dist.group.WORLD)
-        # NaN unless the loss and every gradient are finite: one read in the common case.
-        loss = float(total[0] + 0.0 * total[1])
-        self.grads_finite = True
+        # NaN unless the loss and every gradient are finite and no rank asked to stop:
+        # one read in the common case.
+        loss = float(total[0] + 0.0 * total[1] + torch.where(total[2] > 0, math.nan, 0.0))
+        self.grads_finite, self.stop_requested = True, False
         if not math.isfinite(loss):  # which one (rare: a few more reads)
-            loss, self.grads_finite = float(total[0]), math.isfinite(float(total[1]))
+            loss, norm, stops = total.tolist()
+            self.grads_finite, self.stop_requested = math.isfinite(norm), stops > 0
         layout = self.plan.layout
         return loss / layout.stage_size(layout.pp - 1)
 

@@ -380,6 +380,27 @@ class Trainer:
 
         return check
 
+    def _stopped(self, pos: _Position, received: Any) -> dict[str, Any]:
+        """The summary of a run a signal stopped at ``pos`` (its checkpoint is written)."""
+        names: list[Any] = [received.name if received is not None else None]
+        if dist.is_initialized():  # which rank got which signal (said by rank 0)
+            names = [None] * dist.get_world_size()
+            dist.all_gather_object(names, received.name if received is not None else None)
+        got = [(r, n) for r, n in enumerate(names) if n is not None]
+        name = got[0][1] if got else "a signal"
+        if len(got) < len(names):  # not every rank was signalled
+            name += f" (to rank {', '.join(str(r) for r, _ in got)})"
+        if self.rank0:
+            print(
+                f"hyfi-train: stopped by {name} after step {pos.step}: checkpoint "
+                f"{self._newest()} written; relaunch the same command to resume from it",
+                file=sys.stderr,
+                flush=True,
+            )
+        if dist.is_initialized():
+            dist.barrier()
+        return {"stopped_by": name, "steps": pos.step, "run_id": self.run_id}
+
     def _newest(self) -> str | None:
         """The run's newest checkpoint's path (for messages), or None."""
         from hyfi_imaging.train.checkpoint import list_checkpoints
@@ -634,6 +655,7 @@ class Trainer:
         from hyfi_imaging.train.logs import RunLogger
         from hyfi_imaging.train.outputs import write_scores
         from hyfi_imaging.train.plots import plot_confusion_matrix, plot_training_curves
+        from hyfi_imaging.train.preempt import StopSignals
 
         self.setup()
         self._plan_epochs()
@@ -650,6 +672,7 @@ class Trainer:
         guard = StepGuard(
             r.train.nonfinite, r.train.max_skipped_steps, newest=self._newest, say=self.rank0
         )
+        signals = StopSignals().install()  # restored in the finally below
         summary: dict[str, Any] = {}
         start = time.monotonic()
         data_wait = 0.0  # seconds first-stage ranks waited for tiles (0 elsewhere)
@@ -679,7 +702,9 @@ class Trainer:
                     with self.autocast:
                         labels = target if labels_all is None else labels_all[batch]
                         assert labels is not None  # segmentation is one stage: tiles and masks
-                        loss = self.pm.train_step(tiles, labels.to(self.pc.device))
+                        loss = self.pm.train_step(
+                            tiles, labels.to(self.pc.device), stop=signals.requested
+                        )
                     if guard.accept(pos.step + 1, loss, self.pm.grads_finite):
                         if r.optim.grad_clip > 0:
                             self.pm.clip_grad_norm_(r.optim.grad_clip)
@@ -706,10 +731,12 @@ class Trainer:
                     )
                     bar.update()
                     every = r.train.checkpoint_every_steps
-                    if every and pos.step % every == 0:
+                    if (every and pos.step % every == 0) or self.pm.stop_requested:
                         self._save(pos)
-                    if pos.step >= self.total_steps:
+                    if pos.step >= self.total_steps or self.pm.stop_requested:
                         break
+                if self.pm.stop_requested:  # a signal: the step's checkpoint is written
+                    break
                 epoch_done = pos.batch >= len(batches)
                 if epoch_done:
                     pos.epoch += 1
@@ -736,10 +763,13 @@ class Trainer:
                                 self.out / "confusion_matrix.png",
                                 title=f"{r.name}, step {pos.step}",
                             )
+            if self.pm.stop_requested:
+                return self._stopped(pos, signals.received)
             if not summary and self.val_idx:  # relaunched after the end: still report
                 summary = self.evaluate(self.out)
             self._save(pos)
         finally:
+            signals.restore()
             bar.close()
             logger.close()
         summary = {k: v for k, v in summary.items() if not k.startswith("_")}
