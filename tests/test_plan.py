@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,30 @@ def test_memory_sizes() -> None:
     assert memory_size("512 MiB") == 512 * 2**20
     assert memory_size("40GB") == 40 * 10**9
     assert memory_size("1024") == 1024
-    with pytest.raises(ConfigError):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         memory_size("lots")
+    with pytest.raises(argparse.ArgumentTypeError, match="more than 0"):
+        memory_size("0")  # was silently "the default"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--device-memory", "0"], "--device-memory: must be more than 0"),
+        (["--devices", "0"], "--devices: must be 1 or more, got 0"),
+        (["--devices", "-2"], "--devices: must be 1 or more, got -2"),
+        (["--batch", "x"], "--batch: must be a whole number"),
+    ],
+)
+def test_plan_refuses_sizes_and_counts_that_mean_nothing(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--model", "resnet18", "--image-size", "512", "--devices", "2"]
+    with pytest.raises(SystemExit) as caught:
+        main([*base, *args])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
 
 
 def test_candidates_multiply_to_the_devices() -> None:

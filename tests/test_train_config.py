@@ -85,6 +85,8 @@ def test_missing_sections_and_bad_yaml(tmp_path: Path) -> None:
         load_recipe(_recipe(tmp_path, "model: [unclosed\n"))
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_overrides(["train.epochs"])
+    with pytest.raises(ConfigError, match=r"--set: 'train.epochs=\[1': the value expected"):
+        parse_overrides(["train.epochs=[1"])  # was a 20-line YAML traceback
 
 
 def test_learning_rate_schedule(tmp_path: Path) -> None:

@@ -6,9 +6,7 @@ import argparse
 import re
 from collections.abc import Callable
 
-from hyfi_imaging.errors import ConfigError
-
-__all__ = ["memory_size", "positive_float", "size_type"]
+__all__ = ["memory_size", "positive_float", "positive_int", "size_type"]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -19,6 +17,17 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1 (``--devices``, ``--batch``, ``--gpus-per-node``, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
     return value
 
 
@@ -43,5 +52,8 @@ def memory_size(text: str) -> int:
     """``80GiB``, ``512MiB``, ``40GB`` or plain bytes -> bytes (``--device-memory``, ``--memory-budget``)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"memory size {text!r}", "is not a size", "write e.g. 80GiB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB or 512MiB")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size < 1:  # 0 would silently mean "the default"
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}; write e.g. 80GiB")
+    return size

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hyfi_imaging.cli.options import memory_size, size_type
+from hyfi_imaging.cli.options import memory_size, positive_int, size_type
 from hyfi_imaging.errors import ConfigError, HyfiError
 
 #: Rows of the speed model's device table (kept here so that --help needs no torch import).
@@ -93,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=float, help="model width multiplier")
     p.add_argument("--num-classes", type=int, default=2)
     p.add_argument("--image-size", type=size_type(1), help="N or HxW (with --model)")
-    p.add_argument("--devices", type=int, help="ranks (default: the recipe's world size)")
-    p.add_argument("--batch", type=int, help="images per replica per step (default 1 / recipe)")
+    p.add_argument("--devices", type=positive_int, help="ranks (default: the recipe's world size)")
+    p.add_argument(
+        "--batch", type=positive_int, help="images per replica per step (default 1 / recipe)"
+    )
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="(default sgd / recipe)")
     p.add_argument("--device-memory", type=memory_size, help="per device, e.g. 80GiB "
                    "(default: this machine's GPU, else its RAM over the ranks)")  # fmt: skip
@@ -110,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-bw", type=memory_size,
                    help="bytes/s per GPU across nodes (InfiniBand)")  # fmt: skip
     p.add_argument("--inter-latency", type=float, help="seconds per message across nodes")
-    p.add_argument("--gpus-per-node", type=int, help="devices per node")
+    p.add_argument("--gpus-per-node", type=positive_int, help="devices per node")
     p.add_argument("--overlap", action="store_true",
                    help="as parallel.overlap: halos travel while a layer's interior computes")  # fmt: skip
-    p.add_argument("--top", type=int, default=12, help="rows to show (default 12)")
+    p.add_argument("--top", type=positive_int, default=12, help="rows to show (default 12)")
     return p
 
 

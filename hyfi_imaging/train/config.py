@@ -281,7 +281,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         *parents, leaf = key.strip().split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem", None) or "is not valid YAML"
+            raise ConfigError(
+                "--set", f"{item!r}: the value {mark}", "quote it or fix it, e.g. key=[1, 2]"
+            ) from None
     return out
 
 
