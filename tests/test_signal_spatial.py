@@ -35,9 +35,12 @@ def test_a_1d_grid_is_spelled_with_its_axis(text: str, grid: tuple[int, ...]) ->
     assert ParallelConfig.model_validate({"spatial": text}).layout().sp == grid
 
 
-def test_a_bare_number_keeps_meaning_rows_of_a_2d_grid() -> None:
-    """``--spatial 4`` was 4x1 before 1-D grids existed; it still is (hence ``L4``)."""
-    assert Layout.parse_grid("4") == (4, 1)
+def test_a_bare_number_is_square_as_sizes_are() -> None:
+    """One vocabulary (:mod:`hyfi_imaging.shapes`): ``2`` is 2x2 as ``512`` is 512x512; a 1-D
+    grid is ``L4`` (``--spatial 4`` read 4x1 before, while ``--image-size 512`` read 512x1)."""
+    assert Layout.parse_grid("2") == (2, 2)
+    assert ParallelConfig.model_validate({"spatial": "2"}).layout().sp == (2, 2)
+    assert ParallelConfig.model_validate({"spatial": 2}).layout().sp == (2, 2)
 
 
 @pytest.mark.parametrize("text", ["L", "Lx2", "L2x2", "2L", "L-1", "L2.5"])

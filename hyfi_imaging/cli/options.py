@@ -6,7 +6,10 @@ import argparse
 import re
 from collections.abc import Callable
 
-__all__ = ["memory_size", "positive_float", "positive_int", "size_type"]
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.shapes import parse_shape, parse_shapes
+
+__all__ = ["grids_type", "memory_size", "positive_float", "positive_int", "shape_type", "size_type"]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -31,19 +34,40 @@ def positive_int(text: str) -> int:
     return value
 
 
+def shape_type(what: str, minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """Parser of a size of 1 to 3 sides (``512``, ``512x384``, ``40x48x56``, ``L4096``)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return parse_shape(text, what, minimum=minimum)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
+
+    return parse
+
+
+def grids_type(text: str) -> tuple[tuple[int, ...], ...]:
+    """Parser of ``--spatial``: one grid (``2x2``, ``2x1x2``, ``L4``) or one per stage."""
+    try:
+        return parse_shapes(text, "--spatial")
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
+
+
 def size_type(minimum: int = 1) -> Callable[[str], tuple[int, int]]:
-    """Parser of ``"N"`` -> (N, N) and ``"HxW"`` -> (H, W) with sides >= ``minimum``."""
+    """Parser of an image size ``"N"`` -> (N, N), ``"HxW"`` -> (H, W), sides >= ``minimum``.
+
+    The spelling of :func:`hyfi_imaging.shapes.parse_shape`, limited to two sides.
+    """
 
     def parse(text: str) -> tuple[int, int]:
         try:
-            values = [int(p) for p in text.lower().split("x")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
-        if len(values) not in (1, 2) or min(values) < minimum:
-            raise argparse.ArgumentTypeError(
-                f"size must be N or HxW with sides >= {minimum}, got {text!r}"
-            )
-        return values[0], values[-1]
+            shape = parse_shape(text, "size", minimum=minimum)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(f"{err.what}; {err.fix}") from None
+        if len(shape) != 2:
+            raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}")
+        return shape[0], shape[1]
 
     return parse
 

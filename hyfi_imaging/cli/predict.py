@@ -46,7 +46,7 @@ one checkpoint directory. The recipe is read from RUN/recipe.yaml.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.cli.options import size_type
 
     p = argparse.ArgumentParser(
         prog="hyfi-predict",
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="segmentation: overlay pictures for this many images (default: %(default)s)",
     )
-    p.add_argument("--spatial", type=Layout.parse_grid, default=(1, 1), metavar="GYxGX")
+    p.add_argument("--spatial", type=size_type(1), default=(1, 1), metavar="GYxGX")
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
     return p

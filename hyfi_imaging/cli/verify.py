@@ -60,7 +60,7 @@ rounding, not a bug.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.cli.options import grids_type, shape_type
     from hyfi_imaging.parallel.schedules import SCHEDULES
 
     p = argparse.ArgumentParser(
@@ -80,14 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--image-size",
         required=True,
-        type=Layout.parse_grid,
-        metavar="HxW|DxHxW",
+        type=shape_type("--image-size"),
+        metavar="N|HxW|DxHxW|L<N>",
         help="image size, or a volume's depth x height x width (3-D models)",
     )
     p.add_argument(
         "--spatial",
         default=None,
-        type=Layout.parse_grids,
+        type=grids_type,
         metavar="GYxGX[,GYxGX...]|GZxGYxGX",
         help="tile grid of every stage (default 1x1, or 1x1x1 for a volume; a volume takes a 3-D "
         "grid), or one 2-D grid per pipeline stage (e.g. 2x2,1x2,1x1: activations are "

@@ -5,8 +5,8 @@ A :class:`Layout` is a frozen, validated value. It is built into a
 pipeline stages, tile rows, tile columns — or, for a 3-D grid of sub-volumes,
 ``("dp", "pp", "sz", "sy", "sx")`` (``sp`` is then ``(gz, gy, gx)``), or for a 1-D
 grid of signal segments (``(N, C, L)`` cut along ``L``), ``("dp", "pp", "sx")``
-(``sp = (gl,)``, written ``L4`` on the command line: a bare ``4`` already means the
-2-D grid ``4x1``); every other
+(``sp = (gl,)``, written ``L4`` on the command line: a bare ``4`` is the 2-D grid
+``4x4``, :mod:`hyfi_imaging.shapes`); every other
 module asks the mesh for a group by name instead of doing rank arithmetic. Validation happens before
 any process group exists, so a wrong layout costs nothing and the message names
 the numbers and the fix.
@@ -22,10 +22,10 @@ for both kinds of layout, and :mod:`.junction` builds its meshes from them.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.shapes import parse_shape, parse_shapes
 
 __all__ = ["MESH_DIMS", "SPATIAL_AXES", "Grid", "Layout", "grid_text"]
 
@@ -223,30 +223,13 @@ class Layout:
 
     @staticmethod
     def parse_grid(text: str) -> tuple[int, ...]:
-        """``"2x3"`` -> (2, 3); ``"4"`` -> (4, 1); ``"2x1x2"`` -> (2, 1, 2) (a volume's grid);
-        ``"L4"`` -> (4,) (a 1-D grid: a signal cut into 4 segments along its length).
+        """``"2x3"`` -> (2, 3); ``"2"`` -> (2, 2); ``"2x1x2"`` -> (2, 1, 2); ``"L4"`` -> (4,).
 
-        A bare number keeps its old meaning (rows of a 2-D grid), so a 1-D grid is spelled
-        with the ``L`` of the axis it cuts.
+        The one spelling of :func:`hyfi_imaging.shapes.parse_shape` (sizes alike).
         """
-        one = re.fullmatch(r"\s*[lL]\s*(\d+)\s*", text)
-        if one:
-            return (int(one.group(1)),)
-        m = re.fullmatch(r"\s*(\d+)\s*(?:[xX*,]\s*(\d+)\s*(?:[xX*,]\s*(\d+))?)?\s*", text)
-        if not m:
-            raise ConfigError(
-                "--spatial",
-                f"cannot read the grid {text!r}",
-                "write it as GYxGX, e.g. 2x2, GZxGYxGX for volumes, e.g. 2x1x2, or L<GL> for "
-                "signals, e.g. L4",
-            )
-        values = [int(v) for v in m.groups() if v is not None]
-        return (values[0], 1) if len(values) == 1 else tuple(values)
+        return parse_shape(text, "--spatial", kind="grid")
 
     @staticmethod
     def parse_grids(text: str) -> tuple[Grid, ...]:
         """``"2x2,1x2,1x1"`` -> ((2, 2), (1, 2), (1, 1)); ``"2x2"`` -> ((2, 2),)."""
-        parts = [p for p in re.split(r"[;,]\s*(?=\d+\s*[xX*])", text.strip()) if p.strip()]
-        if len(parts) <= 1:
-            return (Layout.parse_grid(text),)
-        return tuple(Layout.parse_grid(p) for p in parts)
+        return parse_shapes(text, "--spatial")

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.shapes import parse_shape
 
 __all__ = [
     "DataConfig",
@@ -128,17 +129,11 @@ class ModelConfig(_Strict):
 
 
 def _read_grid(v: Any) -> Any:
-    if isinstance(v, str):
-        one = re.fullmatch(r"\s*[lL]\s*(\d+)\s*", v)  # a 1-D grid: a signal cut along L
-        if one:
-            return (int(one.group(1)),)
-        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", v)
-        if not m:
-            raise ValueError(
-                "write the grid as GYxGX, e.g. 2x2, GZxGYxGX for volumes, e.g. 2x1x2, or L<GL> "
-                f"for 1-D signals, e.g. L4 (got {v!r})"
-            )
-        return tuple(int(g) for g in m.groups() if g is not None)
+    if isinstance(v, (str, int)):
+        try:
+            return parse_shape(v, "parallel.spatial", kind="grid")
+        except ConfigError as err:
+            raise ValueError(f"{err.what}; {err.fix}") from None
     return v
 
 
