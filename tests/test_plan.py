@@ -394,3 +394,31 @@ def test_the_recommendation_lists_every_pipeline_ranks_peak(
     assert code == 0 and "pp=2" in line, line
     peaks = line.split("(pipeline ranks: ")[1].removesuffix(" GiB)").split(" / ")
     assert len(peaks) == 2 and float(peaks[0]) > float(peaks[1]), line
+
+
+def test_the_planner_aligns_tiles_as_the_engine_does_for_a_model_declaring_nothing() -> None:
+    """A module:function model has no ``total_stride``: the planner took 1 while the engine
+    measured the strides' LCM, so the two could pick different tiles."""
+    from torch import nn
+
+    from hyfi_imaging.parallel import Neighbours, spatialize
+    from hyfi_imaging.parallel.geometry import padded_hw
+    from hyfi_imaging.parallel.spatial import tile_alignment
+
+    def model() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 2),
+        )
+
+    plain = model()
+    assert not hasattr(plain, "total_stride")
+    ctx = spatialize(model(), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(right=1), group=None)
+    assert tile_alignment(plain) == ctx.align == 4
+    assert padded_hw((50, 50), (1, 2), tile_alignment(plain)) == ctx.padded_size((50, 50))
+    assert ctx.padded_size((50, 50)) == (52, 56)  # the planner's 1 gave (50, 50)

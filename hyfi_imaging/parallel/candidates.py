@@ -29,6 +29,7 @@ from hyfi_imaging.parallel.plan import (
     tile_hw,
 )
 from hyfi_imaging.parallel.schedules import SCHEDULES
+from hyfi_imaging.parallel.spatial import tile_alignment
 from hyfi_imaging.parallel.streaming import stream_stem
 
 __all__ = [
@@ -94,7 +95,10 @@ def candidates(
     stages than layers, a model without checkpointable blocks) are left out, by the engine's own
     checks (:func:`~.plan.candidate_plan`).
     """
-    align = int(getattr(model, "total_stride", 1))
+    try:
+        align = tile_alignment(model)  # the engine's number (a model may declare none)
+    except ConfigError:  # no spatial form: the engine refuses each spatial candidate
+        align = 1
 
     def roomy(grid: Grid) -> bool:
         try:

@@ -125,7 +125,7 @@ from hyfi_imaging.parallel.schedules import (
     model_stages,
 )
 from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
-from hyfi_imaging.parallel.spatial import SpatialContext, tile_shaped
+from hyfi_imaging.parallel.spatial import SpatialContext, tile_alignment, tile_shaped
 from hyfi_imaging.parallel.streaming import STREAMING_MODES, stream_stem
 
 __all__ = [
@@ -389,11 +389,10 @@ class ParallelModel:
         #: The input tile of every stage's grid (all the same without per-stage grids).
         self.stage_tiles: list[tuple[int, ...]] = [self.tile_hw] * layout.pp
         if layout.junction:
-            # Every grid pads the image to the model's total stride; a 1x1 stage has no
-            # spatial context, so the stride is agreed over the world (all stages' tilings).
-            align = torch.tensor([self.ctx.align if self.ctx is not None else 1], device=pc.device)
-            dist.all_reduce(align, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-            self.stage_tiles = list(stage_tiles(layout, self.image_hw, int(align.item())))
+            # Every grid pads the image to the model's alignment (a 1x1 stage too, which
+            # has no spatial context: the number comes from the model, the same everywhere).
+            align = tile_alignment(self._meta_model, len(self.image_hw), in_chans=self.in_chans)
+            self.stage_tiles = list(stage_tiles(layout, self.image_hw, align))
         #: The output's map when the model is dense (its output is tiled too), else None.
         self.out_map: OutputMap | None = output_map(
             self._tile_model, self.in_chans, self.image_hw, self.tile_hw

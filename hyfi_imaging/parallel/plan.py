@@ -78,6 +78,7 @@ from hyfi_imaging.parallel.schedules import (
     simulate_orders,
 )
 from hyfi_imaging.parallel.sharding import shard_units
+from hyfi_imaging.parallel.spatial import tile_alignment
 from hyfi_imaging.parallel.speed import (
     Counts,
     allreduce_s,
@@ -607,7 +608,7 @@ def _stage_costs(
     meta = copy.deepcopy(model).to("meta")
     dtype = next((p.dtype for p in meta.parameters()), torch.float32)
     in_chans = int(getattr(meta, "in_chans", 3))
-    align = int(getattr(meta, "total_stride", 1))
+    align = tile_alignment(model, len(image_hw), in_chans=in_chans)
 
     def tile_of(grid: Sequence[int]) -> tuple[int, ...]:
         # Per-stage grids pad the image for every grid, 1x1 included (``junction.stage_tiles``).
@@ -747,7 +748,7 @@ def _run_plain(layers: Sequence[tuple[str, nn.Module]], x: object) -> object:
 def measure_rate(model: nn.Module, device: torch.device, *, side: int = 128) -> float:
     """FLOP/s this device reaches on ``model``'s forward+backward (one probe, after a warm-up)."""
     probe = copy.deepcopy(model).to(device).train()
-    align = int(getattr(probe, "total_stride", 1))
+    align = tile_alignment(model)
     side = max(side, 2 * align) // align * align
     x = torch.randn(1, int(getattr(probe, "in_chans", 3)), side, side, device=device)
     counter = FlopCounterMode(display=False)

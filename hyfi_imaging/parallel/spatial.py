@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +100,7 @@ __all__ = [
     "SpatialMaxPool2d",
     "SpatialMaxPool3d",
     "spatialize",
+    "tile_alignment",
     "tile_shaped",
 ]
 
@@ -1427,21 +1429,8 @@ def spatialize(
         _check(name or type(model).__name__, m, nd)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
     reference = copy.deepcopy(model).to("meta")
-    # Which modules and parameters see tile data; refuses functions that mix pixels.
-    # A model whose head flattens its last map runs at its own size only: it says which.
-    probe = tuple(getattr(model, "input_size", None) or (_PROBE,) * nd)
-    use = watch_tiles(
-        reference,
-        (1, in_chans, *probe),
-        _has_spatial_form,
-        norms=_is_norm_act,
-        carriers=_is_carrier,
-    )
-    align = (
-        align
-        or int(getattr(model, "total_stride", 0))
-        or _total_stride(reference, in_chans, use.tile_modules, nd)
-    )
+    use = _watch(model, reference, in_chans, nd)
+    align = align or tile_alignment(model, nd, in_chans=in_chans, _seen=(reference, use))
     ctx = SpatialContext(
         grid, tile, neighbours, group, align=align, overlap=overlap, backward_bands=backward_bands
     )
@@ -1576,6 +1565,55 @@ def _has_spatial_form(m: nn.Module) -> bool:
     if isinstance(m, nn.Flatten):
         return _is_gathering_flatten(m)
     return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
+
+
+def _watch(model: nn.Module, reference: nn.Module, in_chans: int, nd: int) -> Any:
+    """Which modules and parameters of ``reference`` (a meta copy) see tile data.
+
+    Refuses functions that mix pixels. A model whose head flattens its last map
+    runs at its own size only (``input_size``): it says which.
+    """
+    probe = tuple(getattr(model, "input_size", None) or (_PROBE,) * nd)
+    return watch_tiles(
+        reference,
+        (1, in_chans, *probe),
+        _has_spatial_form,
+        norms=_is_norm_act,
+        carriers=_is_carrier,
+    )
+
+
+_ALIGNMENTS: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def tile_alignment(
+    model: nn.Module,
+    nd: int = 2,
+    *,
+    in_chans: int | None = None,
+    _seen: tuple[nn.Module, Any] | None = None,
+) -> int:
+    """The multiple every tile side of ``model`` is aligned to, for ``nd`` spatial dims.
+
+    The model's ``total_stride`` when it declares one, else the least common
+    multiple of the cumulative strides of the layers that see tiles, measured on
+    the meta device (remembered per model). The one source of this number: the
+    engine, the planner, the loader and the recipe checks all ask here, so they
+    pick the same tiles (the planner used to take 1 for a model that declares
+    nothing while the engine measured, say, 32).
+    """
+    declared = int(getattr(model, "total_stride", 0))
+    if declared:
+        return declared
+    known = _ALIGNMENTS.setdefault(model, {})
+    if nd not in known:
+        in_chans = in_chans or int(getattr(model, "in_chans", 3))
+        if _seen is None:
+            reference = copy.deepcopy(model).to("meta")
+            _seen = (reference, _watch(model, reference, in_chans, nd))
+        reference, use = _seen
+        known[nd] = _total_stride(reference, in_chans, use.tile_modules, nd)
+    return known[nd]
 
 
 def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str], nd: int = 2) -> int:

@@ -8,6 +8,7 @@ directory ends the job with one line before anything is computed or written;
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -166,6 +167,7 @@ def _check_layout(
 ) -> None:
     """The engine's checks that need no process group, on a meta-device model."""
     from hyfi_imaging.parallel.geometry import padded_hw
+    from hyfi_imaging.parallel.spatial import tile_alignment
     from hyfi_imaging.train.inputs import build_model
 
     r, p = recipe, recipe.parallel
@@ -194,8 +196,8 @@ def _check_layout(
                 "use a dense model (unet2d, unet3d) for segmentation, one output per target "
                 "for regression",
             )
-    if len(image_hw) == len(p.spatial):
-        padded_hw(image_hw, p.spatial, int(getattr(model, "total_stride", 1)))
+    if len(image_hw) == len(p.spatial) and math.prod(p.spatial) > 1:
+        padded_hw(image_hw, p.spatial, tile_alignment(model, len(image_hw)))
     plan = plan_of(p, p.layout())
     plan.validate(model, recipe.train.batch_size)
 
