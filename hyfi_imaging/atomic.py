@@ -29,7 +29,8 @@ def write_atomic(
 
     OK: ``write_atomic(run_dir / "metrics.csv", text)``; pictures render to
     bytes first (``fig.savefig(io.BytesIO())``). On any exception the temporary
-    file is removed and ``path`` is untouched. Text is written as given (no
+    file is removed and ``path`` is untouched; an ``OSError`` names ``path`` (a full
+    disk's ENOSPC from a write names no file otherwise). Text is written as given (no
     newline translation, which is what the csv module expects).
     """
     target = Path(path)
@@ -40,6 +41,11 @@ def write_atomic(
         with os.fdopen(fd, "wb") as fh:
             fh.write(raw)
         os.replace(tmp, target)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.filename is None and err.strerror:  # a write names no file: say which
+            raise OSError(err.errno, err.strerror, str(target)) from err
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -225,3 +225,24 @@ def test_run_files_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
         "resolution.png", "plain.txt",
     }  # fmt: skip
     assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
+
+
+def test_a_write_that_fails_names_its_file(tmp_path: Path) -> None:
+    """A full disk (here: a file-size limit, EFBIG) fails os.write without a file name;
+    the one line a run prints must say which file could not be written."""
+    import errno
+    import subprocess
+
+    code = (
+        "import resource, signal, sys\n"
+        "from hyfi_imaging.atomic import write_atomic\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+        "try:\n"
+        f"    write_atomic({str(tmp_path / 'metrics.csv')!r}, 'x' * 5000)\n"
+        "except OSError as err:\n"
+        "    print(err.filename, err.errno)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(tmp_path / "metrics.csv"), str(errno.EFBIG)], out
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temporary file left behind
