@@ -190,7 +190,7 @@ def _steps(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("optim", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_a_diverging_run_stops_at_its_step_and_keeps_its_good_checkpoints(
     manifest: Path,  # noqa: F811
     tmp_path: Path,
@@ -244,8 +244,12 @@ def test_skipped_steps_are_counted_and_a_run_of_them_stops(manifest: Path, tmp_p
     ("change", "named"),
     [
         ('data.classes=["1", "0"]', "data.classes ['0', '1'] -> now ['1', '0']"),
-        ("model.kwargs.width=0.25", "model.kwargs {'width': 0.125} -> now {'width': 0.25}"),
-        ("data.mean=[0.4]", "data.mean None -> now [0.4]"),
+        pytest.param(
+            "model.kwargs.width=0.25",
+            "model.kwargs {'width': 0.125} -> now {'width': 0.25}",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("data.mean=[0.4]", "data.mean None -> now [0.4]", marks=pytest.mark.slow),
         ("optim.name=sgd", "optim.name adamw -> now sgd"),
     ],
 )
@@ -329,7 +333,9 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to mpiexec", "SIGUSR1 to rank 1 only"])
+@pytest.mark.parametrize(
+    "how", ["SIGTERM to mpiexec", pytest.param("SIGUSR1 to rank 1 only", marks=pytest.mark.slow)]
+)
 def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
     manifest: Path,  # noqa: F811
     tmp_path: Path,
