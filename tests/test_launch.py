@@ -12,7 +12,9 @@ measured under ``mpiexec`` and under ``torchrun``.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 
-from _launch import have_mpiexec, json_line, mpiexec, plain, torchrun
+from _launch import have_mpiexec, json_line, mpiexec, plain, torchrun, torchrun_nodes
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.launch import detect_launcher
@@ -93,7 +95,7 @@ def test_layout_rejects_grids_of_other_than_one_to_three_axes(sp: tuple[int, ...
     ("text", "grid"),
     [
         ("2x3", (2, 3)),
-        ("4", (4, 1)),
+        ("4", (4, 4)),  # square, as a size is (hyfi_imaging.shapes)
         (" 2 X 3 ", (2, 3)),
         ("2*2", (2, 2)),
         ("1,3", (1, 3)),
@@ -108,7 +110,7 @@ def test_parse_grid_accepts(text: str, grid: tuple[int, ...]) -> None:
 def test_parse_grid_rejects_with_one_line(text: str) -> None:
     with pytest.raises(ConfigError) as err:
         Layout.parse_grid(text)
-    assert "\n" not in str(err.value) and "GYxGX" in str(err.value)
+    assert "\n" not in str(err.value) and "HxW" in str(err.value) and "L<N>" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -119,13 +121,18 @@ def test_parse_grid_rejects_with_one_line(text: str) -> None:
         ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),
         ({"RANK": "0", "WORLD_SIZE": "2"}, "torchrun"),
         ({"TORCHELASTIC_RUN_ID": "x", "PMI_RANK": "0"}, "torchrun"),
+        ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}, "slurm"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, "single"),  # sbatch
     ],
 )
 def test_detect_launcher(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], launcher: str
 ) -> None:
-    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PMI_RANK", "OMPI_COMM_WORLD_RANK",
-                "PMIX_RANK", "MV2_COMM_WORLD_RANK"):  # fmt: skip
+    """The precedence rules themselves are tested in tests/test_launcher_env.py."""
+    for var in list(os.environ):
+        if var.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_", "MV2_", "MPI_LOCAL")):
+            monkeypatch.delenv(var)
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -179,6 +186,36 @@ def test_invalid_grid_spec_exits_2(spec: str) -> None:
     assert job.returncode == 2, job.describe()
     assert "Traceback" not in job.stderr, job.describe()
     assert "--spatial" in job.stderr or "sp rows" in job.stderr, job.describe()
+
+
+@pytest.mark.mpi
+def test_two_torchrun_nodes_find_their_ranks_and_threads() -> None:
+    """Global ranks 0-3 over 2 nodes of 2 (two torchrun agents on this machine): local ranks
+    0,1 on each node, and each node's CPUs shared by its 2 ranks, not by all 4."""
+    jobs = torchrun_nodes(2, 2, "tests/mpi/launch_probe.py")
+    assert all(j.returncode == 0 for j in jobs), "\n".join(j.describe() for j in jobs)
+    lines = [ln for j in jobs for ln in j.stdout.splitlines() if ln.startswith("HYFI-RESULT ")]
+    assert len(lines) == 1, "\n".join(j.describe() for j in jobs)
+    table = json.loads(lines[0].split(" ", 1)[1])
+    assert [r["rank"] for r in table] == [0, 1, 2, 3]
+    by_node: dict[str, list[int]] = {}
+    for r in table:
+        assert r["launcher"] == "torchrun" and r["local_world"] == 2, r
+        by_node.setdefault(r["group_rank"], []).append(r["local_rank"])
+        assert r["threads"] == r["threads_after_init"] == max(1, r["cpus"] // 2), r
+    assert by_node == {"0": [0, 1], "1": [0, 1]}, table
+    assert any(r["rank"] != r["local_rank"] for r in table)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_verify_on_two_torchrun_nodes() -> None:
+    """hyfi-verify on 2x2 tiles over the two "nodes" agrees with one process."""
+    jobs = torchrun_nodes(2, 2, *VERIFY, *SMALL, "--spatial", "2x2")
+    assert all(j.returncode == 0 for j in jobs), "\n".join(j.describe() for j in jobs)
+    reports = [json_line(j) for j in jobs if "{" in j.stdout]
+    assert len(reports) == 1 and reports[0]["ok"], "\n".join(j.describe() for j in jobs)
+    assert reports[0]["max_rel_error"] < 1e-9
 
 
 # --- a rank dies mid-run ---------------------------------------------------------------

@@ -24,6 +24,9 @@ examples:
   # one process (layout 1x1), a quick check that the recipe is valid, then nothing else
   hyfi-train recipes/synthetic.yaml --set parallel.spatial=1x1 --check
 
+  # a SLURM job script for the recipe (4 ranks: one node, 4 GPUs), to submit with sbatch
+  hyfi-train recipes/synthetic.yaml --set train.epochs=20 --print-sbatch --time 2:00:00 > job.sbatch
+
   # segmentation of slides with a U-Net on 1x2 tiles (masks from hyfi-preprocess --annotations)
   mpirun -np 2 hyfi-train recipes/slide-segmentation-synthetic.yaml
 
@@ -52,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hyfi-train",
         description="Train a whole-slide classifier: recipe = dataset card + model card + layout + "
-        "optimiser + schedule. Runs under mpirun, torchrun or as one process.",
+        "optimiser + schedule. Runs under mpirun, torchrun, SLURM's srun or as one process.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -82,7 +85,106 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every check that needs no processes (recipe, data, labels, layout, "
         "run directory, and that every store exists and lost no chunk), then exit",
     )
+    job = p.add_argument_group(
+        "SLURM job script",
+        "--print-sbatch prints a job script for the recipe's layout and exits: nodes, tasks "
+        "and GPUs per node, and an srun line with this recipe and its --set values. It checks "
+        "the recipe, not its data (that is --check), and starts no process.",
+    )
+    job.add_argument("--print-sbatch", action="store_true", help="print the job script, then exit")
+    job.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="N",
+        help="GPUs per node, one rank each (default 8; 0 = CPU nodes)",
+    )
+    job.add_argument(
+        "--tasks-per-node",
+        type=int,
+        metavar="N",
+        help="ranks per node (default: --gpus-per-node; on CPU nodes, every rank on one node)",
+    )
+    job.add_argument("--time", metavar="LIMIT", help="time limit (default 24:00:00)")
+    job.add_argument("--partition", metavar="NAME", help="SLURM partition (default: the site's)")
+    job.add_argument("--account", metavar="NAME", help="SLURM account to charge")
     return p
+
+
+#: The options that only shape --print-sbatch's job script.
+_JOB_OPTIONS = ("--gpus-per-node", "--tasks-per-node", "--time", "--partition", "--account")
+
+
+def _job_options(args: argparse.Namespace) -> list[str]:
+    """The options of :data:`_JOB_OPTIONS` given on the command line."""
+    return [o for o in _JOB_OPTIONS if getattr(args, o[2:].replace("-", "_")) is not None]
+
+
+def _print_sbatch(args: argparse.Namespace) -> int:
+    """Print the job script of ``args`` (see :mod:`hyfi_imaging.train.sbatch`); 2 on a
+    problem to fix first."""
+    import os
+    import shlex
+
+    import yaml
+
+    from hyfi_imaging.errors import ConfigError, HyfiError
+    from hyfi_imaging.resources import find_recipe
+    from hyfi_imaging.train.config import load_recipe, parse_overrides
+    from hyfi_imaging.train.sbatch import job_script, job_shape
+
+    try:
+        if not args.print_sbatch:
+            raise ConfigError(
+                " ".join(_job_options(args)),
+                "only shape the job script of --print-sbatch",
+                "add --print-sbatch, or leave them out",
+            )
+        if args.restart or args.no_resume or args.check:
+            raise ConfigError(
+                "--print-sbatch",
+                "takes no --restart, --no-resume or --check: a requeued job must resume its run",
+                "run hyfi-train --check (or move the old run directory away) first, then print",
+            )
+        path = find_recipe(args.recipe)
+        raw = yaml.safe_load(path.read_text()) if path.is_file() else None
+        chosen = parse_overrides(args.overrides).get(
+            "parallel", raw.get("parallel") if isinstance(raw, dict) else None
+        )
+        if chosen == "auto":
+            raise ConfigError(
+                "--print-sbatch",
+                "parallel=auto chooses a layout for the ranks a job starts with, so it cannot "
+                "size the job",
+                "choose the layout (hyfi-plan suggests one) and give it, e.g. "
+                "--set parallel.spatial=2x2",
+            )
+        recipe = load_recipe(args.recipe, args.overrides)
+        gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
+        shape = job_shape(recipe.world_size, gpus_per_node=gpus, tasks_per_node=args.tasks_per_node)
+        where = str(path.resolve()) if path.is_file() else str(args.recipe)
+        command = [sys.executable, "-m", "hyfi_imaging.cli.train", where]
+        for item in args.overrides:
+            command += ["--set", item]
+        script = job_script(
+            command,
+            shape,
+            job_name=recipe.name,
+            time_limit=args.time or "24:00:00",
+            workdir=os.getcwd(),
+            partition=args.partition,
+            account=args.account,
+            comments=[
+                f"hyfi-train --print-sbatch: recipe {recipe.name}, layout "
+                f"{recipe.parallel.layout().describe()}",
+                f"save as {shlex.quote(args.recipe.stem + '.sbatch')} and submit: "
+                f"sbatch {shlex.quote(args.recipe.stem + '.sbatch')}",
+            ],
+        )
+    except HyfiError as err:
+        print(f"hyfi-train: error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(script)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="hyfi-train: %(message)s")
+    if args.print_sbatch or _job_options(args):
+        return _print_sbatch(args)  # prints and exits: no data read, no process group
     start: StartMode = "restart" if args.restart else "new" if args.no_resume else "resume"
     try:
         recipe = load_recipe(args.recipe, args.overrides)

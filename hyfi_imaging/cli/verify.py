@@ -20,6 +20,9 @@ examples:
   # ResNet-50 on a 2x2 tile grid, 4 ranks, 2 SGD steps
   mpirun -np 4 hyfi-verify --model resnet50 --image-size 512x384 --spatial 2x2
 
+  # the same as a SLURM job step (inside sbatch or salloc; no MPI needed)
+  srun -n 4 hyfi-verify --model resnet50 --image-size 512x384 --spatial 2x2
+
   # the same under torchrun, machine-readable
   torchrun --nproc-per-node 4 -m hyfi_imaging.cli.verify --model resnet18 \\
       --image-size 300x260 --spatial 2x2 --json
@@ -212,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from hyfi_imaging.errors import ConfigError
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown, threads_per_rank
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.verify import run_verify
 
@@ -237,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
     # Fail on a bad name, option, cut or batch before any process group exists.
     plan.validate(create_model(args.model, **kwargs), batch)
     pc = init_parallel(layout)
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size)))
+    torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
     report = run_verify(
         lambda: create_model(args.model, **kwargs),
         pc,

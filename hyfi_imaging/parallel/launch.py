@@ -1,12 +1,15 @@
-"""One bootstrap for ``mpirun``, ``torchrun`` and a plain process.
+"""One bootstrap for ``mpirun``, ``torchrun``, SLURM's ``srun`` and a plain process.
 
 Why MPI only for the bootstrap: PyTorch's MPI backend needs a source build,
 while NCCL and Gloo come with every wheel. Under ``mpirun`` we read rank, size
 and local rank from mpi4py, let rank 0 start the rendezvous store on a port the
 kernel picks as it binds, broadcast the address, and then start an ordinary
 NCCL (CUDA) or Gloo (CPU) process group on that store.
-Under ``torchrun`` the environment already says everything. A plain process
-gets a world of one with an in-memory store, so the same code runs everywhere.
+Under ``torchrun`` the environment already says everything. Under ``srun`` the
+step's variables give rank, size and local rank, and rank 0 serves the store on
+the step's first node at a port derived from the job id (see :mod:`.launcher_env`,
+which also says which launcher wins when several left their variables). A plain
+process gets a world of one with an in-memory store, so the same code runs everywhere.
 
 Every collective gets a timeout: a dead rank must end the job with a clear
 message, never a hang. :func:`fail_fast` turns an exception on any rank into a
@@ -28,14 +31,20 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hyfi_imaging.errors import HyfiError
+from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.launcher_env import (
+    Launcher,
+    launch_env,
+    slurm_rendezvous,
+    threads_per_rank,
+)
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import fix_malloc_threshold
 
@@ -47,13 +56,13 @@ __all__ = [
     "fail_fast",
     "failure_line",
     "init_parallel",
+    "launch_env",
     "launch_rank",
     "lost_ranks",
     "shutdown",
+    "threads_per_rank",
 ]
 
-Launcher = Literal["mpi", "torchrun", "single"]
-_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 T = TypeVar("T")
 #: (host, pid) of every rank of the job, filled by :func:`init_parallel`.
 _PEERS: list[tuple[str, int]] = []
@@ -70,12 +79,9 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def detect_launcher() -> Launcher:
-    """Which launcher started this process, judged from its environment."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return "torchrun"
-    if any(v in os.environ for v in _MPI_RANK_VARS):
-        return "mpi"
-    return "single"
+    """Which launcher started this process, judged from its environment (see
+    :func:`.launcher_env.launch_env` for the precedence when several are present)."""
+    return launch_env().launcher
 
 
 @dataclass
@@ -143,8 +149,9 @@ class ParallelContext:
         )
 
 
-def _mpi_environment(timeout: datetime.timedelta) -> tuple[int, int, int, Any]:
-    """Rank, size and local rank from MPI, and the rendezvous store (None: ``env://``).
+def _mpi_environment(timeout: datetime.timedelta) -> tuple[int, int, int, int, Any]:
+    """Rank, size, local rank and local size from MPI, and the rendezvous store (None:
+    ``env://``).
 
     Without ``MASTER_ADDR``/``MASTER_PORT``, rank 0 starts the store on a port the
     kernel picks *while binding* (port 0) and broadcasts it: choosing a free port,
@@ -156,9 +163,10 @@ def _mpi_environment(timeout: datetime.timedelta) -> tuple[int, int, int, Any]:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        return rank, size, local_rank, None
+        return rank, size, local_rank, local_size, None
     store = None
     addr_port = None
     if rank == 0:
@@ -176,7 +184,23 @@ def _mpi_environment(timeout: datetime.timedelta) -> tuple[int, int, int, Any]:
     # A later init in this process (after shutdown) finds RANK/WORLD_SIZE set and
     # rendezvouses with env://, on this address.
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    return rank, size, local_rank, store
+    return rank, size, local_rank, local_size, store
+
+
+def _one_process_of_a_job(layout: Layout) -> None:
+    """ConfigError for a multi-rank layout run by a bare ``python`` in an sbatch script.
+
+    The batch script of a job sees ``SLURM_NTASKS=4`` but is one process: without
+    ``srun`` the layout check would only say "needs 4 ranks but the job has 1".
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and layout.world_size > 1:
+        raise ConfigError(
+            "layout",
+            f"{layout.describe()} needs {layout.world_size} ranks but this is one process of "
+            f"SLURM job {job} (no srun step)",
+            f"start it with srun inside the job script (srun -n {layout.world_size} <command>)",
+        )
 
 
 def init_parallel(
@@ -190,38 +214,72 @@ def init_parallel(
     depend on allocation order.
     """
     fix_malloc_threshold()
-    launcher = detect_launcher()
+    env = launch_env()
+    launcher = env.launcher
+    rank, world, local_rank, local_size = (
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.local_world_size,
+    )
     store = None
-    if launcher == "torchrun":
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    elif launcher == "mpi":
-        rank, world, local_rank, store = _mpi_environment(datetime.timedelta(seconds=timeout_s))
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
-    else:
-        rank, world, local_rank = 0, 1, 0
+    chosen_port = "MASTER_PORT" in os.environ  # for the message if the port is taken
+    if launcher == "mpi":
+        rank, world, local_rank, local_size, store = _mpi_environment(
+            datetime.timedelta(seconds=timeout_s)
+        )
+    elif launcher == "slurm" and world > 1:
+        addr, port = slurm_rendezvous()
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    elif launcher == "single":
+        _one_process_of_a_job(layout)
+    if launcher == "mpi" or (launcher == "slurm" and world > 1):
+        # torchrun's names, for code that reads them (and threads_per_rank); a later init in
+        # this process (after shutdown) then rendezvouses with env:// at the same address.
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(local_size),
+        )
     layout.check_world(world)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    # SLURM's --gpus-per-task or --gpu-bind can leave each rank a single visible device.
+    device = (
+        torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if launcher == "single":
+        if launcher == "single" or (launcher == "slurm" and world == 1):
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         else:
-            dist.init_process_group(
-                backend,
-                init_method=None if store is not None else "env://",
-                store=store,
-                rank=rank,
-                world_size=world,
-                timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
+            try:
+                dist.init_process_group(
+                    backend,
+                    init_method=None if store is not None else "env://",
+                    store=store,
+                    rank=rank,
+                    world_size=world,
+                    timeout=timeout,
+                    device_id=device if device.type == "cuda" else None,
+                )
+            except RuntimeError as err:
+                if launcher == "slurm" and "address already in use" in str(err).lower():
+                    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                    which = "MASTER_PORT" if chosen_port else "the port derived from the job id"
+                    raise HyfiError(
+                        f"rendezvous {where}",
+                        f"{which} is in use on rank 0's node (another job?)",
+                        "export MASTER_PORT=<a free port> in the job script and relaunch",
+                    ) from err
+                raise
     groups: dict[str, Any]
     if layout.junction:
         from hyfi_imaging.parallel.junction import junction_meshes
@@ -273,10 +331,8 @@ def launch_rank() -> int | None:
     """This process's rank: the process group's, else the launcher's environment; None alone."""
     if dist.is_initialized():
         return dist.get_rank()
-    for var in ("RANK", *_MPI_RANK_VARS):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+    env = launch_env()
+    return None if env.launcher == "single" else env.rank
 
 
 def _alive(pid: int) -> bool:

@@ -19,15 +19,18 @@ __all__ = ["choose_layout", "fit_warning", "launch_world_size"]
 
 #: FLOP/s used to rank layouts when nothing is measured (the ranking barely depends on it).
 NOMINAL_RATE = {"cpu": 5e10, "cuda": 2e14}
-_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def launch_world_size() -> int:
-    """Ranks of this job, from the launcher's environment (1 for a plain process)."""
-    for var in _SIZE_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
+    """Ranks of this job, from the launcher's environment (an ``srun`` step's task count
+    under SLURM, see :mod:`hyfi_imaging.parallel.launcher_env`); ``WORLD_SIZE`` alone also
+    counts; 1 for a plain process."""
+    from hyfi_imaging.parallel.launcher_env import launch_env
+
+    env = launch_env()
+    if env.launcher == "single" and os.environ.get("WORLD_SIZE", "").isdigit():
+        return int(os.environ["WORLD_SIZE"])
+    return env.world_size
 
 
 def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -83,7 +82,7 @@ class Trainer:
         """Start the process group, build the parallel model, optimiser and data split."""
         from hyfi_imaging.data.dataset import load_samples
         from hyfi_imaging.parallel.engine import ParallelModel
-        from hyfi_imaging.parallel.launch import init_parallel
+        from hyfi_imaging.parallel.launch import init_parallel, threads_per_rank
         from hyfi_imaging.train.inputs import build_model
         from hyfi_imaging.train.tasks import load_cohort, num_outputs, task_loss
 
@@ -92,7 +91,7 @@ class Trainer:
         layout = p.layout()
         self.pc = init_parallel(layout)
         self.rank0 = self.pc.rank == 0
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.pc.world_size)))
+        torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
         self.cohort = load_cohort(r, r.data.manifest)
         self.task = r.task.name
         # Classification keeps the manifest's samples (labels, ids) as before.

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ __all__ = [
     "plain",
     "run",
     "torchrun",
+    "torchrun_nodes",
     "training_verdict",
 ]
 
@@ -74,7 +76,10 @@ def have_mpiexec() -> bool:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    # SLURM_*: a suite run inside a SLURM job must not make its launches part of that job.
+    env = {
+        k: v for k, v in os.environ.items() if k not in _RANK_VARS and not k.startswith("SLURM_")
+    }
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
@@ -147,6 +152,43 @@ def torchrun(n: int, *args: str, timeout: float = 240.0) -> Job:
     """``torchrun --standalone --nproc-per-node N ARGS`` (``python -m torch.distributed.run``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     return run([*cmd, *args], timeout=timeout)
+
+
+def torchrun_nodes(nodes: int, per_node: int, *args: str, timeout: float = 240.0) -> list[Job]:
+    """``torchrun --nnodes NODES --nproc-per-node PER_NODE ARGS`` once per "node", all on this
+    machine, meeting at a c10d rendezvous on localhost: one Job per agent, in node order.
+
+    Why several agents: LOCAL_WORLD_SIZE, GROUP_RANK and global rank != local rank only
+    occur when a job spans nodes. Each agent's process group is killed at ``timeout``.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    began = time.perf_counter()
+    procs = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+               f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=hyfi-{port}",
+               f"--node-rank={node}", *args]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        procs.append((cmd, proc))
+    jobs = []
+    for cmd, proc in procs:
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - began)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        jobs.append(
+            Job(cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out, time.time())
+        )
+    return jobs
 
 
 def plain(*args: str, timeout: float = 240.0) -> Job:
