@@ -96,7 +96,7 @@ def test_a_full_disk_ends_with_one_line_and_an_intact_checkpoint(
     small_disk: Path,
 ) -> None:
     out = small_disk / "run"
-    cmd = _train_cmd(manifest, out, "parallel.spatial=1x1", "train.epochs=200")
+    cmd = [MPIEXEC, "-n", "2", *_train_cmd(manifest, out, SP, "train.epochs=200")]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -115,14 +115,17 @@ def test_a_full_disk_ends_with_one_line_and_an_intact_checkpoint(
         except OSError:
             pass
     _, stderr = proc.communicate(timeout=120)
-    # 2 when the checkpoint write hits the full disk first, 1 when the metrics log does.
-    assert proc.returncode in (1, 2), stderr[-2000:]
+    # Whichever write hits the full disk first (a checkpoint on every rank, metrics.csv on
+    # rank 0): one line naming the file or checkpoint, exit 2, and no other rank blames a
+    # "lost rank" for rank 0's own exit.
+    assert proc.returncode == 2, stderr[-2000:]
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "No space left on device" in lines[0], stderr[-2000:]
+    assert str(out) in lines[0] and "lost rank" not in stderr
     assert "Traceback" not in stderr
     assert not list((out / "checkpoints").glob("*.partial"))
     (small_disk / "filler").unlink()
-    resumed = _train(manifest, out, 1, "parallel.spatial=1x1", "train.max_steps=1", check=False)
+    resumed = _train(manifest, out, 2, SP, "train.max_steps=1", check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming run" in resumed.stderr
 
@@ -372,3 +375,52 @@ def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
     # Relaunched, it resumes from that checkpoint and ends as the uninterrupted run did.
     _train(manifest, run, 2, *sets)
     assert _losses(run) == _losses(reference)
+
+
+def test_a_hung_rank_is_named_in_one_line_per_surviving_rank(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    import contextlib
+    import signal
+
+    run = tmp_path / "run"
+    sets = (SP, "train.epochs=50", "parallel.timeout_s=5", "train.checkpoint_every_steps=0")
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, *sets)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    _wait_for_steps(run, 1, proc)
+    ranks = sorted(p for proxy in _children(proc.pid) for p in _children(proxy))
+    os.kill(ranks[1], signal.SIGSTOP)  # rank 1 stops answering (started second)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert proc.returncode != 0
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"rank 1 (pid {ranks[1]} " in lines[0] and "stopped answering" in lines[0], lines[0]
+    assert "waited 5 s" in lines[0] and "parallel.timeout_s" in lines[0]
+
+
+def test_ctrl_c_is_said_once(manifest: Path, tmp_path: Path) -> None:  # noqa: F811
+    import signal
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, SP, "train.epochs=50")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    _wait_for_steps(run, 1, proc)
+    proc.send_signal(signal.SIGINT)  # mpiexec forwards it to every rank
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and stderr.count("interrupted") == 1, stderr[-3000:]

@@ -27,10 +27,12 @@ import errno
 import os
 import socket
 import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -76,6 +78,10 @@ _PEER_GONE = (
     "socket closed",
 )
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: What a transport says when a collective waited past its timeout.
+_TIMED_OUT = ("timed out", "timeout")
+#: The collectives' timeout of this process (set by :func:`init_parallel`), for messages.
+_TIMEOUT_S = [60.0]
 
 
 def detect_launcher() -> Launcher:
@@ -254,6 +260,7 @@ def init_parallel(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    _TIMEOUT_S[0] = timeout_s
     if not dist.is_initialized():
         if launcher == "single" or (launcher == "slurm" and world == 1):
             dist.init_process_group(
@@ -356,6 +363,48 @@ def lost_ranks() -> list[int]:
     return [r for r, (h, pid) in enumerate(_PEERS) if h == host and not _alive(pid)]
 
 
+def stopped_ranks() -> list[int]:
+    """Ranks of this host's part of the job whose process is stopped (SIGSTOP, a debugger)."""
+    host = socket.gethostname()
+    found = []
+    for r, (h, pid) in enumerate(_PEERS):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if h == host and state in ("T", "t"):
+            found.append(r)
+    return found
+
+
+def _notes_dir() -> Path | None:
+    """Where this job's ranks leave a note that they reported their own error (rank 0's
+    host and pid name the job); None before the ranks know each other."""
+    if not _PEERS:
+        return None
+    host, pid = _PEERS[0]
+    return Path(tempfile.gettempdir()) / f"hyfi-job-{host}-{pid}"
+
+
+def _note_reported(rank: int | None) -> None:
+    """Tell this host's other ranks that this rank's failure is already said (one line)."""
+    where = _notes_dir()
+    if where is None or rank is None:
+        return
+    try:
+        where.mkdir(exist_ok=True)
+        (where / f"rank{rank}").touch()
+    except OSError:
+        pass
+
+
+def _reported(ranks: Sequence[int]) -> bool:
+    """Whether every rank of ``ranks`` left the note of :func:`_note_reported`."""
+    where = _notes_dir()
+    return where is not None and bool(ranks) and all((where / f"rank{r}").exists() for r in ranks)
+
+
 def error_chain(err: BaseException) -> list[BaseException]:
     """``err`` and the errors it was raised from (causes, then contexts), each once."""
     seen: list[BaseException] = []
@@ -382,6 +431,24 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
         if err.collective and rank not in (None, 0):
             return None, False
         return (f"error: {err}" if err.collective else f"{who}error: {err}"), False
+    text = " ".join(str(e) for e in error_chain(err)).lower()
+    if any(k in text for k in _TIMED_OUT):
+        stopped = [r for r in stopped_ranks() if r != rank]
+        what = (
+            f"rank {', '.join(map(str, stopped))} (pid "
+            f"{', '.join(str(_PEERS[r][1]) for r in stopped)} on {socket.gethostname()}) "
+            "stopped answering: its process is stopped (SIGSTOP or a debugger)"
+            if stopped
+            else "another rank stopped answering (none of this host's ranks is stopped: one "
+            "on another host, or one stuck far longer than the others)"
+        )
+        return (
+            f"{who}error: {what}; a collective waited {_TIMEOUT_S[0]:g} s for it "
+            "(parallel.timeout_s); find why it stalled, or raise parallel.timeout_s if a step "
+            "legitimately takes longer, then relaunch the same command to resume from the last "
+            "checkpoint.",
+            False,
+        )
     for e in error_chain(err):
         if isinstance(e, OSError) and e.strerror:
             where = f"{e.filename}: " if e.filename else ""
@@ -392,7 +459,6 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
                 else "check that path and its permissions"
             )
             return f"{who}error: {where}{e.strerror}; {fix}.", False
-    text = " ".join(str(e) for e in error_chain(err)).lower()
     if any(k in text for k in _PEER_GONE):
         # The peer's sockets close while it is still exiting: give the kernel a moment.
         deadline = time.monotonic() + 3.0
@@ -400,6 +466,8 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
         while not gone and _PEERS and time.monotonic() < deadline:
             time.sleep(0.05)
             gone = [r for r in lost_ranks() if r != rank]
+        if _reported(gone):  # they said why in their own line: one line in all
+            return None, False
         what = (
             f"lost rank {', '.join(map(str, gone))} (pid "
             f"{', '.join(str(_PEERS[r][1]) for r in gone)} on {socket.gethostname()}), "
@@ -426,14 +494,22 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
         return fn()
     except SystemExit:
         raise
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: said once
+        if launch_rank() in (None, 0):
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         os._exit(130)
     except BaseException as err:
-        line, trace = failure_line(err, launch_rank())
+        rank = launch_rank()
+        line, trace = failure_line(err, rank)
         if trace:
             traceback.print_exc(file=sys.stderr)
         if line is not None:
+            _note_reported(rank)
             print(f"{prog}: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(2 if isinstance(err, HyfiError) else 1)
+        os._exit(2 if isinstance(err, HyfiError) or _disk_full(err) else 1)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """A full disk (or quota): the user can fix it, so it exits 2 like a HyfiError."""
+    return any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in error_chain(err))

@@ -152,6 +152,9 @@ class ParallelConfig(_Strict):
     pipeline: int = Field(1, ge=1)
     data: int = Field(1, ge=1)
     microbatches: int = Field(1, ge=1)
+    #: Seconds a collective waits for the other ranks before the job ends naming the rank
+    #: that stopped answering.
+    timeout_s: float = Field(60.0, gt=0)
     #: gpipe, 1f1b; bidirectional (two mirrored replicas, GEMS); interleaved1f1b, zbv, dualpipev
     #: (torch's schedules with two stages per rank: ``balance`` then lists 2 x pipeline counts).
     schedule: Literal["gpipe", "1f1b", "bidirectional", "interleaved1f1b", "zbv", "dualpipev"] = (
