@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 
-from hyfi_imaging.data.ndtiles import BoxND, stitch_nd, tile_regions_nd
 from hyfi_imaging.data.orientation import Orientation
 from hyfi_imaging.data.volume_augment import (
     VolumeAugment,
@@ -17,6 +16,7 @@ from hyfi_imaging.data.volume_augment import (
     read_augmented_volume,
 )
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.geometry.tiles import BoxND, stitch_nd, tile_regions_nd
 from hyfi_imaging.io.volume_store import VolumeStore, write_ome_zarr_volume
 
 SIDE = 18

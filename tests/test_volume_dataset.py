@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyfi_imaging.data.ndtiles import stitch_nd, tile_regions_nd
 from hyfi_imaging.data.volume_augment import VolumeAugment, augment_volume
 from hyfi_imaging.data.volume_dataset import VolumeDataset
 from hyfi_imaging.data.volume_manifest import read_volume_manifest
 from hyfi_imaging.data.volumes import blob_volume, write_blob_cohort, write_grf_cohort
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.geometry.tiles import stitch_nd, tile_regions_nd
 from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
 
 SIDE = 16

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hyfi_imaging.data.ndtiles import BoxND, stitch_nd, strip_halo_nd, tile_regions_nd
 from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.geometry.tiles import BoxND, stitch_nd, strip_halo_nd, tile_regions_nd
 from hyfi_imaging.io.volume_store import (
     VolumeStore,
     downsample_2x_nd,
@@ -200,7 +200,7 @@ def test_halo_is_the_neighbours_owned_data(store_path: Path) -> None:
 
 
 def _region(coords: tuple[int, int, int], halo: Any) -> Any:
-    from hyfi_imaging.data.ndtiles import tile_region_nd
+    from hyfi_imaging.geometry.tiles import tile_region_nd
 
     return tile_region_nd(SHAPE, (2, 1, 1), coords, halo=halo)
 

@@ -7,7 +7,7 @@ cost seconds per process. :class:`TileDataset` (which needs torch) is imported
 on first use. Synthetic slides live in :mod:`hyfi_imaging.data.synthetic`.
 
 Volumes have their own modules, imported by name: N-d tiling
-(:mod:`~hyfi_imaging.data.ndtiles`, which :mod:`~hyfi_imaging.data.tiles` uses),
+(:mod:`~hyfi_imaging.geometry.tiles`, which :mod:`~hyfi_imaging.data.tiles` uses),
 3-D augmentation (:mod:`~hyfi_imaging.data.volume_augment`), the
 :class:`~hyfi_imaging.data.volume_dataset.VolumeDataset`, synthetic fields and
 blobs (:mod:`~hyfi_imaging.data.volumes`) and their manifest

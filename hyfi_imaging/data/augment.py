@@ -42,11 +42,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyfi_imaging.data.ndtiles import BoxND
 from hyfi_imaging.data.normalize import Window
 from hyfi_imaging.data.orientation import Orientation
 from hyfi_imaging.data.tiles import Box, read_window
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.geometry.tiles import BoxND
 from hyfi_imaging.io.base import BACKGROUND, SlideReader, clip_region
 
 __all__ = [

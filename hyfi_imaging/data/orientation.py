@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyfi_imaging.data.ndtiles import BoxND
+from hyfi_imaging.geometry.tiles import BoxND
 
 __all__ = ["Orientation"]
 

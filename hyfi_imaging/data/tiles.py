@@ -7,8 +7,8 @@ tile offset is a multiple of the model's total stride ``align`` (J). So an
 image of ``(H, W)`` is padded *once, globally* to ``(Hp, Wp)``, the smallest
 multiple of ``gy·align`` (``gx·align``) that holds it, and cut into ``gy x gx``
 equal tiles; a 1x1 grid is not padded. The rule is
-:func:`hyfi_imaging.parallel.geometry.padded_hw`, the one the engine uses, applied
-by :func:`hyfi_imaging.data.ndtiles.tile_region_nd` (the N-d arithmetic that volumes
+:func:`hyfi_imaging.geometry.spans.padded_hw`, the one the engine uses, applied
+by :func:`hyfi_imaging.geometry.tiles.tile_region_nd` (the N-d arithmetic that volumes
 share; :func:`tile_region` spells its answer in ``(y, x, h, w)`` boxes). The
 padding lies only past the bottom and right image border, where the spatial
 layers mask it; the loader fills it with the background value.
@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hyfi_imaging.data.ndtiles import tile_region_nd
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.geometry.tiles import tile_region_nd
 from hyfi_imaging.io.base import SlideReader, clip_region, paste_region
 
 __all__ = [

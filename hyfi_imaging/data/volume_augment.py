@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyfi_imaging.data.ndtiles import BoxND
 from hyfi_imaging.data.orientation import Orientation
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.geometry.tiles import BoxND
 from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
 
 __all__ = [

@@ -3,7 +3,7 @@
 The volume counterpart of :class:`hyfi_imaging.data.dataset.TileDataset`, with
 the same reasons: every rank of a ``(gz, gy, gx)`` grid builds its own
 dataset with its ``rank`` and reads only its tile plus halo
-(:func:`~hyfi_imaging.data.ndtiles.tile_region_nd`: the one tiling rule)
+(:func:`~hyfi_imaging.geometry.tiles.tile_region_nd`: the one tiling rule)
 through the augmentation's box map
 (:func:`~hyfi_imaging.data.volume_augment.read_augmented_volume`), drawn
 from ``(seed, epoch, index)`` so all ranks and workers agree without talking.
@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hyfi_imaging.data.ndtiles import HaloND, RegionND, tile_region_nd
 from hyfi_imaging.data.volume_augment import (
     VolumeAugment,
     VolumeAugmentParams,
@@ -42,6 +41,7 @@ from hyfi_imaging.data.volume_augment import (
 )
 from hyfi_imaging.data.volume_manifest import read_volume_manifest
 from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.geometry.tiles import HaloND, RegionND, tile_region_nd
 from hyfi_imaging.io.volume_store import VolumeStore
 
 __all__ = ["VolumeDataset", "VolumeSample"]
@@ -74,7 +74,7 @@ class VolumeDataset(Dataset[dict[str, Any]]):
         manifest: a volume ``manifest.csv`` (:mod:`~hyfi_imaging.data.volume_manifest`)
             or its directory.
         grid: spatial grid ``(gz, gy, gx)``; rank: this rank's ``(i, j, k)``.
-        halo: voxels read around the tile (see :func:`~hyfi_imaging.data.ndtiles.normalize_halo_nd`).
+        halo: voxels read around the tile (see :func:`~hyfi_imaging.geometry.tiles.normalize_halo_nd`).
         align: the model's total stride; tile offsets are multiples of it.
         level: pyramid level to read.
         target: ``"regression"`` or ``"labels"`` (see the module docstring).
@@ -199,7 +199,7 @@ class VolumeDataset(Dataset[dict[str, Any]]):
         )
 
     def region(self, index: int) -> RegionND:
-        """This rank's :class:`~hyfi_imaging.data.ndtiles.RegionND` of sample ``index``."""
+        """This rank's :class:`~hyfi_imaging.geometry.tiles.RegionND` of sample ``index``."""
         return tile_region_nd(
             self.shape(index), self.grid, self.rank, halo=self.halo, align=self.align
         )

@@ -24,7 +24,7 @@ axes). The layout follows the 2-D store so that one set of habits serves both:
 
 Reads go through :func:`read_subvolume`, which slices the zarr array, so only
 the chunks a box touches are fetched and decoded; :func:`volume_tile` is one
-rank's tile plus halo (:mod:`hyfi_imaging.data.ndtiles`), zero outside the volume.
+rank's tile plus halo (:mod:`hyfi_imaging.geometry.tiles`), zero outside the volume.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from hyfi_imaging.data.ndtiles import BoxND, HaloND, read_box_nd, tile_region_nd
 from hyfi_imaging.errors import ConfigError, SlideError
+from hyfi_imaging.geometry.tiles import BoxND, HaloND, read_box_nd, tile_region_nd
 from hyfi_imaging.io.channels import channel_stats, omero_metadata
 from hyfi_imaging.io.inventory import (
     INVENTORY_ATTR,
@@ -448,7 +448,7 @@ def volume_tile(
 ) -> np.ndarray:
     """The rank at ``coords`` of a ``(gz, gy, gx)`` grid: its sub-volume plus halo, ``(C, d, h, w)``.
 
-    The same rule as 2-D tiles (:func:`hyfi_imaging.data.ndtiles.tile_region_nd`):
+    The same rule as 2-D tiles (:func:`hyfi_imaging.geometry.tiles.tile_region_nd`):
     the volume is padded at the far end of each axis to a multiple of
     ``grid · align`` (``padded_size``, when given, must equal that), equal tiles;
     voxels outside the volume (padding, halo past the border) are ``fill``.

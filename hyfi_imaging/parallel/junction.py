@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.geometry import padded_hw
+from hyfi_imaging.geometry.spans import padded_hw
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.pipeline import as_tuple, schedule_order, stage_boundaries
 

@@ -166,7 +166,7 @@ def _check_layout(
     recipe: Recipe, image_hw: tuple[int, ...], channels: int, num_classes: int
 ) -> None:
     """The engine's checks that need no process group, on a meta-device model."""
-    from hyfi_imaging.parallel.geometry import padded_hw
+    from hyfi_imaging.geometry.spans import padded_hw
     from hyfi_imaging.parallel.spatial import tile_alignment
     from hyfi_imaging.train.inputs import build_model
 

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hyfi_imaging.data.ndtiles import BoxND, normalize_halo_nd, tile_region_nd, tile_regions_nd
 from hyfi_imaging.data.tiles import tile_region
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.geometry import padded_hw
+from hyfi_imaging.geometry.spans import padded_hw
+from hyfi_imaging.geometry.tiles import BoxND, normalize_halo_nd, tile_region_nd, tile_regions_nd
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 1), (2, 1, 2), (3, 2, 1), (2, 2, 2)])

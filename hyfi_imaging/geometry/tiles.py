@@ -7,7 +7,7 @@ per axis. So the arithmetic is written once, for any number of axes, here:
 * **padding**: the image is padded once, globally, at the far end of each axis,
   to the smallest multiple of ``grid · align`` that holds it (a grid of one
   tile is not padded). The rule itself is
-  :func:`hyfi_imaging.parallel.geometry.padded_hw`, which the engine uses and
+  :func:`hyfi_imaging.geometry.spans.padded_hw`, which the engine uses and
   which already takes any number of axes; nothing here re-derives it.
 * **tiles**: equal tiles of ``padded // grid``; rank ``(i, j, ...)`` owns
   ``[i·t, (i+1)·t)`` along each axis (row-major rank order, last axis fastest).
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.geometry import padded_hw
+from hyfi_imaging.geometry.spans import padded_hw
 
 __all__ = [
     "BoxND",
