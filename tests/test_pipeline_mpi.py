@@ -10,7 +10,7 @@ input gradients, every parameter gradient, the clipped gradient norm, eval
 predictions, weights and BatchNorm running statistics, in float64.
 
 Why this file is also the worker: pytest cannot run a test body inside
-``mpiexec``, and one launch per world size (2, 4, 8 ranks) costs far less than
+``mpiexec``, and one launch per world size (2, 4, 8 ranks, one after the other) costs far less than
 one per case (start-up is seconds). Run as ``mpiexec -n N python
 tests/test_pipeline_mpi.py`` it runs every case of world size N (several
 layouts share one launch: meshes are built per case) and prints one JSON line.
@@ -166,14 +166,19 @@ def _mpiexec() -> str | None:
 
 @pytest.fixture(scope="module")
 def launches() -> dict[int, dict[str, Any]]:
-    """Start one mpiexec per world size at once and collect every case's verdict."""
+    """Run one mpiexec per world size, one world after the other, and collect every verdict.
+
+    One at a time: three worlds at once put 14 ranks on 2 cores, and a rank that
+    waits on a busy core can time out or be taken by the OOM killer.
+    """
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip("mpiexec not found (install the mpich extra)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
-    procs = {
-        n: subprocess.Popen(
+    out: dict[int, dict[str, Any]] = {}
+    for n in WORLDS:
+        proc = subprocess.Popen(
             [mpiexec, "-n", str(n), sys.executable, str(Path(__file__).resolve())],
             cwd=ROOT,
             env=env,
@@ -181,10 +186,6 @@ def launches() -> dict[int, dict[str, Any]]:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for n in WORLDS
-    }
-    out: dict[int, dict[str, Any]] = {}
-    for n, proc in procs.items():
         try:
             stdout, stderr = proc.communicate(timeout=540)
         except subprocess.TimeoutExpired:
