@@ -16,6 +16,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
+from hyfi_imaging.models.registry import chain_run
 from hyfi_imaging.parallel.halo import rebuild, window_of
 from hyfi_imaging.parallel.pipeline import set_checkpointing
 from hyfi_imaging.parallel.streaming import stream_stem
@@ -60,7 +61,7 @@ def test_resnet_stem_in_bands_trains_like_the_whole_map(
     assert stream_stem(streamed, band_rows=band_rows) == ["conv1", "bn1", "relu", "maxpool"]
     x = torch.randn(2, 3, *size, dtype=torch.float64)
     assert _compare(plain, streamed, x, torch.tensor([1, 2])) < 1e-11
-    assert streamed.conv1.hyfi_stem.runs == 2  # both steps ran in bands
+    assert chain_run(streamed.conv1).runs == 2  # both steps ran in bands
 
 
 def test_a_stem_of_two_batchnorms_and_a_trailing_convolution() -> None:

@@ -39,6 +39,7 @@ import difflib
 import fnmatch
 import importlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -61,9 +62,11 @@ __all__ = [
     "check_positive",
     "create_model",
     "get_model_entry",
+    "chain_run",
     "import_builder",
     "list_models",
     "register_model",
+    "set_chain_run",
 ]
 
 F = TypeVar("F", bound=Callable[..., nn.Module])
@@ -317,19 +320,35 @@ class CheckpointedBlock(nn.Module):
         return self.forward_block(x)
 
 
+#: Runs standing in for consecutive layers of a chain, keyed by their first layer (a
+#: side table: nothing is written onto the model's modules). A run is callable and has
+#: ``modules``, the layers it replaces in order.
+_CHAIN_RUNS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def set_chain_run(first: nn.Module, run: Any) -> None:
+    """Let ``run`` stand in for ``run.modules`` (starting at ``first``) in :func:`run_chain`."""
+    _CHAIN_RUNS[first] = run
+
+
+def chain_run(first: nn.Module) -> Any:
+    """The run registered for the layers starting at ``first``, or None."""
+    return _CHAIN_RUNS.get(first)
+
+
 def run_chain(modules: Sequence[nn.Module], x: Any) -> Any:
     """``x`` through ``modules`` in order, as a chain model and a pipeline stage run them.
 
-    A layer may carry ``hyfi_stem`` (:class:`~hyfi_imaging.parallel.streaming.Stem`): it
-    runs that layer and the ones after it in row bands. It runs in their place when all
-    of them follow, in order; a pipeline cut inside the stem runs them one by one.
+    A run registered with :func:`set_chain_run` (a streamed stem runs its layers in row
+    bands) stands in for its layers when all of them follow, in order; a pipeline cut
+    inside it runs them one by one.
     """
     i = 0
     while i < len(modules):
-        stem = getattr(modules[i], "hyfi_stem", None)
-        if stem is not None and list(modules[i : i + len(stem)]) == stem.modules:
-            x = stem(x)
-            i += len(stem)
+        run = _CHAIN_RUNS.get(modules[i])
+        if run is not None and list(modules[i : i + len(run.modules)]) == run.modules:
+            x = run(x)
+            i += len(run.modules)
         else:
             x = modules[i](x)
             i += 1

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hyfi_imaging.models.registry import CheckpointedBlock
+from hyfi_imaging.models.registry import CheckpointedBlock, chain_run
 from hyfi_imaging.parallel.balance import partition
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
@@ -91,7 +91,7 @@ from hyfi_imaging.parallel.speed import (
     reduce_scatter_s,
     spatial_ops,
 )
-from hyfi_imaging.parallel.streaming import stream_stem
+from hyfi_imaging.parallel.streaming import Stem, stream_stem
 from hyfi_imaging.parallel.windowed import backward_band
 
 __all__ = [
@@ -684,7 +684,7 @@ def _stage_cost(
     # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
     # backward.
-    stem = next((getattr(m, "hyfi_stem", None) for m in stage.children()), None)
+    stem = next((r for m in stage.children() if isinstance(r := chain_run(m), Stem)), None)
     passes = {path: stem.passes for path in stem.paths} if stem is not None else {}
     children = list(stage.named_children())
     x0 = ins[0] if len(ins) == 1 else ins

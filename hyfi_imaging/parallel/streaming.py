@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.models.registry import set_chain_run
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
 from hyfi_imaging.parallel.halo import exchange_strips, new_like, return_halo_grads, window_of
 from hyfi_imaging.parallel.spatial import SpatialBatchNorm2d, SpatialConv2d, SpatialMaxPool2d
@@ -707,5 +708,5 @@ def stream_stem(model: nn.Module, ctx: Any = None, *, band_rows: int = _BAND_ROW
             "use parallel.streaming=none",
         )
     stem = Stem(layers, ctx, band_rows)
-    layers[0].module.hyfi_stem = stem  # type: ignore[assignment]
+    set_chain_run(layers[0].module, stem)  # run_chain runs the stem in its layers' place
     return stem.paths
