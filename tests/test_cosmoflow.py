@@ -96,6 +96,50 @@ def test_options_and_refusals() -> None:
     assert "width" in str(err.value)
 
 
+def test_the_flatten_head_names_the_sizes_it_takes() -> None:
+    """The reference's head reads the whole last map: another volume size is one line naming
+    the sides that fit (not a matrix product's shape error deep in the forward pass)."""
+    model = tiny()  # size 16, 2 pools: a 4x4x4 map
+    model.check_input_size((16, 19, 17))  # floors to 4x4x4 as well
+    with pytest.raises(ConfigError) as err:
+        model.check_input_size((8, 8, 12))
+    text = str(err.value)
+    assert "\n" not in text and "16 to 19 voxels a side" in text and "2x2x3" in text
+    assert "head='pool'" in text and "size=" not in text.split(";")[1]  # no cube fits 2x2x3
+    with pytest.raises(ConfigError, match="size=8 for this one"):
+        model.check_input_size((8, 8, 8))
+    with pytest.raises(ConfigError, match="a volume"):
+        model.check_input_size((16, 16))
+
+
+@pytest.mark.parametrize("size", [(8, 9, 13), (16, 16, 16), (12, 20, 31)])
+def test_the_pool_head_takes_any_size(size: tuple[int, int, int]) -> None:
+    model = tiny(head="pool").eval()
+    assert model.input_size is None and isinstance(model.global_pool, nn.AdaptiveAvgPool3d)
+    assert model.fc1.in_features == model.num_features  # not num_features x (size / 4)^3
+    model.check_input_size(size)
+    x = torch.randn(2, 4, *size)
+    out = model(x)
+    assert out.shape == (2, 4)
+    chained = x
+    for child in model.children():  # still a chain: pipeline stages cut anywhere
+        chained = child(chained)
+    assert torch.equal(chained, out)
+    with pytest.raises(ConfigError, match="too small for 2 pools"):
+        model.check_input_size((3, 16, 16))
+
+
+def test_the_pool_variant_and_its_options() -> None:
+    with torch.device("meta"):
+        model = create_model("cosmoflow-pool", width=8.0)  # hyfi-verify --width passes a float
+    assert isinstance(model, CosmoFlow) and model.head == "pool"
+    assert model.block1.conv.out_channels == 8 and model.fc1.in_features == 8 * 16
+    with pytest.raises(ConfigError, match="head='mean' is not known"):
+        create_model("cosmoflow", head="mean")
+    with pytest.raises(ConfigError, match=r"width=2\.5 is not a whole number"):
+        create_model("cosmoflow", width=2.5)
+
+
 def test_grad_checkpointing_changes_nothing() -> None:
     plain = tiny(dropout=0.0)
     ckpt = copy.deepcopy(plain)

@@ -107,7 +107,7 @@ def chain(model: nn.Module, x: torch.Tensor) -> Any:
 
 # The 2-D classifiers share the contract tests below; the U-Nets (dense output, not chains)
 # and the 3-D models have their own (test_unet.py, test_cosmoflow.py, test_unet_mpi.py).
-OWN_TESTS = {"unet2d", "unet3d", "cosmoflow"}
+OWN_TESTS = {"unet2d", "unet3d", "cosmoflow", "cosmoflow-pool"}
 ALL = [n for n in list_models() if n not in OWN_TESTS]
 
 

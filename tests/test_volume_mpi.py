@@ -139,13 +139,20 @@ def _verify(
 
 
 def test_hyfi_verify_unet3d_on_a_3d_grid() -> None:
-    """The issue's command, at width 4 (the default width 32 is the slow test below)."""
+    """The issue's command, at width 4 (the default width 32, as the README has it, runs in
+    ``tests/test_doc_examples.py``, slow). Only rank 0 holds the one-process reference: the
+    other ranks' peak stays below rank 0's by most of the reference's predicted peak (had
+    every rank computed it, as before, all four would peak alike)."""
     job, report = _verify(
         "--model", "unet3d", "--image-size", "40x48x56", "--spatial", "2x1x2", "--width", "4",
         "--steps", "1",
     )  # fmt: skip
     assert job.returncode == 0 and report["ok"], job.describe()
     assert report["max_rel_error"] < 1e-10
+    peaks, est = report["peak_rss_bytes"], report["memory_estimate"]
+    assert len(peaks) == 4 and min(peaks) > 0, report
+    assert est["reference_peak"] > 2 * est["rank_peak"] > 0, est  # float64: unfolded inputs
+    assert max(peaks[1:]) < peaks[0] - 0.5 * est["reference_peak"], (peaks, est)
 
 
 def test_hyfi_verify_unet3d_checkpointed_blocks() -> None:
@@ -156,17 +163,6 @@ def test_hyfi_verify_unet3d_checkpointed_blocks() -> None:
     )  # fmt: skip
     assert job.returncode == 0 and report["ok"], job.describe()
     assert report["max_rel_error"] < 1e-10
-
-
-@pytest.mark.slow
-def test_hyfi_verify_unet3d_default_width() -> None:
-    """The issue's command as written (width 32, 19 M parameters): every rank also runs the
-    float64 one-process reference on the whole volume; on a 23 GiB machine shared by four
-    developers it was killed for memory -- run it where each rank has ~8 GiB."""
-    job, report = _verify(
-        "--model", "unet3d", "--image-size", "40x48x56", "--spatial", "2x1x2"
-    )  # fmt: skip
-    assert job.returncode == 0 and report["ok"], job.describe()
 
 
 def test_hyfi_verify_catches_a_broken_3d_halo() -> None:

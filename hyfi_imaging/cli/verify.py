@@ -44,6 +44,9 @@ examples:
   # a 3D U-Net on a volume cut into 2x1x2 sub-volumes (depth x height x width)
   mpirun -np 4 hyfi-verify --model unet3d --image-size 40x48x56 --spatial 2x1x2
 
+  # CosmoFlow with a global-pool head, which takes any volume size
+  mpirun -np 4 hyfi-verify --model cosmoflow-pool --width 4 --image-size 64x64x72 --spatial 1x2x2
+
   # a grid per stage (Hy-Fi's junction): 2x2 tiles, then 1x2, then one rank = 7 ranks
   mpirun -np 7 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --pipeline 3 \\
       --spatial 2x2,1x2,1x1 --microbatches 2
@@ -55,7 +58,9 @@ examples:
 Exit status 0: every compared tensor is within tolerance (float64: rtol 1e-6,
 float32: rtol 1e-4; absolute: rtol x the tensor's largest value, at least 1e-9
 and 1e-5); 1: a mismatch (the worst tensors
-are listed); 2: bad arguments. float32 checks the kernels you will train with,
+are listed); 2: bad arguments, or a run that a node's free memory cannot hold (the
+estimate is printed before the first step; the one-process reference runs on rank 0
+only). float32 checks the kernels you will train with,
 but on large images a few activations round to the other side of a ReLU kink
 (both answers are right), so a float32 mismatch that float64 does not show is
 rounding, not a bug.
@@ -173,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "that rounds across a ReLU kink legitimately changes gradients on large images",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="run even when the memory estimate (printed before the first step: the layout's "
+        "ranks and the one-process reference, which runs on rank 0) exceeds what a node has free",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     return p
 
@@ -217,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.launch import init_parallel, shutdown, threads_per_rank
     from hyfi_imaging.parallel.layout import Layout
-    from hyfi_imaging.parallel.verify import run_verify
+    from hyfi_imaging.parallel.verify import check_image_size, run_verify
 
     nd = len(args.image_size)
     grids = args.spatial if args.spatial is not None else ((1,) * nd,)
@@ -237,8 +249,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.width is not None:
         kwargs["width"] = args.width
     batch = args.batch if args.batch is not None else max(2, args.microbatches)
-    # Fail on a bad name, option, cut or batch before any process group exists.
-    plan.validate(create_model(args.model, **kwargs), batch)
+    # Fail on a bad name, option, cut, batch or image size before any process group exists.
+    model = create_model(args.model, **kwargs)
+    plan.validate(model, batch)
+    check_image_size(model, args.image_size, batch)
+    del model
     pc = init_parallel(layout)
     torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
     report = run_verify(
@@ -251,6 +266,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         plan=plan,
         clip_grad=args.clip_grad,
+        memory_check=args.memory_check,
         announce=(lambda text: print(text, file=sys.stderr if args.json else sys.stdout))
         if pc.rank == 0
         else None,

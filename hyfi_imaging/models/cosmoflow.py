@@ -25,7 +25,16 @@ Design choices, and why:
   sized for ``size`` (the volume side: 128 in the benchmark, any side of at
   least ``2**n_conv_layers``; pools floor odd sizes as Keras's 'valid' pools do).
   Flattening is channels-first (PyTorch), the reference's is channels-last:
-  ported Keras weights need ``fc1``'s columns permuted.
+  ported Keras weights need ``fc1``'s columns permuted. A volume of another size is
+  refused in one line naming the sizes the head takes (:meth:`CosmoFlow.check_input_size`,
+  which ``hyfi-verify`` calls before any process starts), not by a matrix product deep
+  in the forward pass.
+* **A global-pool head, as an option** (``head="pool"``, registered as
+  ``cosmoflow-pool``): ``AdaptiveAvgPool3d(1)`` before the flatten, so the dense layers
+  read ``num_features`` values and the network takes any volume of at least
+  ``2**n_conv_layers`` a side -- not the benchmark's network (fc1 has 512 inputs, not
+  32768), but the usual way to let one model see volumes of several sizes. On a grid the
+  pool is a spatial global pool (an all-reduce of the tiles' sums), exact as the flatten.
 
 Spatially parallel on a 3-D grid of sub-volumes (``--spatial 2x1x2``): the
 conv blocks run on the tiles, and the head's ``nn.Flatten`` gathers the last
@@ -35,7 +44,9 @@ which the dense layers run replicated, as after a global pool.
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -46,9 +57,13 @@ from hyfi_imaging.models.registry import (
     CheckpointedBlock,
     check_positive,
     register_model,
+    whole_number,
 )
 
 __all__ = ["CosmoFlow", "CosmoFlowBlock", "ScaledTanh"]
+
+#: The heads: the reference's flatten (one input size), or a global average pool (any size).
+_HEADS = ("flatten", "pool")
 
 
 class CosmoFlowBlock(CheckpointedBlock):
@@ -104,9 +119,14 @@ class CosmoFlow(ChainModel):
         dropout: dropout probability after each hidden dense layer.
         negative_slope: LeakyReLU slope (Keras's default 0.3).
         scaled_tanh: end with ``1.2 * tanh`` as the reference does.
+        head: ``"flatten"`` (the reference: the dense layers read the whole last map, so the
+            input is ``size`` a side) or ``"pool"`` (a global average pool first: any size).
 
-    OK: ``create_model("cosmoflow", size=32, n_conv_layers=3, width=4)``.
-    Error: ``create_model("cosmoflow", size=16)`` raises ConfigError (5 pools need 32 voxels).
+    OK: ``create_model("cosmoflow", size=32, n_conv_layers=3, width=4)``;
+    ``create_model("cosmoflow-pool")(torch.randn(1, 4, 64, 64, 72))``.
+    Error: ``create_model("cosmoflow", size=16)`` raises ConfigError (5 pools need 32 voxels);
+    ``create_model("cosmoflow").check_input_size((64, 64, 72))`` raises ConfigError naming
+    the sides the head takes (128 to 159).
     """
 
     def __init__(
@@ -122,9 +142,13 @@ class CosmoFlow(ChainModel):
         dropout: float = 0.5,
         negative_slope: float = 0.3,
         scaled_tanh: bool = True,
+        head: str = "flatten",
     ) -> None:
         super().__init__()
         where = "CosmoFlow"
+        width = whole_number(where, "width", width)  # hyfi-verify --width 4 passes 4.0
+        if head not in _HEADS:
+            raise ConfigError(where, f"head={head!r} is not known", f"use {' or '.join(_HEADS)}")
         check_positive(
             where,
             in_chans=in_chans,
@@ -145,8 +169,12 @@ class CosmoFlow(ChainModel):
             )
         self.in_chans, self.num_classes, self.dims = in_chans, num_classes, 3
         self.total_stride = 2**n_conv_layers
-        #: The head's first dense layer is sized for this volume only (spatialize probes at it).
-        self.input_size = (size, size, size)
+        self.head = head
+        #: The head's first dense layer is sized for this volume only (spatialize probes at it);
+        #: None with the global-pool head, which takes any size.
+        self.input_size: tuple[int, int, int] | None = (
+            (size, size, size) if head == "flatten" else None
+        )
         ch = in_chans
         for i in range(n_conv_layers):
             out = width * 2**i
@@ -154,8 +182,10 @@ class CosmoFlow(ChainModel):
             ch = out
         self.num_features = ch
         self.head_start = n_conv_layers
+        if head == "pool":
+            self.global_pool = nn.AdaptiveAvgPool3d(1)
         self.flatten = nn.Flatten(1)
-        features = ch * (size // 2**n_conv_layers) ** 3
+        features = ch * (size // 2**n_conv_layers) ** 3 if head == "flatten" else ch
         for i, hidden in enumerate(fc_sizes, start=1):
             self.add_module(f"fc{i}", nn.Linear(features, hidden))
             self.add_module(f"act{i}", nn.LeakyReLU(negative_slope))
@@ -170,5 +200,44 @@ class CosmoFlow(ChainModel):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    def check_input_size(self, size: Sequence[int]) -> None:
+        """ConfigError unless the network takes a volume of ``size`` (``(d, h, w)``): every side
+        at least ``total_stride``, and with the flatten head, the last map's shape the one
+        the first dense layer was sized for (a side of ``size`` to ``size + stride - 1``)."""
+        stride, n = self.total_stride, int(math.log2(self.total_stride))
+        text = "x".join(map(str, size))
+        where = f"CosmoFlow (head={self.head!r})"
+        if len(size) != 3:
+            raise ConfigError(where, f"takes a volume (DxHxW), not {text}", "give three sides")
+        if min(size) < stride:
+            raise ConfigError(
+                where,
+                f"a {text} volume is too small for {n} pools of 2",
+                f"give every side at least {stride} voxels",
+            )
+        if self.input_size is None:
+            return
+        want = tuple(s // stride for s in self.input_size)
+        got = tuple(s // stride for s in size)
+        if got == want:
+            return
+        side, low = self.input_size[0], want[0] * stride
+        fixes = [
+            f"use a volume of {low} to {low + stride - 1} voxels a side (e.g. {side}x{side}x{side})"
+        ]
+        if len(set(got)) == 1:
+            fixes.append(f"build it with size={got[0] * stride} for this one")
+        fixes.append(
+            "use the global-pool head (head='pool', registered as cosmoflow-pool) for any size"
+        )
+        raise ConfigError(
+            where,
+            f"its dense head reads a {'x'.join(map(str, want))} map after {n} pools of 2 "
+            f"(sized for {side}^3 volumes, size={side}), and a {text} volume gives "
+            f"{'x'.join(map(str, got))}",
+            ", ".join(fixes[:-1]) + " or " + fixes[-1],
+        )
+
 
 register_model("cosmoflow", CosmoFlow)
+register_model("cosmoflow-pool", CosmoFlow, head="pool")

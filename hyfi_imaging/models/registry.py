@@ -67,6 +67,7 @@ __all__ = [
     "list_models",
     "register_model",
     "set_chain_run",
+    "whole_number",
 ]
 
 F = TypeVar("F", bound=Callable[..., nn.Module])
@@ -206,6 +207,13 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
             "return the model from the function",
         )
     return model
+
+
+def whole_number(where: str, key: str, value: object) -> int:
+    """``value`` as an int; a float must be whole (``hyfi-verify --width 8`` passes 8.0)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == int(value):
+        return int(value)
+    raise ConfigError(where, f"{key}={value!r} is not a whole number", f"pass e.g. {key}=8")
 
 
 def check_positive(where: str, **values: float) -> None:

@@ -63,6 +63,7 @@ from hyfi_imaging.models.registry import (
     ModelBase,
     check_positive,
     register_model,
+    whole_number,
 )
 
 __all__ = ["DoubleConv", "UNet", "UpConcat"]
@@ -73,13 +74,6 @@ _POOL: dict[int, type[nn.Module]] = {2: nn.MaxPool2d, 3: nn.MaxPool3d}
 _UPCONV: dict[int, type[nn.Module]] = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 _LINEAR: dict[int, str] = {2: "bilinear", 3: "trilinear"}
 _CHANNEL_RULES = ("ronneberger", "cicek")
-
-
-def _whole(where: str, key: str, value: object) -> int:
-    """``value`` as an int; a float must be whole (``hyfi-verify --width 8`` passes 8.0)."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and value == int(value):
-        return int(value)
-    raise ConfigError(where, f"{key}={value!r} is not a whole number", f"pass e.g. {key}=8")
 
 
 class DoubleConv(CheckpointedBlock):
@@ -171,7 +165,7 @@ class UNet(ModelBase):
                 f"channels={channels!r} is not known",
                 f"use one of: {', '.join(_CHANNEL_RULES)}",
             )
-        width, depth = _whole(where, "width", width), _whole(where, "depth", depth)
+        width, depth = whole_number(where, "width", width), whole_number(where, "depth", depth)
         check_positive(where, in_chans=in_chans, num_classes=num_classes, width=width, depth=depth)
         self.dims, self.in_chans, self.num_classes = dims, in_chans, num_classes
         self.width, self.depth, self.upsampling = width, depth, upsampling

@@ -14,15 +14,24 @@ peak on this project's benchmarks). ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``
 returns every larger buffer to the kernel at once, like
 ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment, without needing it set
 before the process starts. It is a no-op off glibc.
+
+:func:`cpu_unfold_bytes` is the one kernel workspace too large to leave out: PyTorch's own
+CPU convolutions (every dtype oneDNN does not take, float64 among them) unfold their whole
+input batch first (im2col / vol2col), ``C_in x kernel volume`` times the output. For a 3-D
+U-Net's first decoder convolution in float64 that is 27 x its input -- 8.9 GB for a batch of
+two 40x48x56 volumes, six times what autograd saves for the whole network (measured with
+``VmHWM``, ``docs/benchmarks.md``). :func:`available_bytes` is what the kernel and the
+cgroup still grant, for the checks that refuse a run before it is killed for memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +43,8 @@ from hyfi_imaging.parallel.balance import flat_tensors
 
 __all__ = [
     "SavedActivations",
+    "available_bytes",
+    "cpu_unfold_bytes",
     "fix_malloc_threshold",
     "AnonymousPeak",
     "reset_peak_rss",
@@ -149,6 +160,83 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+#: Dtypes oneDNN convolves on the CPU (no unfolded copy of the input); others take PyTorch's
+#: own kernels, which unfold it.
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_unfold_bytes(module: nn.Module, in_shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes a CPU convolution ``module`` allocates to unfold an input of ``in_shape``; 0 if none.
+
+    PyTorch's own kernels (``slow_conv2d``, ``slow_conv3d``; a Conv1d runs as a 2-D one)
+    unfold the whole batch: ``N x C_in x kernel volume x output size`` elements (groups do
+    not divide it), except a 1x1 convolution of stride 1 without padding, which reads its
+    input as it is. A dilated convolution unfolds one sample at a time, and a transposed
+    one ``C_out x kernel volume x input size`` per sample. Measured, forward and backward
+    alike, on torch 2.13 (``VmHWM`` of one call). oneDNN, which takes float32, bfloat16 and
+    float16 when it is available, allocates no such copy: 0. The caller says the module
+    runs on the CPU (a GPU has its own, bounded, workspaces).
+    """
+    if not isinstance(module, nn.modules.conv._ConvNd) or len(in_shape) < 3:
+        return 0
+    if dtype in _ONEDNN_DTYPES and torch.backends.mkldnn.is_available():
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    spatial = [int(v) for v in in_shape[2:]]
+    kernel = math.prod(module.kernel_size)
+    if module.transposed:
+        return module.out_channels * kernel * math.prod(spatial) * size
+    pad = module.padding
+    # "same" keeps the size (an even kernel pads a copy first), "valid" pads nothing.
+    pads = (0,) * len(spatial) if pad == "valid" else pad
+    geometry = zip(spatial, module.kernel_size, module.stride, module.dilation, strict=True)
+    if isinstance(pads, str):
+        out, padded = spatial, kernel > 1
+    else:
+        out = [
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for p, (n, k, s, d) in zip(pads, geometry, strict=True)
+        ]
+        padded = any(p != 0 for p in pads)
+    if kernel == 1 and all(s == 1 for s in module.stride) and not padded:
+        return 0
+    dilated = any(d != 1 for d in module.dilation)
+    batch = 1 if dilated else int(in_shape[0])
+    return batch * module.in_channels * kernel * math.prod(max(0, v) for v in out) * size
+
+
+def available_bytes() -> int:
+    """Memory this process may still claim: the kernel's ``MemAvailable``, or less where a cgroup
+    (a container, a SLURM job) sets a limit below it (cgroup v2 ``memory.max``, else v1)."""
+    avail = _meminfo("MemAvailable")
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < (1 << 60):  # "max", or v1's "no limit" sentinel
+            avail = min(avail, max(0, int(limit) - usage))
+        break
+    return avail
+
+
+def _meminfo(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/meminfo has no {field}")
 
 
 def fix_malloc_threshold(threshold: int = 64 * 1024) -> bool:

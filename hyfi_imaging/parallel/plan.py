@@ -21,7 +21,8 @@ Per-rank peak over the memory a rank holds after building its model:
 * **backward transient**: walking backward, the activations still kept plus
   the gradients being computed (output, input and the rebuilt extended tile of
   the layer at hand), and a checkpointed block's recomputed internals; the
-  maximum over layers.
+  maximum over layers. On the CPU, in a dtype oneDNN does not take (float64),
+  a convolution also unfolds its input (:func:`~.memory.cpu_unfold_bytes`).
 * **state**: gradients and optimizer state, ``1/(dp x sp)`` of the stage's
   (``sp``: that stage's own grid, with per-stage grids -- the junction) under
   FSDP2 plus the gathered parameters and unsharded gradients of the units in
@@ -63,7 +64,7 @@ from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
 from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.layout import Layout
-from hyfi_imaging.parallel.memory import SavedActivations, saved_activations
+from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes, saved_activations
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
     model_layers,
@@ -206,8 +207,12 @@ def _stage_memory(
     *,
     spatial: bool,
     bands: bool = False,
+    workspaces: Sequence[int] = (),
 ) -> tuple[int, int]:
-    """(kept activations, backward transient above them) of one micro-batch of a stage."""
+    """(kept activations, backward transient above them) of one micro-batch of a stage.
+
+    ``workspaces``: per call of ``trace.calls``, what its kernel allocates besides tensors
+    (a CPU convolution's unfolded input), held while it runs."""
     kinds = trace.kinds
     first_call: dict[str, int] = {}
     for i, (path, *_rest) in enumerate(trace.calls):
@@ -249,7 +254,8 @@ def _stage_memory(
             peak,
             base
             + out_bytes
-            + int(_transient_factor(kinds.get(path, ""), spatial, in_shape, bands) * in_bytes),
+            + int(_transient_factor(kinds.get(path, ""), spatial, in_shape, bands) * in_bytes)
+            + (workspaces[i] if i < len(workspaces) else 0),
         )
     return total, max(0, peak - total)
 
@@ -331,6 +337,7 @@ def predict(
     device: Device | None = None,
     overlap: bool = False,
     backward_bands: bool = False,
+    cpu_kernels: bool | None = None,
 ) -> Prediction:
     """Predict the busiest rank's peak memory and the step time of ``candidate``.
 
@@ -346,9 +353,13 @@ def predict(
     travel); ``backward_bands``: its ``backward_bands: true`` (each spatial convolution's
     backward in bands of rows: a call per band). ``overhead`` is what the runtime allocates on a rank's first step besides tensors
     (kernel workspaces, communication threads); default :data:`RUNTIME_OVERHEAD` for the
-    model's device type.
+    model's device type. ``cpu_kernels``: the layers run on the CPU, where a convolution in a
+    dtype oneDNN does not take (float64) unfolds its input (:func:`~.memory.cpu_unfold_bytes`);
+    default: when ``device`` is a CPU (not asynchronous) and the model is not on a GPU.
     """
     dev = device or nominal_device(flops_per_s, bandwidth)
+    if cpu_kernels is None:
+        cpu_kernels = not dev.asynchronous and not _on_cuda(model)
     lay, m, schedule = candidate.layout, candidate.microbatches, candidate.schedule
     plan = candidate_plan(candidate)
     plan.validate(model, batch)
@@ -361,7 +372,7 @@ def predict(
         candidate,
         plan.stages,
         dev,
-        (overlap, backward_bands or candidate.backward_bands),
+        (overlap, backward_bands or candidate.backward_bands, cpu_kernels),
     )
     n_stages = plan.stages
     if overhead is None:
@@ -590,7 +601,7 @@ def _stage_costs(
     candidate: Candidate,
     n_stages: int,
     dev: Device,
-    modes: tuple[bool, bool],
+    modes: tuple[bool, bool, bool],
 ) -> tuple[tuple[int, ...], list[StageCost]]:
     """The stage cut (``candidate.balance`` or one evening out memory) and each stage's costs.
 
@@ -663,11 +674,11 @@ def _stage_cost(
     policy: str,
     grid: Sequence[int],
     dev: Device,
-    modes: tuple[bool, bool],
+    modes: tuple[bool, bool, bool],
 ) -> StageCost:
     """Memory and time of model stage ``s`` (layers ``start:stop``) on one micro-batch's tile;
-    ``modes``: the runtime's ``(overlap, backward_bands)``."""
-    overlap, banded = modes
+    ``modes``: the runtime's ``(overlap, backward_bands)``, and whether it runs on the CPU."""
+    overlap, banded, on_cpu = modes
     stage = StageModule(layers[start:stop], index=s)
     # A received activation: requires grad from stage 1 on; a non-leaf, so a stage
     # may start with an in-place op (the engine runs that one out of place).
@@ -676,9 +687,16 @@ def _stage_cost(
     names = {n for n, _ in layers[start:stop]}
     mine = [b for b in blocks if b.split(".")[0] in names]
     spatial = any(g > 1 for g in grid)
-    act, transient = _stage_memory(trace, mine, policy, spatial=spatial, bands=banded)
-    strips = _strips(stage, trace, grid)
     weighted = dict(stage.named_modules())
+    dtype = next((p.dtype for p in stage.parameters()), torch.float32)
+    unfolds = [
+        cpu_unfold_bytes(weighted[path], shape, dtype) if on_cpu and path in weighted else 0
+        for path, _, _, _, shape in trace.calls
+    ]
+    act, transient = _stage_memory(
+        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds
+    )
+    strips = _strips(stage, trace, grid)
     # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
     # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
     # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:

@@ -2,8 +2,10 @@
 
 Every rank trains K SGD steps of its part of the model through
 :class:`~hyfi_imaging.parallel.engine.ParallelModel` (any ``dp x pp x sp``
-layout, micro-batches, schedule, balance, checkpointing) and also runs the
-same K steps in one process: the *reference*, which splits the global batch
+layout, micro-batches, schedule, balance, checkpointing), and rank 0 runs the
+same K steps in one process between them, broadcasting what each rank compares
+(:mod:`.reference`; the memory this takes is estimated, and a run that does not
+fit refused, first: :mod:`.verify_memory`): the *reference*, which splits the global batch
 (``dp x`` the per-replica batch, replica 0's rows first) into ``dp x
 micro-batches`` micro-batches, each with loss ``mean cross-entropy / (dp x
 micro-batches)``, accumulated -- exactly the semantics the engine promises,
@@ -38,9 +40,11 @@ a wrong halo or gradient rule gives errors above 1e-2.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,20 +53,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.apply import cross_entropy, output_shape, reduce_loss
+from hyfi_imaging.parallel.apply import (
+    cross_entropy,
+    input_channels,
+    output_shape,
+    reduce_loss,
+)
 from hyfi_imaging.parallel.apply import spatialize_for as spatial_context_for
 from hyfi_imaging.parallel.collectives import all_agree, all_gather_grid, group_device
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext, init_parallel
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.memory import rss_bytes
 from hyfi_imaging.parallel.randomness import rng_state, set_rng_state
+from hyfi_imaging.parallel.reference import REFERENCE_RANK, ReferenceLink, TensorSpec
 from hyfi_imaging.parallel.sharding import full_tensor
 from hyfi_imaging.parallel.spatial import SpatialContext
+from hyfi_imaging.parallel.verify_memory import check_memory
 
 __all__ = [
     "Comparison",
     "VerifyReport",
+    "check_image_size",
     "crop",
     "gather_tile_grid",
     "pad_image",
@@ -97,6 +110,11 @@ class VerifyReport:
     losses: list[float] = field(default_factory=list)
     reference_losses: list[float] = field(default_factory=list)
     plan: str = ""
+    #: The memory estimate in words and bytes (:mod:`.verify_memory`; empty where none), and
+    #: every rank's measured peak resident set (``VmHWM``, bytes; -1 where unknown).
+    memory: str = ""
+    memory_estimate: dict[str, int] = field(default_factory=dict)
+    peak_rss: list[int] = field(default_factory=list)
 
     def add(
         self, name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
@@ -144,6 +162,9 @@ class VerifyReport:
         for c in sorted(self.comparisons, key=lambda c: -c.max_rel)[: 5 if self.ok else 15]:
             mark = "ok  " if c.ok else "FAIL"
             lines.append(f"  {mark} {c.name:60s} max|a-b| {c.max_abs:.3g}  rel {c.max_rel:.3g}")
+        if any(v >= 0 for v in self.peak_rss):
+            peaks = ", ".join(f"{v / 2**30:.2f}" if v >= 0 else "?" for v in self.peak_rss)
+            lines.append(f"  peak resident memory by rank (VmHWM): {peaks} GiB")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -157,6 +178,9 @@ class VerifyReport:
             "losses": self.losses,
             "reference_losses": self.reference_losses,
             "plan": self.plan,
+            "memory": self.memory,
+            "memory_estimate": self.memory_estimate,
+            "peak_rss_bytes": self.peak_rss,
         }
 
 
@@ -189,6 +213,30 @@ def default_target(shape: tuple[int, ...], generator: torch.Generator) -> Tensor
     return torch.randint(0, shape[1], (shape[0], *shape[2:]), generator=generator)
 
 
+def check_image_size(
+    model: nn.Module, image_hw: Sequence[int], batch: int = 1, *, trace: bool = True
+) -> tuple[int, ...] | None:
+    """ConfigError unless ``model`` takes images (volumes) of ``image_hw``: its own
+    ``check_input_size`` where it has one (a dense head sized for one input), then, with
+    ``trace``, a meta-device forward pass of ``batch`` images (no memory, no compute), whose
+    output shape it returns (None without ``trace``, or for an output that is not one tensor)."""
+    size = tuple(int(v) for v in image_hw)
+    check = getattr(model, "check_input_size", None)
+    if callable(check):
+        check(size)
+    if not trace:
+        return None
+    try:
+        return output_shape(model, (batch, input_channels(model), *size))
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"{type(model).__name__} on a {'x'.join(map(str, size))} input",
+            f"fails on the meta device ({first})",
+            "give an image size the model takes (a dense head on a flattened map takes only one)",
+        ) from None
+
+
 def run_verify(
     build: Callable[[], nn.Module],
     pc: ParallelContext,
@@ -205,6 +253,7 @@ def run_verify(
     announce: Callable[[str], None] | None = None,
     loss: LossFn | None = None,
     target: TargetFn | None = None,
+    memory_check: bool = True,
 ) -> VerifyReport:
     """Run ``steps`` SGD steps on ``pc``'s layout and in one process; compare on every rank.
 
@@ -213,19 +262,29 @@ def run_verify(
     checkpointing). ``clip_grad`` clips the global gradient norm before each
     step (and compares the norm). ``accumulate`` calls ``train_step`` that
     many times (fresh data each) per optimizer step, without zeroing
-    gradients in between. ``announce`` receives the plan printout (on every
-    rank) before training starts. ``loss(output, target)`` (default
+    gradients in between. ``announce`` receives the plan printout and the memory
+    estimate (on every rank) before training starts. ``loss(output, target)`` (default
     :func:`~.apply.cross_entropy`) and ``target(output_shape, generator)``
     (default :func:`default_target`) as for :func:`verify_model`.
+
+    The one-process reference runs on rank :data:`~.reference.REFERENCE_RANK` only, which
+    broadcasts what every rank compares (:mod:`.reference`). ``memory_check``: refuse
+    (ConfigError, on every rank) a run that a node's free memory cannot hold
+    (:mod:`.verify_memory`); the estimate is announced either way.
     """
     plan = plan if plan is not None else ParallelPlan(pc.layout)
     loss_fn = loss if loss is not None else cross_entropy
     make_target = target if target is not None else default_target
     rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
     torch.manual_seed(seed)
-    reference = build().to(dtype)
-    plan.validate(reference, batch)
-    pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=image_hw, loss_fn=loss_fn)
+    model = build().to(dtype)
+    plan.validate(model, batch)
+    check_image_size(model, image_hw, trace=False)  # a declared size; traced after the plan
+    dp, m = plan.layout.dp, plan.microbatches
+    memory, estimate = check_memory(
+        model, pc, image_hw=image_hw, batch=batch, plan=plan, enforce=memory_check
+    )
+    pm = ParallelModel(copy.deepcopy(model), pc, plan, image_hw=image_hw, loss_fn=loss_fn)
     drawing = sorted(pm.ctx.random_modules) if pm.ctx is not None else []
     if drawing and (plan.layout.pp > 1 or pc.device.type != "cpu"):
         why = (
@@ -234,27 +293,38 @@ def run_verify(
             else f"the ranks draw on {pc.device.type} and the one-process reference on the CPU"
         )
         raise ConfigError(
-            f"module {drawing[0] or type(reference).__name__!r}",
+            f"module {drawing[0] or type(model).__name__!r}",
             f"draws random numbers in training (dropout, drop-path), and {why}",
             "check with the model's drop rates set to 0 (or on CPU with one pipeline stage)",
         )
-    report = VerifyReport(plan=pm.describe())
+    in_chans = pm.in_chans
+    out_shape = check_image_size(model, image_hw, dp * batch)
+    if out_shape is None:
+        raise ConfigError(
+            type(model).__name__, "does not return one tensor", "return the logits (or map)"
+        )
+    report = VerifyReport(plan=pm.describe(), memory=memory)
+    if estimate is not None:
+        report.memory_estimate = dataclasses.asdict(estimate)
     if announce is not None:
         announce(report.plan)
+        announce(memory)
+    params: list[TensorSpec] = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+    states: list[TensorSpec] = [(n, tuple(v.shape), v.dtype) for n, v in model.state_dict().items()]
+    # Only the reference's rank keeps the whole model; the others train pm, a copy of it.
+    reference = model if pc.rank == REFERENCE_RANK else None
+    del model
+    link = ReferenceLink(pc)
+    ref_opt = (
+        torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
+        if reference is not None
+        else None
+    )
     opt = torch.optim.SGD(pm.parameters(), lr=lr, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
     gen = torch.Generator().manual_seed(seed + 1)
-    in_chans = pm.in_chans
-    dp, m = plan.layout.dp, plan.microbatches
     d = pc.coords[0]
     mine = slice(d * batch, (d + 1) * batch)
     mb = batch // m
-    out_shape = output_shape(reference, (dp * batch, in_chans, *image_hw))
-    if out_shape is None:
-        raise ConfigError(
-            type(reference).__name__, "does not return one tensor", "return the logits (or map)"
-        )
-    ref_params = dict(reference.named_parameters())
     f64 = torch.float64
 
     out_map, ctx = pm.out_map, pm.ctx
@@ -265,9 +335,31 @@ def run_verify(
             return out
         return crop(gather_tile_grid(out, ctx, pc.group("sp")), out_map.size)
 
+    def reference_step(
+        images: Tensor, targets: Tensor, drawn_from: Any
+    ) -> tuple[float, Tensor, Tensor]:
+        """The reference's forward and backward over every micro-batch of every replica:
+        (loss, outputs, input gradients)."""
+        assert reference is not None
+        x = images.clone().requires_grad_(True)
+        ref_loss, outs = 0.0, []
+        for k in range(dp * m):
+            if k % m == 0:
+                # Random layers (drop-path, dropout) draw in the reference what each replica drew.
+                set_rng_state(drawn_from, pc.device)
+            rows = slice(k * mb, (k + 1) * mb)
+            out = reference(x[rows])
+            part = reduce_loss(loss_fn(out, targets[rows]), None, None) / (dp * m)
+            part.backward()
+            ref_loss += float(part.detach())
+            outs.append(out.detach())
+        assert x.grad is not None
+        return ref_loss, torch.cat(outs), x.grad
+
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
+        if ref_opt is not None:
+            ref_opt.zero_grad(set_to_none=True)
         for a in range(accumulate):
             tag = f"step{step}" if accumulate == 1 else f"step{step}.{a}"
             images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
@@ -275,70 +367,92 @@ def run_verify(
             tiles = None
             if pm.is_first:
                 tiles = pm.tile_of(images[mine]).clone().to(pc.device).requires_grad_(True)
-            # Random layers (drop-path, dropout) draw in the reference what each replica drew.
             drawn_from = rng_state(pc.device)
             value = pm.train_step(tiles, targets[mine])
             report.losses.append(value)
             drawn_to = rng_state(pc.device)
-
-            x = images.clone().requires_grad_(True)
-            ref_loss, outs = 0.0, []
-            for k in range(dp * m):
-                if k % m == 0:
-                    set_rng_state(drawn_from, pc.device)
-                rows = slice(k * mb, (k + 1) * mb)
-                out = reference(x[rows])
-                part = reduce_loss(loss_fn(out, targets[rows]), None, None) / (dp * m)
-                part.backward()
-                ref_loss += float(part.detach())
-                outs.append(out.detach())
-            report.reference_losses.append(ref_loss)
-            set_rng_state(drawn_to, pc.device)
-            report.add(
-                f"{tag}/loss", torch.tensor(value, dtype=f64), torch.tensor(ref_loss, dtype=f64),
-                rtol, atol,
-            )  # fmt: skip
+            found = link.compute(partial(reference_step, images, targets, drawn_from))
+            if found is not None:
+                set_rng_state(drawn_to, pc.device)
+            ref_loss = link.share(torch.tensor(found[0], dtype=f64) if found else None)
+            want_out = link.share(found[1] if found else None)
+            want_grad = link.share(found[2] if found else None)
+            del found
+            report.reference_losses.append(float(ref_loss))
+            report.add(f"{tag}/loss", torch.tensor(value, dtype=f64), ref_loss, rtol, atol)
             if pm.is_last and pm.last_logits is not None:
-                want_out = torch.cat(outs)[mine]
-                report.add(f"{tag}/output[dp{d}]", whole(pm.last_logits), want_out, rtol, atol)
+                report.add(
+                    f"{tag}/output[dp{d}]", whole(pm.last_logits), want_out[mine], rtol, atol
+                )
             if pm.is_first:
-                assert tiles is not None and tiles.grad is not None and x.grad is not None
+                assert tiles is not None and tiles.grad is not None
                 grad = tiles.grad
                 if pm.ctx is not None:
                     grad = gather_tile_grid(grad, pm.ctx, pc.group("sp"))
                 grad = crop(grad, image_hw)
-                report.add(f"{tag}/input_grad[dp{d}]", grad, x.grad[mine], rtol, atol)
+                report.add(f"{tag}/input_grad[dp{d}]", grad, want_grad[mine], rtol, atol)
+            del want_out, want_grad
         tag = f"step{step}"
         if clip_grad is not None:
             norm = pm.clip_grad_norm_(clip_grad)
-            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad)
-            report.add(f"{tag}/grad_norm", torch.tensor(norm, dtype=f64), ref_norm, rtol, atol)
-        for name, p in pm.named_parameters():
-            want = ref_params[name].grad
+            ref_norm = link.compute(
+                lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad)  # type: ignore[union-attr]
+            )
+            report.add(
+                f"{tag}/grad_norm", torch.tensor(norm, dtype=f64), link.share(ref_norm), rtol, atol
+            )
+        own = dict(pm.named_parameters())
+        grads = (
+            {n: p.grad for n, p in reference.named_parameters()} if reference is not None else None
+        )
+        wants = link.share_named(grads, params, keep=set(own))
+        del grads
+        for name, p in own.items():
+            assert name in wants, f"the reference has no parameter {name}"
+            want = wants.pop(name)
             if p.grad is None and want is None:
                 continue
             got = full_tensor(torch.zeros_like(p) if p.grad is None else p.grad)
             want = torch.zeros_like(got.cpu()) if want is None else want
             report.add(f"{tag}/grad/{name}", got, want, rtol, atol)
-        ref_opt.step()
+        del own, wants
+        if ref_opt is not None:
+            ref_opt.step()
         opt.step()
 
     images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
     logits = pm.predict(pm.tile_of(images[mine]).to(pc.device) if pm.is_first else None)
-    reference.eval()
-    with torch.no_grad():
-        report.add(f"predict/output[dp{d}]", whole(logits), reference(images[mine]), rtol, atol)
-    ref_state = reference.state_dict()
-    for name, value in pm.state_dict().items():
-        report.add(f"final/{name}", full_tensor(value), ref_state[name], rtol, atol)
+
+    def reference_predict() -> Tensor:
+        assert reference is not None
+        reference.eval()
+        with torch.no_grad():  # eval mode: each sample alone, so micro-batch by micro-batch
+            return torch.cat([reference(images[k * mb : (k + 1) * mb]) for k in range(dp * m)])
+
+    want_pred = link.share(link.compute(reference_predict))
+    report.add(f"predict/output[dp{d}]", whole(logits), want_pred[mine], rtol, atol)
+    own_state = pm.state_dict()
+    wants = link.share_named(
+        reference.state_dict() if reference is not None else None, states, keep=set(own_state)
+    )
+    for name, value in own_state.items():
+        want = wants.pop(name, None)
+        assert want is not None, f"the reference has no state {name}"
+        report.add(f"final/{name}", full_tensor(value), want, rtol, atol)
 
     # Free the stages, schedules and buffers while the process group is alive,
     # not in some later garbage collection after it has been destroyed.
-    del pm, opt
+    del pm, opt, ref_opt, own_state, wants
     gc.collect()
+    link.close()
+    try:
+        peak = rss_bytes("VmHWM")
+    except (OSError, RuntimeError):  # not Linux
+        peak = -1
     gathered: list[Any] = [None] * pc.world_size
-    dist.all_gather_object(gathered, report.comparisons)
-    report.merge(gathered)
+    dist.all_gather_object(gathered, (report.comparisons, peak))
+    report.merge([comps for comps, _ in gathered])
+    report.peak_rss = [int(p) for _, p in gathered]
     report.ok = all_agree(report.ok)  # on the group's device: NCCL takes CUDA tensors only
     return report
 
@@ -371,6 +485,7 @@ def verify_model(
     overlap: bool = False,
     halo_depth: int = 1,
     backward_bands: bool = False,
+    memory_check: bool = True,
 ) -> VerifyReport:
     """Prove that *any* model trains on a layout exactly as in one process: ``hyfi-verify`` for your model.
 
@@ -397,6 +512,7 @@ def verify_model(
     ``target(output_shape, generator)`` draws targets for the global batch's
     output shape (default: class indices, :func:`default_target`).
     ``overlap``, ``halo_depth`` and ``backward_bands`` are :class:`~.engine.ParallelPlan`'s.
+    ``memory_check=False`` runs even where the memory estimate exceeds what a node has free.
 
     Returns the :class:`VerifyReport` (``ok`` on every rank; the comparisons of
     all ranks merged). The process group is left running.
@@ -442,4 +558,5 @@ def verify_model(
         plan=plan,
         loss=loss,
         target=target,
+        memory_check=memory_check,
     )
