@@ -164,6 +164,15 @@ def _mpiexec() -> str | None:
     )
 
 
+def _death(code: int | None, stderr: str, started: float) -> str:
+    """A launch that printed no verdict: its exit status, its output's end and, for a
+    SIGKILL (mpiexec reports 137 or 9), the kernel's out-of-memory lines."""
+    from _launch import kernel_oom_lines
+
+    oom = kernel_oom_lines(started) if code in (137, 9, -9) else []
+    return f"rc {code}: {stderr[-3000:]}" + "".join(f"\n{line}" for line in oom)
+
+
 @pytest.fixture(scope="module")
 def launches() -> dict[int, dict[str, Any]]:
     """Run one mpiexec per world size, one world after the other, and collect every verdict.
@@ -178,6 +187,7 @@ def launches() -> dict[int, dict[str, Any]]:
     env.pop("MASTER_PORT", None)
     out: dict[int, dict[str, Any]] = {}
     for n in WORLDS:
+        started = time.time()
         proc = subprocess.Popen(
             [mpiexec, "-n", str(n), sys.executable, str(Path(__file__).resolve())],
             cwd=ROOT,
@@ -195,7 +205,7 @@ def launches() -> dict[int, dict[str, Any]]:
         out[n] = (
             json.loads(lines[-1][len(MARKER) :])
             if lines
-            else {"_launch": {"ok": False, "error": f"rc {proc.returncode}: {stderr[-3000:]}"}}
+            else {"_launch": {"ok": False, "error": _death(proc.returncode, stderr, started)}}
         )
     return out
 
