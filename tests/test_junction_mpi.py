@@ -24,7 +24,13 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))  # also as the mpiexec worker
-from _launch import MARKER, have_mpiexec, marked_results_per_world, training_verdict
+from _launch import (
+    MARKER,
+    have_mpiexec,
+    marked_results_per_world,
+    selected_cases,
+    training_verdict,
+)
 
 RESNET = {"model": "resnet18", "width": 0.25}
 AMOEBA = {"model": "amoebanet-d-3-8"}
@@ -41,8 +47,6 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     # three stages, 2x2 -> 1x2 -> 1x1, every block checkpointed
     "2x2-1x2-1x1-resnet-ckfull": (7, {**RESNET, "dp": 1, "grids": ((2, 2), (1, 2), (1, 1)), "m": 3, "schedule": "1f1b", "balance": (4, 3, 4), "ck": "full", "hw": (71, 101)}),
 }  # fmt: skip
-
-WORLDS = sorted({n for n, _ in CASES.values()})
 
 
 # ----------------------------------------------------------------------------- worker
@@ -106,11 +110,13 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
-def launches() -> dict[int, dict[str, Any]]:
+def launches(request: pytest.FixtureRequest) -> dict[int, dict[str, Any]]:
     """One mpiexec per world size, one after the other (a 2-core machine), every case's verdict."""
     if not have_mpiexec():
         pytest.skip("mpiexec not found (install the mpich extra)")
-    return marked_results_per_world(Path(__file__).resolve(), WORLDS, MARKER)
+    return marked_results_per_world(
+        Path(__file__).resolve(), CASES, MARKER, only=selected_cases(request)
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))

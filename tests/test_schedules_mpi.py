@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also as the mpiexec worker
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
-from _launch import MARKER, marked_results_per_world, training_verdict
+from _launch import MARKER, marked_results_per_world, selected_cases, training_verdict
 
 RESNET = {"model": "resnet18", "width": 0.25}
 AMOEBA = {"model": "amoebanet-d-3-8"}
@@ -41,7 +41,9 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "bidir-dp2-pp2-sp1x2-resnet-clip-accumulate2": (8, {**RESNET, "layout": (2, 2, 1, 2), "m": 2, "schedule": "bidirectional", "balance": (5, 6), "ck": "none", "hw": (70, 100), "clip": 0.5, "accumulate": 2}),
 }  # fmt: skip
 
-WORLDS = sorted({n for n, _ in CASES.values()})
+#: Cases of families another default case holds (AmoebaNet's two-tensor cells between
+#: stages: bidirectional and dualpipev; zbv with tiles), run by ``pytest -m slow``.
+SLOW = {"bidir-pp2-amoeba-ckfull", "dualpipev-pp2-amoeba", "zbv-pp2-sp1x2-resnet"}
 
 
 def _worker() -> None:
@@ -60,12 +62,17 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
-def launches() -> dict[int, dict[str, Any]]:
-    """One mpiexec per world size, one after the other (the machine has few cores)."""
-    return marked_results_per_world(Path(__file__).resolve(), WORLDS, MARKER)
+def launches(request: pytest.FixtureRequest) -> dict[int, dict[str, Any]]:
+    """One mpiexec per world size, one after the other (the machine has few cores), running
+    the selected cases only (``-m "not slow"`` leaves :data:`SLOW` out)."""
+    return marked_results_per_world(
+        Path(__file__).resolve(), CASES, MARKER, only=selected_cases(request)
+    )
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES]
+)
 def test_schedule_trains_like_one_process(launches: dict[int, dict[str, Any]], name: str) -> None:
     n, cfg = CASES[name]
     verdict = training_verdict(launches, n, name)

@@ -16,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 __all__ = [
     "MPI_DIR",
@@ -34,6 +36,7 @@ __all__ = [
     "results_per_world",
     "plain",
     "run",
+    "selected_cases",
     "torchrun",
     "torchrun_nodes",
     "training_verdict",
@@ -238,19 +241,50 @@ def results_per_world(
     return out
 
 
+def selected_cases(request: pytest.FixtureRequest, param: str = "name") -> set[str]:
+    """The values of parameter ``param`` of the tests of the requesting module that this run
+    selected (after ``-m``, ``-k`` and node ids): a shared launch runs only those cases.
+
+    Why: a module's cases share one launch per world size (a launch costs seconds of
+    start-up), and ``-m "not slow"`` must also keep the slow cases out of that launch.
+    """
+    return {
+        item.callspec.params[param]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and hasattr(item, "callspec")
+        and param in item.callspec.params
+    }
+
+
 def marked_results_per_world(
-    script: str | Path, worlds: Iterable[int], marker: str, *, timeout: float = 540.0
+    script: str | Path,
+    cases: Mapping[str, tuple[int, Any]],
+    marker: str,
+    *,
+    only: Collection[str] | None = None,
+    worlds: Iterable[int] = (),
+    timeout: float = 540.0,
 ) -> dict[int, dict[str, Any]]:
-    """One ``mpiexec`` of ``script`` per world size, one after the other (few cores): the JSON
-    object of the last line starting with ``marker`` (every case's verdict by name), or
-    ``{"_launch": {"ok": False, "error": ...}}`` when the launch printed none."""
+    """One ``mpiexec`` of ``script`` per world size that the cases of ``cases`` (name ->
+    (ranks, config)) named in ``only`` (all when None) need, plus each of ``worlds``, one
+    after the other (few cores). The script gets the case names as arguments (``--none``
+    for none) and prints every verdict by name on one line starting with ``marker``.
+
+    A world's result is that object, or ``{"_launch": {"ok": False, "error": ...}}`` when it
+    printed none or exited non-zero (a death is a failure, with its cause: see :func:`mpiexec`).
+    """
+    names: dict[int, list[str]] = {n: [] for n in worlds}
+    for name, (n, _) in cases.items():
+        if only is None or name in only:
+            names.setdefault(n, []).append(name)
     out: dict[int, dict[str, Any]] = {}
-    for n in worlds:
-        job = mpiexec(n, str(script), timeout=timeout)
+    for n in sorted(names):
+        job = mpiexec(n, str(script), *(names[n] or ["--none"]), timeout=timeout)
         lines = [ln for ln in job.stdout.splitlines() if ln.startswith(marker)]
         out[n] = (
             json.loads(lines[-1][len(marker) :])
-            if lines
+            if lines and job.returncode == 0
             else {"_launch": {"ok": False, "error": job.describe()[-3000:]}}
         )
     return out

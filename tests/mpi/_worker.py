@@ -109,9 +109,18 @@ def run_cases(cases: dict[str, Callable[[], Case]]) -> dict[str, Case]:
 def run_world(
     cases: dict[str, tuple[int, Any]], run: Callable[[Any], Case], world: int
 ) -> dict[str, Case]:
-    """The cases of a table ``name -> (ranks, config)`` meant for a launch of ``world`` ranks,
-    each ``run(config)``'s verdict (:func:`run_cases`: an exception fails that case only)."""
-    return run_cases({name: partial(run, cfg) for name, (n, cfg) in cases.items() if n == world})
+    """The cases of a table ``name -> (ranks, config)`` meant for a launch of ``world`` ranks
+    and named on the command line (all of them with no names; none with ``--none``: see
+    ``_launch.marked_results_per_world``), each ``run(config)``'s verdict (:func:`run_cases`:
+    an exception fails that case only)."""
+    named = set(sys.argv[1:])
+    return run_cases(
+        {
+            name: partial(run, cfg)
+            for name, (n, cfg) in cases.items()
+            if n == world and (not named or name in named)
+        }
+    )
 
 
 def merge_ranks(local: dict[str, Case]) -> dict[str, Case]:
