@@ -140,7 +140,8 @@ def test_class_mapping_option_is_checked() -> None:
             json.dumps(_feature({"type": "Polygon", "coordinates": [[[0, "a"], [1, 1]]]})),
             "finite",
         ),
-        ("empty.json", "", "neither ASAP XML nor GeoJSON"),
+        ("empty.json", "", r"empty file \(0 bytes\)"),
+        ("blank.json", "\n  \n", "neither ASAP XML nor GeoJSON"),
     ],
 )
 def test_malformed_files_are_one_line_errors(

@@ -242,7 +242,7 @@ def test_recognise_by_content_says_what_a_file_is(
         "report.pdf": ("pdf", False, "PDF document"),
         "slides.zip": ("zip", False, "ZIP archive"),
         "notes.txt": ("other", False, "not recognised"),
-        "empty": ("other", False, "not recognised"),
+        "empty": ("empty", False, "empty file (0 bytes)"),
     }
     for name, (kind, readable, words) in expected.items():
         what = recognise(tmp_path / name)
@@ -304,7 +304,7 @@ def test_unsupported_missing_and_non_store(tmp_path: Path) -> None:
     with pytest.raises(SlideError, match="not a zarr store"):
         open_slide(tmp_path / "folder")
     (tmp_path / "empty.tif").write_bytes(b"")
-    with pytest.raises(SlideError, match="unsupported format"):
+    with pytest.raises(SlideError, match=r"empty\.tif: empty file \(0 bytes\); the copy"):
         open_slide(tmp_path / "empty.tif")
     with pytest.raises(SlideError, match="not positive"):
         open_slide(tmp_path / "notes.svs", mpp_override=0.0)

@@ -199,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tissue",
         default="auto",
         metavar="auto|none|CHANNEL",
-        help="tissue detection: 'auto' (RGB: darker than glass; other images: signal over "
-        "a dark background on every channel), 'none' (the whole image is kept), or a "
-        "channel index or name to detect on (default: auto)",
+        help="tissue detection: 'auto' (RGB: darker than glass; other images: signal "
+        "against each channel's own background, on every channel), 'none' (the whole "
+        "image is kept), or a channel index or name to detect on (default: auto); a crop "
+        "that leaves over 1%% of the signal out is warned about",
     )
     p.add_argument("--no-qc", action="store_true", help="skip QC pictures")
     p.add_argument(
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {summary.annotation_line()}")
     if summary.contact_sheet:
         print(f"  contact sheet: {summary.contact_sheet}")
+    for line in summary.warning_lines():
+        print(f"  WARNING {line}")
     for res in summary.failed:
         print(f"  FAILED {res.error}")
     if summary.skipped:

@@ -239,7 +239,10 @@ def read_annotations(path: str | Path) -> list[AnnotationPolygon]:
     """
     p = Path(path)
     try:
-        head = p.read_bytes()[:512].lstrip()
+        data = p.read_bytes()
+        if not data:
+            raise AnnotationError(p, "empty file (0 bytes)", _FIX_FILE)
+        head = data[:512].lstrip()
         if head.startswith(b"<"):
             return _read_asap(p)
         if head[:1] in (b"{", b"["):

@@ -25,6 +25,7 @@ __all__ = [
     "channel_stats",
     "omero_metadata",
     "parse_omero",
+    "qpi_color",
     "stat_percentile",
 ]
 
@@ -125,6 +126,24 @@ def omero_metadata(
             }
         )
     return {"rdefs": {"model": "color"}, "channels": channels}
+
+
+def qpi_color(text: str | None) -> str | None:
+    """A QPTIFF page's ``<Color>`` (``"R,G,B"``, 0-255 each) as ``RRGGBB``, or ``None``.
+
+    Why here: the file's own colours (DAPI blue, FITC green, Cy3 yellow) are
+    what the pathologist knows the channels by; a palette colour in their place
+    shows nuclei red. ``None`` for anything else, so a damaged value falls back
+    to the palette instead of failing the slide.
+    """
+    parts = (text or "").replace(";", ",").split(",")
+    try:
+        rgb = [int(p.strip()) for p in parts]
+    except ValueError:
+        return None
+    if len(rgb) != 3 or not all(0 <= v <= 255 for v in rgb):
+        return None
+    return "{:02X}{:02X}{:02X}".format(*rgb)
 
 
 def parse_omero(

@@ -13,6 +13,7 @@ PNG / JPEG magic                       Pillow (:func:`open_image`)
 TIFF / BigTIFF, vendor format          :class:`OpenSlideReader`
 TIFF / BigTIFF, generic or OME         :class:`TiffReader` (tifffile)
 DICOM whole-slide image (``DICM``)     :class:`OpenSlideReader` (OpenSlide >= 4)
+DICOM WSI series without ImageType     :class:`DicomReader` (its own frame index)
 anything else OpenSlide detects        :class:`OpenSlideReader` (e.g. MRXS)
 =====================================  ===============================
 
@@ -20,6 +21,8 @@ Other formats are recognised by their magic bytes too (JPEG 2000, GIF, BMP,
 WebP, CZI, PDF, archives, DICOM objects that are not slides, ...), so that a
 folder scan can say *what* a skipped file is, not only that it was skipped:
 :func:`recognise` answers "can a reader here open it, and if not, why not".
+An empty file is called what it is, "empty file (0 bytes)" (an interrupted
+copy, usually), not content that is not recognised.
 
 Generic TIFF goes to tifffile rather than OpenSlide because tifffile also sees
 SubIFD pyramids and reads tiles through a zarr view (measured faster).
@@ -80,6 +83,7 @@ FORMAT_NAMES = {
     "hdf5": "HDF5 file",
     "sqlite": "SQLite database",
     "appledouble": "macOS resource fork (AppleDouble)",
+    "empty": "empty file (0 bytes)",
     "other": "unrecognised content",
 }
 
@@ -87,6 +91,8 @@ _READABLE = ("zarr", "png", "jpeg", "tiff")
 
 
 def _sniff_bytes(head: bytes) -> str:
+    if not head:
+        return "empty"
     for offset, magic, kind in _MAGICS:
         if head[offset : offset + len(magic)] == magic:
             return kind
@@ -99,7 +105,8 @@ def _sniff_bytes(head: bytes) -> str:
 
 def sniff_format(path: str | os.PathLike[str]) -> str:
     """Classify ``path`` by content: ``"zarr"``, ``"png"``, ``"jpeg"``, ``"tiff"``, ``"dicom"``,
-    another key of :data:`FORMAT_NAMES` (recognised, no reader here), or ``"other"``.
+    another key of :data:`FORMAT_NAMES` (recognised, no reader here; ``"empty"`` for
+    0 bytes), or ``"other"``.
 
     Raises:
         SlideError: the path does not exist or cannot be read.
@@ -155,6 +162,8 @@ def recognise(path: str | os.PathLike[str]) -> Recognised:
     kind = sniff_format(p)
     if kind in _READABLE:
         return Recognised(kind, True)
+    if kind == "empty":
+        return Recognised(kind, False, FORMAT_NAMES[kind])
     if kind == "dicom":
         from hyfi_imaging.io.dicom import read_dicom_header
 
@@ -167,7 +176,9 @@ def recognise(path: str | os.PathLike[str]) -> Recognised:
         if header is None or not header.is_wsi:
             what = header.kind if header is not None else "object"
             return Recognised(kind, False, f"DICOM {what}, not a whole-slide image")
-        if _openslide_vendor(p) != "dicom":
+        from hyfi_imaging.io.dicom_reader import READABLE_SYNTAXES
+
+        if _openslide_vendor(p) != "dicom" and header.transfer_syntax not in READABLE_SYNTAXES:
             return Recognised(
                 kind,
                 False,
@@ -191,6 +202,23 @@ def _openslide_vendor(path: Path) -> str | None:
     except Exception:  # a damaged file makes OpenSlide raise; let tifffile report it
         return None
     return vendor
+
+
+def _own_dicom_reader(path: Path, vendor: str | None) -> bool:
+    """A DICOM whole-slide series OpenSlide cannot read: it does not detect it, or an instance lacks ImageType.
+
+    OpenSlide 4 refuses the whole series when any instance has no ImageType
+    ("Couldn't get image flavor"); :class:`DicomReader` reads it by its other attributes.
+    """
+    from hyfi_imaging.io.dicom import read_dicom_header
+    from hyfi_imaging.io.dicom_instance import series_members
+
+    header = read_dicom_header(path)
+    if header is None or not header.is_wsi:
+        return False
+    if vendor != "dicom":
+        return True
+    return any(h.image_type is None for _, h in series_members(path, header))
 
 
 def _check_tiff_complete(path: Path) -> None:
@@ -244,6 +272,10 @@ def open_slide(
         )
     p = Path(path)
     kind = sniff_format(p)
+    if kind == "empty":
+        raise SlideError(
+            str(p), FORMAT_NAMES["empty"], "the copy or export did not finish; copy the file again"
+        )
     if kind == "zarr":
         from hyfi_imaging.io.zarr_store import ZarrReader
 
@@ -253,6 +285,10 @@ def open_slide(
 
         return open_image(p, mpp_override=mpp_override, memory_budget=memory_budget)
     vendor = _openslide_vendor(p)
+    if kind == "dicom" and _own_dicom_reader(p, vendor):
+        from hyfi_imaging.io.dicom_reader import DicomReader
+
+        return DicomReader(p, mpp_override=mpp_override, memory_budget=memory_budget)
     if kind == "tiff" and vendor in (None, "generic-tiff"):
         from hyfi_imaging.io.tiff_reader import TiffReader
 

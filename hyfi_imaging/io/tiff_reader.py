@@ -18,8 +18,9 @@ channel count: a 16-bit grayscale image is one uint16 channel, a 40-channel
 multiplex image 40 channels. RGB (photometric RGB or YCbCr with 3 or 4
 samples) is a bright-field image (:mod:`hyfi_imaging.io.pixels`); RGBA is
 composited over the white background. Channel names (and colours) come from
-the OME-XML ``Channel`` elements of an OME-TIFF, or the ``<Name>`` of each
-page's PerkinElmer description in a QPTIFF; else ``c0, c1, ...``.
+the OME-XML ``Channel`` elements of an OME-TIFF (``Name``, ``Color``), or the
+``<Name>`` and ``<Color>`` of each page's PerkinElmer description in a QPTIFF;
+else ``c0, c1, ...`` and a palette.
 
 MPP, in order: the override; OME ``PhysicalSizeX/Y`` (source ``"ome"``);
 Aperio ``MPP`` in an SVS description (``"vendor"``); ``XResolution`` with
@@ -45,6 +46,7 @@ from hyfi_imaging.io.budget import (
     declared,
     default_memory_budget,
 )
+from hyfi_imaging.io.channels import qpi_color
 from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
 from hyfi_imaging.io.pixels import (
     cast_to,
@@ -113,17 +115,22 @@ def ome_channels(ome_xml: str | None, channels: int) -> tuple[list[str | None], 
     return [el.get("Name") or None for el in found], [_ome_color(el.get("Color")) for el in found]
 
 
-def _qpi_names(pages: Any) -> list[str | None]:
-    """The ``<Name>`` of each page's PerkinElmer-QPI description (``None`` where absent)."""
+def _qpi_channels(pages: Any) -> tuple[list[str | None], list[str | None]]:
+    """``<Name>`` and ``<Color>`` (as ``RRGGBB``) of each page's PerkinElmer-QPI description.
+
+    ``None`` where a page says nothing (or nothing readable).
+    """
     names: list[str | None] = []
+    colors: list[str | None] = []
     for page in pages:
         try:
             root = ET.fromstring(page.description or "")
-            name = root.findtext("Name")
+            name, color = root.findtext("Name"), root.findtext("Color")
         except ET.ParseError:
-            name = None
+            name = color = None
         names.append(name.strip() if name and name.strip() else None)
-    return names
+        colors.append(qpi_color(color))
+    return names, colors
 
 
 def _yx_shape(series: Any) -> tuple[int, int]:
@@ -275,7 +282,7 @@ class TiffReader:
         return 2 * self._chunk_bytes(level) * min(touched, CONCURRENT_CHUNKS)
 
     def _channel_meta(self, base: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Channel names and colours: RGB's, the OME-XML's, a QPTIFF's page names, or defaults."""
+        """Channel names and colours: RGB's, the OME-XML's, a QPTIFF's page names and colours, or defaults."""
         names, colors = default_channels(self.channels, rgb=self._rgb)
         if self._rgb:
             return names, colors
@@ -284,7 +291,7 @@ class TiffReader:
         if self._tif.is_ome:
             found, found_colors = ome_channels(self._tif.ome_metadata, self.channels)
         elif self._tif.is_qpi and len(base.pages) == self.channels:
-            found = _qpi_names(base.pages)
+            found, found_colors = _qpi_channels(base.pages)
         named = tuple(n or d for n, d in zip(found, names, strict=False)) or names
         coloured = tuple(c or d for c, d in zip(found_colors, colors, strict=False)) or colors
         return named, coloured

@@ -235,15 +235,36 @@ def multiscales_metadata(
     *,
     method: str = "mean",
     description: str | None = None,
+    spacing: tuple[float, float] | None = None,
+    origin: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The NGFF ``multiscales`` entry of a ``c, y, x`` pyramid of ``n_levels`` 2x levels.
 
     ``method`` and ``description`` document the downsampling (NGFF asks for
-    it): the 2x2 mean for images, the 2x2 mode for label images.
+    it): the 2x2 mean for images, the 2x2 mode for label images. ``spacing``:
+    a level-0 pixel's ``(y, x)`` size in the axes' unit (default ``mpp`` on
+    both); ``origin``: where level-0 pixel ``(0, 0)`` lies (a ``translation``;
+    default none). Both serve an image placed on another's frame (a heat map
+    on its slide: :mod:`hyfi_imaging.train.heatmaps`).
     """
     # Unknown resolution: pixel units (no "unit"), scale 1 per level-0 pixel.
     unit = {"unit": "micrometer"} if mpp is not None else {}
     step = 1.0 if mpp is None else mpp
+    dy, dx = spacing if spacing is not None else (step, step)
+
+    def transforms(level: int) -> list[dict[str, Any]]:
+        f = 2**level
+        out: list[dict[str, Any]] = [{"type": "scale", "scale": [1.0, dy * f, dx * f]}]
+        if origin is not None:  # a level-l pixel's centre is 2**l level-0 pixels' centre
+            shift = (f - 1) / 2
+            out.append(
+                {
+                    "type": "translation",
+                    "translation": [0.0, origin[0] + dy * shift, origin[1] + dx * shift],
+                }
+            )
+        return out
+
     if description is None:
         description = f"2x2 area averaging per level, {dtype} " + (
             "rounded half up" if dtype.kind in "ui" else "mean"
@@ -256,12 +277,7 @@ def multiscales_metadata(
             {"name": "x", "type": "space", **unit},
         ],
         "datasets": [
-            {
-                "path": str(level),
-                "coordinateTransformations": [
-                    {"type": "scale", "scale": [1.0, step * 2**level, step * 2**level]}
-                ],
-            }
+            {"path": str(level), "coordinateTransformations": transforms(level)}
             for level in range(n_levels)
         ],
         # NGFF asks that the downsampling method be documented.
@@ -338,6 +354,8 @@ def write_ome_zarr(
     channel_names: Sequence[str] | None = None,
     channel_colors: Sequence[str] | None = None,
     stats_box: tuple[int, int, int, int] | None = None,
+    spacing: tuple[float, float] | None = None,
+    origin: tuple[float, float] | None = None,
 ) -> None:
     """Write a ``(C, H, W)`` image (uint8, uint16 or float32) as an OME-Zarr 0.5 multiscale group.
 
@@ -365,6 +383,9 @@ def write_ome_zarr(
             statistics (``attributes.hyfi_stats``) and display windows are
             taken from (default: the whole image; a preprocessed canvas
             passes its tissue placement, so the padding does not count).
+        spacing, origin: a level-0 pixel's ``(y, x)`` size and the position of
+            pixel ``(0, 0)`` in the axes' unit, for an image on another
+            image's frame (see :func:`multiscales_metadata`).
 
     Raises:
         SlideError: ``path`` exists.
@@ -420,7 +441,9 @@ def write_ome_zarr(
         {
             "ome": {
                 "version": NGFF_VERSION,
-                "multiscales": [multiscales_metadata(name, mpp, n_levels, dtype)],
+                "multiscales": [
+                    multiscales_metadata(name, mpp, n_levels, dtype, spacing=spacing, origin=origin)
+                ],
                 "omero": omero_metadata(names, colors, dtype, stats),
             },
             "hyfi": hyfi_attrs,

@@ -32,7 +32,14 @@ from PIL import Image
 from hyfi_imaging.io.base import SlideReader
 from hyfi_imaging.io.pixels import resize_channels, rgb_equivalent_side
 
-__all__ = ["CanvasRenderer", "CropPlan", "CropTransform", "render_crop"]
+__all__ = [
+    "CanvasRenderer",
+    "CropPlan",
+    "CropTransform",
+    "asked_mpp",
+    "fit_warning",
+    "render_crop",
+]
 
 #: Output pixels per side resampled at once.
 _RENDER_TILE = 1024
@@ -62,13 +69,21 @@ class CropTransform:
 
 @dataclass(frozen=True)
 class CropPlan:
-    """Where the crop comes from and where it goes."""
+    """Where the crop comes from and where it goes.
+
+    ``mpp`` is the output's µm/px as it came out; ``fit_scale`` the factor
+    ``--fit fit`` shrank the asked resolution by to get the crop onto the
+    canvas (1: the resolution asked for; 0.26: a 0.5 µm/px request came out
+    at 1.93 µm/px). Recorded, because a slide quietly coarser than its
+    cohort trains a model on another magnification.
+    """
 
     source_box: tuple[int, int, int, int]  # y, x, h, w in level-0 source pixels
     placement: tuple[int, int, int, int]  # y, x, h, w in canvas pixels
     read_level: int
     mpp: float | None
     tissue_box: tuple[int, int, int, int]
+    fit_scale: float = 1.0
 
     def transform(self, downsample: tuple[float, float] = (1.0, 1.0)) -> CropTransform:
         """The map from a level of ``downsample`` ``(dy, dx)`` onto the crop's output pixels.
@@ -87,6 +102,30 @@ class CropPlan:
         """Level-0 source coordinates ``(y, x)`` -> canvas coordinates (continuous)."""
         u, v = self.transform().to_output(y, x)
         return u + self.placement[0], v + self.placement[1]
+
+
+def asked_mpp(mpp: float | None, fit_scale: float) -> float | None:
+    """The µm/px asked for (``--mpp``, or the ``--level``'s) of a slide that came out at ``mpp``."""
+    return None if mpp is None else mpp * fit_scale
+
+
+def fit_warning(mpp: float | None, fit_scale: float, size: tuple[int, int]) -> str | None:
+    """The line that says ``--fit fit`` changed a slide's resolution; ``None`` when it did not.
+
+    ``mpp`` is the resolution the slide came out at, ``fit_scale`` the
+    :attr:`CropPlan.fit_scale` it was shrunk by, ``size`` the canvas.
+    """
+    if fit_scale >= 1.0:
+        return None
+    h, w = size
+    if mpp is None:
+        said = f"at {1 / fit_scale:.3g}x coarser than asked"
+    else:
+        said = f"at {mpp:.3g} µm/px instead of the {asked_mpp(mpp, fit_scale):.3g} asked"
+    return (
+        f"--fit fit shrank the tissue by {fit_scale:.3g} to fit the {h}x{w} canvas: it is {said} "
+        "(a larger --size, or --fit crop, keeps the resolution)"
+    )
 
 
 def render_crop(

@@ -68,7 +68,13 @@ from hyfi_imaging.preprocess.annotate import (
     write_annotations,
 )
 from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
-from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
+from hyfi_imaging.preprocess.tissue import (
+    Tissue,
+    crop_margin,
+    find_tissue,
+    lost_signal_warning,
+    tissue_box,
+)
 
 if TYPE_CHECKING:
     from hyfi_imaging.preprocess.qc import QcChannels
@@ -172,6 +178,10 @@ class ConvertResult:
     error: str = ""
     qc: str = ""
     megapixels: float = 0.0
+    #: What ``--fit fit`` shrank the asked resolution by (1: as asked; :class:`CropPlan`).
+    fit_scale: float = 1.0
+    #: The crop left signal out (:func:`~hyfi_imaging.preprocess.tissue.lost_signal_warning`).
+    tissue_warning: str = ""
 
 
 def store_path(out_dir: Path, slide_id: str) -> Path:
@@ -263,24 +273,26 @@ def tissue_channel(reader: SlideReader, tissue: str) -> int | None:
 
 def plan_crop(
     reader: SlideReader, options: PreprocessOptions
-) -> tuple[CropPlan, np.ndarray, Downsample]:
+) -> tuple[CropPlan, Tissue, Downsample]:
     """Find the tissue and decide the source box, canvas placement and read level.
 
-    Returns the plan, the tissue mask and the mask's ``(dy, dx)`` downsample (for QC pictures).
+    Returns the plan, the tissue found (its mask for the QC picture, its
+    signal to check the crop against) and the thumbnail's ``(dy, dx)`` downsample.
     """
     thumb, thumb_ds = thumbnail(reader, options.thumbnail_size)
     rgb = is_rgb(reader.channel_names)
     if options.tissue == "none":
-        mask = np.ones(thumb.shape[1:], dtype=bool)
+        everything = np.ones(thumb.shape[1:], dtype=bool)
+        tissue = Tissue(everything, np.zeros_like(everything), "none")
     else:
-        mask = tissue_mask(thumb, rgb=rgb, channel=tissue_channel(reader, options.tissue))
+        tissue = find_tissue(thumb, rgb=rgb, channel=tissue_channel(reader, options.tissue))
     scale, level, mpp = _resolution(reader, options)
     h0, w0 = reader.level_dimensions[0]
-    margin = 0 if reader.mpp is None else round(options.margin_um / reader.mpp)
+    margin = crop_margin(options.margin_um, reader.mpp, thumb_ds)
     box = (
         (0, 0, h0, w0)
         if options.tissue == "none"
-        else tissue_box(mask, thumb_ds, (h0, w0), margin=margin)
+        else tissue_box(tissue.mask, thumb_ds, (h0, w0), margin=margin)
     )
     if box is None:
         raise SlideError(
@@ -294,10 +306,12 @@ def plan_crop(
     sy, sx, sh, sw = box
     canvas_h, canvas_w = options.size
     ph, pw = round(sh * scale), round(sw * scale)
+    fit_scale = 1.0
     if ph > canvas_h or pw > canvas_w:
         if options.fit == "fit":
             shrink = min(canvas_h / ph, canvas_w / pw)
             scale *= shrink
+            fit_scale = shrink
             if mpp is not None:
                 mpp /= shrink
             level = level_for(reader.level_downsamples, 1.0 / scale)
@@ -322,7 +336,7 @@ def plan_crop(
         sh, sw = ph * k, pw * k
     ph, pw = max(ph, 1), max(pw, 1)
     placement = ((canvas_h - ph) // 2, (canvas_w - pw) // 2, ph, pw)
-    return CropPlan((sy, sx, sh, sw), placement, level, mpp, box), mask, thumb_ds
+    return CropPlan((sy, sx, sh, sw), placement, level, mpp, box, fit_scale), tissue, thumb_ds
 
 
 def estimate_store_bytes(options: PreprocessOptions, channels: int = 3, itemsize: int = 1) -> int:
@@ -432,7 +446,8 @@ def convert_slide(
     """Convert one slide; never raises for a bad slide, returns a ``failed`` result instead.
 
     ``qc_channels`` chooses what the QC picture shows (default: see
-    :class:`~hyfi_imaging.preprocess.qc.QcChannels`). With
+    :class:`~hyfi_imaging.preprocess.qc.QcChannels`); the colours it gives
+    replace the file's own in the store's ``omero`` metadata. With
     ``options.annotation_classes`` set, ``annotation`` (the slide's annotation
     file, or ``None``: an all-background mask) is rasterized into the store's
     ``labels/annotations``.
@@ -456,12 +471,21 @@ def convert_slide(
                 w,
                 attrs.get("mpp"),
                 qc=str(qc) if qc and qc.exists() else "",
+                fit_scale=float(attrs.get("fit_scale", 1.0)),
+                tissue_warning=str(attrs.get("tissue_warning") or ""),
             )
         budget = default_memory_budget() if options.memory_budget is None else options.memory_budget
         with open_slide(source, mpp_override=options.mpp_override, memory_budget=budget) as reader:
             shown = (qc_channels or QcChannels()).resolve(reader) if qc_dir is not None else None
             polygons = labelled_polygons(annotation, options)
-            plan, mask, mask_ds = plan_crop(reader, options)
+            plan, tissue, mask_ds = plan_crop(reader, options)
+            tissue_warning = lost_signal_warning(
+                tissue.signal,
+                mask_ds,
+                tissue_box=plan.tissue_box,
+                crop=plan.source_box,
+                detect_on=options.tissue,
+            )
             canvas_h, canvas_w = options.size
             canvas = CanvasRenderer(reader, plan, options.size)
             attrs = {
@@ -471,9 +495,11 @@ def convert_slide(
                 "source_mpp_from": reader.mpp_source,
                 "source_level": plan.read_level,
                 "mpp": plan.mpp,
+                "fit_scale": plan.fit_scale,
                 "source_box": list(plan.source_box),
                 "placement": list(plan.placement),
                 "tissue_box": list(plan.tissue_box),
+                "tissue_warning": tissue_warning or "",
                 "size": [canvas_h, canvas_w],
                 "background": reader.background,
                 "slide_id": slide_id,
@@ -495,7 +521,7 @@ def convert_slide(
                 pyramid_levels=options.pyramid_levels,
                 name=slide_id,
                 channel_names=reader.channel_names,
-                channel_colors=reader.channel_colors,
+                channel_colors=(qc_channels or QcChannels()).colors(reader),
                 stats_box=plan.placement,
             )
             if polygons is not None:
@@ -508,7 +534,7 @@ def convert_slide(
                         write_slide_qc(
                             under(qc_dir, f"{slide_id}.png"),
                             reader,
-                            mask,
+                            tissue.mask,
                             mask_ds,
                             plan,
                             written,
@@ -527,6 +553,8 @@ def convert_slide(
             plan.mpp,
             qc=qc_path,
             megapixels=canvas_h * canvas_w / 1e6,
+            fit_scale=plan.fit_scale,
+            tissue_warning=tissue_warning or "",
         )
     except HyfiError as err:
         return ConvertResult(slide_id, str(source), "", "failed", error=str(err))

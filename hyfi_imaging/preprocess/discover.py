@@ -23,19 +23,28 @@ Rules, in order:
 * The files of one DICOM whole-slide series (one per pyramid level, plus label
   and overview) are one slide: OpenSlide opens the series from any one of
   them, so the largest file stands for it and the others are listed as parts.
+* Inputs that would get one slide id (``boxes.png`` and ``boxes.tiff`` are
+  both ``boxes``) are opened, and a good slide is never given up for a bad
+  one: the ones that cannot be opened are skipped, with their error, when
+  another one can; two or more that remain keep their file names as ids
+  (``boxes.png``, ``boxes.tiff``), said in one line. Ids of inputs with a
+  stem of their own never change, so existing cohorts keep theirs. Inputs
+  with the same *name* (in two folders) cannot be told apart that way and
+  fail as duplicates in the manifest.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyfi_imaging.errors import ConfigError, SlideError
 from hyfi_imaging.io.annotations import ANNOTATION_SUFFIXES
-from hyfi_imaging.io.detect import recognise
+from hyfi_imaging.io.detect import open_slide, recognise
+from hyfi_imaging.preprocess.manifest import slide_id_of
 
 __all__ = ["SLIDE_SUFFIXES", "SUBFOLDER", "Discovery", "SkippedInput", "discover_slides"]
 
@@ -66,6 +75,7 @@ _STORE = "OME-Zarr stores inside a folder (name one on the command line to conve
 _SPECIAL = "not regular files"
 _UNREADABLE = "files that cannot be read"
 _DICOM_PART = "further files of a DICOM series (converted through its largest file)"
+_SHARED_ID = "unreadable files whose slide id a readable input has (that one is converted)"
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,22 @@ class Discovery:
 
     slides: list[Path] = field(default_factory=list)
     skipped: list[SkippedInput] = field(default_factory=list)
+    #: Slide ids that are not :func:`slide_id_of` the path: inputs sharing a stem keep their names.
+    ids: dict[Path, str] = field(default_factory=dict)
+    #: One line per group of inputs that share a stem and were given their file names as ids.
+    notes: list[str] = field(default_factory=list)
+
+    def slide_id(self, path: Path) -> str:
+        """The slide id of one of :attr:`slides`."""
+        return self.ids.get(path) or slide_id_of(path)
+
+    def labels_for(self, labels: dict[str, str]) -> dict[str, str]:
+        """``labels`` (keyed by stem, as labels files and ``--label-from-name`` name slides)
+        plus the stem's label for each input whose id is its file name."""
+        named = {
+            sid: labels[slide_id_of(p)] for p, sid in self.ids.items() if slide_id_of(p) in labels
+        }
+        return {**named, **labels}
 
     def groups(self) -> dict[str, list[SkippedInput]]:
         """Skipped paths by reason, reasons in the order first met."""
@@ -125,7 +151,8 @@ def discover_slides(
 ) -> Discovery:
     """Slides among ``inputs`` (files, folders, OME-Zarr stores) and what was skipped.
 
-    Reads no pixels and writes nothing.
+    Writes nothing, and reads no pixels except to open the inputs that share a
+    slide id (see the module docstring).
 
     Raises:
         ConfigError: an input does not exist.
@@ -177,6 +204,7 @@ def discover_slides(
                 classify(path)
 
     def classify(path: Path) -> None:
+        roots[path] = root
         try:
             what = recognise(path)
         except SlideError as err:
@@ -184,7 +212,6 @@ def discover_slides(
             return
         if what.readable and what.series is not None:
             series[(path.parent.resolve(), what.series)].append(path)
-            roots[path] = root
             add(path)
         elif what.readable or path.name.lower().endswith(SLIDE_SUFFIXES):
             add(path)
@@ -196,6 +223,8 @@ def discover_slides(
                 skip(path, "DICOM files that are not whole-slide images", reason)
             elif path.name.lower().endswith(ANNOTATION_SUFFIXES):
                 skip(path, "annotation files (read with --annotations DIR)", reason)
+            elif what.kind == "empty":
+                skip(path, "empty files (0 bytes)", reason)
             elif what.kind == "other":
                 skip(path, "files whose content is not an image", reason)
             else:
@@ -217,4 +246,42 @@ def discover_slides(
                 if part != keep:
                     found.slides.remove(part)
                     skip(part, _DICOM_PART, f"part of the DICOM series converted as {keep.name}")
+    _separate_shared_ids(found, skip)
     return found
+
+
+def _open_error(path: Path) -> str | None:
+    """Why ``path`` cannot be opened as a slide (one line), or ``None`` when it can."""
+    try:
+        with open_slide(path):
+            return None
+    except SlideError as err:
+        return err.what
+    except Exception as err:  # a reader's own failure: still a reason, never a crash of the scan
+        return f"{type(err).__name__}: {err}"
+
+
+def _separate_shared_ids(found: Discovery, skip: Callable[[Path, str, str], None]) -> None:
+    """Inputs that share a slide id: skip the unreadable for a readable one, name the rest by file."""
+    by_id: dict[str, list[Path]] = defaultdict(list)
+    for path in found.slides:
+        by_id[slide_id_of(path)].append(path)
+    for sid, paths in by_id.items():
+        if len(paths) < 2:
+            continue
+        errors = {p: _open_error(p) for p in paths}
+        good = [p for p in paths if errors[p] is None]
+        kept = f"{', '.join(g.name for g in good)}, with the same slide id {sid!r}, "
+        kept += "is converted" if len(good) == 1 else "are converted"
+        for p in paths:
+            if good and errors[p] is not None:
+                found.slides.remove(p)
+                skip(p, _SHARED_ID, f"{errors[p]}; {kept}")
+        left = good or paths
+        if len({p.name for p in left}) > 1:  # same names (two folders) fail as duplicates
+            for p in left:
+                found.ids[p] = p.name
+            found.notes.append(
+                f"{len(left)} inputs share the slide id {sid!r}; their ids are their file names: "
+                + ", ".join(p.name for p in left)
+            )

@@ -8,7 +8,11 @@ usual names (or take the user's ``--id-column``/``--label-column``), and match
 ids to slide file names without their extension.
 
 The manifest is the hand-over to training: one row per input slide, finished
-or not, written atomically so a reader never sees half a file.
+or not, written atomically so a reader never sees half a file. It states each
+slide's final µm/px (``mpp``), and ``fit_scale`` says when ``--fit fit``
+shrank a slide to its canvas (below 1; ``warning`` says it in words), since
+training refuses a cohort whose µm/px differ (:mod:`hyfi_imaging.train.preflight`).
+Manifests written before these columns existed read as ``fit_scale`` 1.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ MANIFEST_COLUMNS = (
     "status",
     "error",
     "source",
+    "fit_scale",
+    "warning",
 )
 
 _ID_NAMES = ("slide_id", "image_id", "slide", "image", "id", "filename", "file", "name", "case_id")
@@ -152,7 +158,12 @@ def labels_from_names(paths: Iterable[Path], pattern: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ManifestRow:
-    """One line of ``manifest.csv``."""
+    """One line of ``manifest.csv``.
+
+    ``mpp``: the µm/px the store came out at; ``fit_scale``: what ``--fit fit``
+    shrank the asked resolution by (1: as asked); ``warning``: what the user
+    should know about the slide (``"; "``-joined lines), else empty.
+    """
 
     slide_id: str
     path: str
@@ -163,6 +174,8 @@ class ManifestRow:
     status: str
     error: str
     source: str
+    fit_scale: float = 1.0
+    warning: str = ""
 
 
 def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
@@ -183,6 +196,8 @@ def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
                     r.status,
                     r.error,
                     r.source,
+                    f"{r.fit_scale:.6g}",
+                    r.warning,
                 ]
             )
     os.replace(tmp, path)
@@ -207,6 +222,8 @@ def read_manifest(path: Path) -> list[ManifestRow]:
                 d["status"],
                 d["error"],
                 d["source"],
+                float(d.get("fit_scale") or 1.0),
+                d.get("warning") or "",
             )
             for line, d in enumerate(csv.DictReader(f), start=2)
         ]

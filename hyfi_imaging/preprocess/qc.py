@@ -12,7 +12,9 @@ window (the store's ``omero`` window: the 0.5-99.5th percentiles of the
 tissue) and added in its colour. By default the first three channels (their
 own colours: red, green, blue unless the file says otherwise) or, for one
 channel, grey; ``hyfi-preprocess --qc-channels DAPI:blue,CD8:green,3:red``
-chooses others (:class:`QcChannels`). 8-bit RGB is shown as it is.
+chooses others (:class:`QcChannels`); colours given there also go into the
+store's ``omero`` metadata, so a viewer shows what the QC picture shows. 8-bit
+RGB is shown as it is.
 """
 
 from __future__ import annotations
@@ -65,18 +67,24 @@ COLOR_NAMES = {
 Shown = tuple[int, tuple[float, float, float]]
 
 
-def _rgb_of(color: str, where: str) -> tuple[float, float, float]:
+def _hex_of(color: str, where: str) -> str:
+    """A colour name or ``[#]RRGGBB`` as ``RRGGBB`` (the form omero metadata stores)."""
     hexa = COLOR_NAMES.get(color.lower(), color).lstrip("#")
     try:
         if len(hexa) != 6:
             raise ValueError(hexa)
-        value = int(hexa, 16)
+        int(hexa, 16)
     except ValueError:
         raise ConfigError(
             where,
             f"colour {color!r} is neither RRGGBB nor a colour name",
             f"use one of {', '.join(COLOR_NAMES)} or e.g. 00FF00",
         ) from None
+    return hexa.upper()
+
+
+def _rgb_of(color: str, where: str) -> tuple[float, float, float]:
+    value = int(_hex_of(color, where), 16)
     return ((value >> 16) / 255, ((value >> 8) & 255) / 255, (value & 255) / 255)
 
 
@@ -120,7 +128,27 @@ class QcChannels:
             if reader.channels == 1:
                 return [(0, (1.0, 1.0, 1.0))]
             return [(i, _rgb_of(colors[i], reader.path)) for i in range(min(3, reader.channels))]
-        shown = []
+        return [
+            (index, _rgb_of(color or colors[index], f"--qc-channels {item}"))
+            for item, index, color in self._items(reader)
+        ]
+
+    def colors(self, reader: SlideReader) -> tuple[str, ...]:
+        """The ``RRGGBB`` colour of every channel of ``reader`` for the store's omero metadata.
+
+        The file's own colours, except where an item gives one (``DAPI:blue``):
+        what the QC picture shows is what a viewer of the store shows.
+        """
+        colors = list(reader.channel_colors)
+        for item, index, color in self._items(reader):
+            if color:
+                colors[index] = _hex_of(color, f"--qc-channels {item}")
+        return tuple(colors)
+
+    def _items(self, reader: SlideReader) -> list[tuple[str, int, str]]:
+        """``(item, channel index, colour or "")`` of every item, checked against ``reader``."""
+        names = reader.channel_names
+        found = []
         for item in self.spec:
             channel, _, color = item.partition(":")
             if channel in names:
@@ -134,8 +162,8 @@ class QcChannels:
                     f"(channels: {', '.join(names)})",
                     "name channels by index or by one of those names",
                 )
-            shown.append((index, _rgb_of(color or colors[index], f"--qc-channels {item}")))
-        return shown
+            found.append((item, index, color))
+        return found
 
 
 def composite(

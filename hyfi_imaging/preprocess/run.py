@@ -38,6 +38,7 @@ from tqdm import tqdm
 from hyfi_imaging.errors import ConfigError, HyfiError, problem
 from hyfi_imaging.io.annotations import class_mapping, find_annotation
 from hyfi_imaging.io.budget import default_memory_budget
+from hyfi_imaging.preprocess.canvas import fit_warning
 from hyfi_imaging.preprocess.convert import (
     ConvertResult,
     PreprocessOptions,
@@ -93,12 +94,24 @@ class PreprocessSummary:
             f"{self.count('skipped')} already done, {self.count('failed')} failed"
         )
 
+    def warning_lines(self) -> list[str]:
+        """``"<slide id>: <warning>"`` for every slide the user should look at (``--fit`` shrank it, the crop left signal out)."""
+        return [f"{r.slide_id}: {w}" for r in self.results for w in result_warnings(r)]
+
     def annotation_line(self) -> str | None:
         """``"N slides have no annotation file: background masks"``, or None."""
         if not self.unannotated:
             return None
         n = len(self.unannotated)
         return f"{n} slide{'s have' if n != 1 else ' has'} no annotation file: background masks"
+
+
+def result_warnings(res: ConvertResult) -> list[str]:
+    """What the manifest's ``warning`` column and the log say about one converted slide."""
+    if res.status == "failed":
+        return []
+    fit = fit_warning(res.mpp, res.fit_scale, (res.height, res.width))
+    return [w for w in (fit, res.tissue_warning) if w]
 
 
 def _check_writable(out_dir: Path) -> None:
@@ -167,7 +180,8 @@ def run_preprocess(
     )
     if label_from_name:
         labels = {**labels_from_names(found.slides, label_from_name), **labels}
-    results, todo = _assign_ids(found.slides, labels, labels_path, label_from_name)
+    labels = found.labels_for(labels)  # inputs sharing a stem are named by file, labelled by stem
+    results, todo = _assign_ids(found.slides, labels, labels_path, label_from_name, found.ids)
     options, matched = _match_annotations(annotations, options, todo, results)
     if options.memory_budget is None:  # decided once, here, where the workers are known
         options = replace(options, memory_budget=default_memory_budget(workers))
@@ -181,6 +195,8 @@ def run_preprocess(
             log.info("removed an unfinished store from an interrupted run: %s", stale)
         for item in found.skipped:
             log.info("not a slide, passed over: %s", item.line())
+        for note in found.notes:
+            log.warning("%s", note)
         summary = _convert_all(
             todo,
             results,
@@ -259,17 +275,22 @@ def _assign_ids(
     labels: dict[str, str],
     labels_path: Path | None,
     label_from_name: str | None,
+    ids: dict[Path, str],
 ) -> tuple[dict[str, ConvertResult], list[tuple[str, Path]]]:
-    """Slide ids of the slides to convert, and failed results for duplicates and unlabelled."""
+    """Slide ids of the slides to convert (``ids``, else the stem), and failed results for
+    duplicates and unlabelled."""
     results: dict[str, ConvertResult] = {}
     todo: list[tuple[str, Path]] = []
     for source in slides:
-        sid = slide_id_of(source)
+        sid = ids.get(source) or slide_id_of(source)
         if sid in results or any(sid == s for s, _ in todo):
+            other = (
+                results[sid].source if sid in results else next(str(p) for s, p in todo if s == sid)
+            )
             results[f"{sid}#{source}"] = _failed(
                 sid,
                 source,
-                f"slide id {sid!r} is used by another input file",
+                f"slide id {sid!r} is used by another input file ({other})",
                 "rename one of the files so that slide ids are unique",
             )
         elif (labels_path is not None or label_from_name) and sid not in labels:
@@ -312,6 +333,8 @@ def _convert_all(
             log.error("FAILED %s", res.error)
         else:
             log.info("%s %s -> %s", res.status, res.source, res.store)
+            for line in result_warnings(res):
+                log.warning("%s: %s", res.slide_id, line)
         write_manifest(_rows(results, labels, out_dir), manifest)
         if on_result is not None:
             on_result(res)
@@ -402,6 +425,8 @@ def _rows(
                 status,
                 res.error,
                 res.source,
+                res.fit_scale,
+                "; ".join(result_warnings(res)),
             )
         )
     return rows

@@ -4,6 +4,18 @@ Every rank runs :func:`preflight` first, so a bad manifest, layout or run
 directory ends the job with one line before anything is computed or written;
 :func:`plan_of` turns a recipe's ``parallel`` section into the engine's plan
 (used here on a meta-device model, and by the trainer for the real one).
+
+**One resolution, one kind of image** (:func:`run_facts`). A model learns the
+magnification and the stains it is shown: an H&E slide among DAPI/FITC/Cy3
+slides, or a slide ``--fit fit`` shrank to 1.93 µm/px among slides at 0.5,
+trains without an error and means nothing. So the usable slides of a
+manifest (and of the validation manifest) must hold the same channels (count,
+names and type, from each store's JSON) and the same µm/px (the manifest's
+``mpp``) within :data:`MPP_TOLERANCE`; ``hyfi-train`` and ``hyfi-predict``
+compare them with what a checkpoint was trained on as well
+(:func:`check_trained`, through the checkpoint's recorded meaning). A slide
+whose µm/px is unknown (an older or synthetic store) is compared with
+nothing: only two recorded values can disagree.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import math
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +39,22 @@ if TYPE_CHECKING:
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.train.tasks import Cohort
 
-__all__ = ["plan_of", "preflight"]
+__all__ = [
+    "FACT_KEYS",
+    "MPP_TOLERANCE",
+    "CohortFacts",
+    "check_trained",
+    "cohort_facts",
+    "mpp_differs",
+    "plan_of",
+    "preflight",
+    "run_facts",
+]
+
+#: How far two µm/px may lie apart and still be one resolution: 5 % of the smaller.
+MPP_TOLERANCE = 0.05
+#: The keys of a checkpoint's meaning that :func:`check_trained` compares (not exactly).
+FACT_KEYS = ("channel names", "mpp")
 
 
 def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = False) -> None:
@@ -54,6 +82,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = Fal
         _check_labels(recipe.data.manifest, samples, len(recipe.data.classes))
     cohort = load_cohort(recipe, recipe.data.manifest)
     check_task(recipe, cohort, recipe.data.manifest)
+    run_facts(recipe)
     if stores:
         _check_stores(cohort, recipe.data.manifest)
     if cohort.kind == "slides":
@@ -115,6 +144,199 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = Fal
         )
 
 
+def mpp_differs(a: float | None, b: float | None) -> bool:
+    """True when both µm/px are known and lie more than :data:`MPP_TOLERANCE` apart."""
+    return a is not None and b is not None and abs(a - b) > MPP_TOLERANCE * min(a, b)
+
+
+def _listed(items: Sequence[str], shown: int = 3) -> str:
+    """``"a, b, c and 4 more"``."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+@dataclass(frozen=True)
+class CohortFacts:
+    """What the usable slides of a manifest are: each one's µm/px, and their channels.
+
+    ``mpp``: each slide's µm/px as its manifest row states it (``None``:
+    unknown); ``fit_scale``: what ``--fit fit`` shrank it by (1: as asked);
+    ``channel_names`` and ``dtype``: what every store holds (checked alike).
+    """
+
+    manifest: str
+    ids: tuple[str, ...]
+    mpp: tuple[float | None, ...]
+    fit_scale: tuple[float, ...]
+    channel_names: tuple[str, ...]
+    dtype: str
+
+    @property
+    def reference_mpp(self) -> float | None:
+        """The cohort's µm/px: the lower median of the known values (one a slide has)."""
+        known = sorted(m for m in self.mpp if m is not None)
+        return known[(len(known) - 1) // 2] if known else None
+
+    def off(self, mpp: float | None) -> list[str]:
+        """``"id (1.93)"`` for every slide whose µm/px differs from ``mpp`` (:func:`mpp_differs`)."""
+        return [
+            f"{i} ({m:.3g})"
+            for i, m in zip(self.ids, self.mpp, strict=True)
+            if m is not None and mpp_differs(m, mpp)
+        ]
+
+    def channels_said(self) -> str:
+        """``"3 uint16 channels (DAPI, FITC, Cy3)"``."""
+        n = len(self.channel_names)
+        return f"{n} {self.dtype} channel{'s' * (n != 1)} ({_listed(self.channel_names, 8)})"
+
+    def record(self) -> dict[str, Any]:
+        """The facts as the run's ``summary.json`` states them (JSON-able)."""
+        from hyfi_imaging.preprocess.canvas import asked_mpp
+
+        slides: dict[str, dict[str, Any]] = {}
+        for i, m, f in zip(self.ids, self.mpp, self.fit_scale, strict=True):
+            slides[i] = {"mpp": m, "fit_scale": f}
+            if f < 1.0:  # --fit fit changed it: what was asked
+                slides[i]["asked_mpp"] = asked_mpp(m, f)
+        return {
+            "manifest": self.manifest,
+            "channels": list(self.channel_names),
+            "dtype": self.dtype,
+            "mpp": self.reference_mpp,
+            "mpp_tolerance": MPP_TOLERANCE,
+            "fit_changed": [i for i, f in zip(self.ids, self.fit_scale, strict=True) if f < 1.0],
+            "slides": slides,
+        }
+
+
+def cohort_facts(manifest: Path) -> CohortFacts | None:
+    """The :class:`CohortFacts` of a slide manifest (``None`` for a volume manifest).
+
+    Raises ConfigError (one line naming the slides and their values) when the
+    usable slides hold different channels, or µm/px further apart than
+    :data:`MPP_TOLERANCE` from the cohort's (:attr:`CohortFacts.reference_mpp`).
+    Reads the manifest and each store's JSON, no pixel.
+    """
+    from hyfi_imaging.data.dataset import load_samples, manifest_rows
+    from hyfi_imaging.io.zarr_store import read_store_pixels
+    from hyfi_imaging.train.tasks import manifest_kind
+
+    if manifest_kind(manifest) != "slides":
+        return None
+    samples = load_samples(manifest, labels=False)
+    path, rows = manifest_rows(manifest)
+    by_id = {r.slide_id: r for r in rows if r.status == "ok"}
+    kinds: dict[tuple[tuple[str, ...], str], list[str]] = {}
+    for s in samples:
+        pixels = read_store_pixels(s.path)
+        if pixels is not None:  # not a finished store: the loader (and --check) say so
+            kinds.setdefault((pixels.channel_names, pixels.dtype), []).append(s.slide_id)
+    ids = tuple(s.slide_id for s in samples)
+    groups = list(kinds)  # the first slide's kind first
+    names, dtype = groups[0] if groups else ((), "")
+    others = groups[1:]
+    facts = CohortFacts(
+        str(path),
+        ids,
+        tuple(by_id[i].mpp for i in ids),
+        tuple(by_id[i].fit_scale for i in ids),
+        names,
+        dtype,
+    )
+    if others:
+        said = "; ".join(
+            f"{_listed(kinds[k])} hold {len(k[0])} {k[1]} ({_listed(k[0], 8)})" for k in others
+        )
+        raise ConfigError(
+            path,
+            f"slides hold different channels: {_listed(kinds[(names, dtype)])} hold "
+            f"{facts.channels_said()}, but {said}",
+            "keep one kind of image per manifest (one stain, one channel set): preprocess "
+            "the others into a manifest of their own",
+        )
+    ref = facts.reference_mpp
+    off = facts.off(ref)
+    if off:
+        fitted = [i for i, f in zip(ids, facts.fit_scale, strict=True) if f < 1.0]
+        why = f"; --fit fit shrank {_listed(fitted)}" if fitted else ""
+        same = [
+            i
+            for i, m in zip(ids, facts.mpp, strict=True)
+            if m is not None and not mpp_differs(m, ref)
+        ]
+        raise ConfigError(
+            path,
+            f"slides differ in resolution by more than {MPP_TOLERANCE:.0%}: {_listed(same)} "
+            f"at {ref:.3g} µm/px, but {_listed(off)} µm/px{why}",
+            f"preprocess every slide at one resolution (hyfi-preprocess --mpp {ref:.3g}; "
+            "a larger --size or --fit crop keeps a large slide at it)",
+        )
+    return facts
+
+
+def run_facts(recipe: Recipe) -> CohortFacts | None:
+    """The training manifest's :class:`CohortFacts`, its validation manifest checked against them.
+
+    ``None`` for volumes. Raises ConfigError as :func:`cohort_facts` does, and
+    when the validation slides hold other channels or another µm/px.
+    """
+    facts = cohort_facts(recipe.data.manifest)
+    val_manifest = recipe.data.val_manifest
+    if facts is None or val_manifest is None:
+        return facts
+    val = cohort_facts(val_manifest)
+    if val is None:
+        return facts
+    check_trained(
+        val,
+        {"channel names": list(facts.channel_names), "mpp": facts.reference_mpp},
+        val_manifest,
+        "validate on slides preprocessed like the training slides",
+        source=f"the training manifest {recipe.data.manifest}",
+    )
+    return facts
+
+
+def check_trained(
+    facts: CohortFacts | None,
+    meaning: dict[str, Any],
+    where: object,
+    fix: str,
+    *,
+    source: str = "this checkpoint",
+) -> None:
+    """ConfigError unless ``facts``' slides hold the channels and µm/px ``meaning`` records.
+
+    ``meaning`` is a checkpoint's recorded meaning (:data:`FACT_KEYS`) and
+    ``source`` names where it comes from; a key it lacks (a checkpoint written
+    before they were recorded) or a µm/px either side does not know is not
+    compared. The line names the slides that differ and their values.
+    """
+    if facts is None:
+        return
+    names = meaning.get("channel names")
+    known = bool(facts.channel_names)  # no finished store: the loader says why
+    if known and isinstance(names, list) and tuple(names) != facts.channel_names:
+        raise ConfigError(
+            where,
+            f"channels differ from {source}'s: it has {len(names)} ({_listed(names, 8)}), "
+            f"the slides of {facts.manifest} ({_listed(facts.ids)}) hold {facts.channels_said()}",
+            f"give it slides of those channels, or {fix}",
+        )
+    was = meaning.get("mpp")
+    if isinstance(was, int | float) and not isinstance(was, bool):
+        off = facts.off(float(was))
+        if off:
+            raise ConfigError(
+                where,
+                f"resolution differs from {source}'s {float(was):.3g} µm/px by more than "
+                f"{MPP_TOLERANCE:.0%} for slides of {facts.manifest}: {_listed(off)} µm/px",
+                f"preprocess them at {float(was):.3g} µm/px (hyfi-preprocess --mpp "
+                f"{float(was):.3g}), or {fix}",
+            )
+
+
 def _check_stores(cohort: Cohort, manifest: Path) -> None:
     """ConfigError unless every store of ``cohort`` is whole: it exists, opens, lost no shard.
 
@@ -172,7 +394,7 @@ def _check_layout(
 
     r, p = recipe, recipe.parallel
     with torch.device("meta"):
-        model = build_model(r, channels, num_classes)
+        model = build_model(r, channels, num_classes, pretrained=True)  # reads model.weights
     dims = 3 if any(isinstance(m, torch.nn.Conv3d) for m in model.modules()) else 2
     if dims != len(image_hw):
         raise ConfigError(

@@ -1,0 +1,260 @@
+"""Input files read or named right: DICOM without ImageType, empty files, two inputs of one stem.
+
+Real files throughout: DICOM series written byte by byte (``dicom_files``), a
+pyramidal TIFF written by tifffile, PNGs by Pillow (one cut short), and the
+real hyfi-preprocess command over them.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openslide
+import pytest
+from dicom_files import jpeg_frame, write_wsi_level
+from PIL import Image
+
+from hyfi_imaging.cli.preprocess import main as preprocess_main
+from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
+from hyfi_imaging.errors import SlideError
+from hyfi_imaging.io.annotations import AnnotationError, read_annotations
+from hyfi_imaging.io.detect import open_slide, recognise
+from hyfi_imaging.io.dicom_instance import read_instance
+from hyfi_imaging.io.dicom_reader import DicomReader
+from hyfi_imaging.preprocess import read_manifest
+from hyfi_imaging.preprocess.discover import discover_slides
+
+# The size of the public test file of the report: 2638 x 3236 px in 42 frames of 512².
+SIZE, TILE = (2638, 3236), 512
+
+
+def _image(size: tuple[int, int], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+
+
+def _jpeg_level(image: np.ndarray, tile: int) -> np.ndarray:
+    """What a JPEG-framed level decodes to: each padded tile through the same encoder and Pillow."""
+    h, w = image.shape[:2]
+    gy, gx = -(-h // tile), -(-w // tile)
+    padded = np.full((gy * tile, gx * tile, 3), 255, np.uint8)
+    padded[:h, :w] = image
+    out = np.empty_like(padded)
+    for ty in range(gy):
+        for tx in range(gx):
+            block = padded[ty * tile : (ty + 1) * tile, tx * tile : (tx + 1) * tile]
+            decoded = np.asarray(Image.open(io.BytesIO(jpeg_frame(np.ascontiguousarray(block)))))
+            out[ty * tile : (ty + 1) * tile, tx * tile : (tx + 1) * tile] = decoded
+    return np.moveaxis(out[:h, :w], -1, 0)
+
+
+@pytest.fixture(scope="module")
+def series_without_image_type(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A whole-slide series none of whose instances says its ImageType.
+
+    Level 0: implicit VR, uncompressed, frame positions in the per-frame
+    functional groups, no DimensionOrganizationType. Level 1: JPEG frames in
+    TILED_FULL order. A label with a total pixel matrix of another aspect, and
+    an overview without one.
+    """
+    folder = tmp_path_factory.mktemp("dicom")
+    image = _image(SIZE, seed=3)
+
+    def level(name: str, pixels: np.ndarray, n: int, mpp: float, **options: Any) -> None:
+        write_wsi_level(
+            folder / name,
+            np.ascontiguousarray(pixels),
+            series="1.2.826.7",
+            instance=f"1.2.826.7.{n}",
+            mpp=mpp,
+            image_type=None,
+            **options,
+        )
+
+    level("level0.dcm", image, 1, 0.5, tile=TILE, implicit=True, positions=True, organization=None)
+    level("level1.dcm", image[::2, ::2], 2, 1.0, tile=TILE, compression="jpeg")
+    level("label.dcm", _image((300, 900), seed=4), 3, 20, tile=(300, 900))
+    level("overview.dcm", _image((200, 250), seed=5), 4, 40, tile=(200, 250), total_matrix=False)
+    np.save(folder.parent / "level0.npy", image)
+    return folder
+
+
+def test_dicom_series_without_image_type_reads_exactly(series_without_image_type: Path) -> None:
+    folder = series_without_image_type
+    image = np.moveaxis(np.load(folder.parent / "level0.npy"), -1, 0)
+    with pytest.raises(openslide.OpenSlideError, match="image flavor"):
+        openslide.OpenSlide(str(folder / "level0.dcm"))  # the case the report met
+    assert len(read_instance(folder / "level0.dcm").frames) == 42
+    level1 = _jpeg_level(np.ascontiguousarray(np.moveaxis(image, 0, -1)[::2, ::2]), TILE)
+    for name in ("level0.dcm", "label.dcm"):  # any file of the series opens the series
+        what = recognise(folder / name)
+        assert (what.kind, what.readable, what.series) == ("dicom", True, "1.2.826.7")
+        with open_slide(folder / name) as reader:
+            assert isinstance(reader, DicomReader)
+            assert (reader.format, reader.mpp, reader.mpp_source) == ("dicom", 0.5, "vendor")
+            assert reader.level_dimensions == (SIZE, (1319, 1618))
+            assert reader.level_downsamples == ((1.0, 1.0), (2.0, 2.0))
+            np.testing.assert_array_equal(reader.read_region(0, 0, 0, *SIZE), image)
+            np.testing.assert_array_equal(reader.read_region(1, 0, 0, 1319, 1618), level1)
+            # Across four tiles, and partly outside the image (background there).
+            region = reader.read_region(0, SIZE[0] - 300, 500, 400, 30)
+            np.testing.assert_array_equal(region[:, :300], image[:, -300:, 500:530])
+            assert (region[:, 300:] == 255).all()
+
+
+def test_dicom_without_image_type_through_hyfi_preprocess(
+    series_without_image_type: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = [str(series_without_image_type), "--out", str(out), "--mpp", "4", "--size", "512"]
+    assert preprocess_main([*args, "--quiet"]) == 0
+    (row,) = read_manifest(out / "manifest.csv")
+    assert (row.slide_id, row.status, row.mpp) == ("level0", "ok", 4.0)
+    assert "further files of a DICOM series (converted through its largest file): 3" in (
+        capsys.readouterr().out
+    )
+
+
+def test_dicom_levels_of_one_size_and_16_bit_grey(tmp_path: Path) -> None:
+    """Two instances of one size are refused by name; 16-bit grey frames read exactly."""
+    grey = np.random.default_rng(6).integers(0, 65536, (300, 500), dtype=np.uint16)
+    write_wsi_level(
+        tmp_path / "a.dcm",
+        grey,
+        series="9.1",
+        instance="9.1.1",
+        mpp=0.25,
+        tile=128,
+        image_type=None,
+    )
+    with open_slide(tmp_path / "a.dcm") as reader:
+        assert (reader.channels, reader.dtype, reader.background) == (1, np.uint16, 0)
+        np.testing.assert_array_equal(reader.read_region(0, 0, 0, 300, 500)[0], grey)
+    write_wsi_level(
+        tmp_path / "b.dcm",
+        grey,
+        series="9.1",
+        instance="9.1.2",
+        mpp=0.25,
+        tile=128,
+        image_type=None,
+    )
+    with pytest.raises(SlideError, match=r"two instances of the series are 300 x 500 px") as info:
+        open_slide(tmp_path / "a.dcm")
+    assert "a.dcm and b.dcm" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_rgb_coded_jpeg_frames_keep_their_colours(tmp_path: Path) -> None:
+    """Frames whose JPEG stream does not say RGB (photometric RGB in the header) are not YCbCr-converted."""
+    image = render_synthetic(seed=4, label=1, size=(300, 400)).image
+    write_wsi_level(
+        tmp_path / "rgb.dcm",
+        image,
+        series="9.2",
+        instance="9.2.1",
+        mpp=0.5,
+        tile=128,
+        image_type=None,
+        compression="jpeg-rgb",
+    )
+    frame = jpeg_frame(np.ascontiguousarray(image[:128, :128]), rgb=True)
+    as_ycbcr = np.asarray(Image.open(io.BytesIO(frame)), dtype=float)  # what libjpeg guesses
+    assert np.abs(as_ycbcr - image[:128, :128]).mean() > 40
+    with open_slide(tmp_path / "rgb.dcm") as reader:
+        read = np.moveaxis(reader.read_region(0, 0, 0, 300, 400), 0, -1).astype(float)
+    assert np.abs(read - image).mean() < 3.0  # measured 1.73; the YCbCr guess: 47
+
+
+def test_an_empty_file_is_called_empty_wherever_content_is_detected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blank").write_bytes(b"")
+    (src / "scan.svs").write_bytes(b"")  # a slide name: tried, and failed with the reason
+    write_synthetic_slide(src / "good.tiff", seed=1, label=0, size=(512, 512), kind="generic-tiff")
+    what = recognise(src / "blank")
+    assert (what.kind, what.readable, what.reason) == ("empty", False, "empty file (0 bytes)")
+    with pytest.raises(SlideError, match=r"scan\.svs: empty file \(0 bytes\); "):
+        open_slide(src / "scan.svs")
+    (tmp_path / "a.xml").write_bytes(b"")
+    with pytest.raises(AnnotationError, match=r"a\.xml: empty file \(0 bytes\); "):
+        read_annotations(tmp_path / "a.xml")
+    out = tmp_path / "out"
+    assert preprocess_main([str(src), "--out", str(out), "--mpp", "2", "--size", "128"]) == 1
+    rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    assert (rows["good"].status, rows["scan"].status) == ("ok", "failed")
+    assert "empty file (0 bytes)" in rows["scan"].error
+    assert "empty files (0 bytes): 1 (blank)" in capsys.readouterr().out
+
+
+def _truncated_png(path: Path) -> Path:
+    buf = io.BytesIO()
+    Image.fromarray(_image((256, 256), seed=8)).save(buf, format="PNG")
+    path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    return path
+
+
+def test_a_pyramid_is_kept_over_a_broken_png_of_the_same_stem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    _truncated_png(src / "boxes.png")
+    write_synthetic_slide(
+        src / "boxes.tiff", seed=2, label=1, size=(768, 1024), kind="generic-tiff"
+    )
+    found = discover_slides([src])
+    assert found.slides == [src / "boxes.tiff"] and found.ids == {}
+    (skipped,) = found.skipped
+    assert skipped.path == src / "boxes.png"
+    assert "boxes.tiff, with the same slide id 'boxes', is converted" in skipped.detail
+    out = tmp_path / "out"
+    assert preprocess_main([str(src), "--out", str(out), "--mpp", "2", "--size", "256"]) == 0
+    (row,) = read_manifest(out / "manifest.csv")
+    assert (row.slide_id, row.status, Path(row.source).name) == ("boxes", "ok", "boxes.tiff")
+    printed = capsys.readouterr().out
+    assert (
+        "unreadable files whose slide id a readable input has (that one is converted): 1 "
+        "(boxes.png)" in printed
+    )
+    log = (out / "preprocess.log").read_text()
+    assert f"{src / 'boxes.png'}: " in log and "truncated" in log
+
+
+def test_two_readable_inputs_of_one_stem_keep_their_file_names(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    Image.fromarray(_image((300, 400), seed=9)).save(src / "boxes.png")
+    write_synthetic_slide(
+        src / "boxes.tiff", seed=2, label=1, size=(768, 1024), kind="generic-tiff"
+    )
+    write_synthetic_slide(src / "other.tiff", seed=3, label=0, size=(512, 512), kind="generic-tiff")
+    (tmp_path / "labels.csv").write_text("slide_id,label\nboxes,1\nother,0\n")
+    out = tmp_path / "out"
+    args = [str(src), "--out", str(out), "--mpp-override", "0.5", "--mpp", "2", "--size", "128"]
+    assert preprocess_main([*args, "--labels", str(tmp_path / "labels.csv"), "--quiet"]) == 0
+    rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    assert {sid: (r.status, r.label, Path(r.source).name) for sid, r in rows.items()} == {
+        "boxes.png": ("ok", "1", "boxes.png"),
+        "boxes.tiff": ("ok", "1", "boxes.tiff"),
+        "other": ("ok", "0", "other.tiff"),  # a stem of its own keeps its id
+    }
+    assert (out / "boxes.png.zarr").is_dir() and (out / "boxes.tiff.zarr").is_dir()
+    log = (out / "preprocess.log").read_text()
+    assert (
+        "2 inputs share the slide id 'boxes'; their ids are their file names: boxes.png, boxes.tiff"
+        in log
+    )
+    # A second boxes.tiff in a subfolder: the same name is no way apart (a duplicate in the manifest).
+    (src / "more").mkdir()
+    (src / "more" / "boxes.tiff").write_bytes((src / "boxes.tiff").read_bytes())
+    found = discover_slides([src], recursive=True)
+    assert sorted(found.slide_id(p) for p in found.slides) == [
+        "boxes.png",
+        "boxes.tiff",
+        "boxes.tiff",
+        "other",
+    ]
