@@ -20,3 +20,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     -e ".[dev,test,mpich,zoo]"
   touch "$stamp"
 fi
+# The start-up hook that lets torchvision and timm import before hyfi_imaging (see
+# hyfi_imaging/compat.py and setup.py): wheels carry it; the editable wheel does not, so it
+# is written here, and again whenever compat.py changes.
+hook=$(echo .venv/lib/python*/site-packages)/_hyfi_imaging_compat.py
+if [ ! -f "$hook" ] || [ hyfi_imaging/compat.py -nt "$hook" ]; then
+  .venv/bin/python -c "from hyfi_imaging.compat import write_startup_hook; write_startup_hook()"
+fi

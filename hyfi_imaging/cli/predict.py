@@ -3,21 +3,17 @@
 What it writes follows the run's task: class probabilities (classification, a
 CSV), predicted masks (segmentation: ``OUT/masks/<id>.zarr`` OME-Zarr label
 images, ``OUT/overlays/*.png`` and, where the stores hold label images,
-``OUT/per_image.csv`` with Dice and IoU), or regressions (a CSV of
+``OUT/per_image.csv`` with Dice, IoU, lesions and false positives), or regressions (a CSV of
 ``pred_<target>`` beside the manifest's ``true_<target>``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from hyfi_imaging.atomic import write_atomic
 
 if TYPE_CHECKING:
     from hyfi_imaging.train.trainer import Trainer
@@ -36,6 +32,10 @@ examples:
   # segmentation: masks/<slide>.zarr label images, overlays, per_image.csv (Dice, IoU)
   mpirun -np 2 hyfi-predict runs/slide-segmentation-synthetic \\
       --manifest data/synth_seg/manifest.csv --out runs/seg-pred --spatial 1x2
+
+  # classification with class activation maps: heatmaps/<slide>.zarr (on the slide) + .png
+  mpirun -np 4 hyfi-predict runs/synthetic --manifest data/new/manifest.csv \\
+      --out pred/predictions.csv --spatial 2x2 --heatmaps
 
   # regression of volumes (CosmoFlow): pred_<target> beside true_<target>
   hyfi-predict runs/cosmoflow-synthetic --manifest data/grf/manifest.csv --out grf.csv
@@ -70,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="segmentation: overlay pictures for this many images (default: %(default)s)",
     )
+    p.add_argument(
+        "--heatmaps",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="classification: a class activation map per slide, DIR/<slide>.zarr (OME-Zarr, "
+        "one channel per class, placed on the source slide) and DIR/<slide>.png (over the "
+        "thumbnail); DIR defaults to 'heatmaps' beside --out. Needs a head 'global pool -> "
+        "Linear'",
+    )
     p.add_argument("--spatial", type=size_type(1), default=(1, 1), metavar="GYxGX")
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
@@ -87,6 +98,7 @@ def _predict_dense(
 ) -> None:
     """Segmentation masks or regressions of every usable image of ``manifest`` (see the module)."""
     from hyfi_imaging.train.outputs import write_regressions, write_scores
+    from hyfi_imaging.train.seg_scores import segmentation_line
     from hyfi_imaging.train.tasks import has_label_images
 
     cohort = trainer.cohort
@@ -98,9 +110,7 @@ def _predict_dense(
         if rank0:
             if m["per_image"]:
                 write_scores(out / "per_image.csv", m["per_image"])
-            score = (
-                f", mean Dice {m['dice']:.4f}, IoU {m['iou']:.4f}" if m["dice"] is not None else ""
-            )
+            score = f"; {segmentation_line(m)}" if m["dice"] is not None else ""
             print(
                 f"hyfi-predict: {len(cohort)} masks -> {out / 'masks'}{score} "
                 f"(checkpoint step {meta['step']})"
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.errors import ConfigError, HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.preflight import run_facts
     from hyfi_imaging.train.tasks import load_cohort, manifest_kind
     from hyfi_imaging.train.trainer import Trainer
 
@@ -149,11 +160,19 @@ def main(argv: list[str] | None = None) -> int:
                 "parallel.microbatches=1",
                 # Prediction is forward only: every schedule's forward is GPipe's.
                 "parallel.schedule=gpipe",
+                "model.weights=null",  # the run's checkpoint replaces them: not read again
                 f"train.batch_size={args.batch}",
                 f"train.out_dir={run_dir}",
             ],
         )
-        load_cohort(recipe, args.manifest)  # targets, label images, sizes: before any rank
+        cohort = load_cohort(recipe, args.manifest)  # targets, label images, sizes: before ranks
+        run_facts(recipe)  # one kind of image at one µm/px (against the checkpoint: on load)
+        heat_dir: Path | None = None
+        if args.heatmaps is not None:
+            from hyfi_imaging.train.heatmaps import heatmap_head
+
+            head = heatmap_head(recipe, cohort)  # the head's shape, refused in one line
+            heat_dir = Path(args.heatmaps) if args.heatmaps else args.out.parent / "heatmaps"
     except HyfiError as err:
         if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-predict: error: {err}", file=sys.stderr)
@@ -170,30 +189,36 @@ def main(argv: list[str] | None = None) -> int:
             shutdown()
             return 0
         samples = trainer.samples
-        probs = trainer.predict(args.manifest, list(range(len(samples))))
+        every = list(range(len(samples)))
+        if heat_dir is not None:
+            from hyfi_imaging.train.heatmaps import predict_heatmaps
+
+            probs = predict_heatmaps(trainer, args.manifest, every, heat_dir, head)
+        else:
+            probs = trainer.predict(args.manifest, every)
         if trainer.pc.rank == 0:
+            from hyfi_imaging.train.predictions import class_cells, class_columns, write_rows
+
             classes = recipe.data.classes
-            buf = io.StringIO()
-            w = csv.writer(buf, lineterminator="\n")
-            w.writerow(["slide_id", "label", "status", "pred", *[f"p_{c}" for c in classes]])
+            table: list[list[str]] = []
             # The samples are the manifest's ok rows in order; every other row is written
             # too, with its status and no prediction, so the output accounts for every slide.
             predicted = iter(zip(samples, probs, strict=True))
             for row in rows:
                 if row.status != "ok":
-                    w.writerow([row.slide_id, row.label, row.status, "", *[""] * len(classes)])
+                    table.append([row.slide_id, row.label, row.status, *class_cells(None, classes)])
                     continue
                 s, p = next(predicted)
                 label = classes[s.label] if s.label >= 0 else ""
-                w.writerow(
-                    [s.slide_id, label, "ok", classes[int(p.argmax())], *[f"{v:.6f}" for v in p]]
-                )
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(args.out, buf.getvalue())
+                table.append([s.slide_id, label, "ok", *class_cells(p, classes)])
+            header = ["slide_id", "label", "status", *class_columns(classes)]
+            write_rows(args.out, header, table)
             print(
                 f"hyfi-predict: {len(samples)} of {len(rows)} slides predicted -> {args.out} "
                 f"(checkpoint step {meta['step']})"
             )
+            if heat_dir is not None:
+                print(f"hyfi-predict: {len(samples)} heat maps -> {heat_dir}")
         shutdown()
         return 0
 

@@ -122,10 +122,18 @@ class TaskConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """A registered model and its options (``num_classes`` comes from the data)."""
+    """A registered model and its options (``num_classes`` comes from the data).
+
+    ``weights``: a file of pretrained weights loaded into the model as built,
+    before any parallelism (a state dict, a torchvision/timm checkpoint, a
+    ``.safetensors`` file; :mod:`hyfi_imaging.models.weights`), relative to
+    where the command runs. A head of another class count and a first
+    convolution of another channel count are handled and reported in one line.
+    """
 
     name: str
     kwargs: dict[str, Any] = {}
+    weights: Path | None = None
 
 
 def _read_grid(v: Any) -> Any:

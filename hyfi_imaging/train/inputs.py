@@ -21,6 +21,8 @@ lengths, colour jitter that needs RGB, the normalisation against the channels).
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import TYPE_CHECKING
 
 from hyfi_imaging.errors import ConfigError
@@ -92,11 +94,21 @@ def check_data(recipe: Recipe, pixels: StorePixels) -> None:
     normalization(recipe).check(c, "data.normalize")
 
 
-def build_model(recipe: Recipe, channels: int | None, num_classes: int | None = None) -> nn.Module:
+def build_model(
+    recipe: Recipe,
+    channels: int | None,
+    num_classes: int | None = None,
+    *,
+    pretrained: bool = False,
+) -> nn.Module:
     """The recipe's model for images of ``channels`` channels (``None``: unknown, its default).
 
     ``num_classes``: the model's outputs (default: one per class of the recipe;
-    a regression passes its number of targets).
+    a regression passes its number of targets). ``pretrained``: load
+    ``model.weights`` (hyfi-train's setup, on every rank, before any
+    parallelism, its one line said by rank 0; a meta-device build, as in
+    preflight, reads and matches the file without copying, so a bad file is
+    refused before any rank starts). The planners leave it False.
 
     See the module docstring for the rule; raises ConfigError on a mismatch.
     """
@@ -118,7 +130,11 @@ def build_model(recipe: Recipe, channels: int | None, num_classes: int | None = 
         kwargs["in_chans"] = channels
     try:
         outputs = len(r.data.classes) if num_classes is None else num_classes
-        model = create_model(r.model.name, num_classes=outputs, **kwargs)
+        with warnings.catch_warnings():
+            # A builder of the user's that loads weights warns once per tensor when preflight
+            # builds it on the meta device, where the copy is a no-op by design.
+            warnings.filterwarnings("ignore", message=r".*to a meta parameter .* is a no-op")
+            model = create_model(r.model.name, num_classes=outputs, **kwargs)
     except (ConfigError, TypeError) as err:
         if not (passed and "in_chans" in str(err)):
             raise
@@ -134,4 +150,11 @@ def build_model(recipe: Recipe, channels: int | None, num_classes: int | None = 
             f"takes {got} input channels but the images have {channels}",
             "give it in_chans, or a first convolution with that many input channels",
         )
+    if pretrained and r.model.weights is not None:
+        from hyfi_imaging.models.weights import load_weights
+        from hyfi_imaging.parallel.launch import launch_rank
+
+        report = load_weights(model, r.model.weights)
+        if report.copied and launch_rank() in (None, 0):
+            logging.getLogger("hyfi_imaging.train").warning("%s", report.line)
     return model

@@ -130,16 +130,24 @@ def scores_from_counts(counts: Tensor) -> tuple[Tensor, Tensor]:
     """Per-image Dice and IoU ``(N,)`` from :func:`overlap_counts`, over the foreground classes.
 
     Class 0 is the background and is left out (with two classes: the lesion's
-    Dice). A class absent from both prediction and truth scores 1 (nothing to
-    find, nothing found).
+    Dice). The mean is over the classes present in the prediction or the
+    truth, so a class absent from both neither lifts nor lowers an image's
+    score; an image with no foreground in either scores 1 (nothing to find,
+    nothing found), one with foreground in only one of them scores 0
+    (:mod:`.seg_scores` states the rule in every per-image row).
     """
     fg = counts[:, 1:] if counts.shape[1] > 1 else counts
     inter, pred, true = fg.unbind(-1)
     union = pred + true - inter
-    empty = (pred + true) == 0
-    dice = torch.where(empty, 1.0, 2 * inter / (pred + true).clamp_min(1))
-    iou = torch.where(empty, 1.0, inter / union.clamp_min(1))
-    return dice.mean(1), iou.mean(1)
+    present = (pred + true) > 0
+    dice = torch.where(present, 2 * inter / (pred + true).clamp_min(1), 0.0)
+    iou = torch.where(present, inter / union.clamp_min(1), 0.0)
+    n = present.sum(1)
+    none = n == 0
+    return (
+        torch.where(none, 1.0, dice.sum(1) / n.clamp_min(1)),
+        torch.where(none, 1.0, iou.sum(1) / n.clamp_min(1)),
+    )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,13 @@ Why here and not in the loop: ``hyfi-train`` (after its last evaluation) and
   Volumes get the same layout with axes ``c, z, y, x``.
 * **Overlays.** ``<out>/overlays/<id>.png``: the slide at its coarsest level
   of at most 1024 px (a volume: its middle z-plane) with the predicted mask in
-  the label colours over it -- the picture to look at first.
+  the label colours over it and, where the truth is known, the ground truth's
+  outline (1 px, :data:`OUTLINE_RGB`, opaque) -- the picture to look at first:
+  a miss is an outline with no colour inside, a false positive colour with no
+  outline around it.
+* **Scores.** ``val_per_image.csv`` / ``per_image.csv``: one row per image,
+  the columns of :data:`~hyfi_imaging.train.seg_scores.SCORE_COLUMNS` (Dice, IoU,
+  lesions, hits, false positives and a ``note`` stating the empty-truth rule).
 * **Regressions.** One CSV row per image: id, then ``pred_<target>`` and,
   where known, ``true_<target>``.
 """
@@ -37,7 +43,19 @@ from hyfi_imaging.parallel.collectives import all_gather_grid
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.paths import confined
 
-__all__ = ["gather_masks", "write_mask", "write_overlay", "write_regressions", "write_scores"]
+__all__ = [
+    "OUTLINE_RGB",
+    "gather_masks",
+    "outline",
+    "overlay_picture",
+    "write_mask",
+    "write_overlay",
+    "write_regressions",
+    "write_scores",
+]
+
+#: The colour of the ground truth's outline on the overlays: yellow, in no label colour.
+OUTLINE_RGB: tuple[int, int, int] = (255, 255, 0)
 
 
 def gather_masks(
@@ -158,12 +176,50 @@ def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.
     return rgb, 2**level
 
 
+def outline(labels: np.ndarray) -> np.ndarray:
+    """The 1-px inner outline of every labelled region of a 2-D class map (bool).
+
+    A pixel is on it when its label is not 0 and one of its 4 neighbours has
+    another label or lies past the image edge (so a region cut by the edge is
+    closed there too).
+    """
+    padded = np.pad(labels, 1, constant_values=0)
+    inner = padded[1:-1, 1:-1]
+    differs = np.zeros(labels.shape, dtype=bool)
+    for dy, dx in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        differs |= (
+            padded[1 + dy : padded.shape[0] - 1 + dy, 1 + dx : padded.shape[1] - 1 + dx] != inner
+        )
+    return (labels != 0) & differs
+
+
+def overlay_picture(
+    rgb: np.ndarray, mask: np.ndarray, truth: np.ndarray | None = None
+) -> np.ndarray:
+    """``(h, w, 3)`` float RGB in [0, 1]: ``rgb`` with the class map blended over it and
+    the ground truth's :func:`outline` drawn opaque in :data:`OUTLINE_RGB` (all three 2-D
+    and of one size at the picture's scale)."""
+    rgba = _colour(mask).astype(np.float64) / 255.0
+    alpha = rgba[..., 3:4]
+    blend = rgb * (1 - alpha) + rgba[..., :3] * alpha
+    if truth is not None:
+        blend[outline(truth)] = np.array(OUTLINE_RGB, dtype=np.float64) / 255.0
+    return blend
+
+
 def write_overlay(
-    out: Path, mask: np.ndarray, *, image: str, title: str, limit: int = 1024
+    out: Path,
+    mask: np.ndarray,
+    *,
+    image: str,
+    title: str,
+    truth: np.ndarray | None = None,
+    limit: int = 1024,
 ) -> Path:
     """A PNG of the image with the predicted class map over it (see the module docstring).
 
-    Refused like :func:`write_mask` when ``out`` climbs out of its folder.
+    ``truth``: the ground-truth class map of the same size as ``mask``, drawn as an
+    outline. Refused like :func:`write_mask` when ``out`` climbs out of its folder.
     """
     confined(out)
     import matplotlib
@@ -171,13 +227,20 @@ def write_overlay(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if truth is not None and truth.shape != mask.shape:
+        raise ValueError(f"write_overlay: truth {truth.shape} and mask {mask.shape} differ")
     rgb, factor = _background(image, mask.shape, limit)
-    plane = mask[mask.shape[0] // 2] if mask.ndim == 3 else mask
-    small = plane[::factor, ::factor][: rgb.shape[0], : rgb.shape[1]]
-    rgb = rgb[: small.shape[0], : small.shape[1]]
-    rgba = _colour(small).astype(np.float64) / 255.0
-    alpha = rgba[..., 3:4]
-    blend = rgb * (1 - alpha) + rgba[..., :3] * alpha
+
+    def small(m: np.ndarray) -> np.ndarray:
+        plane = m[m.shape[0] // 2] if m.ndim == 3 else m
+        return plane[::factor, ::factor][: rgb.shape[0], : rgb.shape[1]]
+
+    pred = small(mask)
+    blend = overlay_picture(
+        rgb[: pred.shape[0], : pred.shape[1]], pred, None if truth is None else small(truth)
+    )
+    if truth is not None:
+        title += "\ncolour: prediction, yellow outline: ground truth"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 6 * blend.shape[0] / max(blend.shape[1], 1)))
     ax.imshow(blend, interpolation="nearest")
@@ -214,9 +277,21 @@ def write_regressions(
 
 
 def write_scores(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
-    """Per-image segmentation scores as CSV (``id, dice, iou``), atomically."""
+    """Per-image segmentation scores as CSV, atomically: the columns of
+    :data:`~hyfi_imaging.train.seg_scores.SCORE_COLUMNS` (rows of
+    :meth:`~hyfi_imaging.train.seg_scores.ImageScore.row`); an undefined value is empty."""
     from hyfi_imaging.atomic import write_atomic
+    from hyfi_imaging.train.seg_scores import SCORE_COLUMNS
 
-    lines = ["id,dice,iou"] + [f"{r['id']},{r['dice']:.6f},{r['iou']:.6f}" for r in rows]
+    def cell(value: object) -> str:
+        if value is None:
+            return ""
+        return f"{value:.6f}" if isinstance(value, float) else str(value)
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(SCORE_COLUMNS)
+    for r in rows:
+        w.writerow([cell(r[c]) for c in SCORE_COLUMNS])
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(path, "\n".join(lines) + "\n")
+    return write_atomic(path, buf.getvalue())

@@ -33,17 +33,29 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "VAL_METRICS",
     "plot_confusion_matrix",
     "plot_resolution_comparison",
     "plot_training_curves",
     "smooth",
+    "validation_series",
 ]
 
 Row = Mapping[str, "float | int | None"]
 
-# Validation metrics in [0, 1] drawn on the left axis of the validation panel.
-_VAL_METRICS = ("val_accuracy", "val_auc", "val_macro_auc", "val_qwk")
-_COMPARE_METRICS = ("auc", "macro_auc", "accuracy", "qwk")
+# Validation metrics in [0, 1] drawn on the left axis of the validation panel: those of
+# classification, then segmentation's (Dice over all images and over those with lesions).
+VAL_METRICS = (
+    "val_accuracy",
+    "val_auc",
+    "val_macro_auc",
+    "val_qwk",
+    "val_dice",
+    "val_dice_with_lesions",
+    "val_iou",
+    "val_lesion_sensitivity",
+)
+_COMPARE_METRICS = ("auc", "macro_auc", "accuracy", "qwk", "dice")
 
 
 def _new_figure(width: float, height: float) -> Figure:
@@ -126,12 +138,25 @@ def _empty(ax: Axes, what: str) -> None:
     ax.set_yticks([])
 
 
+def validation_series(
+    history: Sequence[Row],
+) -> tuple[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The x axis (``"epoch"`` or ``"step"``) and the ``(x, y)`` of every :data:`VAL_METRICS`
+    key and ``val_loss`` that ``history`` holds: what the validation panel draws."""
+    has_epoch = any(_finite(r.get("epoch")) is not None for r in history if _has_val(r))
+    x_keys = ("epoch", "step") if has_epoch else ("step",)
+    drawn = {key: _series(history, x_keys, key) for key in (*VAL_METRICS, "val_loss")}
+    return x_keys[0], {k: xy for k, xy in drawn.items() if xy[0].size}
+
+
 def plot_training_curves(history: Sequence[Row], path: str | os.PathLike[str]) -> Path:
     """Draw training loss, learning rate, validation metrics and throughput; return ``path``.
 
     ``history`` rows are dicts as kept by :class:`~hyfi_imaging.train.logs.RunLogger`:
     training rows carry ``step`` and some of ``loss``, ``lr``, ``images_per_s``;
-    evaluation rows carry ``epoch`` (or ``step``) and ``val_*`` metrics. Missing
+    evaluation rows carry ``epoch`` (or ``step``) and ``val_*`` metrics
+    (:func:`validation_series`: accuracy, AUC, QWK; segmentation's Dice, Dice over
+    the images with lesions, IoU and lesion sensitivity). Missing
     keys and ``None`` / NaN values are skipped; an empty history still gives a
     picture that says so.
     """
@@ -164,23 +189,21 @@ def plot_training_curves(history: Sequence[Row], path: str | os.PathLike[str]) -
         _empty(ax_lr, "learning rate")
     ax_lr.set_title("learning rate")
 
-    has_epoch = any(_finite(r.get("epoch")) is not None for r in history if _has_val(r))
-    x_keys = ("epoch", "step") if has_epoch else ("step",)
-    drawn = False
-    for key in _VAL_METRICS:
-        x, y = _series(history, x_keys, key)
-        if x.size:
+    x_name, series = validation_series(history)
+    for key in VAL_METRICS:
+        if key in series:
+            x, y = series[key]
             ax_val.plot(x, y, marker="o", ms=3.5, lw=1.5, label=key.removeprefix("val_"))
-            drawn = True
-    x, y = _series(history, x_keys, "val_loss")
-    if x.size:
+    if any(k in series for k in VAL_METRICS):
+        ax_val.set_ylabel("Dice / score" if "val_dice" in series else "score")
+    if "val_loss" in series:
+        x, y = series["val_loss"]
         twin = ax_val.twinx()
         twin.plot(x, y, color="grey", ls="--", marker=".", lw=1.2, label="loss (right)")
         twin.set_ylabel("validation loss")
         twin.legend(loc="lower right", fontsize=8)
-        drawn = True
-    if drawn:
-        ax_val.set_xlabel("epoch" if has_epoch else "step")
+    if series:
+        ax_val.set_xlabel(x_name)
         ax_val.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_val.set_ylim(min(0.0, ax_val.get_ylim()[0]), 1.02)
         if ax_val.get_legend_handles_labels()[0]:

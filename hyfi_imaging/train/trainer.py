@@ -38,7 +38,7 @@ import yaml
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.train.config import Recipe
-from hyfi_imaging.train.preflight import plan_of
+from hyfi_imaging.train.preflight import FACT_KEYS, check_trained, plan_of, run_facts
 from hyfi_imaging.train.rundir import StartMode
 
 __all__ = ["Trainer", "lr_at"]
@@ -93,6 +93,7 @@ class Trainer:
         self.rank0 = self.pc.rank == 0
         torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
         self.cohort = load_cohort(r, r.data.manifest)
+        self.facts = run_facts(r)  # channels and each slide's µm/px (None: volumes)
         self.task = r.task.name
         # Classification keeps the manifest's samples (labels, ids) as before.
         self.samples: Sequence[Any] = (
@@ -106,7 +107,7 @@ class Trainer:
         self.image_hw: tuple[int, ...] = self.cohort.size
         torch.manual_seed(r.train.seed)
         # in_chans comes from the data, the outputs from the classes (or the targets)
-        model = build_model(r, self.cohort.channels, num_outputs(r, self.cohort))
+        model = build_model(r, self.cohort.channels, num_outputs(r, self.cohort), pretrained=True)
         plan = plan_of(p, layout)
         if plan.balance is None and plan.stages > 1 and self.start == "resume":
             from hyfi_imaging.train.rundir import recorded_cut
@@ -340,11 +341,12 @@ class Trainer:
     def _meaning(self) -> dict[str, Any]:
         """What a checkpoint's numbers mean: a run resumed or read with another meaning is refused.
 
-        The class order, the task, the model and its options, the input channels,
-        the normalisation, the pyramid level and the optimiser whose state is saved
-        (as JSON reads them back).
+        The class order, the task, the model and its options, the input channels
+        (count and names), the cohort's µm/px, the normalisation, the pyramid level
+        and the optimiser whose state is saved (as JSON reads them back).
         """
         r = self.recipe
+        facts = self.facts
         meaning = {
             "task.name": r.task.name,
             "data.task": r.data.task,
@@ -355,6 +357,8 @@ class Trainer:
             "model.name": r.model.name,
             "model.kwargs": r.model.kwargs,
             "input channels": self.cohort.channels,
+            "channel names": None if facts is None else list(facts.channel_names),
+            "mpp": None if facts is None else facts.reference_mpp,  # compared with a tolerance
             "data.level": r.data.level,
             "data.normalize": r.data.normalize.model_dump(),
             "data.mean": r.data.mean,
@@ -372,7 +376,8 @@ class Trainer:
             was = marker.get("meaning")
             if not isinstance(was, dict):  # written before meanings were recorded
                 return
-            changed = [k for k in now if k in was and was[k] != now[k]]
+            check_trained(self.facts, was, path, fix)  # naming the slides that differ
+            changed = [k for k in now if k in was and k not in FACT_KEYS and was[k] != now[k]]
             if changed:
                 said = "; ".join(f"{k} {was[k]} -> now {now[k]}" for k in changed)
                 raise ConfigError(path, f"this checkpoint was trained with another {said}", fix)
@@ -507,12 +512,25 @@ class Trainer:
                 rows = idx[b * bs : (b + 1) * bs]
                 yield self.pm.predict(tiles).float(), target, rows
 
-    def predict(self, manifest: Path, indices: Sequence[int]) -> np.ndarray:
-        """Class probabilities ``(len(indices), K)`` (regression: the outputs), on every rank."""
+    def predict(
+        self,
+        manifest: Path,
+        indices: Sequence[int],
+        *,
+        on_batch: Callable[[torch.Tensor, list[int]], None] | None = None,
+    ) -> np.ndarray:
+        """Class probabilities ``(len(indices), K)`` (regression: the outputs), on every rank.
+
+        ``on_batch(logits, rows)`` is called on every rank after each batch's
+        forward (the heat maps' hook: :mod:`.heatmaps`); ``logits`` has the
+        batch's padded rows, ``rows`` the real indices.
+        """
         if not indices:
             return np.zeros((0, len(self.recipe.data.classes)), dtype=np.float32)
         parts: list[torch.Tensor] = []
         for out, _, rows in self._outputs(manifest, indices):
+            if on_batch is not None:
+                on_batch(out, rows)
             value = out if self.task == "regression" else torch.softmax(out, dim=1)
             parts.append(value[: len(rows)].cpu())
         return torch.cat(parts).numpy()
@@ -520,38 +538,39 @@ class Trainer:
     def predict_masks(
         self, manifest: Path, indices: Sequence[int], out_dir: Path | None, *, overlays: int = 0
     ) -> dict[str, Any]:
-        """Segment ``indices`` of ``manifest``: per-image Dice/IoU and loss; masks written to ``out_dir``.
+        """Segment ``indices`` of ``manifest``: per-image scores and loss; masks written to ``out_dir``.
 
-        Every rank returns the same metrics (exact: all-reduced counts over the
-        tiles). With ``out_dir``, rank 0 writes ``masks/<id>.zarr`` for every
-        image and ``overlays/<id>.png`` for the first ``overlays``
-        (:mod:`.outputs`); the label tiles are gathered over the grid.
+        Every rank returns the same metrics (:class:`~.seg_scores.SegmentationTally`: Dice
+        and IoU from all-reduced counts over the tiles, lesions counted on the stitched
+        masks on rank 0 and broadcast). With ``out_dir``, rank 0 writes
+        ``masks/<id>.zarr`` for every image and ``overlays/<id>.png`` (the truth's
+        outline over the prediction) for the first ``overlays`` (:mod:`.outputs`).
         """
-        from hyfi_imaging.train.losses import overlap_counts, scores_from_counts
+        from hyfi_imaging.train.losses import overlap_counts
         from hyfi_imaging.train.outputs import gather_masks, write_mask, write_overlay
+        from hyfi_imaging.train.seg_scores import SegmentationTally, summarise_segmentation
 
         r = self.recipe
         cohort = self.cohort if manifest == r.data.manifest else self.val_cohort
         loss_fn = self.pm.loss_fn
-        dice: list[float] = []
-        iou: list[float] = []
+        tally = SegmentationTally(len(r.data.classes))
         losses: list[float] = []
         written = 0
         for out, target, rows in self._outputs(manifest, indices):
             if target is None:  # segmentation is one stage: every rank holds both
                 raise ConfigError("predict_masks", "no label tiles were read", "use pipeline=1")
             target = target.to(out.device)
+            masks = truth = None
+            dice: list[float] = []
+            if self.has_truth or out_dir is not None:  # collective over the grid
+                masks = gather_masks(out.argmax(1), self.pc, self.pm.tile_hw, self.image_hw)
             if self.has_truth:
+                truth = gather_masks(target, self.pc, self.pm.tile_hw, self.image_hw)
                 counts = overlap_counts(out, target, self.pm.ctx, self.pm.out_map)
-                d, j = scores_from_counts(counts)
-                dice.extend(float(v) for v in d[: len(rows)])
-                iou.extend(float(v) for v in j[: len(rows)])
+                dice = tally.add([cohort.ids[i] for i in rows], counts, masks, truth)
                 value = loss_fn(out, target, self.pm.ctx, self.pm.out_map)  # type: ignore[call-arg]
                 losses.append(float(value) * len(rows))
-            if out_dir is None:
-                continue
-            masks = gather_masks(out.argmax(1), self.pc, self.pm.tile_hw, self.image_hw)
-            if masks is None:
+            if out_dir is None or masks is None:
                 continue
             for k, i in enumerate(rows):
                 sid, store = cohort.ids[i], cohort.stores[i]
@@ -563,43 +582,43 @@ class Trainer:
                     scale=None,
                 )
                 if written < overlays:
-                    score = f" (Dice {dice[len(dice) - len(rows) + k]:.3f})" if dice else ""
+                    score = f" (Dice {dice[k]:.3f})" if dice else ""
                     write_overlay(
                         out_dir / "overlays" / f"{sid}.png",
                         masks[k],
                         image=store,
                         title=f"{sid}: predicted {', '.join(r.data.classes[1:])}{score}",
+                        truth=None if truth is None else truth[k],
                     )
                     written += 1
-        if not dice:  # no label images to score against
+        if not self.has_truth:  # no label images to score against
             return {"n": len(indices), "dice": None, "iou": None, "val_loss": None, "per_image": []}
+        scores = tally.finish()  # collective: the lesions counted on rank 0
         return {
-            "n": len(dice),
-            "dice": float(np.mean(dice)),
-            "iou": float(np.mean(iou)),
-            "val_loss": sum(losses) / len(dice),
-            "per_image": [
-                {"id": cohort.ids[i], "dice": dv, "iou": jv}
-                for i, dv, jv in zip(indices, dice, iou, strict=True)
-            ],
+            **summarise_segmentation(scores),
+            "val_loss": sum(losses) / len(scores),
+            "per_image": [s.row() for s in scores],
         }
 
     def evaluate(self, out_dir: Path | None = None) -> dict[str, Any]:
         """Validation metrics (identical on every rank); a classification's EvalResult under ``"_result"``.
 
-        Segmentation: per-image Dice and IoU (means, and each image under
-        ``"_per_image"``), masks and overlays written under ``out_dir`` when given.
+        Segmentation: the means of :func:`~.seg_scores.summarise_segmentation` (each image's
+        scores under ``"_per_image"``), masks and overlays written under ``out_dir`` when given.
         Regression: MSE and MAE (and per target); predictions written to
-        ``out_dir/val_predictions.csv`` when given.
+        ``out_dir/val_predictions.csv`` when given. Classification: with
+        ``out_dir``, ``val_predictions.csv`` holds every slide with its ``split``
+        (:meth:`_write_split_predictions`).
         """
         from hyfi_imaging.train.metrics import evaluate_predictions
+        from hyfi_imaging.train.seg_scores import segmentation_line
 
         r = self.recipe
         manifest = r.data.val_manifest or r.data.manifest
         if self.task == "segmentation":
             m = self.predict_masks(manifest, self.val_idx, out_dir, overlays=r.task.overlays)
             per_image = m.pop("per_image")
-            line = f"dice {m['dice']:.4f}  iou {m['iou']:.4f}  val_loss {m['val_loss']:.4f}"
+            line = f"{segmentation_line(m)}  val_loss {m['val_loss']:.4f}"
             return {**m, "_per_image": per_image, "_line": line}
         p = self.predict(manifest, self.val_idx)
         if self.task == "regression":
@@ -628,10 +647,37 @@ class Trainer:
             )
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
         result = evaluate_predictions(p, labels, task=r.data.task, class_names=r.data.classes)
+        if out_dir is not None:
+            self._write_split_predictions(out_dir / "val_predictions.csv", p)
         loss = float(
             F.nll_loss(torch.log(torch.from_numpy(p).clamp_min(1e-12)), torch.from_numpy(labels))
         )
         return {**result.as_dict(), "val_loss": loss, "_result": result, "_line": result.line()}
+
+    def _write_split_predictions(self, path: Path, val_probs: np.ndarray) -> None:
+        """``path``: one row per slide of the run, ``slide_id, split, label, pred, p_<class>...``.
+
+        The validation slides' ``val_probs`` and, predicted now (every rank takes
+        part), the training slides' with ``split`` ``train``: what each slide
+        was used for and what the final model says of it. Rank 0 writes.
+        """
+        from hyfi_imaging.train.predictions import class_cells, class_columns, write_rows
+
+        r = self.recipe
+        train_probs = self.predict(r.data.manifest, self.train_idx)
+        if not self.rank0:
+            return
+        classes = r.data.classes
+        rows = []
+        for split, samples, idx, probs in (
+            ("train", self.samples, self.train_idx, train_probs),
+            ("val", self.val_samples, self.val_idx, val_probs),
+        ):
+            for i, p in zip(idx, probs, strict=True):
+                s = samples[i]
+                label = classes[s.label] if s.label >= 0 else ""
+                rows.append([s.slide_id, split, label, *class_cells(p, classes)])
+        write_rows(path, ["slide_id", "split", "label", *class_columns(classes)], rows)
 
     def _labels(self) -> torch.Tensor | None:
         """Every sample's target, known on every rank: class indices or regression targets.
@@ -788,6 +834,8 @@ class Trainer:
         else:
             peaks = [round(_rss_mib(), 1)]
         summary["peak_rss_mib"] = peaks  # every rank's peak resident set, rank order
+        if self.facts is not None:  # each slide's final µm/px, and which --fit fit changed
+            summary["cohort"] = self.facts.record()
         if self.rank0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         if dist.is_initialized():
