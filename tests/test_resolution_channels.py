@@ -162,7 +162,7 @@ def test_qptiff_and_ome_colours_reach_the_store_and_the_qc_picture(tmp_path: Pat
     ]
 
 
-def test_fit_that_changes_the_resolution_is_recorded_warned_and_refused(
+def test_fit_that_changes_the_resolution_is_recorded_and_warned(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     slides = tmp_path / "slides"
@@ -186,15 +186,18 @@ def test_fit_that_changes_the_resolution_is_recorded_warned_and_refused(
     assert len(warned) == 1 and warned[0].strip().startswith("WARNING big: --fit fit shrank")
     assert "fit_scale,warning" in (out / "manifest.csv").read_text().splitlines()[0]
 
-    # hyfi-train --check refuses the cohort in one line naming the slides and the values.
+    # hyfi-train --check trains it, saying in one line the range and the slides --fit shrank.
     from hyfi_imaging.cli.train import main as train_main
 
     recipe = _recipe(tmp_path, out / "manifest.csv")
     code = train_main([str(recipe), "--check"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert "small at 0.5 µm/px, but big (2.34) µm/px; --fit fit shrank big" in err
-    assert "hyfi-preprocess --mpp 0.5" in err
+    assert code == 0 and len(err.splitlines()) == 1, err
+    assert "the slides span 0.5-2.34 µm/px (--fit fit shrank big)" in err
+    assert err.startswith("hyfi-train: warning: ") and "--fit crop" in err
+    facts = cohort_facts(out / "manifest.csv")
+    assert facts is not None and facts.mpp_range == pytest.approx((0.5, 0.5 * 600 / 128))
+    assert facts.record()["fit_changed"] == ["big"]
     # A resumed run (same options) still records the change: the store remembers it.
     code = preprocess_main([str(slides), *args, "--labels", str(slides / "labels.csv"), "--quiet"])
     assert code == 0 and "WARNING big" in capsys.readouterr().out
@@ -254,26 +257,33 @@ def test_unknown_resolution_is_compared_with_nothing_and_the_tolerance_holds(
     options = PreprocessOptions(level=0, size=(96, 96), tissue="none")
     run_preprocess([tmp_path / "val"], tmp_path / "vdata", options, progress=False, qc=False)
     facts = cohort_facts(tmp_path / "data" / "manifest.csv")
-    # A validation manifest at another µm/px than the training one: refused, naming it.
+    # Validation slides outside the training slides' µm/px range: refused, naming them.
     manifests = [f"data.manifest={tmp_path / 'data'}", f"data.val_manifest={tmp_path / 'vdata'}"]
     recipe = load_recipe(_recipe(tmp_path, tmp_path / "data"), manifests)
     with pytest.raises(
-        ConfigError, match=r"the training manifest .*'s 0.5 µm/px .*: v \(1\) µm/px"
+        ConfigError, match=r"outside the training manifest .*'s 0.5-0.52 µm/px .*: v \(1\) µm/px"
     ):
         run_facts(recipe)
     assert facts is not None
     assert facts.ids == ("a", "b", "old") and facts.mpp == (0.5, 0.52, None)
-    assert facts.reference_mpp == 0.5 and facts.channel_names == ("red", "green", "blue")
+    assert facts.mpp_range == (0.5, 0.52) and facts.channel_names == ("red", "green", "blue")
+    assert facts.mixed_warning() is None  # 4 % apart: one resolution
     assert MPP_TOLERANCE == 0.05 and not mpp_differs(0.5, 0.524) and mpp_differs(0.5, 0.526)
     assert not mpp_differs(None, 3.0)
     trained = {"channel names": ["red", "green", "blue"], "mpp": 0.5}
     check_trained(facts, trained, "ckpt", "fix")  # within tolerance: passes
+    check_trained(facts, {**trained, "mpp": [0.45, 0.5]}, "ckpt", "fix")  # a range: passes
+    with pytest.raises(
+        ConfigError,
+        match=r"outside this checkpoint's 0.3-0.45 µm/px .*: a \(0.5\), b \(0.52\) µm/px",
+    ):
+        check_trained(facts, {**trained, "mpp": [0.3, 0.45]}, "ckpt", "fix")
     check_trained(facts, {"channel names": None, "mpp": None}, "ckpt", "fix")  # unknown: passes
     check_trained(facts, {}, "ckpt", "fix")  # a checkpoint from before: passes
     with pytest.raises(ConfigError) as err:
         check_trained(facts, {**trained, "mpp": 0.25}, "ckpt", "fix it")
     assert str(err.value) == (
-        f"ckpt: resolution differs from this checkpoint's 0.25 µm/px by more than 5% for slides "
+        f"ckpt: resolution lies outside this checkpoint's 0.25 µm/px by more than 5% for slides "
         f"of {tmp_path / 'data' / 'manifest.csv'}: a (0.5), b (0.52) µm/px; preprocess them at "
         "0.25 µm/px (hyfi-preprocess --mpp 0.25), or fix it."
     )
@@ -322,7 +332,7 @@ def test_predict_and_resume_refuse_what_the_model_was_not_trained_on(tmp_path: P
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["cohort"]["mpp"] == 0.5 and summary["cohort"]["channels"] == [
+    assert summary["cohort"]["mpp_range"] == [0.5, 0.5] and summary["cohort"]["channels"] == [
         "red",
         "green",
         "blue",
@@ -351,7 +361,7 @@ def test_predict_and_resume_refuse_what_the_model_was_not_trained_on(tmp_path: P
 
     line = predict(tmp_path / "coarse" / "manifest.csv")
     assert (
-        "resolution differs from this checkpoint's 0.5 µm/px" in line
+        "resolution lies outside this checkpoint's 0.5 µm/px" in line
         and "c0 (1), c1 (1) µm/px" in line
     )
     # Resuming the run on the coarse slides: refused before any step, naming them.
@@ -364,7 +374,7 @@ def test_predict_and_resume_refuse_what_the_model_was_not_trained_on(tmp_path: P
     )
     assert resumed.returncode != 0
     line = resumed.stderr.strip().splitlines()[-1]
-    assert "resolution differs from this checkpoint's 0.5 µm/px" in line and "c0 (1)" in line
+    assert "resolution lies outside this checkpoint's 0.5 µm/px" in line and "c0 (1)" in line
     line = predict(tmp_path / "mif" / "manifest.csv")
     assert (
         "it has 3 (red, green, blue)" in line and "hold 3 uint16 channels (DAPI, FITC, Cy3)" in line

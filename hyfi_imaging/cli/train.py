@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     start: StartMode = "restart" if args.restart else "new" if args.no_resume else "resume"
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        preflight(recipe, start=start, stores=args.check)
+        facts = preflight(recipe, start=start, stores=args.check)
         warning = fit_warning(recipe)
+        mixed = None if facts is None else facts.mixed_warning()
         manifests = (recipe.data.manifest, recipe.data.val_manifest)
         left_out = [
             line
@@ -221,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in left_out if launch_rank() in (None, 0) else []:  # failed slides are not trained on
         print(f"hyfi-train: {line}", file=sys.stderr, flush=True)
-    if warning and launch_rank() in (None, 0):  # said once, before any rank allocates
-        print(f"hyfi-train: warning: {warning}", file=sys.stderr, flush=True)
+    for said in (warning, mixed) if launch_rank() in (None, 0) else ():  # once, before ranks
+        if said:
+            print(f"hyfi-train: warning: {said}", file=sys.stderr, flush=True)
     if args.check:
         if launch_rank() in (None, 0):
             print(f"hyfi-train: {args.recipe} is valid ({recipe.world_size} ranks)")

@@ -5,17 +5,21 @@ directory ends the job with one line before anything is computed or written;
 :func:`plan_of` turns a recipe's ``parallel`` section into the engine's plan
 (used here on a meta-device model, and by the trainer for the real one).
 
-**One resolution, one kind of image** (:func:`run_facts`). A model learns the
-magnification and the stains it is shown: an H&E slide among DAPI/FITC/Cy3
-slides, or a slide ``--fit fit`` shrank to 1.93 µm/px among slides at 0.5,
-trains without an error and means nothing. So the usable slides of a
-manifest (and of the validation manifest) must hold the same channels (count,
-names and type, from each store's JSON) and the same µm/px (the manifest's
-``mpp``) within :data:`MPP_TOLERANCE`; ``hyfi-train`` and ``hyfi-predict``
-compare them with what a checkpoint was trained on as well
-(:func:`check_trained`, through the checkpoint's recorded meaning). A slide
-whose µm/px is unknown (an older or synthetic store) is compared with
-nothing: only two recorded values can disagree.
+**One kind of image, resolutions said and kept** (:func:`run_facts`). A model
+learns the stains and the magnifications it is shown: an H&E slide among
+DAPI/FITC/Cy3 slides trains without an error and means nothing, so the usable
+slides of a manifest (and of the validation manifest) must hold the same
+channels (count, names and type, from each store's JSON). Resolution is
+stated, then kept: a training cohort whose µm/px (the manifest's ``mpp``) span
+more than :data:`MPP_TOLERANCE` -- ``--fit fit``, the default, shrinks the
+slides whose tissue outgrows the canvas -- trains, with one warning line
+naming the range and the slides ``--fit`` changed (and ``summary.json``'s
+``cohort``); a model is then applied only to the resolutions it was trained
+on: validation slides, and ``hyfi-train`` (resume) and ``hyfi-predict`` slides
+against the checkpoint's recorded range (:func:`check_trained`), are refused
+outside that range (beyond the tolerance), naming the slides. A slide whose
+µm/px is unknown (an older or synthetic store) is compared with nothing: only
+two recorded values can disagree.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ MPP_TOLERANCE = 0.05
 FACT_KEYS = ("channel names", "mpp")
 
 
-def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = False) -> None:
+def preflight(
+    recipe: Recipe, *, start: StartMode = "resume", stores: bool = False
+) -> CohortFacts | None:
     """Every check that needs no process group: runs on every rank before any allocation.
 
     ``hyfi-train --check`` runs exactly this, with ``stores=True``: the
@@ -67,6 +73,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = Fal
     checkpointing, micro-batches; the model is built on the meta device), and
     the run directory (writable, free space, ``--no-resume`` into a used one).
 
+    Returns the training slides' :class:`CohortFacts` (``None`` for volumes).
     ``stores``: also check every store the manifests name (:func:`_check_stores`).
     A launch leaves it off: it stats every shard of the cohort, on every rank,
     and the readers check the shards of each region they read anyway.
@@ -82,7 +89,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = Fal
         _check_labels(recipe.data.manifest, samples, len(recipe.data.classes))
     cohort = load_cohort(recipe, recipe.data.manifest)
     check_task(recipe, cohort, recipe.data.manifest)
-    run_facts(recipe)
+    facts = run_facts(recipe)
     if stores:
         _check_stores(cohort, recipe.data.manifest)
     if cohort.kind == "slides":
@@ -142,6 +149,7 @@ def preflight(recipe: Recipe, *, start: StartMode = "resume", stores: bool = Fal
             f"only {free / 2**20:.0f} MiB free on the output disk",
             "free space or choose another train.out_dir",
         )
+    return facts
 
 
 def mpp_differs(a: float | None, b: float | None) -> bool:
@@ -172,18 +180,33 @@ class CohortFacts:
     dtype: str
 
     @property
-    def reference_mpp(self) -> float | None:
-        """The cohort's µm/px: the lower median of the known values (one a slide has)."""
-        known = sorted(m for m in self.mpp if m is not None)
-        return known[(len(known) - 1) // 2] if known else None
+    def mpp_range(self) -> tuple[float, float] | None:
+        """The lowest and highest known µm/px of the cohort (``None``: none known)."""
+        known = [m for m in self.mpp if m is not None]
+        return (min(known), max(known)) if known else None
 
-    def off(self, mpp: float | None) -> list[str]:
-        """``"id (1.93)"`` for every slide whose µm/px differs from ``mpp`` (:func:`mpp_differs`)."""
+    def outside(self, low: float, high: float) -> list[str]:
+        """``"id (1.93)"`` for every slide whose µm/px lies outside ``[low, high]`` by more
+        than :data:`MPP_TOLERANCE` (:func:`mpp_differs` with the nearer end)."""
         return [
             f"{i} ({m:.3g})"
             for i, m in zip(self.ids, self.mpp, strict=True)
-            if m is not None and mpp_differs(m, mpp)
+            if m is not None
+            and ((m < low and mpp_differs(m, low)) or (m > high and mpp_differs(m, high)))
         ]
+
+    def mixed_warning(self) -> str | None:
+        """One line when the slides' µm/px span more than :data:`MPP_TOLERANCE`, else None."""
+        span = self.mpp_range
+        if span is None or not mpp_differs(*span):
+            return None
+        fitted = [i for i, f in zip(self.ids, self.fit_scale, strict=True) if f < 1.0]
+        why = f" (--fit fit shrank {_listed(fitted)})" if fitted else ""
+        return (
+            f"{self.manifest}: the slides span {span[0]:.3g}-{span[1]:.3g} µm/px{why}: the "
+            "model learns from several resolutions and is applied only within this range; "
+            "to train at one, preprocess with a larger --size or --fit crop"
+        )
 
     def channels_said(self) -> str:
         """``"3 uint16 channels (DAPI, FITC, Cy3)"``."""
@@ -203,7 +226,7 @@ class CohortFacts:
             "manifest": self.manifest,
             "channels": list(self.channel_names),
             "dtype": self.dtype,
-            "mpp": self.reference_mpp,
+            "mpp_range": None if self.mpp_range is None else list(self.mpp_range),
             "mpp_tolerance": MPP_TOLERANCE,
             "fit_changed": [i for i, f in zip(self.ids, self.fit_scale, strict=True) if f < 1.0],
             "slides": slides,
@@ -214,9 +237,9 @@ def cohort_facts(manifest: Path) -> CohortFacts | None:
     """The :class:`CohortFacts` of a slide manifest (``None`` for a volume manifest).
 
     Raises ConfigError (one line naming the slides and their values) when the
-    usable slides hold different channels, or µm/px further apart than
-    :data:`MPP_TOLERANCE` from the cohort's (:attr:`CohortFacts.reference_mpp`).
-    Reads the manifest and each store's JSON, no pixel.
+    usable slides hold different channels (µm/px that differ are stated, not
+    refused: :meth:`CohortFacts.mixed_warning`). Reads the manifest and each
+    store's JSON, no pixel.
     """
     from hyfi_imaging.data.dataset import load_samples, manifest_rows
     from hyfi_imaging.io.zarr_store import read_store_pixels
@@ -255,23 +278,6 @@ def cohort_facts(manifest: Path) -> CohortFacts | None:
             "keep one kind of image per manifest (one stain, one channel set): preprocess "
             "the others into a manifest of their own",
         )
-    ref = facts.reference_mpp
-    off = facts.off(ref)
-    if off:
-        fitted = [i for i, f in zip(ids, facts.fit_scale, strict=True) if f < 1.0]
-        why = f"; --fit fit shrank {_listed(fitted)}" if fitted else ""
-        same = [
-            i
-            for i, m in zip(ids, facts.mpp, strict=True)
-            if m is not None and not mpp_differs(m, ref)
-        ]
-        raise ConfigError(
-            path,
-            f"slides differ in resolution by more than {MPP_TOLERANCE:.0%}: {_listed(same)} "
-            f"at {ref:.3g} µm/px, but {_listed(off)} µm/px{why}",
-            f"preprocess every slide at one resolution (hyfi-preprocess --mpp {ref:.3g}; "
-            "a larger --size or --fit crop keeps a large slide at it)",
-        )
     return facts
 
 
@@ -279,7 +285,8 @@ def run_facts(recipe: Recipe) -> CohortFacts | None:
     """The training manifest's :class:`CohortFacts`, its validation manifest checked against them.
 
     ``None`` for volumes. Raises ConfigError as :func:`cohort_facts` does, and
-    when the validation slides hold other channels or another µm/px.
+    when the validation slides hold other channels or lie outside the training
+    slides' µm/px range.
     """
     facts = cohort_facts(recipe.data.manifest)
     val_manifest = recipe.data.val_manifest
@@ -290,7 +297,7 @@ def run_facts(recipe: Recipe) -> CohortFacts | None:
         return facts
     check_trained(
         val,
-        {"channel names": list(facts.channel_names), "mpp": facts.reference_mpp},
+        {"channel names": list(facts.channel_names), "mpp": facts.mpp_range},
         val_manifest,
         "validate on slides preprocessed like the training slides",
         source=f"the training manifest {recipe.data.manifest}",
@@ -324,17 +331,31 @@ def check_trained(
             f"the slides of {facts.manifest} ({_listed(facts.ids)}) hold {facts.channels_said()}",
             f"give it slides of those channels, or {fix}",
         )
-    was = meaning.get("mpp")
-    if isinstance(was, int | float) and not isinstance(was, bool):
-        off = facts.off(float(was))
+    span = _recorded_range(meaning.get("mpp"))
+    if span is not None:
+        off = facts.outside(*span)
         if off:
+            said = f"{span[0]:.3g}" if span[0] == span[1] else f"{span[0]:.3g}-{span[1]:.3g}"
             raise ConfigError(
                 where,
-                f"resolution differs from {source}'s {float(was):.3g} µm/px by more than "
+                f"resolution lies outside {source}'s {said} µm/px by more than "
                 f"{MPP_TOLERANCE:.0%} for slides of {facts.manifest}: {_listed(off)} µm/px",
-                f"preprocess them at {float(was):.3g} µm/px (hyfi-preprocess --mpp "
-                f"{float(was):.3g}), or {fix}",
+                f"preprocess them at {span[0]:.3g} µm/px (hyfi-preprocess --mpp "
+                f"{span[0]:.3g}), or {fix}",
             )
+
+
+def _recorded_range(value: Any) -> tuple[float, float] | None:
+    """A recorded µm/px: a number (checkpoints before ranges) or ``[low, high]``; else None."""
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    if number(value):
+        return float(value), float(value)
+    if isinstance(value, list | tuple) and len(value) == 2 and all(map(number, value)):
+        return float(value[0]), float(value[1])
+    return None
 
 
 def _check_stores(cohort: Cohort, manifest: Path) -> None:

@@ -358,7 +358,7 @@ class Trainer:
             "model.kwargs": r.model.kwargs,
             "input channels": self.cohort.channels,
             "channel names": None if facts is None else list(facts.channel_names),
-            "mpp": None if facts is None else facts.reference_mpp,  # compared with a tolerance
+            "mpp": None if facts is None else facts.mpp_range,  # [low, high], with a tolerance
             "data.level": r.data.level,
             "data.normalize": r.data.normalize.model_dump(),
             "data.mean": r.data.mean,
