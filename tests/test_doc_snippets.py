@@ -123,3 +123,64 @@ def test_the_snippets_are_found_and_a_wrong_name_fails() -> None:
     wrong.visit(ast.parse("hyfi.tile_off(x)\nhyfi.verify_model(f, image_sise=(1, 2))"))
     assert wrong.missing == ["hyfi.tile_off"]
     assert len(wrong.bad_calls) == 1 and "image_sise" in wrong.bad_calls[0]
+
+
+#: The commands whose documented invocations are parsed by their own parser here
+#: (hyfi-verify and hyfi-plan examples also run: tests/test_doc_examples.py).
+COMMANDS = ("preprocess", "train", "predict", "synth", "verify", "plan")
+_LAUNCH = re.compile(r"^(?:mpirun|mpiexec|srun|torchrun)\s+(?:-\S+(?:\s+(?!hyfi-)\S+)?\s+)*")
+
+
+def _fenced(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of each fenced block, fences paired in order."""
+    blocks: list[tuple[str, str]] = []
+    lang: str | None = None
+    body: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                blocks.append((lang, "\n".join(body)))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return blocks
+
+
+def _command_lines() -> list[Any]:
+    """``(command, line)`` of every hyfi command line in a shell block of :data:`DOCS`
+    (continuations joined; a trailing comment, a redirection and a launcher with its
+    options dropped)."""
+    out = []
+    for doc in DOCS:
+        for lang, block in _fenced((ROOT / doc).read_text()):
+            if lang not in ("", "bash", "sh", "console"):
+                continue
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                line = re.sub(r"\s+#.*$", "", line.strip().removeprefix("$ "))
+                line = _LAUNCH.sub("", re.split(r"\s+(?:[|>;]|&&)\s*", line)[0])
+                words = line.split()
+                if len(words) > 1 and words[0] in {f"hyfi-{c}" for c in COMMANDS}:
+                    out.append(pytest.param(words[0], line, id=f"{doc}: {line}"[:150]))
+    return out
+
+
+@pytest.mark.parametrize(("command", "line"), _command_lines())
+def test_documented_command_lines_parse(command: str, line: str) -> None:
+    import contextlib
+    import io
+    import shlex
+
+    cli = importlib.import_module(f"hyfi_imaging.cli.{command.removeprefix('hyfi-')}")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cli.build_parser().parse_args(shlex.split(line)[1:])
+    except SystemExit as exit_:
+        assert exit_.code == 0, f"{line!r}: {err.getvalue().strip().splitlines()[-1:]}"
+
+
+def test_command_lines_are_found() -> None:
+    found = {p.values[0] for p in _command_lines()}
+    assert found >= {"hyfi-preprocess", "hyfi-train", "hyfi-predict"}, found
