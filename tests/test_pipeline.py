@@ -138,9 +138,12 @@ def test_stage_keeps_original_names() -> None:
 
 
 def test_stage_checks_planned_shapes() -> None:
-    stage = StageModule([("conv", nn.Conv2d(1, 1, 3))], index=0)  # "valid" conv: t -> t - 2
-    stage.expected = ((1, 1, 8, 8),)
-    with pytest.raises(RuntimeError, match="planned from a meta trace"):
+    planned = {1: ((1, 1, 8, 8),)}.__getitem__  # micro-batch size -> the shapes planned
+    conv = nn.Conv2d(1, 1, 3)  # "valid": t -> t - 2
+    stage = StageModule([("conv", conv)], index=0, planned=planned)
+    with pytest.raises(
+        RuntimeError, match=r"\(1, 1, 6, 6\),\) but \(\(1, 1, 8, 8\),\) were planned"
+    ):
         stage(torch.zeros(1, 1, 8, 8))
 
 

@@ -70,6 +70,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -295,7 +296,6 @@ class _Pipe:
         | BidirectionalSchedule
         | JunctionSchedule
     )
-    out_shapes: list[tuple[tuple[int, ...], ...]]
     logits_shape: tuple[int, ...]
 
 
@@ -412,9 +412,13 @@ class ParallelModel:
             self._submods = []
             for ls in self.local:
                 start, stop = bounds[ls.index]
-                cut = StageModule(layers[start:stop], index=ls.index)
-                cut.dtype = self.dtype
-                cut.contiguous_grads = plan.schedule in ("zbv", "dualpipev")
+                cut = StageModule(
+                    layers[start:stop],
+                    index=ls.index,
+                    dtype=self.dtype,
+                    contiguous_grads=plan.schedule in ("zbv", "dualpipev"),
+                    planned=partial(self._planned_outputs, ls.index),
+                )
                 self._submods.append(cut)
         #: This rank's layers (of all its stages, in model order) under their original names.
         self.stage_module: nn.Module = self._submods[0]
@@ -435,6 +439,8 @@ class ParallelModel:
         if self.copies == 2:
             self._mirror = mirror_groups(pc.mesh.mesh, pc.rank)
         self._pipes: dict[tuple[int, int, bool], _Pipe] = {}
+        #: Per micro-batch size, every stage boundary's tensor shapes (:meth:`_pipe`'s trace).
+        self._boundaries: dict[int, list[tuple[tuple[int, ...], ...]]] = {}
         self.last_logits: Tensor | None = None
         #: Whether every gradient of the world was finite after the last ``train_step``.
         self.grads_finite = True
@@ -532,9 +538,7 @@ class ParallelModel:
         logits = stage_boundaries(
             self._meta_model, self.balance, (mb, self.in_chans, *self.stage_tiles[-1])
         )[-1][0]
-        return _Pipe(
-            [], schedule, [tuple(tuple(s) for s in schedule.out_shapes)], tuple(logits.shape)
-        )
+        return _Pipe([], schedule, tuple(logits.shape))
 
     def _pipe(self, mb: int, n_micro: int, train: bool) -> _Pipe:
         key = (mb, n_micro, train)
@@ -547,6 +551,7 @@ class ParallelModel:
                 (mb, self.in_chans, *self.tile_hw),
                 dtype=self.dtype,
             )
+            self._boundaries[mb] = [tuple(tuple(t.shape) for t in b) for b in bounds]
             schedule_name = self.plan.schedule
             # Evaluation of two mirrored replicas runs replica A alone (one pipeline, GPipe).
             local = list(zip(self.local, self._submods, strict=True))
@@ -593,12 +598,7 @@ class ParallelModel:
                 schedule = Schedule1F1B(stages[0], n_micro, loss_fn=loss, scale_grads=False)
             else:
                 schedule = ScheduleGPipe(stages[0], n_micro, loss_fn=loss, scale_grads=False)
-            self._pipes[key] = _Pipe(
-                stages,
-                schedule,
-                [tuple(tuple(t.shape) for t in bounds[ls.index + 1]) for ls, _ in local],
-                tuple(bounds[-1][0].shape),
-            )
+            self._pipes[key] = _Pipe(stages, schedule, tuple(bounds[-1][0].shape))
         return self._pipes[key]
 
     # ------------------------------------------------------------------ data
@@ -641,11 +641,10 @@ class ParallelModel:
             tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
         return tiles.to(self.pc.device)
 
-    def _expect(self, shapes: list[tuple[tuple[int, ...], ...]]) -> None:
-        """Tell a chain's stages the output shapes planned (the whole-model stage has no check)."""
-        for sub, want in zip(self._submods, shapes, strict=False):
-            if isinstance(sub, StageModule):
-                sub.expected = want
+    def _planned_outputs(self, stage: int, mb: int) -> tuple[tuple[int, ...], ...]:
+        """The output shapes of model stage ``stage`` for a micro-batch of ``mb`` samples, as
+        the meta trace of :meth:`_pipe` planned them (what the next stage's buffers hold)."""
+        return self._boundaries[mb][stage + 1]
 
     # ------------------------------------------------------------------ training
 
@@ -671,7 +670,6 @@ class ParallelModel:
             args = (self._check_tiles(tiles, batch),)
         pipe = self._pipe(batch // m, m, train=True)
         self.stage_module.train()
-        self._expect(pipe.out_shapes)
         snapshot = self._norm_snapshot() if self.plan.layout.dp * self.copies > 1 else None
         losses: list[Tensor] = []
         # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
@@ -741,7 +739,6 @@ class ParallelModel:
         pipe = self._pipe(batch // m, m, train=False)
         was_training = self.stage_module.training
         self.stage_module.eval()
-        self._expect(pipe.out_shapes)
         try:
             with _own_errors():
                 out = pipe.schedule.step(*args)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -162,24 +162,34 @@ class StageModule(nn.Module):
     order, and returns a tensor or a tuple of tensors in standard contiguous
     layout (a received buffer is filled with bytes in that order).
 
-    ``expected`` (set by the engine) holds the output shapes the next stage
-    allocated buffers for; a mismatch raises before anything is sent.
-    ``dtype`` (set by the engine) is the dtype of those buffers: outputs of
-    another floating dtype (autocast) are cast to it, so the bytes sent match.
-    ``contiguous_grads`` (set by the engine for split-backward schedules): the
-    gradient sent back for each input is made contiguous -- torch's input-only
-    backward (ZBV, DualPipeV) sends what ``autograd.grad`` returns, which after a
-    halo exchange's backward is a strided view that the send refuses.
+    Fixed at construction, never written after (the engine hands them in):
+    ``planned(n)`` gives the output shapes planned (a meta trace) for a
+    micro-batch of ``n`` samples, which the next stage allocated buffers for;
+    a mismatch raises before anything is sent (``None``: no check). ``dtype``
+    is the dtype of those buffers: outputs of another floating dtype (autocast)
+    are cast to it, so the bytes sent match. ``contiguous_grads`` (split-backward
+    schedules): the gradient sent back for each input is made contiguous --
+    torch's input-only backward (ZBV, DualPipeV) sends what ``autograd.grad``
+    returns, which after a halo exchange's backward is a strided view that the
+    send refuses.
     """
 
-    def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, index: int = 0) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]],
+        *,
+        index: int = 0,
+        dtype: torch.dtype | None = None,
+        contiguous_grads: bool = False,
+        planned: Callable[[int], tuple[tuple[int, ...], ...]] | None = None,
+    ) -> None:
         super().__init__()
         for name, module in layers:
             self.add_module(name, module)
         self.index = index
-        self.expected: tuple[tuple[int, ...], ...] | None = None
-        self.dtype: torch.dtype | None = None
-        self.contiguous_grads = False
+        self.dtype = dtype
+        self.contiguous_grads = contiguous_grads
+        self.planned = planned
 
     def _boundary(self, t: Any) -> Any:
         """Contiguous, and in the planned dtype (autocast may have produced another)."""
@@ -201,12 +211,13 @@ class StageModule(nn.Module):
             x = tuple(self._boundary(t) for t in x)
         else:
             x = self._boundary(x)
-        if self.expected is not None:
+        if self.planned is not None:
             got = tuple(tuple(t.shape) for t in as_tuple(x))
-            if got != self.expected:
+            want = self.planned(int(as_tuple(args[0])[0].shape[0]))  # the micro-batch size
+            if got != want:
                 raise RuntimeError(
                     f"pipeline stage {self.index} produced tensors of shapes {got} but "
-                    f"{self.expected} were planned from a meta trace of the model; a layer "
+                    f"{want} were planned from a meta trace of the model; a layer "
                     "maps a tile to a size other than tile/stride (use 'same' padding)"
                 )
         return x
