@@ -76,3 +76,16 @@ def synthetic_cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from hyfi_imaging.data.synthetic import write_synthetic_cohort
 
     return write_synthetic_cohort(tmp_path_factory.mktemp("cohort"), 4, seed=5, size=(1024, 1024))
+
+
+@pytest.fixture(scope="session")
+def train_manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The training tests' cohort: 8 synthetic slides of 512², 4 lesions each, preprocessed at
+    1 µm/px onto 192 x 160 (``tests/cohorts.py``); returns its manifest."""
+    from cohorts import preprocessed_cohort
+
+    from hyfi_imaging.preprocess import PreprocessOptions
+
+    root = tmp_path_factory.mktemp("train_cohort")
+    options = PreprocessOptions(mpp=1.0, size=(192, 160))
+    return preprocessed_cohort(root, 8, options, seed=3, size=(512, 512), lesions=4)

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cohorts import preprocessed_cohort
 
 from hyfi_imaging.cli.preprocess import main as preprocess_main
 from hyfi_imaging.data.dataset import TileDataset
-from hyfi_imaging.data.synthetic import write_synthetic_cohort
 from hyfi_imaging.errors import SlideError
 from hyfi_imaging.io.inventory import INVENTORY_ATTR, check_store
 from hyfi_imaging.io.labels import open_labels, write_label_image
@@ -36,16 +36,7 @@ OPTIONS = PreprocessOptions(mpp=1.0, size=(128, 128), chunk=32, shard=64)
 def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``--out`` folder of a finished hyfi-preprocess run over 4 synthetic slides."""
     root = tmp_path_factory.mktemp("inventory")
-    labels = write_synthetic_cohort(root / "slides", 4, seed=4, size=(384, 384), lesions=2)
-    summary = run_preprocess(
-        [root / "slides"],
-        root / "data",
-        OPTIONS,
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert not summary.failed and summary.manifest is not None
+    preprocessed_cohort(root, 4, OPTIONS, seed=4, size=(384, 384), lesions=2)
     return root
 
 

@@ -286,21 +286,13 @@ def _recipe_yaml(tmp_path: Path, **model: object) -> Path:
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+    from cohorts import preprocessed_cohort
 
+    from hyfi_imaging.preprocess import PreprocessOptions
+
+    options = PreprocessOptions(mpp=2.0, size=(64, 96))
     root = tmp_path_factory.mktemp("cohort")
-    labels = write_synthetic_cohort(root / "slides", 2, seed=4, size=(256, 256), lesions=1)
-    summary = run_preprocess(
-        [root / "slides"],
-        root / "data",
-        PreprocessOptions(mpp=2.0, size=(64, 96)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None
-    return summary.manifest
+    return preprocessed_cohort(root, 2, options, seed=4, size=(256, 256), lesions=1)
 
 
 def test_hyfi_predict_refuses_heatmaps_of_an_unfit_head_in_one_line(

@@ -72,21 +72,13 @@ def test_stitched_maps_equal_one_process_in_float64(
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+    from cohorts import preprocessed_cohort
 
+    from hyfi_imaging.preprocess import PreprocessOptions
+
+    options = PreprocessOptions(mpp=1.0, size=(192, 256), fit="crop")
     root = tmp_path_factory.mktemp("cohort")
-    labels = write_synthetic_cohort(root / "slides", 6, seed=4, size=(384, 512), lesions=2)
-    summary = run_preprocess(
-        [root / "slides"],
-        root / "data",
-        PreprocessOptions(mpp=1.0, size=(192, 256), fit="crop"),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None and not summary.failed
-    return summary.manifest
+    return preprocessed_cohort(root, 6, options, seed=4, size=(384, 512), lesions=2)
 
 
 def _ok(job: Job) -> Job:

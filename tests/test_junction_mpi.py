@@ -133,28 +133,15 @@ def test_junction_trains_like_one_process(launches: dict[int, dict[str, Any]], n
 
 
 @pytest.mark.slow
-def test_hyfi_train_runs_a_junction_like_one_process(tmp_path: Path) -> None:
+def test_hyfi_train_runs_a_junction_like_one_process(train_manifest: Path, tmp_path: Path) -> None:
     """A recipe with ``spatial: [1x2, 1x1]`` trains through hyfi-train (3 ranks): its first
     losses equal one process's to float32 rounding (float64 exactness is the cases above)."""
     from test_train_mpi import _losses, _train
 
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
-
-    labels = write_synthetic_cohort(tmp_path / "slides", 8, seed=3, size=(512, 512), lesions=4)
-    summary = run_preprocess(
-        [tmp_path / "slides"],
-        tmp_path / "data",
-        PreprocessOptions(mpp=1.0, size=(192, 160)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None
     sets = ("optim.name=sgd", "optim.lr=0.01", "train.epochs=1", "parallel.microbatches=2")
-    _train(summary.manifest, tmp_path / "one", 1, "parallel.spatial=1x1", *sets)
+    _train(train_manifest, tmp_path / "one", 1, "parallel.spatial=1x1", *sets)
     _train(
-        summary.manifest,
+        train_manifest,
         tmp_path / "junction",
         3,
         "parallel.spatial=1x2,1x1",

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cohorts import preprocessed_cohort
 from test_train_mpi import MPIEXEC, _losses, _train, _train_cmd, manifest  # noqa: F401  (fixture)
 
-from hyfi_imaging.data.synthetic import write_synthetic_cohort
-from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+from hyfi_imaging.preprocess import PreprocessOptions
 
 pytestmark = pytest.mark.mpi
 SP = "parallel.spatial=1x2"
@@ -166,24 +166,16 @@ def test_check_refuses_an_ok_slide_without_a_label(manifest: Path, tmp_path: Pat
 
 def test_one_process_trains_and_predicts_an_image_off_the_stride(tmp_path: Path) -> None:
     # 100x90 is no multiple of ResNet's stride 32: one rule pads it for tiles, not for 1x1.
-    labels = write_synthetic_cohort(tmp_path / "slides", 4, seed=5, size=(256, 256), lesions=2)
-    summary = run_preprocess(
-        [tmp_path / "slides"],
-        tmp_path / "data",
-        PreprocessOptions(mpp=1.0, size=(100, 90)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None
+    options = PreprocessOptions(mpp=1.0, size=(100, 90))
+    off = preprocessed_cohort(tmp_path, 4, options, seed=5, size=(256, 256), lesions=2)
     for grid, ranks in (("1x1", 1), ("1x2", 2)):
         run = tmp_path / grid
-        _train(summary.manifest, run, ranks, f"parallel.spatial={grid}", "train.max_steps=2",
+        _train(off, run, ranks, f"parallel.spatial={grid}", "train.max_steps=2",
                "data.val_fraction=0")  # fmt: skip
         assert len(_losses(run)) == 2
     out = tmp_path / "pred.csv"
     cmd = [sys.executable, "-m", "hyfi_imaging.cli.predict", str(tmp_path / "1x2"),
-           "--manifest", str(summary.manifest), "--out", str(out)]  # fmt: skip
+           "--manifest", str(off), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(out.read_text().splitlines()) == 5

@@ -222,23 +222,9 @@ def test_srun_starts_four_ranks_and_the_batch_script_is_one_process(
 
 
 @pytest.fixture(scope="module")
-def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small synthetic cohort (as in tests/test_train_mpi.py)."""
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
-
-    root = tmp_path_factory.mktemp("cohort")
-    labels = write_synthetic_cohort(root / "slides", 8, seed=3, size=(512, 512), lesions=4)
-    summary = run_preprocess(
-        [root / "slides"],
-        root / "data",
-        PreprocessOptions(mpp=1.0, size=(192, 160)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None and not summary.failed
-    return summary.manifest
+def manifest(train_manifest: Path) -> Path:
+    """The session's training cohort (``tests/conftest.py``, as tests/test_train_mpi.py uses)."""
+    return train_manifest
 
 
 def _printed_job(slurm: Cluster, manifest: Path, cwd: Path, out: Path, epochs: int) -> Path:

@@ -71,22 +71,16 @@ def _falls(values: list[float]) -> bool:
 
 @pytest.fixture(scope="module")
 def slides(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+    """8 synthetic slides with their lesion masks in labels/annotations."""
+    from cohorts import preprocessed_cohort
 
+    from hyfi_imaging.preprocess import PreprocessOptions
+
+    options = PreprocessOptions(mpp=2.0, size=(90, 75))
     root = tmp_path_factory.mktemp("seg")
-    labels = write_synthetic_cohort(root / "slides", 8, seed=3, size=(512, 512), lesions=4)
-    summary = run_preprocess(
-        [root / "slides"],
-        root / "data",
-        PreprocessOptions(mpp=2.0, size=(90, 75)),
-        labels_path=labels,
-        annotations=root / "slides",  # synth_NNN.geojson: lesion masks in labels/annotations
-        progress=False,
-        qc=False,
+    return preprocessed_cohort(
+        root, 8, options, seed=3, size=(512, 512), lesions=4, annotations=True
     )
-    assert summary.manifest is not None and not summary.failed
-    return summary.manifest
 
 
 @pytest.mark.slow

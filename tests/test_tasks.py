@@ -161,22 +161,13 @@ def test_volume_task_refusals_are_one_line(
 
 def test_segmentation_of_slides_without_masks_is_refused(tmp_path: Path) -> None:
     """A slide store without labels/annotations: one line naming the fix, before any rank."""
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+    from cohorts import preprocessed_cohort
 
-    labels = write_synthetic_cohort(
-        tmp_path / "slides", 2, seed=1, size=(256, 256), lesions=2, annotations=False
-    )
-    summary = run_preprocess(
-        [tmp_path / "slides"],
-        tmp_path / "data",
-        PreprocessOptions(mpp=2.0, size=(64, 64)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None
-    r = _load("slide-segmentation-synthetic.yaml", tmp_path, f"data.manifest={summary.manifest}")
+    from hyfi_imaging.preprocess import PreprocessOptions
+
+    options = PreprocessOptions(mpp=2.0, size=(64, 64))
+    manifest = preprocessed_cohort(tmp_path, 2, options, seed=1, size=(256, 256), lesions=2)
+    r = _load("slide-segmentation-synthetic.yaml", tmp_path, f"data.manifest={manifest}")
     with pytest.raises(ConfigError) as err:
         preflight(r)  # type: ignore[arg-type]
     assert "have no label image 'annotations'" in str(err.value)
@@ -184,7 +175,7 @@ def test_segmentation_of_slides_without_masks_is_refused(tmp_path: Path) -> None
     r = _load(
         "slide-segmentation-synthetic.yaml",
         tmp_path,
-        f"data.manifest={summary.manifest}",
+        f"data.manifest={manifest}",
         "task.name=regression",
     )
     with pytest.raises(ConfigError, match="is a slide manifest"):

@@ -13,28 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from hyfi_imaging.data.synthetic import write_synthetic_cohort
-from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
-
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
-def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("cohort")
-    labels = write_synthetic_cohort(root / "slides", 8, seed=3, size=(512, 512), lesions=4)
-    summary = run_preprocess(
-        [root / "slides"],
-        root / "data",
-        PreprocessOptions(mpp=1.0, size=(192, 160)),
-        labels_path=labels,
-        progress=False,
-        qc=False,
-    )
-    assert summary.manifest is not None and not summary.failed
-    return summary.manifest
+def manifest(train_manifest: Path) -> Path:
+    """The session's training cohort (``tests/conftest.py``)."""
+    return train_manifest
 
 
 def _train_cmd(manifest: Path, out: Path, *sets: str, args: tuple[str, ...] = ()) -> list[str]:

@@ -157,18 +157,15 @@ def test_create_model_from_a_python_path(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.mpi
 def test_hyfi_train_accepts_a_model_as_module_function(tmp_path: Path) -> None:
     """``model.name: user_model:build_classifier`` trained on 1x2 tiles (its stride is measured)."""
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
-    from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
+    from cohorts import preprocessed_cohort
 
-    labels = write_synthetic_cohort(tmp_path / "slides", 4, seed=5, size=(256, 256), lesions=2)
-    summary = run_preprocess(
-        [tmp_path / "slides"], tmp_path / "data", PreprocessOptions(mpp=1.0, size=(74, 90)),
-        labels_path=labels, progress=False, qc=False,
-    )  # fmt: skip
-    assert summary.manifest is not None
+    from hyfi_imaging.preprocess import PreprocessOptions
+
+    options = PreprocessOptions(mpp=1.0, size=(74, 90))
+    manifest = preprocessed_cohort(tmp_path, 4, options, seed=5, size=(256, 256), lesions=2)
     out = tmp_path / "run"
     sets = [
-        f"data.manifest={summary.manifest}", f"train.out_dir={out}", "train.epochs=1",
+        f"data.manifest={manifest}", f"train.out_dir={out}", "train.epochs=1",
         "train.batch_size=1", "train.progress=false", "train.checkpoint_every_steps=2",
         "model.name=user_model:build_classifier", "parallel.spatial=1x2",
     ]  # fmt: skip
