@@ -8,6 +8,7 @@ rather than leaving orphans, and the worker's one result line parsed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ import pytest
 
 __all__ = [
     "MPI_DIR",
+    "RANK_MEMORY_GIB",
     "REPO",
     "Job",
     "have_mpiexec",
@@ -55,7 +58,9 @@ _RANK_VARS = (
 
 @dataclass
 class Job:
-    """A finished (or killed) job: exit status, output, wall time."""
+    """A finished (or killed) job: exit status, output, wall time, and the peak resident set
+    size of its largest process (the launcher, a proxy or a rank: ``wait4``'s ``ru_maxrss``
+    covers every descendant the job reaped)."""
 
     cmd: list[str]
     returncode: int
@@ -64,12 +69,14 @@ class Job:
     seconds: float
     timed_out: bool
     ended: float  # unix time the job was seen to end
+    peak_rss: int = 0  # bytes
 
     def describe(self) -> str:
         tail = "\n".join(self.stderr.strip().splitlines()[-15:])
         return (
             f"$ {' '.join(self.cmd)}\nexit {self.returncode} after {self.seconds:.1f} s"
-            f"{' (TIMED OUT)' if self.timed_out else ''}\n--- stdout (tail)\n"
+            f"{' (TIMED OUT)' if self.timed_out else ''}, largest process "
+            f"{self.peak_rss / 2**30:.2f} GiB\n--- stdout (tail)\n"
             f"{self.stdout[-2000:]}\n--- stderr (tail)\n{tail}"
         )
 
@@ -88,21 +95,45 @@ def _env() -> dict[str, str]:
 
 
 def run(cmd: list[str], *, timeout: float) -> Job:
-    """Run ``cmd`` in its own session from the repository root; kill the group on timeout."""
+    """Run ``cmd`` in its own session from the repository root; kill the group on timeout.
+
+    The job is reaped with ``os.wait4`` (its output read by two threads meanwhile), whose
+    resource usage gives :attr:`Job.peak_rss`: Linux reports the largest resident set of
+    the process and of every descendant it waited for, so the launcher's figure is its
+    largest rank's.
+    """
     began = time.perf_counter()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+    chunks: dict[str, list[str]] = {"out": [], "err": []}
+    readers = [
+        threading.Thread(target=lambda f=f, k=k: chunks[k].append(f.read()), daemon=True)
+        for f, k in ((proc.stdout, "out"), (proc.stderr, "err"))
+    ]
+    for t in readers:
+        t.start()
+    timed_out, deadline = False, time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if not timed_out and time.monotonic() > deadline:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    with contextlib.suppress(ProcessLookupError):  # what the job left behind goes with it
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    for t in readers:
+        t.join()
     ended = time.time()
-    return Job(cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out, ended)
+    out, err = "".join(chunks["out"]), "".join(chunks["err"])
+    return Job(
+        cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out, ended,
+        peak_rss=usage.ru_maxrss * 1024,
+    )  # fmt: skip
 
 
 #: What MPICH prints when a rank died of SIGKILL.
@@ -134,12 +165,25 @@ def kernel_oom_lines(since: float) -> list[str]:
     return lines[-6:] or [f"(no out-of-memory line in the kernel log since {time.ctime(since)})"]
 
 
-def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...] = ()) -> Job:
+#: What one process of a test launch may hold at its peak unless the test says otherwise
+#: (the machine has 24 GiB; the default suite's largest rank peaks near 2 GiB).
+RANK_MEMORY_GIB = 4.0
+
+
+def mpiexec(
+    n: int,
+    *args: str,
+    timeout: float = 240.0,
+    options: tuple[str, ...] = (),
+    memory_gib: float = RANK_MEMORY_GIB,
+) -> Job:
     """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``), once.
 
     A rank that died is never relaunched away: its death fails the test that reads the
     job, with its cause -- the exit status and, for a SIGKILL, the kernel's
-    out-of-memory lines (:func:`kernel_oom_lines`) appended to the job's stderr.
+    out-of-memory lines (:func:`kernel_oom_lines`) appended to the job's stderr. A job
+    whose largest process held more than ``memory_gib`` fails here (AssertionError): a
+    memory regression is a failure, not a kill waiting to happen on a smaller machine.
     """
     cmd = ["mpiexec", *options, "-n", str(n), sys.executable, *args]
     began = time.time()
@@ -148,6 +192,13 @@ def mpiexec(n: int, *args: str, timeout: float = 240.0, options: tuple[str, ...]
         job.stderr += "\nA rank was killed by SIGKILL; kernel log:\n" + "\n".join(
             kernel_oom_lines(began)
         )
+    if os.environ.get("HYFI_TEST_PEAKS"):  # a record of every launch's peak, for budgets
+        with open(os.environ["HYFI_TEST_PEAKS"], "a") as log:
+            log.write(f"{job.peak_rss / 2**30:.3f} GiB {n} ranks {' '.join(args)[:160]}\n")
+    assert job.peak_rss <= memory_gib * 2**30, (
+        f"a process of this job held {job.peak_rss / 2**30:.2f} GiB, over its budget of "
+        f"{memory_gib} GiB\n{job.describe()}"
+    )
     return job
 
 
