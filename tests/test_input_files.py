@@ -1,6 +1,7 @@
 """Input files read or named right: DICOM without ImageType, empty files, two inputs of one stem.
 
-Real files throughout: DICOM series written byte by byte (``dicom_files``), a
+Real files throughout: DICOM series written byte by byte (``dicom_files``) and by
+pydicom (each read back by the other), a
 pyramidal TIFF written by tifffile, PNGs by Pillow (one cut short), and the
 real hyfi-preprocess command over them.
 """
@@ -258,3 +259,73 @@ def test_two_readable_inputs_of_one_stem_keep_their_file_names(tmp_path: Path) -
         "boxes.tiff",
         "other",
     ]
+
+
+def _pydicom_wsi(path: Path, image: np.ndarray, tile: int, mpp: float) -> None:
+    """A VL Whole Slide Microscopy level written by pydicom (the issue's way to build the
+    case), uncompressed, frames in TILED_FULL order, and no ImageType."""
+    pytest.importorskip("pydicom")
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.sequence import Sequence
+    from pydicom.uid import ExplicitVRLittleEndian
+
+    h, w = image.shape[:2]
+    gy, gx = -(-h // tile), -(-w // tile)
+    frames = np.full((gy * gx, tile, tile, 3), 255, np.uint8)
+    for ty in range(gy):
+        for tx in range(gx):
+            block = image[ty * tile : (ty + 1) * tile, tx * tile : (tx + 1) * tile]
+            frames[ty * gx + tx, : block.shape[0], : block.shape[1]] = block
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.77.1.6"
+    meta.MediaStorageSOPInstanceUID = "1.2.826.8.1"
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, "1.2.826.8.1"
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = "1.2.826.8", "1.2.826.8.2"
+    ds.Modality, ds.DimensionOrganizationType = "SM", "TILED_FULL"
+    ds.Rows = ds.Columns = tile
+    ds.TotalPixelMatrixRows, ds.TotalPixelMatrixColumns = h, w
+    ds.NumberOfFrames = gy * gx
+    ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, "RGB", 0
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+    measures = Dataset()
+    measures.PixelSpacing = [mpp / 1000, mpp / 1000]  # mm
+    measures.SliceThickness = 0.001
+    shared = Dataset()
+    shared.PixelMeasuresSequence = Sequence([measures])
+    ds.SharedFunctionalGroupsSequence = Sequence([shared])
+    ds.PixelData = frames.tobytes()
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_a_pydicom_written_series_without_image_type_reads_exactly(tmp_path: Path) -> None:
+    """The report's case built by pydicom (2638 x 3236 in 42 frames, no ImageType): what
+    pydicom wrote and reads back is what the reader gives, pixel for pixel."""
+    pydicom = pytest.importorskip("pydicom")
+    image = _image(SIZE, seed=7)
+    _pydicom_wsi(tmp_path / "wsi.dcm", image, TILE, 0.25)
+    ds = pydicom.dcmread(tmp_path / "wsi.dcm")
+    assert "ImageType" not in ds and int(ds.NumberOfFrames) == 42
+    np.testing.assert_array_equal(ds.pixel_array[1, :TILE, :TILE], image[:TILE, TILE : 2 * TILE])
+    with pytest.raises(openslide.OpenSlideError):
+        openslide.OpenSlide(str(tmp_path / "wsi.dcm"))
+    with open_slide(tmp_path / "wsi.dcm") as reader:
+        assert reader.level_dimensions == (SIZE,) and reader.mpp == pytest.approx(0.25)
+        np.testing.assert_array_equal(reader.read_region(0, 0, 0, *SIZE), np.moveaxis(image, -1, 0))
+
+
+def test_pydicom_reads_the_hand_written_series_as_the_reader_does(
+    series_without_image_type: Path,
+) -> None:
+    """The byte-by-byte writer of ``dicom_files`` against pydicom: the same frames."""
+    pydicom = pytest.importorskip("pydicom")
+    ds = pydicom.dcmread(series_without_image_type / "level0.dcm")
+    assert "ImageType" not in ds and int(ds.NumberOfFrames) == 42
+    image = np.load(series_without_image_type.parent / "level0.npy")
+    with open_slide(series_without_image_type / "level0.dcm") as reader:
+        region = reader.read_region(0, 0, 0, *SIZE)
+    frames = ds.pixel_array  # frame order as the per-frame positions say: row by row here
+    np.testing.assert_array_equal(frames[0], image[:TILE, :TILE])
+    np.testing.assert_array_equal(np.moveaxis(region, 0, -1), image)
