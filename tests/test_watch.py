@@ -60,6 +60,8 @@ REFUSED: dict[str, tuple[Fn, str]] = {
     ),
     "area": (lambda m, x: F.interpolate(x, size=(7, 9), mode="area"), "whole image's size"),
     "reflect pad": (lambda m, x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "reflection_pad2d"),
+    # PyTorch writes it as copies into a new tensor: the watch must not lose the tile there
+    "circular pad": (lambda m, x: F.pad(x, (1, 1, 1, 1), mode="circular"), "into part of"),
     "replicate pad": (lambda m, x: F.pad(x, (1, 1, 0, 0), mode="replicate"), "replication_pad2d"),
     "pad of channels": (lambda m, x: F.pad(x, (0, 0, 0, 0, 1, 1))[:, :4], "constant_pad_nd"),
     "flatten spatial": (lambda m, x: x.flatten(2).mean(2), "reshapes the tiled feature map"),

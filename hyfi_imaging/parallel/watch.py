@@ -21,7 +21,8 @@ a global pool) through every ATen op, and:
   :mod:`.functional`) run; a reduction's output is replicated, a pad's or an
   interpolation's is a tile again;
 * refuses anything else on a tile -- a reduction or a reshape over the spatial
-  dims, a crop by slicing, a reflect pad, a bicubic upsample, a flip, a
+  dims, a crop by slicing, a circular pad (or any write of the map into part of
+  another tensor), a reflect pad, a bicubic upsample, a flip, a
   functional convolution or pool, an op it does not know -- with one line
   naming the module path, the op and the fix. Unknown means refused: never
   silently wrong.
@@ -340,10 +341,41 @@ class _Watch(TorchDispatchMode):
         path = (self.frames.path if self.frames is not None else "") or self.root
         self.use.tile_params.update(used)
         result = self.classify(func, args, kwargs, tiles[0], out, path)
+        self.written(func, args, result, path)
         for o in outs:
             self.mark(o, result)
         self.track(func, flat, outs, result)
         return out
+
+    def written(self, func: Any, args: Sequence[Any], result: _Tile | None, path: str) -> None:
+        """Tile data written in place into a view of another tensor (``out[:, :c] = x``):
+        that tensor carries tile data too. A view that cuts the spatial dims (a pad, crop
+        or shift written by hand: PyTorch's circular pad) is refused, or the tensor would
+        leave the watch untainted and its pixels be mixed unseen."""
+        dst = args[0] if args else None
+        if (
+            not str(func.overloadpacket.__name__).endswith("_")
+            or not isinstance(dst, torch.Tensor)
+            or dst._base is None
+            or self.tile_of(dst) is not None
+        ):
+            return
+        base = dst._base
+        if (
+            result is not None
+            and result.flat is None
+            and base.dim() == dst.dim()
+            and all(base.shape[d] == dst.shape[d] for d in result.dims)
+        ):
+            self.mark(base, result)
+            return
+        raise _refuse(
+            path,
+            f"aten.{func.overloadpacket.__name__} into part of a tensor",
+            "writes the tiled map into a window of a larger (or smaller) map: a pad, crop or "
+            "shift of the whole image written by hand (as PyTorch's circular pad is)",
+            "pad with F.pad(..., mode='constant'/'reflect'/'replicate'), or do it on the input",
+        )
 
     def track(self, func: Any, flat: list[Any], outs: list[Any], result: _Tile | None) -> None:
         """Uses of tile tensors, and lineages carried through per-pixel ops (deep halos)."""
