@@ -49,8 +49,20 @@ REFUSED: dict[str, tuple[Fn, str]] = {
     "x.sum()": (lambda m, x: x * x.sum(), "aten.sum"),
     "x.std((2, 3))": (lambda m, x: x.std((2, 3)), "aten.std"),
     "mean over one spatial dim": (lambda m, x: x.mean(3), "aten.mean over dims [3]"),
-    "F.max_pool2d": (lambda m, x: F.max_pool2d(x, 2), "max_pool2d"),
-    "F.conv2d": (lambda m, x: F.conv2d(x, m.excite.weight, padding=0), "convolution"),
+    # (N, C, H, W) over channels and rows: not the channels-last global mean it looks like
+    "mean over channels and rows": (lambda m, x: x.mean((1, 2)), "aten.mean over dims [1, 2]"),
+    "F.max_pool2d with indices": (
+        lambda m, x: F.max_pool2d(x, 2, return_indices=True)[0],
+        "max_pool2d_with_indices",
+    ),
+    "F.conv_transpose2d": (
+        lambda m, x: F.conv_transpose2d(x, m.excite.weight, stride=2),
+        "convolution",
+    ),
+    "F.conv2d of a volume's slices": (
+        lambda m, x: F.conv3d(x[:, :, None], m.excite.weight[..., None]).squeeze(2),
+        "convolution",
+    ),
     "torch.flip": (lambda m, x: torch.flip(x, (3,)), "aten.flip"),
     "torch.roll": (lambda m, x: torch.roll(x, 1, 3), "aten.roll"),
     "bicubic": (lambda m, x: F.interpolate(x, scale_factor=2, mode="bicubic"), "bicubic"),
@@ -59,10 +71,9 @@ REFUSED: dict[str, tuple[Fn, str]] = {
         "antialias",
     ),
     "area": (lambda m, x: F.interpolate(x, size=(7, 9), mode="area"), "whole image's size"),
-    "reflect pad": (lambda m, x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "reflection_pad2d"),
     # PyTorch writes it as copies into a new tensor: the watch must not lose the tile there
     "circular pad": (lambda m, x: F.pad(x, (1, 1, 1, 1), mode="circular"), "into part of"),
-    "replicate pad": (lambda m, x: F.pad(x, (1, 1, 0, 0), mode="replicate"), "replication_pad2d"),
+    "reflecting crop": (lambda m, x: F.pad(x, (-1, 1, 0, 0), mode="reflect"), "reflection_pad2d"),
     "pad of channels": (lambda m, x: F.pad(x, (0, 0, 0, 0, 1, 1))[:, :4], "constant_pad_nd"),
     "flatten spatial": (lambda m, x: x.flatten(2).mean(2), "reshapes the tiled feature map"),
     "crop": (lambda m, x: x[..., 1:, :], "aten.slice"),
@@ -110,6 +121,8 @@ ALLOWED: dict[str, Fn] = {
         lambda m, x: x.amax((-2, -1), keepdim=True),
         lambda m, x: F.adaptive_max_pool2d(x, (1, 1)),
         lambda m, x: x * torch.sigmoid(x.sum((2, 3), keepdim=True)),
+        lambda m, x: x.permute(0, 2, 3, 1).mean((1, 2)),  # channels-last (timm's MambaOut head)
+        lambda m, x: x.permute(0, 2, 3, 1).amax((1, 2), keepdim=True).flatten(1),
     ],
 )
 def test_global_reductions_written_as_functions_get_their_spatial_form(body: Fn) -> None:
@@ -127,12 +140,42 @@ def test_global_reductions_written_as_functions_get_their_spatial_form(body: Fn)
         lambda m, x: F.pad(x, (1, 1, 1, 1)),
         lambda m, x: F.pad(x, (2, -1), value=0.5),
         lambda m, x: nn.Upsample(scale_factor=2)(x),
+        lambda m, x: F.pad(x, (1, 1, 1, 1), mode="reflect"),  # timm's blur pool
+        lambda m, x: nn.ReflectionPad2d((2, 0, 1, 1))(x),
+        lambda m, x: F.pad(x, (1, 1, 0, 0), mode="replicate"),
     ],
 )
 def test_pads_and_interpolations_get_their_spatial_form(body: Fn) -> None:
     """Their exactness on real grids: ``test_resample_mpi.py``."""
     ctx = _spatialize(body)
     assert len(ctx.functional_sites) == 1  # type: ignore[attr-defined]
+
+
+#: Convolutions and pools written as functions: the spatial form of the nn layer of the same
+#: arguments (exact on grids: test_zoo_mpi.py, "fn-windowed"), with the parameters they use.
+WINDOWED: dict[str, tuple[Fn, set[str]]] = {
+    "F.avg_pool2d": (lambda m, x: F.avg_pool2d(x, kernel_size=2, stride=2), set()),
+    "F.max_pool2d": (lambda m, x: F.max_pool2d(x, 3, 1, 1), set()),
+    "F.conv2d, a parameter": (
+        lambda m, x: F.conv2d(x, m.excite.weight, m.excite.bias, stride=2),
+        {"excite.weight", "excite.bias"},
+    ),
+    "F.conv2d, a buffer expanded (blur pool)": (
+        lambda m, x: F.conv2d(x, torch.ones(1, 1, 3, 3).expand(4, 1, 3, 3) / 9, groups=4),
+        set(),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWED))
+def test_windowed_functions_get_their_spatial_form(case: str) -> None:
+    body, params = WINDOWED[case]
+    ctx = _spatialize(body)
+    assert ctx.functional_sites == {"#0"}  # type: ignore[attr-defined]
+    # a parameter a functional convolution uses on the tiles: its gradient is summed over them
+    assert ctx.tile_param_names == {"conv.weight", "conv.bias", *params}  # type: ignore[attr-defined]
+    # the stride of a functional pool or convolution counts in the tiles' alignment
+    assert ctx.align == (2 if "stride=2" in case or "avg" in case or "a parameter" in case else 1)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("case", sorted(ALLOWED))
@@ -193,11 +236,11 @@ class LayerNorm2d(nn.LayerNorm):
         ).permute(0, 3, 1, 2)
 
 
-class Blur(nn.Module):
-    """A leaf module that mixes pixels through a function."""
+class Shift(nn.Module):
+    """A leaf module that mixes pixels through a function with no tiled form."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.avg_pool2d(x, 3, stride=1, padding=1)
+        return torch.roll(x, 1, -1)
 
 
 class Scale(nn.Module):
@@ -219,8 +262,8 @@ def test_unknown_modules_are_judged_by_what_they_do() -> None:
                      neighbours=Neighbours(), group=None)  # fmt: skip
     # Both act on tiles, so their parameters' gradients are per-tile shares (summed).
     assert {"1.weight", "1.bias", "2.gamma"} <= ctx.tile_param_names
-    with pytest.raises(ConfigError, match=r"^module '1': aten.avg_pool2d a functional pool"):
-        spatialize(stack(Blur()), grid=(2, 1), tile=(0, 0), neighbours=Neighbours(), group=None)
+    with pytest.raises(ConfigError, match=r"^module '1': aten.roll"):
+        spatialize(stack(Shift()), grid=(2, 1), tile=(0, 0), neighbours=Neighbours(), group=None)
 
 
 def test_a_functional_pool_in_a_module_used_on_tiles_and_on_pooled_data_is_refused() -> None:

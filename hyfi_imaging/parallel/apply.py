@@ -150,6 +150,7 @@ def apply_spatial(
         halo_depth=halo_depth,
         stage_cuts=pc.layout.pp > 1,
         backward_bands=backward_bands,
+        image_size=image_size,
     )
     if image_size is not None:
         ctx.set_image_size(tuple(int(v) for v in image_size))

@@ -7,7 +7,9 @@ would pool the tile only. A *site* is one such call: a global average, sum or
 maximum over all spatial dims of a 4-D map (``F.adaptive_avg_pool2d`` /
 ``F.adaptive_max_pool2d`` to 1x1, ``mean`` / ``sum`` / ``amax`` over dims
 ``(2, 3)``) or of a 5-D volume (the ``3d`` pools to 1x1x1, reductions over
-``(2, 3, 4)``). Sites are named ``"<module path>#<k>"``: the k-th site call made
+``(2, 3, 4)``), or of a channels-last map (``mean`` / ``sum`` / ``amax`` over
+``(1, 2)`` of ``(N, H, W, C)``, as timm's MambaOut head does; over ``(1, 2, 3)`` of
+a volume): the same global reduction, the channels in another place. Sites are named ``"<module path>#<k>"``: the k-th site call made
 directly by that module's ``forward`` in one invocation. The name is the same
 in the meta-device traces (where the functional-op watch learns which sites see
 tile data and the shape trace learns each site's true input size) and at run
@@ -17,7 +19,9 @@ global-pool modules. Calls inside layers that have a spatial form are not
 counted: those layers do their own work.
 
 The same holds for *resampling* sites (:class:`Resample`): ``F.pad`` with a
-constant (the pad lies at the image border, not at every tile's) and
+constant, or of a 2-D map with a reflection or a replication (the pad lies at the
+image border, not at every tile's: a reflection there reads pixels of the border
+tile, or of its neighbour through the halo) and
 ``F.interpolate`` (nearest, nearest-exact, bilinear, trilinear; any size or
 scale factor, either ``align_corners``), also inside ``nn.Upsample`` and
 ``nn.ZeroPad2d``, on 4-D maps and 5-D volumes.
@@ -25,6 +29,13 @@ Each output pixel reads at most two input pixels per axis; :func:`source_coords`
 asks PyTorch itself where (the same function on an index ramp, so its rounding
 rules are never re-implemented) and ``SpatialContext.resample`` fetches them
 with one halo exchange.
+
+And for *windowed* sites (:class:`Windowed`): a convolution or pool of a 2-D map
+called as a function (``F.conv2d``, ``F.avg_pool2d``, ``F.max_pool2d``: GhostNetV2's
+attention branch, timm's blur pool) is the same computation as
+the ``torch.nn`` layer of the same arguments, so it runs that layer's spatial form
+(halo exchange, padding only at the image border); a convolution's weight and bias
+are read at each call.
 """
 
 from __future__ import annotations
@@ -39,7 +50,16 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Frames", "Resample", "Site", "SiteMode", "SpatialFunctions", "site_of", "source_coords"]
+__all__ = [
+    "Frames",
+    "Resample",
+    "Site",
+    "SiteMode",
+    "SpatialFunctions",
+    "Windowed",
+    "site_of",
+    "source_coords",
+]
 
 _KINDS = {
     "adaptive_avg_pool1d": "avg",
@@ -62,11 +82,17 @@ _KINDS = {
 
 @dataclass(frozen=True)
 class Site:
-    """A global spatial reduction call: ``kind`` avg/sum/max, whether it keeps the dims."""
+    """A global spatial reduction call: ``kind`` avg/sum/max, whether it keeps the dims,
+    and whether the map is channels-last (``(N, *spatial, C)``) rather than ``(N, C, *spatial)``."""
 
     kind: str
     keepdim: bool
     pool: bool  # F.adaptive_*_pool2d/3d (True) or a tensor reduction (False)
+    channels_last: bool = False
+
+    def spatial_dims(self, rank: int) -> tuple[int, ...]:
+        """The dims of a ``rank``-D input this reduction runs over (the spatial dims)."""
+        return tuple(range(1, rank - 1)) if self.channels_last else tuple(range(2, rank))
 
 
 @dataclass(frozen=True)
@@ -91,6 +117,75 @@ class Resample:
         return float(dict(self.options).get("value") or 0.0)
 
 
+#: The torch.nn layer each windowed function computes, and the names of its arguments
+#: after the input (a convolution's kernel size and channels come from its weight).
+#: 2-D maps only, the forms tested exact (their 1-D and 3-D forms are still refused).
+_LAYERS: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
+    "conv2d": (nn.Conv2d, ("weight", "bias", "stride", "padding", "dilation", "groups")),
+    "max_pool2d": (
+        nn.MaxPool2d,
+        ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
+    ),
+    "avg_pool2d": (
+        nn.AvgPool2d,
+        ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Windowed:
+    """A convolution or pool called as a function: ``func`` (``conv2d``, ``avg_pool2d``, ...)
+    with ``options``, the arguments of the ``torch.nn`` layer that computes it.
+
+    A convolution's weight and bias are not kept: :meth:`tensors` reads them from each call.
+    """
+
+    func: str
+    options: tuple[tuple[str, Any], ...]
+
+    @property
+    def conv(self) -> bool:
+        return self.func.startswith("conv")
+
+    def layer(self) -> nn.Module:
+        """The ``torch.nn`` layer of the same arguments, on the meta device (a convolution's
+        weight there is a placeholder of the call's shape)."""
+        layer, _ = _LAYERS[self.func]
+        opts = dict(self.options)
+        if self.conv:
+            return layer(**opts, bias=False, device="meta")
+        return layer(**opts)
+
+    def tensors(
+        self, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The weight and bias of a convolution call (None, None for a pool)."""
+        if not self.conv:
+            return None, None
+        bound = _bound(("weight", "bias"), args, kwargs)
+        return bound.get("weight"), bound.get("bias")
+
+
+def _windowed_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Windowed | None:
+    _, names = _LAYERS[name]
+    opts = _bound(names, args, kwargs)
+    if opts.pop("return_indices", False):
+        return None  # the watch refuses its ATen op (max_pool2d_with_indices)
+    if name.startswith("conv"):
+        weight = opts.pop("weight", None)
+        opts.pop("bias", None)
+        if not isinstance(weight, torch.Tensor):
+            return None
+        groups = int(opts.get("groups", 1))
+        opts.update(
+            in_channels=int(weight.shape[1]) * groups,
+            out_channels=int(weight.shape[0]),
+            kernel_size=tuple(int(v) for v in weight.shape[2:]),
+        )
+    return Windowed(name, tuple(sorted(opts.items())))
+
+
 _INTERPOLATE = (
     "size",
     "scale_factor",
@@ -99,6 +194,8 @@ _INTERPOLATE = (
     "recompute_scale_factor",
     "antialias",
 )
+#: Pads with a tiled form: each output pixel reads one input pixel (or none), near the border.
+_PAD_MODES = ("constant", "reflect", "replicate")
 #: Modes whose output pixel reads at most two inputs per axis; bicubic and area are refused.
 _MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear")
 
@@ -113,8 +210,13 @@ def _resample_of(
     if name == "pad":
         opts = _bound(("pad", "mode", "value"), args, kwargs)
         pad = tuple(int(p) for p in opts.get("pad", ()))
-        if opts.get("mode", "constant") != "constant" or len(pad) not in range(2, 2 * nd + 1, 2):
-            return None  # reflect/replicate/circular, or pads of channels: the watch refuses
+        mode = opts.get("mode", "constant")
+        if mode not in _PAD_MODES or len(pad) not in range(2, 2 * nd + 1, 2):
+            return None  # circular, or pads of channels: the watch refuses
+        if mode != "constant":
+            if min(pad) < 0 or nd != 2:
+                return None  # a reflecting crop, or of a signal or volume: the watch refuses
+            return Resample("pad", (("mode", mode), ("pad", pad)))
         return Resample("pad", (("pad", pad), ("value", opts.get("value"))))
     opts = _bound(_INTERPOLATE, args, kwargs)
     if opts.get("mode", "nearest") not in _MODES or opts.get("antialias"):
@@ -123,15 +225,20 @@ def _resample_of(
     return Resample("interpolate", tuple(sorted(opts.items())))
 
 
-def site_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Site | Resample | None:
+def site_of(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Site | Resample | Windowed | None:
     """The :class:`Site` if ``func(*args, **kwargs)`` reduces a 4-D map (5-D volume) over all
-    its spatial dims, the :class:`Resample` if it pads or interpolates one, else None."""
+    its spatial dims, the :class:`Resample` if it pads or interpolates one, the
+    :class:`Windowed` if it convolves or pools one (batched), else None."""
     name = getattr(func, "__name__", "")
     kind = _KINDS.get(name)
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4, 5):
         return None
     rank = x.dim()
+    if name in _LAYERS:
+        return _windowed_of(name, args, kwargs) if rank == 4 else None
     if name in ("pad", "interpolate"):
         return _resample_of(name, args, kwargs, rank - 2)
     if kind is None:
@@ -149,9 +256,14 @@ def site_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Site | Re
     if dim is None or kwargs.get("dtype") is not None:
         return None  # a reduction over everything, or with a cast: the watch judges it
     dims = {dim % rank} if isinstance(dim, int) else {int(d) % rank for d in dim}
-    if dims != set(range(2, rank)):
-        return None
-    return Site(kind, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False)), False)
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if dims == set(range(2, rank)):
+        return Site(kind, keepdim, False)
+    if rank in (4, 5) and dims == set(range(1, rank - 1)):
+        # (N, *spatial, C) -- or (N, C, *spatial) reduced over channels and spatial dims,
+        # which the watch tells apart (only the first is a site of a tile)
+        return Site(kind, keepdim, False, channels_last=True)
+    return None
 
 
 def source_coords(
@@ -172,6 +284,19 @@ def source_coords(
         pad = tuple(opts["pad"]) + (0,) * (2 * nd)
         # F.pad lists the last dim first: axis a starts at pad[2 * (nd - 1 - a)].
         before = [pad[2 * (nd - 1 - a)] for a in range(nd)]
+        if opts.get("mode", "constant") != "constant":
+            # PyTorch's own reflection (replication) of an index ramp, one axis at a time
+            return tuple(
+                [
+                    float(v)
+                    for v in F.pad(
+                        torch.arange(n, dtype=torch.float64).view(1, 1, -1),
+                        (b, pad[2 * (nd - 1 - a) + 1]),
+                        mode=opts["mode"],
+                    ).view(-1)
+                ]
+                for a, (b, n) in enumerate(zip(before, n_in, strict=True))
+            )
         return tuple(
             [float(r - b) if 0 <= r - b < n else None for r in range(m)]
             for b, n, m in zip(before, n_in, n_out, strict=True)
@@ -224,8 +349,12 @@ class Frames:
             self.handles.append(
                 module.register_forward_pre_hook(lambda m, a, path=path: self._enter(path, m, a))
             )
+            # always_call: a forward that raises (a refusal at run time) still leaves its
+            # frame, and SpatialFunctions its mode, or the next model would run inside them
             self.handles.append(
-                module.register_forward_hook(lambda m, a, o, path=path: self._leave(path, m, a, o))
+                module.register_forward_hook(
+                    lambda m, a, o, path=path: self._leave(path, m, a, o), always_call=True
+                )
             )
 
     @property
@@ -278,7 +407,7 @@ class SiteMode(TorchFunctionMode):
         func: Any,
         args: Sequence[Any],
         kwargs: dict[str, Any],
-        site: Site | Resample,
+        site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
         """What a site call does; default: run it."""
@@ -301,7 +430,8 @@ class SiteMode(TorchFunctionMode):
 
 class SpatialFunctions(SiteMode):
     """At run time: the tile sites of a spatialized model, replaced by their spatial form
-    (``run(x, site, name)``: ``SpatialContext.run_site``).
+    (``run(x, site, name, weight, bias)``: ``SpatialContext.run_site``; a convolution's
+    weight and bias, None for other sites).
 
     Active while any module of the model runs (entered by the outermost
     module's pre-hook, left by its hook), so pipeline stages that call the
@@ -313,7 +443,7 @@ class SpatialFunctions(SiteMode):
         model: nn.Module,
         known: Callable[[nn.Module], bool],
         sites: set[str],
-        run: Callable[[torch.Tensor, Site | Resample, str], torch.Tensor],
+        run: Callable[..., torch.Tensor],
     ) -> None:
         super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
         self.sites, self.run = sites, run
@@ -331,9 +461,12 @@ class SpatialFunctions(SiteMode):
         func: Any,
         args: Sequence[Any],
         kwargs: dict[str, Any],
-        site: Site | Resample,
+        site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
         if name in self.sites:
-            return self.run(args[0] if args else kwargs["input"], site, name)
+            x = args[0] if args else kwargs["input"]
+            if isinstance(site, Windowed):
+                return self.run(x, site, name, *site.tensors(args, kwargs))
+            return self.run(x, site, name)
         return func(*args, **kwargs)

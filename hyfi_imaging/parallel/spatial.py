@@ -32,6 +32,7 @@ import copy
 import math
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.parallel import windowed
 from hyfi_imaging.parallel.collectives import (
     all_reduce_max_replicated,
@@ -53,6 +54,7 @@ from hyfi_imaging.parallel.functional import (
     Site,
     SiteMode,
     SpatialFunctions,
+    Windowed,
     source_coords,
 )
 from hyfi_imaging.parallel.geometry import (
@@ -112,15 +114,29 @@ _PROBE = 512
 # Modules that mix pixels but have no spatial form: refused by name (the watch would
 # refuse their ops too; this names the module). nn.LayerNorm is not here: over channels
 # (timm's LayerNorm2d) it acts per pixel, which the watch lets through. nn.Upsample,
-# nn.ZeroPad2d and nn.ConstantPad2d are not here either: their F.interpolate / F.pad
-# calls run in their spatial form (parallel/functional.py).
+# nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d and nn.ReplicationPad2d are not here
+# either: their F.interpolate / F.pad calls run in their spatial form (parallel/functional.py).
 _UNSUPPORTED = (
     nn.LPPool1d, nn.LPPool2d, nn.LPPool3d, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm, nn.PixelShuffle,
-    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad1d, nn.ReflectionPad2d,
-    nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d,
+    nn.PixelUnshuffle, nn.Unfold, nn.Fold, nn.ReflectionPad1d, nn.ReflectionPad3d,
+    nn.ReplicationPad1d, nn.ReplicationPad3d,
     nn.CircularPad1d, nn.MultiheadAttention, nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
 )  # fmt: skip
+
+
+#: timm layers refused by name, with what they do and the fix: the watch would refuse one of
+#: their ops (a view across the spatial dims), a line that does not say what the layer is.
+_REFUSED_BY_NAME: dict[str, tuple[Any, str, str]] = {
+    "GlobalContext": (
+        lambda m: getattr(m, "conv_attn", None) is not None,
+        "is global-context attention: a softmax over all pixels of the image and the map "
+        "weighted by it (a global max, sum of exponentials and weighted sum over the tiles, "
+        "which is not implemented)",
+        "build it with use_attn=False (a global mean), use squeeze-excite attention, or run "
+        "without spatial parallelism",
+    ),
+}
 
 
 class SpatialContext:
@@ -178,9 +194,11 @@ class SpatialContext:
         self._cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self._out_cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self._resamples: dict[tuple[Any, ...], tuple[Resample1D, ...]] = {}
-        # The pads and interpolations as called on the whole image (``size=skip.shape``
-        # on a tile is the tile's size): their arguments come from the trace.
-        self._traced_resamples: dict[tuple[int, ...], dict[str, Resample]] = {}
+        # The pads, interpolations and windowed functions as called on the whole image
+        # (``size=skip.shape`` on a tile is the tile's size): their arguments come from the trace.
+        self._traced_resamples: dict[tuple[int, ...], dict[str, Resample | Windowed]] = {}
+        # The spatial layer each windowed function runs as, per site and image size.
+        self._windowed: dict[tuple[str, tuple[int, ...]], nn.Module] = {}
 
     def padded_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
         """Image size after global padding (:func:`~hyfi_imaging.parallel.geometry.padded_hw`)."""
@@ -224,7 +242,19 @@ class SpatialContext:
                     f"px, aligned to the model's total stride {self.align})",
                     f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
                 )
-        sizes, outs, resamples = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+        try:
+            sizes, outs, resamples = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+        except HyfiError:
+            raise
+        except Exception as err:  # the model's own code fails at this size: one line
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(
+                f"model {type(self._reference).__name__}",
+                f"fails on a {'x'.join(map(str, image_hw))} input on the meta device "
+                f"({type(err).__name__}: {first})",
+                "give an image size the model takes (unpadded convolutions shrink the map "
+                "below a kernel's size at small sizes; a dense head takes one size only)",
+            ) from err
         self._out_cache[image_hw] = outs
         self._traced_resamples[image_hw] = resamples
         return sizes
@@ -242,17 +272,54 @@ class SpatialContext:
                 f"spatial layer {path!r} has no traced size; call set_image_size() before forward"
             ) from None
 
-    def run_site(self, x: torch.Tensor, site: Site | Resample, name: str) -> torch.Tensor:
-        """The spatial form of a functional site (see parallel/functional.py)."""
+    def run_site(
+        self,
+        x: torch.Tensor,
+        site: Site | Resample | Windowed,
+        name: str,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The spatial form of a functional site (see parallel/functional.py); ``weight``
+        and ``bias``: a functional convolution's."""
         if isinstance(site, Resample):
-            return self.resample(x, name)
+            return self.resample(x, name, site)
+        if isinstance(site, Windowed):
+            return self.windowed(x, name, weight, bias)
         return self.global_reduce(x, site, name)
 
-    def _resample_plan(
-        self, res: Resample, name: str, tile_hw: tuple[int, ...]
-    ) -> tuple[Resample1D, ...]:
+    def windowed(
+        self,
+        x: torch.Tensor,
+        name: str,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Site ``name``'s convolution or pool (a function) run as the spatial form of the
+        ``torch.nn`` layer of the same arguments, as called on the whole image."""
         assert self.image_hw is not None
-        key = (name, self.image_hw, tile_hw)
+        key = (name, self.image_hw)
+        if key not in self._windowed:
+            site = self._traced_resamples[self.image_hw][name]
+            assert isinstance(site, Windowed)
+            self._windowed[key] = _windowed_layer(site, name, self)
+        layer = self._windowed[key]
+        if isinstance(layer, _WindowedConv):
+            assert weight is not None
+            return layer.run(x, weight, bias)
+        return layer(x)
+
+    def _resample_plan(
+        self,
+        res: Resample,
+        name: str,
+        tile_hw: tuple[int, ...],
+        out_tiles: tuple[int, ...] | None = None,
+    ) -> tuple[Resample1D, ...]:
+        """Per axis, what each output pixel of this rank's tile reads; ``out_tiles``: the
+        output tile asked for at run time (``size=`` a tile's shape), else derived."""
+        assert self.image_hw is not None
+        key = (name, self.image_hw, tile_hw, out_tiles)
         if key not in self._resamples:
             n_in, n_out = self.size_of(name), self.out_size_of(name)
             path, fn = name.rsplit("#", 1)[0], f"F.{res.op}"
@@ -260,10 +327,12 @@ class SpatialContext:
             coords = source_coords(res, n_in, n_out)
             axes = []
             for a, axis in enumerate(_AXES[self.nd]):
-                t_out = resampled_tile(
+                t_out = out_tiles[a] if out_tiles is not None else resampled_tile(
                     tile_hw[a], n_in[a], n_out[a], scales=res.op == "interpolate", where=where,
                     axis=axis,
                 )  # fmt: skip
+                if res.op == "pad" and self.grid[a] * t_out < n_out[a]:
+                    raise self._no_room(where, axis, a, n_out[a], self.grid[a] * t_out, tile_hw[a])
                 axes.append(
                     resample_1d(
                         coords[a],
@@ -279,7 +348,32 @@ class SpatialContext:
             self._resamples[key] = tuple(axes)
         return self._resamples[key]
 
-    def resample(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _no_room(
+        self, where: str, axis: str, a: int, n_out: int, held: int, t_in: int
+    ) -> ConfigError:
+        """The refusal of a pad that grows the map past its tiles: the image fills its tiles
+        to (nearly) the last pixel, so they have no room for what the pad adds (a TF-style
+        stem: ``F.pad`` by 1, then a pool that shrinks the map back). An image smaller by
+        the shortfall times the layer's jump gives the tiles that room."""
+        assert self.image_hw is not None
+        jump = self.tile_size(self.image_hw)[a] // max(t_in, 1)
+        n, padded = self.image_hw[a], self.padded_size(self.image_hw)[a]
+        short = (n_out - held) * jump
+        if n - short > padded - self.grid[a] * self.align:  # a smaller image, the same tiles
+            fix = f"use an image of at most {n - short} px along the {axis} (it leaves the tiles room)"
+        else:  # no image size pads to tiles with room at this layer
+            fix = (
+                f"pass a larger align (apply_spatial(..., align={2 * self.align})): tiles of "
+                f"that multiple leave room at some image sizes"
+            )
+        return ConfigError(
+            where,
+            f"pads the map to {n_out} px along the {axis} but its tiles ({self.grid[a]} x {t_in} "
+            f"px) hold {held}: the {n} px image fills its tiles, leaving no room for the pad",
+            fix,
+        )
+
+    def resample(self, x: torch.Tensor, name: str, call: Resample | None = None) -> torch.Tensor:
         """Site ``name``'s pad or interpolation of the whole image, computed on this rank's tile.
 
         The call's arguments are those traced on the whole image (a ``size``
@@ -293,8 +387,9 @@ class SpatialContext:
         """
         assert self.image_hw is not None
         res = self._traced_resamples[self.image_hw][name]  # the whole image's call
+        assert isinstance(res, Resample)
         tiles = tuple(int(v) for v in x.shape[-self.nd :])
-        plans = self._resample_plan(res, name, tiles)
+        plans = self._resample_plan(res, name, tiles, _asked_tile(res, call, self.nd))
         masked = _tail(x, self._valid(name, tiles), 0.0)
         halo = [v for p in plans for v in (p.before, p.after)]
         y = halo_exchange(masked, halo, self.neighbours)
@@ -320,6 +415,9 @@ class SpatialContext:
         shares when the result is used again on the tiles (``rejoined_pools``).
         """
         nd = self.nd
+        if site.channels_last:  # (N, *spatial, C): the same reduction of (N, C, *spatial)
+            out = self.global_reduce(x.movedim(-1, 1), replace(site, channels_last=False), name)
+            return out.movedim(1, -1) if site.keepdim else out
         valid = self._valid(name, x.shape[-nd:])
         dims = tuple(range(-nd, 0))
         partial = name in self.rejoined_pools
@@ -335,6 +433,23 @@ class SpatialContext:
             if site.kind == "avg":
                 out = out / math.prod(self.size_of(name))
         return out if site.keepdim else out.view(out.shape[:-nd])
+
+
+def _asked_tile(traced: Resample, call: Resample | None, nd: int) -> tuple[int, ...] | None:
+    """The output tile an interpolation asks for at run time, when its ``size`` is a tile's
+    shape (GhostNetV2: ``size=out.shape[-2:]``; it differs from the size traced on the whole
+    image), else None: the tile is then derived from the sizes (:func:`resampled_tile`).
+
+    Why: a pool that floors an odd map (3 px to 1) and an interpolation back to its size
+    (1 to 3) scale the whole map by 3 but the tile (4 px to 2) by 2; the tile the call asks
+    for is the one the map it meets is cut into.
+    """
+    if call is None or call.op != "interpolate":
+        return None
+    asked, whole = dict(call.options).get("size"), dict(traced.options).get("size")
+    if asked is None or asked == whole:
+        return None
+    return (int(asked),) * nd if isinstance(asked, int) else tuple(int(v) for v in asked)
 
 
 def _outer(per_dim: Sequence[Sequence[Any]], like: torch.Tensor) -> torch.Tensor:
@@ -383,13 +498,13 @@ def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
 
 def _trace_sizes(
     model: nn.Module, shape: tuple[int, ...]
-) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, Resample]]:
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, Resample | Windowed]]:
     """Input and output (h, w) -- (d, h, w) for volumes -- of every spatial module and
-    functional site, and the pads and interpolations as called on the whole image, from one
-    pass on the meta device (``shape`` is ``(1, C, *image_size)``)."""
+    functional site, and the pads, interpolations and windowed functions as called on the
+    whole image, from one pass on the meta device (``shape`` is ``(1, C, *image_size)``)."""
     sizes: dict[str, tuple[int, ...]] = {}
     outs: dict[str, tuple[int, ...]] = {}
-    resamples: dict[str, Resample] = {}
+    resamples: dict[str, Resample | Windowed] = {}
     handles = []
     rank = len(shape)
 
@@ -428,14 +543,14 @@ def _trace_sizes(
 
 class _SiteSizes(SiteMode):
     """Records the true input size of every functional site (parallel/functional.py), and a
-    pad's or interpolation's output size and call."""
+    pad's, interpolation's or windowed function's output size and call."""
 
     def __init__(
         self,
         frames: Frames,
         sizes: dict[str, tuple[int, ...]],
         outs: dict[str, tuple[int, ...]],
-        resamples: dict[str, Resample],
+        resamples: dict[str, Resample | Windowed],
         nd: int,
     ) -> None:
         super().__init__(frames)
@@ -446,17 +561,18 @@ class _SiteSizes(SiteMode):
         func: Any,
         args: Sequence[Any],
         kwargs: dict[str, Any],
-        site: Site | Resample,
+        site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
         x = args[0] if args else kwargs["input"]
         out = func(*args, **kwargs)
         sizes = [(self.sizes, x)]
-        if isinstance(site, Resample):
+        if isinstance(site, Resample | Windowed):
             sizes.append((self.outs, out))
             self.resamples[name] = site
         for table, t in sizes:
-            hw = tuple(int(v) for v in t.shape[-self.nd :])
+            dims = site.spatial_dims(t.dim()) if isinstance(site, Site) else range(-self.nd, 0)
+            hw = tuple(int(t.shape[d]) for d in dims)
             if table.setdefault(name, hw) != hw:
                 raise ConfigError(
                     f"module {name.rsplit('#', 1)[0]!r}",
@@ -660,8 +776,13 @@ class _WindowedConv(_SpatialMixin):
     groups: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, self.weight, self.bias)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This layer's window with ``weight`` and ``bias`` (its own, or a functional
+        convolution's: see :meth:`SpatialContext.windowed`)."""
         x, win = self._prepare(x, 0.0)
-        return windowed.conv(x, self.weight, self.bias, win, self.groups)
+        return windowed.conv(x, weight, bias, win, self.groups)
 
 
 class SpatialConv1d(_WindowedConv, nn.Conv1d):
@@ -1242,6 +1363,22 @@ def tile_shaped(plain: nn.Module, ctx: SpatialContext) -> nn.Module:
     return plain
 
 
+def _windowed_layer(site: Windowed, name: str, ctx: SpatialContext) -> nn.Module:
+    """The spatial form of the ``torch.nn`` layer a windowed function computes (a
+    convolution's on the meta device: its weight and bias come with each call), not part
+    of the model: ``name`` is the site's, whose traced sizes it reads."""
+    layer = site.layer()
+    layer.__class__ = _SWAP[type(layer)]
+    layer.hyfi_path, layer.hyfi_ctx = name, ctx  # type: ignore[assignment]
+    try:
+        layer.hyfi_geoms = layer_geom(layer)  # type: ignore[assignment]
+    except ConfigError as err:
+        raise ConfigError(
+            f"module {name.rsplit('#', 1)[0]!r} (F.{site.func})", err.what, err.fix
+        ) from None
+    return layer
+
+
 def _is_gathering_flatten(m: nn.Module) -> bool:
     """``nn.Flatten`` of every dim from 1 on (a dense head's input): see :class:`SpatialFlatten`."""
     kinds = (nn.Flatten, SpatialFlatten)
@@ -1313,8 +1450,26 @@ _DIMS = {
 _GRID_NAMES = {1: "a 1-D grid (L<GL>)", 2: "a 2-D grid (GYxGX)", 3: "a 3-D grid (GZxGYxGX)"}
 
 
+def _check_dims(name: str, m: nn.Module, nd: int) -> None:
+    """Refuse a layer of another number of spatial dims than the grid's.
+
+    Only for layers that see tile data (or when the model fails on the probe, where such a
+    layer is the likely cause): a Conv1d on the pooled channel vector ``(N, 1, C)`` of ECA
+    attention sees no tile and stays a plain layer.
+    """
+    for dims, layers in _DIMS.items():
+        if dims != nd and isinstance(m, layers):
+            raise ConfigError(
+                f"module {name!r} ({type(m).__name__})",
+                f"is a {dims}-D layer on tile data but the model is tiled on {_GRID_NAMES[nd]}",
+                f"tile a model of {dims}-D layers on {_GRID_NAMES[dims]}",
+            )
+
+
 def _check_tiled(name: str, m: nn.Module, nd: int) -> None:
-    """Refuse a layer that sees tile data and is only spatial on some grids (BatchNorm1d)."""
+    """Refuse a layer that sees tile data and is only spatial on some grids: a layer of
+    another number of dims (:func:`_check_dims`), a BatchNorm1d off a 1-D grid."""
+    _check_dims(name, m, nd)
     if not isinstance(m, nn.BatchNorm1d):
         return
     where = f"module {name!r} ({type(m).__name__})"
@@ -1331,6 +1486,9 @@ def _check_tiled(name: str, m: nn.Module, nd: int) -> None:
 
 def _check(name: str, m: nn.Module, nd: int = 2) -> None:
     where = f"module {name!r} ({type(m).__name__})"
+    refused = _REFUSED_BY_NAME.get(type(m).__name__)
+    if refused is not None and type(m).__module__.startswith("timm.") and refused[0](m):
+        raise ConfigError(where, refused[1], refused[2])
     if isinstance(m, _UNSUPPORTED):
         raise ConfigError(
             where,
@@ -1338,13 +1496,8 @@ def _check(name: str, m: nn.Module, nd: int = 2) -> None:
             "replace it with Conv2d/MaxPool2d/AvgPool2d/BatchNorm2d/global average pooling "
             "(or their 1-D and 3-D forms), or run without spatial parallelism",
         )
-    for dims, layers in _DIMS.items():
-        if dims != nd and isinstance(m, layers):
-            raise ConfigError(
-                where,
-                f"is a {dims}-D layer but the model is tiled on {_GRID_NAMES[nd]}",
-                f"tile a model of {dims}-D layers on {_GRID_NAMES[dims]}",
-            )
+    # A layer of another number of dims is judged once the watch says whether it sees
+    # tiles (_check_tiled).
     if isinstance(m, nn.AdaptiveMaxPool1d | nn.AdaptiveMaxPool2d | nn.AdaptiveMaxPool3d) and (
         m.return_indices
     ):
@@ -1387,6 +1540,7 @@ def spatialize(
     halo_depth: int = 1,
     stage_cuts: bool = False,
     backward_bands: bool = False,
+    image_size: Sequence[int] | None = None,
 ) -> SpatialContext:
     """Turn ``model`` (in place) into its spatial form for tile ``tile`` of ``grid``.
 
@@ -1400,9 +1554,10 @@ def spatialize(
     ``stage_cuts``: the model's top-level children may become pipeline stages,
     so no deep halo crosses from one to the next.
 
-    The watch runs the model on a large meta-device input, or at the model's
-    ``input_size`` when it declares one (a dense head on the flattened map,
-    CosmoFlow, runs at that size only).
+    The watch runs the model on a meta-device input of the model's ``input_size``
+    when it declares one (a dense head on the flattened map, CosmoFlow, runs at
+    that size only), else of a large probe size, else (a model that fails there)
+    of ``image_size``, the size it will run at.
 
     A grid of three factors ``(gz, gy, gx)`` tiles a volume model (Conv3d,
     MaxPool3d, AvgPool3d, BatchNorm3d, ConvTranspose3d, 3-D global pools,
@@ -1429,8 +1584,21 @@ def spatialize(
         _check(name or type(model).__name__, m, nd)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
     reference = copy.deepcopy(model).to("meta")
-    use = _watch(model, reference, in_chans, nd)
-    align = align or tile_alignment(model, nd, in_chans=in_chans, _seen=(reference, use))
+    try:
+        use = _watch(model, reference, in_chans, nd, image_size)
+    except ConfigError as err:
+        if _failed_on_meta(err):
+            # The model's own code failed on the probe: a layer of another number of dims
+            # given the tiles' (N, C, *spatial) is the likely cause, and the clearer line.
+            for name, m in model.named_modules():
+                _check_dims(name or type(model).__name__, m, nd)
+        raise
+    for name, m in model.named_modules():
+        if name in use.tile_modules:
+            _check_tiled(name or type(model).__name__, m, nd)
+    align = align or tile_alignment(
+        model, nd, in_chans=in_chans, image_size=image_size, _seen=(reference, use)
+    )
     ctx = SpatialContext(
         grid, tile, neighbours, group, align=align, overlap=overlap, backward_bands=backward_bands
     )
@@ -1448,7 +1616,6 @@ def spatialize(
     for name, m in model.named_modules():
         if name not in use.tile_modules:
             continue  # e.g. a squeeze-excite convolution on the pooled vector: stays plain
-        _check_tiled(name or type(model).__name__, m, nd)
         cls = SpatialConv2dSame if dynamic_same(m) else _SWAP.get(_plain_equivalent(m) or type(m))
         if _is_norm_act(m):
             norm = SpatialBatchNorm2d if isinstance(m, nn.BatchNorm2d) else SpatialGroupNorm
@@ -1567,20 +1734,47 @@ def _has_spatial_form(m: nn.Module) -> bool:
     return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
 
 
-def _watch(model: nn.Module, reference: nn.Module, in_chans: int, nd: int) -> Any:
+def _failed_on_meta(err: ConfigError) -> bool:
+    """Whether ``err`` says the model's own code failed on the meta device (a shape error),
+    rather than refusing what the model does."""
+    return err.__cause__ is not None and not isinstance(err.__cause__, HyfiError)
+
+
+def _watch(
+    model: nn.Module,
+    reference: nn.Module,
+    in_chans: int,
+    nd: int,
+    image_size: Sequence[int] | None = None,
+) -> Any:
     """Which modules and parameters of ``reference`` (a meta copy) see tile data.
 
-    Refuses functions that mix pixels. A model whose head flattens its last map
-    runs at its own size only (``input_size``): it says which.
+    Refuses functions that mix pixels. Traced at the model's ``input_size`` when it
+    declares one, else at a large probe size; a model that fails there (a dense head on
+    the flattened map takes one size only) is traced again at ``image_size``, the size
+    it will run at, and a failure names that size, never a probe the user did not give.
     """
-    probe = tuple(getattr(model, "input_size", None) or (_PROBE,) * nd)
-    return watch_tiles(
-        reference,
-        (1, in_chans, *probe),
-        _has_spatial_form,
-        norms=_is_norm_act,
-        carriers=_is_carrier,
-    )
+    declared = getattr(model, "input_size", None)
+    sizes = [(tuple(int(v) for v in declared), "the model's input_size")] if declared else []
+    if not declared:
+        origin = "a probe size: no image size was given" if image_size is None else "a probe"
+        sizes.append(((_PROBE,) * nd, origin))
+        if image_size is not None:
+            sizes.append((tuple(int(v) for v in image_size), "the image size given"))
+    for k, (probe, origin) in enumerate(sizes):
+        try:
+            return watch_tiles(
+                reference,
+                (1, in_chans, *probe),
+                _has_spatial_form,
+                norms=_is_norm_act,
+                carriers=_is_carrier,
+                origin=origin,
+            )
+        except ConfigError as err:
+            if k == len(sizes) - 1 or not _failed_on_meta(err):
+                raise
+    raise AssertionError("unreachable")  # the last size returns or raises
 
 
 _ALIGNMENTS: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
@@ -1591,6 +1785,7 @@ def tile_alignment(
     nd: int = 2,
     *,
     in_chans: int | None = None,
+    image_size: Sequence[int] | None = None,
     _seen: tuple[nn.Module, Any] | None = None,
 ) -> int:
     """The multiple every tile side of ``model`` is aligned to, for ``nd`` spatial dims.
@@ -1600,7 +1795,8 @@ def tile_alignment(
     the meta device (remembered per model). The one source of this number: the
     engine, the planner, the loader and the recipe checks all ask here, so they
     pick the same tiles (the planner used to take 1 for a model that declares
-    nothing while the engine measured, say, 32).
+    nothing while the engine measured, say, 32). ``image_size``: the size the model
+    will run at, traced where the model takes no other (a dense head on the flattened map).
     """
     declared = int(getattr(model, "total_stride", 0))
     if declared:
@@ -1610,24 +1806,53 @@ def tile_alignment(
         in_chans = in_chans or int(getattr(model, "in_chans", 3))
         if _seen is None:
             reference = copy.deepcopy(model).to("meta")
-            _seen = (reference, _watch(model, reference, in_chans, nd))
+            _seen = (reference, _watch(model, reference, in_chans, nd, image_size))
         reference, use = _seen
-        known[nd] = _total_stride(reference, in_chans, use.tile_modules, nd)
+        own_size: Sequence[int] | None = getattr(model, "input_size", None)
+        fixed = tuple(int(v) for v in own_size or image_size or ()) or None
+        tiled = use.tile_modules | use.functional_sites
+        known[nd] = _total_stride(reference, in_chans, tiled, nd, fixed)
     return known[nd]
 
 
-def _total_stride(reference: nn.Module, in_chans: int, tile_modules: set[str], nd: int = 2) -> int:
+def _total_stride(
+    reference: nn.Module,
+    in_chans: int,
+    tile_modules: set[str],
+    nd: int = 2,
+    fixed: tuple[int, ...] | None = None,
+) -> int:
     """Least common multiple of the cumulative strides of the layers that see tiles.
 
-    Measured by tracing a large input (image or volume, ``nd`` spatial dims) on the meta device.
+    Measured by tracing two large inputs (image or volume, ``nd`` spatial dims) on the meta
+    device: a layer's jump is the ratio of the differences of the sizes, which cancels the
+    pixels unpadded convolutions take off (Inception's: 4096 px give 126 at a jump of 32).
+    A model that takes one size only (a dense head on the flattened map) is traced once,
+    at ``fixed``, the size the watch ran it at.
     """
-    probe = 4096
-    sizes, _, _ = _trace_sizes(reference, (1, in_chans, *(probe,) * nd))
+    probes: tuple[int, ...] = (4096, 8192)
+    try:
+        traced = [_trace_sizes(reference, (1, in_chans, *(p,) * nd)) for p in probes]
+    except HyfiError:
+        raise
+    except Exception:
+        if fixed is None:
+            raise
+        probes = (fixed[0],)
+        traced = [_trace_sizes(reference, (1, in_chans, *fixed))]
+    sizes, _, calls = traced[0]
+    layers: list[tuple[str, nn.Module]] = list(reference.named_modules())
+    # windowed functions that see tiles (``tile_modules`` holds their site names)
+    layers += [(n, c.layer()) for n, c in calls.items() if isinstance(c, Windowed)]
     align = 1
-    for name, m in reference.named_modules():
+    for name, m in layers:
         if name not in tile_modules:
             continue
         if name in sizes and isinstance(m, _WINDOWED):
-            jump = max(1, round(probe / sizes[name][0]))
+            if len(traced) == 2 and traced[1][0][name][0] > sizes[name][0]:
+                ratio = (probes[1] - probes[0]) / (traced[1][0][name][0] - sizes[name][0])
+            else:
+                ratio = probes[0] / sizes[name][0]
+            jump = max(1, round(ratio))
             align = math.lcm(align, *(jump * g.stride for g in layer_geom(m, sizes[name])))
     return align

@@ -16,16 +16,16 @@ a global pool) through every ATen op, and:
 * lets the layers that have a spatial form (convolutions, pools, BatchNorm,
   global pools, called as modules) do their own work: their internals are not
   inspected, a global pool's output is replicated (no longer a tile);
-* lets the functions that have a spatial form (global reductions,
-  ``F.pad`` with a constant, ``F.interpolate`` nearest or bilinear: see
-  :mod:`.functional`) run; a reduction's output is replicated, a pad's or an
-  interpolation's is a tile again;
+* lets the functions that have a spatial form (global reductions, channels-last
+  ones too, ``F.pad`` with a constant or a reflection, ``F.interpolate`` nearest
+  or bilinear, ``F.conv2d``/``F.avg_pool2d``/``F.max_pool2d``: see
+  :mod:`.functional`) run; a reduction's output is replicated, a pad's, an
+  interpolation's or a convolution's is a tile again;
 * refuses anything else on a tile -- a reduction or a reshape over the spatial
   dims, a crop by slicing, a circular pad (or any write of the map into part of
-  another tensor), a reflect pad, a bicubic upsample, a flip, a
-  functional convolution or pool, an op it does not know -- with one line
-  naming the module path, the op and the fix. Unknown means refused: never
-  silently wrong.
+  another tensor), a bicubic upsample, a flip, a functional transposed
+  convolution, an op it does not know -- with one line naming the module path,
+  the op and the fix. Unknown means refused: never silently wrong.
 
 The model runs twice, in eval and in training mode, because dropout,
 drop-path and DropBlock draw only in training: a random draw per pixel of a
@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hyfi_imaging.errors import ConfigError, HyfiError
-from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode
+from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode, Windowed
 from hyfi_imaging.parallel.randomness import draws_random
 
 __all__ = ["TileUse", "watch_tiles"]
@@ -629,10 +629,17 @@ class _Sites(SiteMode):
         func: Any,
         args: Sequence[Any],
         kwargs: dict[str, Any],
-        site: Site | Resample,
+        site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
-        tiled = self.watch.tile_of(args[0] if args else kwargs.get("input")) is not None
+        x = args[0] if args else kwargs.get("input")
+        tile = self.watch.tile_of(x)
+        if isinstance(site, Site) and site.channels_last and tile is not None:
+            assert isinstance(x, torch.Tensor)
+            if tile.flat is not None or tile.dims != site.spatial_dims(x.dim()):
+                # (N, C, H, W) reduced over its channels and rows: no site; its ops are judged
+                return func(*args, **kwargs)
+        tiled = tile is not None
         if self.seen.setdefault(name, tiled) != tiled:  # one name, one run-time behaviour
             path = name.rsplit("#", 1)[0] or self.watch.root
             raise ConfigError(
@@ -643,10 +650,9 @@ class _Sites(SiteMode):
             )
         if not tiled:
             return func(*args, **kwargs)
-        x = args[0] if args else kwargs.get("input")
-        tile = self.watch.tile_of(x)
         assert isinstance(x, torch.Tensor) and tile is not None
-        if tile.flat is not None or tile.dims != tuple(range(2, x.dim())):
+        dims = site.spatial_dims(x.dim()) if isinstance(site, Site) else tuple(range(2, x.dim()))
+        if tile.flat is not None or tile.dims != dims:
             # e.g. F.interpolate(x, mode="linear") of a 2-D map's rows: its spatial form
             # would resample the wrong dims
             raise _refuse(
@@ -657,18 +663,37 @@ class _Sites(SiteMode):
                 "call it on the (N, C, *spatial) map the grid tiles (a 1-D grid L<GL> for "
                 "(N, C, L) signals)",
             )
+        if isinstance(site, Windowed):
+            self.weights(site, args, kwargs, name)
         self.watch.use.functional_sites.add(name)
         self.frames.inside += 1  # its own ops are the spatial form's business
         try:
             out = func(*args, **kwargs)
         finally:
             self.frames.inside -= 1
-        if isinstance(site, Resample):
+        if isinstance(site, Resample | Windowed):
             k = out.dim() - 2
             self.watch.mark(out, _last(out, tuple(int(v) for v in out.shape[-k:])))
         else:
             self.watch.mark_replicated(out, frozenset({name}))
         return out
+
+    def weights(
+        self, site: Windowed, args: Sequence[Any], kwargs: dict[str, Any], name: str
+    ) -> None:
+        """A functional convolution's weight and bias on tile data: parameters (or tensors
+        computed from them) are used on the tiles, their gradients summed; a pooled value
+        meets the tiles again; weights computed from the tiles themselves are refused."""
+        for t in site.tensors(args, kwargs):
+            if self.watch.tile_of(t) is not None:
+                raise _refuse(
+                    name.rsplit("#", 1)[0] or self.watch.root,
+                    f"F.{site.func}",
+                    "convolves the tiled map with weights computed from the tiled map",
+                    "compute the weights from a global pool (nn.AdaptiveAvgPool2d(1))",
+                )
+            self.watch.use.tile_params.update(self.watch.params_of(t))
+            self.watch.use.rejoined_pools |= self.watch.pools_of(t)
 
 
 def _watch_once(
@@ -703,6 +728,7 @@ def watch_tiles(
     *,
     norms: Callable[[nn.Module], bool] | None = None,
     carriers: Callable[[nn.Module], bool] | None = None,
+    origin: str = "the image size given",
 ) -> TileUse:
     """Run ``model`` (a meta copy) on a meta input of ``shape`` under the watch.
 
@@ -715,7 +741,8 @@ def watch_tiles(
     and the op when a function mixes pixels of tile data. ``carriers(module)``
     says which modules with a spatial form act per pixel once their statistics
     are known (BatchNorm): a deep halo may pass through them (``TileUse.links``,
-    the links found in both passes).
+    the links found in both passes). ``origin`` says where ``shape``'s size comes from,
+    for the line that refuses a model failing on it.
     """
     use = TileUse()
     params = {id(p): n for n, p in model.named_parameters()}
@@ -735,12 +762,21 @@ def watch_tiles(
                 raise
             except Exception as err:  # the model's own code failed: say so in one line
                 first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                size = "x".join(map(str, shape[2:]))
+                fix = (
+                    "pass the image size the model takes (apply_spatial(..., image_size=(H, W)),"
+                    " or an input_size attribute on the model): a dense head on the flattened "
+                    "map takes one size only"
+                    if origin.startswith("a probe")
+                    else f"this model does not take {size}: give it an image size it takes (a "
+                    "dense head on the flattened map takes only the size it was built for), "
+                    "and make it run on the meta device"
+                )
                 raise ConfigError(
                     f"model {type(model).__name__}",
-                    f"fails on a {'x'.join(map(str, shape))} input on the meta device "
+                    f"fails on a {size} input ({origin}) on the meta device "
                     f"({'training' if training else 'eval'} mode): {type(err).__name__}: {first}",
-                    "spatial tiling needs a model that runs on any image size (convolutional "
-                    "up to its global pool) and on the meta device",
+                    fix,
                 ) from err
             found = watch.links()
             use.links = (

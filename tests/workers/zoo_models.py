@@ -51,6 +51,51 @@ def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
     return build
 
 
+def _fixed_size(h: int, w: int) -> Callable[[], nn.Module]:
+    """A classifier for ``h x w`` images only: convolutions, then ``nn.Flatten`` into an
+    ``nn.Linear`` sized for the last map (LeNet's dense head)."""
+
+    def build() -> nn.Module:
+        last = (h // 2) * (w // 2)
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * last, 3),
+        )  # fmt: skip
+
+    return build
+
+
+class _Functional(nn.Module):
+    """Layers written as functions, each with a tiled form: ``F.conv2d`` with the module's
+    own (grouped) weight and bias after a reflect pad (a blur pool's), ``F.max_pool2d``
+    after a replicate pad, ``F.avg_pool2d`` upsampled back by ``F.interpolate`` to the
+    map's size (GhostNetV2's attention), ECA attention (a Conv1d on the pooled channel
+    vector) and a channels-last global mean (MambaOut's head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.weight = nn.Parameter(torch.randn(8, 4, 3, 3) * 0.3)
+        self.bias = nn.Parameter(torch.randn(8) * 0.1)
+        self.norm = nn.BatchNorm2d(8)
+        self.eca = nn.Conv1d(1, 1, 3, padding=1, bias=False)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        x = torch.relu(self.stem(x))
+        x = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        x = F.conv2d(x, self.weight, self.bias, stride=2, groups=2)
+        x = F.max_pool2d(F.pad(x, (1, 1, 1, 0), mode="replicate"), (2, 3), stride=1)
+        x = self.norm(x)
+        gate = F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False)
+        x = x * torch.sigmoid(F.interpolate(gate, size=x.shape[-2:], mode="nearest"))
+        pooled = x.mean((2, 3)).view(x.shape[0], 1, -1)
+        x = x * torch.sigmoid(self.eca(pooled)).view(x.shape[0], -1, 1, 1)
+        return self.fc(x.permute(0, 2, 3, 1).mean((1, 2)))
+
+
 #: name -> builder. What must happen, per grid and size, is the test's data (test_zoo_mpi.py).
 ZOO: dict[str, Callable[[], nn.Module]] = {
     "tv-resnet18": _tv("resnet18"),
@@ -97,6 +142,15 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "timm-hrnet_w18_small": _timm("hrnet_w18_small"),  # parallel resolutions, upsampled fusions
     "timm-tresnet_m": _timm("tresnet_m"),  # space-to-depth stem: a view across the map
     "timm-mobilevit_xxs": _timm("mobilevit_xxs"),  # attention over unfolded patches
+    # Refused by an earlier sweep, now exact or refused for the real reason (issue 23).
+    "timm-ecaresnet26t": _timm("ecaresnet26t"),  # ECA: a Conv1d on the pooled channel vector
+    "timm-mambaout_femto": _timm("mambaout_femto"),  # channels-last, a mean over (1, 2) in the head
+    "timm-hgnetv2_b0": _timm("hgnetv2_b0"),  # TF-style stem: F.pad, then a pool shrinking it back
+    "timm-gcresnext26ts": _timm("gcresnext26ts"),  # global context: softmax over all pixels
+    "timm-resnetblur18": _timm("resnetblur18"),  # blur pool: a reflect pad, a functional conv
+    "timm-ghostnetv2_100": _timm("ghostnetv2_100"),  # DFC attention: F.avg_pool2d, F.interpolate
+    "fixed-29x43": _fixed_size(29, 43),  # flatten -> Linear: takes 29x43 only
+    "fn-windowed": _Functional,
 }
 
 
@@ -114,7 +168,9 @@ def main(argv: list[str]) -> int:
         try:
             report = verify_model(build, (h, w), pc, batch=2)
             failed = [c.name for c in report.comparisons if not c.ok]
+            worst = max(report.comparisons, key=lambda c: c.max_rel, default=None)
             results[name] = {"ok": report.ok, "max_rel_error": report.max_rel_error,
+                             "worst": worst.name if worst is not None else "",
                              "compared": len(report.comparisons), "failed": failed[:5]}  # fmt: skip
         except HyfiError as err:
             results[name] = {"ok": False, "error": str(err)}
