@@ -87,7 +87,7 @@ def _worker(cfg: dict[str, Any]) -> None:
                 pc.shard_mesh,
                 tile_names=ctx.tile_param_names,
                 tiles=pc.world_size,
-                reshard_after_forward=False,  # as the engine (engine._shard)
+                reshard_after_forward=False,  # as the engine (parallelize.apply_sharding)
             )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     side = int(cfg["image"])

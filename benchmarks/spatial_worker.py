@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 pc.shard_mesh,
                 tile_names=ctx.tile_param_names,
                 tiles=world,
-                reshard_after_forward=False,  # as the engine (engine._shard)
+                reshard_after_forward=False,  # as the engine (parallelize.apply_sharding)
                 # a streamed stem's layers are not called one by one: the root holds them
                 called={n for n, _ in model.named_modules()} - set(streamed),
             )

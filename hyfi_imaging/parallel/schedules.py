@@ -34,7 +34,7 @@ replica) adds them, so both copies hold the gradient of the whole batch and take
 optimizer steps. Before a step, the B copy's gradient is dropped (the A copy keeps what was
 accumulated), so accumulation across ``train_step`` calls counts it once. BatchNorm running
 statistics: the two copies are two more "replicas" of the affine recurrence (see
-:meth:`~.engine.ParallelModel._sync_running_stats`), merged in reference order
+:mod:`.running_stats`), merged in reference order
 (data replica ``d``'s A half, then its B half, then ``d + 1``'s ...).
 """
 

@@ -1,0 +1,369 @@
+"""Every parallel dimension applied to a single-device model, in one written order.
+
+Model code is single-device; parallelism is applied to it here, as torchtitan's
+``parallelize_*`` functions do, by small steps in a fixed order (:func:`parallelize`):
+
+1. **check** -- the plan fits the model and the job, and every rank built bit-identical
+   weights (:func:`check_same_weights`), before anything is changed;
+2. **checkpointing** -- the chosen blocks recompute in backward (:func:`~.pipeline.set_checkpointing`),
+   before any copy is taken, so that copies (the timing copy of step 5) checkpoint alike;
+3. **spatial** -- the whole model is spatialized for this rank's tile
+   (:func:`~.apply.apply_spatial`), so every layer knows its true size at the image size;
+   FSDP2 applies the gradient rule, so the layers' own reduction is off;
+4. **streaming** -- a chain's stem runs in row bands (:func:`~.streaming.stream_stem`);
+5. **balance** -- where the model is cut: given, or measured on a tile-sized micro-batch
+   (the maximum over the world, so every rank cuts alike) (:func:`choose_balance`);
+6. **stages** -- a chain is cut into this rank's stage modules (:func:`apply_stages`);
+   any other model is one stage, itself;
+7. **FSDP2** -- each stage module is sharded over ``dp x sp`` of its stage
+   (:func:`apply_sharding`);
+8. **runtime** -- the schedule family's runtime (:func:`~.runtimes.runtime_for`; GEMS
+   creates its process groups here, after sharding, in the same order on every rank);
+9. **running statistics** -- BatchNorm's running statistics merged over the replicas after
+   each step (:func:`~.running_stats.apply_running_stats`).
+
+The result is one :class:`~.rank_model.RankModel` of facts (tiles, cut, stages, units) that
+the engine, the runtime and the printed plan read, plus the runtime and the statistics merge.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.apply import (
+    apply_spatial,
+    input_channels,
+    output_map,
+    output_shape,
+)
+from hyfi_imaging.parallel.balance import LayerCosts, measure_layers, partition
+from hyfi_imaging.parallel.junction import check_junction_model, stage_tiles
+from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.parallel_plan import ParallelPlan
+from hyfi_imaging.parallel.pipeline import (
+    StageModule,
+    is_chain,
+    model_layers,
+    set_checkpointing,
+    stage_bounds,
+)
+from hyfi_imaging.parallel.rank_model import BalanceInfo, PlannedShapes, RankModel
+from hyfi_imaging.parallel.running_stats import ReplicaRunningStats, apply_running_stats
+from hyfi_imaging.parallel.runtimes import PipelineRuntime, runtime_for
+from hyfi_imaging.parallel.schedules import LocalStage, local_stages
+from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
+from hyfi_imaging.parallel.spatial import SpatialContext, tile_alignment, tile_shaped
+from hyfi_imaging.parallel.streaming import stream_stem
+
+__all__ = [
+    "apply_sharding",
+    "apply_stages",
+    "check_same_weights",
+    "choose_balance",
+    "parallelize",
+]
+
+
+def parallelize(
+    model: nn.Module,
+    pc: ParallelContext,
+    plan: ParallelPlan,
+    *,
+    image_hw: Sequence[int],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[RankModel, PipelineRuntime, ReplicaRunningStats]:
+    """This rank's part of ``model`` (spatialized, cut, sharded in place), its runtime and
+    its running-statistics merge: the steps of the module doc, in that order."""
+    layout = plan.layout
+    if pc.layout != layout:
+        raise ConfigError(
+            "ParallelModel",
+            f"the plan's layout {layout.describe()} is not the job's {pc.layout.describe()}",
+            "build the ParallelContext and the plan from the same Layout",
+        )
+    plan.check_model(model)
+    check_same_weights(model, pc.device)
+    image = tuple(int(v) for v in image_hw)
+    pp_rank = pc.coords[1]
+    local = local_stages(plan.schedule, layout.pp, pp_rank)
+    runtime_cls = runtime_for(plan.schedule, layout)
+    in_chans = input_channels(model)
+    dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
+    checkpointed = set_checkpointing(model, plan.checkpointing)
+    layers = model_layers(model)
+    meta_model = copy.deepcopy(model).to("meta")
+    if layout.junction:
+        h, w = image
+        check_junction_model(
+            layout,
+            output_shape(meta_model, (1, in_chans, h, w)) or (),
+            output_shape(meta_model, (1, in_chans, max(1, h // 2), max(1, w // 2))) or (),
+        )
+    plain = copy.deepcopy(model) if plan.balance is None and plan.stages > 1 else None
+    ctx = apply_spatial(
+        model,
+        pc,
+        image_size=image,
+        in_chans=in_chans,
+        overlap=plan.overlap,
+        halo_depth=plan.halo_depth,
+        reduce_grads=False,  # FSDP2 reduces them (sharding.py: the tile/head rule)
+        backward_bands=plan.backward_bands,
+    )
+    streamed = stream_stem(model, ctx) if plan.streaming == "stem" else []
+    padded_hw, tile_hw, tile_model = image, image, meta_model
+    if ctx is not None:
+        padded_hw, tile_hw = ctx.padded_size(image), ctx.tile_size(image)
+        if ctx.flatten_paths:
+            tile_model = tile_shaped(copy.deepcopy(meta_model), ctx)
+            plain = None if plain is None else tile_shaped(plain, ctx)
+    tiles = _stage_tiles(layout, image, tile_hw, meta_model, in_chans)
+    out_map = output_map(tile_model, in_chans, image, tile_hw)
+    info = choose_balance(plan, meta_model, plain, tile_hw, in_chans, dtype, pc.device)
+    del plain
+    bounds = stage_bounds(info.balance)
+    planned = PlannedShapes()
+    submods, stage_module = apply_stages(
+        model, local, info.balance, dtype=dtype, schedule=plan.schedule, planned=planned
+    )
+    fsdp_units = apply_sharding(
+        submods, local, pc, layout, ctx, meta_model, (1, in_chans, *image), streamed
+    )
+    part = RankModel(
+        image_hw=image,
+        in_chans=in_chans,
+        dtype=dtype,
+        pp_rank=pp_rank,
+        local=local,
+        num_stages=plan.stages,
+        copies=runtime_cls.copies,
+        checkpointed=checkpointed,
+        layer_names=[n for n, _ in layers],
+        meta_model=meta_model,
+        tile_model=tile_model,
+        ctx=ctx,
+        streamed=streamed,
+        padded_hw=padded_hw,
+        tile_hw=tile_hw,
+        stage_tiles=tiles,
+        out_map=out_map,
+        balance_info=info,
+        stem_whole=not streamed or bounds[0][1] >= len(streamed),
+        submods=submods,
+        stage_module=stage_module,
+        fsdp_units=fsdp_units,
+        planned=planned,
+    )
+    runtime = runtime_cls(part, pc, layout, plan.schedule, loss_fn)
+    running_stats = apply_running_stats(
+        stage_module,
+        list(zip(local, submods, strict=True)),
+        pc,
+        copies=runtime_cls.copies,
+        copy_groups=runtime.copy_groups,
+    )
+    return part, runtime, running_stats
+
+
+def _stage_tiles(
+    layout: Layout,
+    image: tuple[int, ...],
+    tile_hw: tuple[int, ...],
+    meta_model: nn.Module,
+    in_chans: int,
+) -> list[tuple[int, ...]]:
+    """The input tile of every stage's grid: this rank's tile, or the junction's per grid."""
+    if not layout.junction:
+        return [tile_hw] * layout.pp
+    # Every grid pads the image to the model's alignment (a 1x1 stage too, which has no
+    # spatial context: the number comes from the model, the same everywhere).
+    align = tile_alignment(meta_model, len(image), in_chans=in_chans)
+    return list(stage_tiles(layout, image, align))
+
+
+def choose_balance(
+    plan: ParallelPlan,
+    meta_model: nn.Module,
+    plain: nn.Module | None,
+    tile_hw: tuple[int, ...],
+    in_chans: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> BalanceInfo:
+    """The cut: the plan's, one stage, or measured per layer on a tile (``plain``: a copy of
+    the model before spatialization, timed one layer at a time)."""
+    params = [sum(p.numel() for p in m.parameters()) for _, m in model_layers(meta_model)]
+    n = len(params)
+    if plan.balance is not None:
+        return BalanceInfo(plan.balance, "explicit", None, params)
+    if plan.stages == 1:
+        return BalanceInfo((n,), "one stage", None, params)
+    assert plain is not None
+    plain.to(device)
+    sample = torch.randn(1, in_chans, *tile_hw, dtype=dtype, device=device)
+    costs = measure_layers(model_layers(plain), sample, repeat=3)
+    # Max over ranks is exact: every rank then cuts from the same numbers.
+    vec = torch.tensor([*costs.seconds, *[float(b) for b in costs.bytes]], dtype=torch.float64).to(
+        device
+    )
+    # The world: every stage, tile and replica must cut the model identically.
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    vec = vec.cpu()
+    costs = LayerCosts(
+        costs.names,
+        tuple(float(v) for v in vec[:n]),
+        tuple(int(v) for v in vec[n:]),
+    )
+    balance = partition(costs.of(plan.balance_by), plan.stages)
+    return BalanceInfo(balance, f"automatic, by {plan.balance_by}", costs, params)
+
+
+def apply_stages(
+    model: nn.Module,
+    local: Sequence[LocalStage],
+    balance: Sequence[int],
+    *,
+    dtype: torch.dtype,
+    schedule: str,
+    planned: PlannedShapes,
+) -> tuple[list[nn.Module], nn.Module]:
+    """This rank's stage modules (one per local stage) and all its layers as one module.
+
+    A chain is cut into stages of its children; any other model is one stage, the model
+    itself, running its own forward under its own parameter names. The stage modules are
+    fixed here: their dtype, the split-backward schedules' contiguous input gradients, and
+    the output shapes they check (looked up in ``planned``, which the runtime fills).
+    """
+    if not is_chain(model):
+        return [model], model
+    layers = model_layers(model)
+    bounds = stage_bounds(balance)
+    submods: list[nn.Module] = []
+    for ls in local:
+        start, stop = bounds[ls.index]
+        submods.append(
+            StageModule(
+                layers[start:stop],
+                index=ls.index,
+                dtype=dtype,
+                contiguous_grads=schedule in ("zbv", "dualpipev"),
+                planned=partial(planned.of, ls.index),
+            )
+        )
+    if len(submods) == 1:
+        return submods, submods[0]
+    order = sorted(range(len(local)), key=lambda k: local[k].index)
+    whole = StageModule(
+        [nl for k in order for nl in submods[k].named_children()], index=local[0].index
+    )
+    return submods, whole
+
+
+def apply_sharding(
+    submods: Sequence[nn.Module],
+    local: Sequence[LocalStage],
+    pc: ParallelContext,
+    layout: Layout,
+    ctx: SpatialContext | None,
+    meta_model: nn.Module,
+    input_shape: tuple[int, ...],
+    streamed: Sequence[str],
+) -> list[str]:
+    """Move each stage module to the device and shard it with FSDP2 over ``dp x sp`` of its
+    stage (each stage its own FSDP root); returns the units' paths."""
+    units: list[str] = []
+    for ls, sub in zip(local, submods, strict=True):
+        if ls.index > 0:
+            _no_inplace_at_entry(sub)
+        sub.to(pc.device)
+        if pc.shard_mesh is None or not any(p.requires_grad for p in sub.parameters()):
+            continue
+        paths = apply_fsdp(
+            sub,
+            pc.shard_mesh,
+            tile_names=None if ctx is None else ctx.tile_param_names,
+            tiles=layout.stage_size(pc.coords[1]),
+            # Keep each unit's parameters gathered from its forward to its backward: a
+            # second all-gather per step cost a 1x2 ResNet-50 rank 0.4 s of its 3.4 s on CPU
+            # (bench_spatial, CPU-time bound 0.442 -> 0.486), and the parameters are small
+            # next to a whole image's activations.
+            reshard_after_forward=False,
+            # A streamed stem's layers are not called one by one: their parameters are the
+            # root's, gathered when the stage starts.
+            called=called_modules(meta_model, input_shape) - set(streamed),
+        )
+        # FSDP2 hands a unit its input as a view made by a custom Function, which an
+        # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).
+        modules = dict(sub.named_modules())
+        for path in paths:
+            if path in modules and modules[path] is not sub:
+                _no_inplace_at_entry(modules[path])
+        units += paths
+    return units
+
+
+def _no_inplace_at_entry(stage: nn.Module) -> None:
+    """Turn off ``inplace`` on the op a stage (or an FSDP unit) starts with.
+
+    A received activation is an autograd leaf; an in-place op on it (ResNet's
+    top-level ``relu`` when a cut falls right before it) is refused by
+    autograd, as on the view FSDP2 hands a unit. Out of place gives the same values.
+    """
+    for m in stage.modules():
+        if m is stage:
+            continue
+        if getattr(m, "inplace", False):
+            m.inplace = False  # type: ignore[assignment]
+        if not list(m.children()):
+            break
+
+
+def _fingerprint(t: Tensor) -> Tensor:
+    """An exact, order-sensitive integer digest of a tensor's bits (int64, wrapping)."""
+    bits = t.detach().contiguous().reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()]
+    ints = bits.view(width).to(torch.int64)
+    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 1000003
+    return torch.stack([ints.sum(), (ints * weights).sum()])
+
+
+@torch.no_grad()
+def check_same_weights(model: nn.Module, device: torch.device) -> None:
+    """ConfigError on every rank unless every rank built bit-identical weights and buffers.
+
+    Each rank builds the whole model from the recipe's seed and keeps its
+    part; a model whose initialisation depends on the rank (or on an unseeded
+    generator) would train different replicas silently. Integer digests of the
+    bits are compared over the world (one MIN and one MAX all-reduce): exact on
+    any hardware, unlike float checksums.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    named = [
+        (n, t)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if not nn.parameter.is_lazy(t)
+    ]
+    if not named:
+        return
+    digest = torch.stack([_fingerprint(t) for _, t in named]).to(device)
+    low, high = digest.clone(), digest.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)  # the world: every rank built the whole model
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    differ = (low != high).any(dim=1).nonzero().flatten().tolist()
+    if differ:
+        raise ConfigError(
+            type(model).__name__,
+            f"ranks built different initial weights ({len(differ)} tensors differ, first "
+            f"{named[differ[0]][0]})",
+            "build the model the same way on every rank: seed torch before building it and "
+            "do not make its initialisation depend on the rank",
+        )

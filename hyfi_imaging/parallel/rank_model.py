@@ -1,0 +1,119 @@
+"""What :func:`~.parallelize.parallelize` built for one rank: its stages, tiles, cut and shards.
+
+Why one value: the engine (:class:`~.engine.ParallelModel`), the pipeline runtimes
+(:mod:`.runtimes`), the running statistics and the printed plan (:mod:`.describe`) all read
+the same facts about this rank's part of the model; none of them derives a tile, a cut or a
+stage shape again. The fields are fixed once built; the modules in them are the rank's own
+(spatialized, cut and sharded in place), never rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hyfi_imaging.parallel.apply import OutputMap
+from hyfi_imaging.parallel.balance import LayerCosts
+from hyfi_imaging.parallel.schedules import LocalStage
+from hyfi_imaging.parallel.spatial import SpatialContext
+
+__all__ = ["BalanceInfo", "PlannedShapes", "RankModel"]
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class BalanceInfo:
+    """The cut (layers per model stage), how it was chosen, and what it was chosen from."""
+
+    balance: tuple[int, ...]
+    how: str
+    costs: LayerCosts | None = None
+    #: Parameters of every top-level layer (for the printed plan).
+    params: list[int] = field(default_factory=list)
+
+
+class PlannedShapes:
+    """The output shapes every model stage was planned to produce, per micro-batch size.
+
+    Why a shared record: a stage module checks its outputs against the shapes the
+    next stage allocated buffers for (:class:`~.pipeline.StageModule`'s ``planned``),
+    and those come from the runtime's meta trace for each micro-batch size. The stage
+    modules are built before any runtime, so both hold this one record: the runtime
+    writes what it traced (:meth:`record`), the stage reads it (:meth:`of`).
+    """
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, dict[int, Shapes]] = {}
+
+    def record(self, microbatch: int, stage: int, shapes: Sequence[Sequence[int]]) -> None:
+        """Model stage ``stage`` produces tensors of ``shapes`` for ``microbatch`` samples."""
+        self._by_size.setdefault(microbatch, {})[stage] = tuple(tuple(s) for s in shapes)
+
+    def of(self, stage: int, microbatch: int) -> Shapes:
+        """The output shapes planned for model stage ``stage`` and ``microbatch`` samples."""
+        return self._by_size[microbatch][stage]
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """One rank's part of the model and the facts it was built from (see the module doc)."""
+
+    #: The image's size: ``(h, w)``, or ``(d, h, w)`` for volumes on a 3-D grid.
+    image_hw: tuple[int, ...]
+    in_chans: int
+    dtype: torch.dtype
+    #: This rank's pipeline coordinate.
+    pp_rank: int
+    #: The model stages this rank holds (two for bidirectional and torch's V schedules).
+    local: tuple[LocalStage, ...]
+    #: How many stages the model is cut into.
+    num_stages: int
+    #: Copies of every stage across the pipeline (2: bidirectional replicas A and B).
+    copies: int
+    #: The checkpointed blocks' names.
+    checkpointed: list[str]
+    #: The model's top-level layers' names.
+    layer_names: list[str]
+    #: The unmodified model on the meta device (stage shapes, units, the junction's cuts).
+    meta_model: nn.Module
+    #: The plain model as it runs on a tile's shape (stage shapes, layer timing).
+    tile_model: nn.Module
+    ctx: SpatialContext | None
+    #: The streamed stem's layers (:mod:`.streaming`), empty without streaming.
+    streamed: list[str]
+    padded_hw: tuple[int, ...]
+    tile_hw: tuple[int, ...]
+    #: The input tile of every stage's grid (all the same without per-stage grids).
+    stage_tiles: list[tuple[int, ...]]
+    #: The output's map when the model is dense (its output is tiled too), else None.
+    out_map: OutputMap | None
+    balance_info: BalanceInfo
+    #: Whether the first stage holds the whole streamed stem (a cut inside it runs its
+    #: layers one by one: exact, without the memory saving; said in the plan).
+    stem_whole: bool
+    #: One module per local stage, in :attr:`local`'s order.
+    submods: list[nn.Module]
+    #: This rank's layers (of all its stages, in model order) under their original names.
+    stage_module: nn.Module
+    #: The FSDP2 units of this rank's stages.
+    fsdp_units: list[str]
+    planned: PlannedShapes
+
+    @property
+    def stage_index(self) -> int:
+        """The first model stage this rank holds."""
+        return self.local[0].index
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds a first stage (it takes the input)."""
+        return any(ls.index == 0 for ls in self.local)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds a last stage (it computes the loss)."""
+        return any(ls.index == self.num_stages - 1 for ls in self.local)
