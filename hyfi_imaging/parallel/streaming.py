@@ -54,7 +54,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import set_chain_run
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
 from hyfi_imaging.parallel.halo import exchange_strips, new_like, return_halo_grads, window_of
-from hyfi_imaging.parallel.spatial import SpatialBatchNorm2d, SpatialConv2d, SpatialMaxPool2d
+from hyfi_imaging.parallel.spatial.kinds import streaming_classes
 
 __all__ = ["STREAMING_MODES", "Stem", "stream_stem"]
 
@@ -80,11 +80,12 @@ class _Layer:
     geoms: tuple[LayerGeom, LayerGeom] | None  # (rows, cols) of a windowed layer
 
 
-#: The exact classes that stream (plain, and their spatial forms): a subclass may compute
-#: something else in its ``forward`` (timm's BatchNormAct2d, a weight-standardised conv).
-_CONVS = (nn.Conv2d, SpatialConv2d)
-_MAX_POOLS = (nn.MaxPool2d, SpatialMaxPool2d)
-_NORMS = (nn.BatchNorm2d, SpatialBatchNorm2d)
+#: The exact classes that stream (plain, and their spatial forms; the layer-kind registry's
+#: ``stream``): a subclass may compute something else in its ``forward`` (timm's
+#: BatchNormAct2d, a weight-standardised conv).
+_CONVS = streaming_classes("conv")
+_MAX_POOLS = streaming_classes("max")
+_NORMS = streaming_classes("bn")
 
 
 def _layer(path: str, m: nn.Module) -> _Layer | None:

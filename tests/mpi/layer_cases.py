@@ -151,6 +151,20 @@ LAYERS: dict[str, LayerSpec] = {
     "conv-globalmax-head": LayerSpec(
         _seq(_conv(3, 2, 1), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(C, 3)), 2, head=True
     ),
+    # InstanceNorm: each sample's and channel's statistics over the whole image; running
+    # statistics (their batch mean) compared after each training step, then used in eval.
+    "in": LayerSpec(_seq(nn.InstanceNorm2d(C)), 1, **BN_STEPS),
+    "in-affine-running": LayerSpec(
+        _seq(nn.InstanceNorm2d(C, affine=True, track_running_stats=True)), 1, **BN_STEPS
+    ),
+    "in-running-cumulative": LayerSpec(
+        _seq(nn.InstanceNorm2d(C, track_running_stats=True, momentum=None)), 1, **BN_STEPS
+    ),
+    "in-conv-chain": LayerSpec(
+        _seq(_conv(3, 2, 1, bias=False), nn.InstanceNorm2d(C, affine=True), nn.ReLU(), _conv(3)),
+        2,
+        **BN_STEPS,
+    ),
 }
 
 
@@ -240,7 +254,7 @@ def _run_case(pc: Any, spec: LayerSpec, hw: tuple[int, int], seed: int, overlap:
     for m in reference.modules():
         if isinstance(m, nn.Conv2d | nn.ConvTranspose2d | nn.Linear | nn.BatchNorm2d):
             m.reset_parameters()
-        if isinstance(m, nn.BatchNorm2d):  # a non-trivial affine map
+        if isinstance(m, nn.BatchNorm2d | nn.InstanceNorm2d) and m.affine:  # non-trivial affine
             nn.init.uniform_(m.weight, 0.5, 1.5)
             nn.init.normal_(m.bias)
     model = copy.deepcopy(reference)

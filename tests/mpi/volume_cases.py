@@ -47,6 +47,7 @@ _TCONV = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 _MAX = {1: nn.MaxPool1d, 2: nn.MaxPool2d, 3: nn.MaxPool3d}
 _AVG = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+_IN = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
 _GAP = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}
 _GMP = {1: nn.AdaptiveMaxPool1d, 2: nn.AdaptiveMaxPool2d, 3: nn.AdaptiveMaxPool3d}
 
@@ -179,6 +180,16 @@ VOLUME: dict[str, Spec] = {
     ),
     "mean234-head": Spec(_seq(_conv(3, 1, 1), lambda nd: _Mean("mean")), 1, head=True),
     "amax234-head": Spec(_seq(_conv(3, 1, 1), lambda nd: _Mean("amax")), 1, head=True),
+    "instancenorm-affine-running": Spec(
+        _seq(lambda nd: _IN[nd](C, affine=True, track_running_stats=True)),
+        1,
+        train_steps=2,
+        eval_steps=1,
+    ),
+    # No bias before the norm: its gradient is 0 up to rounding (the norm removes it).
+    "conv-instancenorm": Spec(
+        _seq(_conv(3, 2, 1, bias=False), lambda nd: _IN[nd](C)), 2, train_steps=2, eval_steps=1
+    ),
 }
 
 
@@ -195,7 +206,8 @@ def _cnn1d(nd: int) -> nn.Module:
 
 #: Signal-only cases (1-D grids): the volume cases in their 1-D forms, and a whole 1-D CNN.
 SIGNAL: dict[str, Spec] = {
-    **{k: v for k, v in VOLUME.items() if "trilinear" not in k},
+    # InstanceNorm1d has no spatial form (refused: _refusals_1d)
+    **{k: v for k, v in VOLUME.items() if "trilinear" not in k and "instancenorm" not in k},
     "upsample-linear": Spec(
         _seq(lambda nd: nn.Upsample(scale_factor=2, mode="linear", align_corners=False)), 1
     ),
@@ -258,7 +270,7 @@ def _run_case(pc: Any, spec: Spec, size: tuple[int, ...], seed: int, overlap: bo
     torch.manual_seed(seed)
     reference = spec.build(nd)
     for m in reference.modules():
-        if isinstance(m, tuple(_BN.values())):
+        if isinstance(m, (*_BN.values(), *_IN.values())) and m.affine:
             nn.init.uniform_(m.weight, 0.5, 1.5)
             nn.init.normal_(m.bias)
     model = copy.deepcopy(reference)

@@ -1,0 +1,262 @@
+"""``SpatialContext``: what the spatial layers of one model share (grid, neighbours, group, sizes).
+
+Why one object: the layers read their true sizes (traced once per image size),
+the tile they are, and the group they reduce over from here; the loader asks it
+how to cut an image (``padded_size``, ``tile_slice``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hyfi_imaging.errors import ConfigError, HyfiError
+from hyfi_imaging.parallel.collectives import all_reduce_max_replicated, all_reduce_replicated
+from hyfi_imaging.parallel.functional import Resample, Site, SpatialFunctions, Windowed
+from hyfi_imaging.parallel.geometry import Resample1D, layer_geom, padded_hw
+from hyfi_imaging.parallel.grad_sync import TileGradSync
+from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.spatial import resampling
+from hyfi_imaging.parallel.spatial.base import _AXES, _tail
+from hyfi_imaging.parallel.spatial.convolutions import _WindowedConv
+from hyfi_imaging.parallel.spatial.kinds import _SWAP
+from hyfi_imaging.parallel.spatial.trace import _trace_sizes
+
+__all__ = ["SpatialContext"]
+
+
+#: The functional forms a global max reduction calls, by the number of spatial dims.
+_ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
+
+
+class SpatialContext:
+    """What the spatial layers of one model share: the grid, neighbours, groups, sizes.
+
+    Call :meth:`set_image_size` with the *unpadded* image size before a forward
+    pass; :meth:`padded_size` and :meth:`tile_slice` tell how to cut an image.
+    A grid of two factors tiles 2-D maps ``(h, w)``; of three, volumes ``(d, h, w)``
+    (sizes, tiles and slices then have three entries); of one, 1-D signals ``(l,)``.
+    """
+
+    def __init__(
+        self,
+        grid: tuple[int, ...],
+        tile: tuple[int, ...],
+        neighbours: Neighbours,
+        group: Any,
+        *,
+        align: int,
+        overlap: bool = False,
+        backward_bands: bool = False,
+    ) -> None:
+        self.grid, self.tile, self.neighbours, self.group, self.align = (
+            tuple(grid), tuple(tile), neighbours, group, align,
+        )  # fmt: skip
+        #: Number of spatial dims: 2 (slides), 3 (volumes) or 1 (signals).
+        self.nd = len(self.grid)
+        #: Convolutions compute their interior while their halos are in flight.
+        self.overlap = overlap
+        #: Convolutions run their backward in bands of output rows (a memory tool).
+        self.backward_bands = backward_bands
+        #: Deep halos: at most this many windowed layers with a halo per exchange, and the
+        #: runs of layers that share one (see _plan_deep_halos).
+        self.halo_depth = 1
+        self.deep_runs: list[list[str]] = []
+        self.image_hw: tuple[int, ...] | None = None
+        self.sizes: dict[str, tuple[int, ...]] = {}
+        self.tile_param_names: set[str] = set()
+        #: The gradient rule for a user's own loop (apply_spatial), None where an engine
+        #: reduces the gradients itself.
+        self.grad_sync: TileGradSync | None = None
+        #: Global pools whose output is used again on the tiles (squeeze-excite).
+        self.rejoined_pools: set[str] = set()
+        #: Modules that draw random numbers in training (drop-path), synchronised over the
+        #: tiles before they draw (see parallel/randomness.py).
+        self.random_modules: set[str] = set()
+        self.rng_hooks: list[RemovableHandle] = []
+        #: Flattens gathering the whole map for a dense head (see SpatialFlatten).
+        self.flatten_paths: set[str] = set()
+        #: Global reductions written as functions that reduce tiles (see parallel/functional.py).
+        self.functional_sites: set[str] = set()
+        self._functions: SpatialFunctions | None = None
+        self._reference: nn.Module | None = None
+        self._in_chans = 3
+        self._cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._out_cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._resamples: dict[tuple[Any, ...], tuple[Resample1D, ...]] = {}
+        # The pads, interpolations and windowed functions as called on the whole image
+        # (``size=skip.shape`` on a tile is the tile's size): their arguments come from the trace.
+        self._traced_resamples: dict[tuple[int, ...], dict[str, Resample | Windowed]] = {}
+        # The spatial layer each windowed function runs as, per site and image size.
+        self._windowed: dict[tuple[str, tuple[int, ...]], nn.Module] = {}
+
+    def padded_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
+        """Image size after global padding (:func:`~hyfi_imaging.parallel.geometry.padded_hw`)."""
+        return padded_hw(image_hw, self.grid, self.align)
+
+    def tile_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
+        """This rank's tile size (every rank's: the tiles are equal)."""
+        return tuple(p // g for p, g in zip(self.padded_size(image_hw), self.grid, strict=True))
+
+    def tile_slice(self, image_hw: Sequence[int]) -> tuple[slice, ...]:
+        """Rows and columns (and slabs, for volumes) of the padded image that this rank owns."""
+        size = self.tile_size(image_hw)
+        return tuple(slice(i * t, (i + 1) * t) for i, t in zip(self.tile, size, strict=True))
+
+    def set_image_size(self, image_hw: Sequence[int]) -> None:
+        """Prepare the layers for images of ``image_hw`` (traced once per size)."""
+        if len(image_hw) != self.nd:
+            raise ConfigError(
+                f"image size {tuple(image_hw)}",
+                f"has {len(image_hw)} axes but the grid {'x'.join(map(str, self.grid))} has "
+                f"{self.nd}",
+                "give a volume (DxHxW) a 3-D grid (GZxGYxGX), an image (HxW) a 2-D one and a "
+                "signal (L) a 1-D one (L<GL>)",
+            )
+        image_hw = tuple(int(v) for v in image_hw)
+        if image_hw not in self._cache:
+            self._cache[image_hw] = self._trace(image_hw)
+        self.sizes = self._cache[image_hw]
+        self.image_hw = image_hw
+
+    def _trace(self, image_hw: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        if self._reference is None:
+            raise RuntimeError("SpatialContext has no reference model; use spatialize()")
+        padded = self.padded_size(image_hw)
+        for axis, n, g, p in zip(_AXES[self.nd], image_hw, self.grid, padded, strict=True):
+            if (g - 1) * (p // g) >= n:
+                raise ConfigError(
+                    f"image {'x'.join(map(str, image_hw))} on a "
+                    f"{'x'.join(map(str, self.grid))} grid",
+                    f"the last tile along the {axis} would hold no image pixels (tiles of {p // g} "
+                    f"px, aligned to the model's total stride {self.align})",
+                    f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
+                )
+        try:
+            sizes, outs, resamples = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+        except HyfiError:
+            raise
+        except Exception as err:  # the model's own code fails at this size: one line
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(
+                f"model {type(self._reference).__name__}",
+                f"fails on a {'x'.join(map(str, image_hw))} input on the meta device "
+                f"({type(err).__name__}: {first})",
+                "give an image size the model takes (unpadded convolutions shrink the map "
+                "below a kernel's size at small sizes; a dense head takes one size only)",
+            ) from err
+        self._out_cache[image_hw] = outs
+        self._traced_resamples[image_hw] = resamples
+        return sizes
+
+    def out_size_of(self, path: str) -> tuple[int, ...]:
+        """True (unpadded) output size of a spatial layer for the current image."""
+        assert self.image_hw is not None
+        return self._out_cache[self.image_hw][path]
+
+    def size_of(self, path: str) -> tuple[int, ...]:
+        try:
+            return self.sizes[path]
+        except KeyError:
+            raise RuntimeError(
+                f"spatial layer {path!r} has no traced size; call set_image_size() before forward"
+            ) from None
+
+    def run_site(
+        self,
+        x: torch.Tensor,
+        site: Site | Resample | Windowed,
+        name: str,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The spatial form of a functional site (see parallel/functional.py); ``weight``
+        and ``bias``: a functional convolution's."""
+        if isinstance(site, Resample):
+            return self.resample(x, name, site)
+        if isinstance(site, Windowed):
+            return self.windowed(x, name, weight, bias)
+        return self.global_reduce(x, site, name)
+
+    def windowed(
+        self,
+        x: torch.Tensor,
+        name: str,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Site ``name``'s convolution or pool (a function) run as the spatial form of the
+        ``torch.nn`` layer of the same arguments, as called on the whole image."""
+        assert self.image_hw is not None
+        key = (name, self.image_hw)
+        if key not in self._windowed:
+            site = self._traced_resamples[self.image_hw][name]
+            assert isinstance(site, Windowed)
+            self._windowed[key] = _windowed_layer(site, name, self)
+        layer = self._windowed[key]
+        if isinstance(layer, _WindowedConv):
+            assert weight is not None
+            return layer.run(x, weight, bias)
+        return layer(x)
+
+    def resample(self, x: torch.Tensor, name: str, call: Resample | None = None) -> torch.Tensor:
+        """Site ``name``'s pad or interpolation of the whole image, computed on this rank's tile
+        (:func:`~hyfi_imaging.parallel.spatial.resampling.resample`)."""
+        return resampling.resample(self, x, name, call)
+
+    def _valid(self, name: str, tiles: Sequence[int]) -> tuple[int, ...]:
+        """Per spatial dim, how many leading indices of this rank's tile lie in the image."""
+        return tuple(
+            m - i * t for m, i, t in zip(self.size_of(name), self.tile, tiles, strict=True)
+        )
+
+    def global_reduce(self, x: torch.Tensor, site: Site, name: str) -> torch.Tensor:
+        """The whole image's average, sum or maximum over the spatial dims, on every rank.
+
+        ``name`` is a global pool module's path or a functional site's name; its
+        traced true input size says which part of the tile is image. The local
+        reduction of the masked tile is all-reduced; backward sums the tiles'
+        shares when the result is used again on the tiles (``rejoined_pools``).
+        """
+        nd = self.nd
+        if site.channels_last:  # (N, *spatial, C): the same reduction of (N, C, *spatial)
+            out = self.global_reduce(x.movedim(-1, 1), replace(site, channels_last=False), name)
+            return out.movedim(1, -1) if site.keepdim else out
+        valid = self._valid(name, x.shape[-nd:])
+        dims = tuple(range(-nd, 0))
+        partial = name in self.rejoined_pools
+        if site.kind == "max":
+            masked = _tail(x, valid, -math.inf)
+            pool = _ADAPTIVE_MAX[nd]
+            local = pool(masked, 1) if site.pool else masked.amax(dims, True)
+            out = all_reduce_max_replicated(local, self.group, partial=partial)
+        else:
+            masked = _tail(x, valid, 0.0)
+            local = masked.sum(dim=dims, keepdim=True)
+            out = all_reduce_replicated(local, self.group, partial=partial)
+            if site.kind == "avg":
+                out = out / math.prod(self.size_of(name))
+        return out if site.keepdim else out.view(out.shape[:-nd])
+
+
+def _windowed_layer(site: Windowed, name: str, ctx: SpatialContext) -> nn.Module:
+    """The spatial form of the ``torch.nn`` layer a windowed function computes (a
+    convolution's on the meta device: its weight and bias come with each call), not part
+    of the model: ``name`` is the site's, whose traced sizes it reads."""
+    layer = site.layer()
+    layer.__class__ = _SWAP[type(layer)]
+    layer.hyfi_path, layer.hyfi_ctx = name, ctx  # type: ignore[assignment]
+    try:
+        layer.hyfi_geoms = layer_geom(layer)  # type: ignore[assignment]
+    except ConfigError as err:
+        raise ConfigError(
+            f"module {name.rsplit('#', 1)[0]!r} (F.{site.func})", err.what, err.fix
+        ) from None
+    return layer
