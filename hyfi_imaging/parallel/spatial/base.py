@@ -136,16 +136,22 @@ class _SpatialMixin:
             return self._mask(x, fill), win
         return x, win
 
+    def _geoms(self) -> tuple[LayerGeom, ...]:
+        """This layer's window geometry per spatial dim (fixed at spatialize(); a layer whose
+        padding depends on the input's size computes it, never storing it in forward)."""
+        return self.hyfi_geoms
+
     def _window(self, x: torch.Tensor, fill: float) -> Window:
         """Halo, extent read and valid part of this layer's tile; ConfigError when untileable."""
         ctx = self.hyfi_ctx
+        geoms = self._geoms()
         tiles_hw = self._tile_hw(x)
         carry_in, carry_out = self.hyfi_carry[0], self._carry(1)
         tiles, outs = ctx.grid, ctx.out_size_of(self.hyfi_path)
         halo: list[int] = []
         need: list[int] = []
         for a, (g, t, axis, n_tiles, m) in enumerate(
-            zip(self.hyfi_geoms, tiles_hw, _AXES[ctx.nd], tiles, outs, strict=True)
+            zip(geoms, tiles_hw, _AXES[ctx.nd], tiles, outs, strict=True)
         ):
             if t % g.stride:
                 raise ConfigError(
@@ -157,7 +163,7 @@ class _SpatialMixin:
                 # ceil_mode with padding adds an output past the padded image (e.g. 3x3/s2/p1 on even sizes).
                 held = "x".join(
                     str(tt // gg.stride * n)
-                    for tt, gg, n in zip(tiles_hw, self.hyfi_geoms, tiles, strict=True)
+                    for tt, gg, n in zip(tiles_hw, geoms, tiles, strict=True)
                 )
                 raise ConfigError(
                     self.hyfi_path,
@@ -181,7 +187,6 @@ class _SpatialMixin:
             # A negative halo (surplus) needs no data: the windows read less than the tile.
             halo += [before, max(after, 0)]
             need.append(before + t + after)
-        geoms = self.hyfi_geoms
         kernel = tuple(g.kernel for g in geoms)
         stride = tuple(g.stride for g in geoms)
         dilation = tuple(g.dilation for g in geoms)

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from hyfi_imaging.parallel import windowed
-from hyfi_imaging.parallel.geometry import layer_geom
+from hyfi_imaging.parallel.geometry import LayerGeom, layer_geom
 from hyfi_imaging.parallel.spatial.base import _SpatialMixin
-from hyfi_imaging.parallel.windowed import Window
 
 __all__ = ["SpatialConv1d", "SpatialConv2d", "SpatialConv2dSame", "SpatialConv3d"]
 
@@ -51,6 +50,5 @@ class SpatialConv2dSame(SpatialConv2d):
     """timm's ``Conv2dSame`` (TensorFlow 'SAME' padding, by the input's size): its window
     geometry is that of the whole image's input at this layer, from the trace."""
 
-    def _window(self, x: torch.Tensor, fill: float) -> Window:
-        self.hyfi_geoms = layer_geom(self, self.hyfi_ctx.size_of(self.hyfi_path), tf_same=True)
-        return super()._window(x, fill)
+    def _geoms(self) -> tuple[LayerGeom, ...]:
+        return layer_geom(self, self.hyfi_ctx.size_of(self.hyfi_path), tf_same=True)
