@@ -14,8 +14,8 @@ Every example's arguments are parsed by its command's own parser in the default 
 renamed flag fails at once; a bare inline span its parser refuses is prose naming a flag,
 ``hyfi-verify --schedule``, not an example); the examples that take seconds on this
 2-core machine (:data:`FAST`) run there too, the others -- minutes each, the README's
-3-D U-Net about four, ``hyfi-plan`` two to seven, and those of more than 4 ranks -- are
-slow.
+3-D U-Net about four, ``hyfi-plan`` 10-20 s (two to seven minutes before issue 22), and
+those of more than 4 ranks -- are slow.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel.candidates import candidates, rank
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.memory import SavedActivations
 from hyfi_imaging.parallel.plan import Candidate, predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -422,3 +423,228 @@ def test_the_planner_aligns_tiles_as_the_engine_does_for_a_model_declaring_nothi
     assert tile_alignment(plain) == ctx.align == 4
     assert padded_hw((50, 50), (1, 2), tile_alignment(plain)) == ctx.padded_size((50, 50))
     assert ctx.padded_size((50, 50)) == (52, 56)  # the planner's 1 gave (50, 50)
+
+
+# ----------------------------------------------------------------------------- issue 22: fast
+
+
+def _direct_stage(layers: list, start: int, stop: int, received: tuple) -> SavedActivations:
+    """A stage traced alone from copies of what it receives (what the planner once did)."""
+    from functools import partial
+
+    from hyfi_imaging.parallel.memory import saved_activations
+    from hyfi_imaging.parallel.pipeline import StageModule
+
+    stage = StageModule(layers[start:stop], index=start)
+    ins = tuple(t.detach().requires_grad_(True).clone() if start else t for t in received)
+    return saved_activations(stage, partial(stage, *ins))
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "shape", "streaming", "heads"),
+    [
+        ("resnet18", {"width": 0.25}, (2, 3, 96, 160), "none", True),
+        ("resnet18", {"width": 0.25}, (1, 3, 128, 64), "stem", True),  # cuts inside the stem
+        ("amoebanet-d-3-8", {}, (1, 3, 32, 64), "none", False),  # tuples, a tensor handed twice
+    ],
+)
+def test_a_stage_read_from_the_whole_trace_is_the_stage_traced_alone(
+    name: str, options: dict, shape: tuple, streaming: str, heads: bool
+) -> None:
+    """The planner traces a model once per shape and reads each stage from it: for every cut,
+    what the stage saves (owners, bytes, dtypes, calls) and what its layers count equal a
+    trace of that stage alone."""
+    from hyfi_imaging.parallel.model_trace import meta_model, stem_splits, trace_model
+    from hyfi_imaging.parallel.pipeline import StageModule
+    from hyfi_imaging.parallel.speed import count_chain
+
+    model = create_model(name, num_classes=2, **options)
+    layers = meta_model(model, streaming).layers
+    n = len(layers)
+    split_somewhere = False
+    firsts = [(0, b) for b in range(1, n)] if heads else []  # first stages (else: the tails)
+    for start, stop in [(0, n), *((a, n) for a in range(1, n)), *firsts]:
+        splits = stem_splits(layers, [start, stop] if stop < n else [start])
+        split_somewhere |= bool(splits)
+        whole = trace_model(model, shape, streaming, splits)
+        got = whole.stage(start, stop)
+        want = _direct_stage(layers, start, stop, whole.boundaries[start])
+        assert [(o, b, d) for _, o, b, d in got.storages] == [
+            (o, b, d) for _, o, b, d in want.storages
+        ], (name, start, stop)
+        assert [(c[0], c[2], c[3], c[4]) for c in got.calls] == [
+            (c[0], c[2], c[3], c[4]) for c in want.calls
+        ]
+        stage = StageModule(layers[start:stop])
+        received = whole.boundaries[start]
+        counted, _ = count_chain(
+            list(stage.named_children()),
+            received[0] if len(received) == 1 else received,
+            input_grad=start > 0,
+        )
+        assert counted == {k: whole.counted[k] for k in counted}
+    assert split_somewhere == (streaming == "stem")  # cuts inside the streamed stem were met
+
+
+def test_memoised_meta_kernels_change_no_trace() -> None:
+    """MetaMemo answers a repeated meta kernel from its first run: the saved storages and every
+    layer's counts are those of the plain trace."""
+    import torch
+
+    from hyfi_imaging.parallel.memory import saved_activations
+    from hyfi_imaging.parallel.model_trace import MetaMemo, layer_work, meta_model, saved_trace
+    from hyfi_imaging.parallel.pipeline import StageModule
+    from hyfi_imaging.parallel.speed import count_chain
+
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    shape = (2, 3, 96, 64)
+    meta = meta_model(model)
+    whole = StageModule(meta.layers)
+    x = torch.empty(shape, device="meta")
+    plain = saved_activations(whole, lambda: whole(x))
+    counts, _ = count_chain(meta.layers, x)
+    memo = saved_trace(model, shape)
+    assert [(o, b, d) for _, o, b, d in memo.storages] == [
+        (o, b, d) for _, o, b, d in plain.storages
+    ]
+    assert layer_work(model, shape).counted == counts
+    with MetaMemo():  # a second, fully memoised pass: the same again
+        again, _ = count_chain(meta.layers, x)
+    assert again == counts
+
+
+def _cohort(manifest: Path, tmp_path: Path, n: int) -> Path:
+    """A manifest of ``n`` slides (the fixture's 4 stores, named again), labels alternating."""
+    import csv
+
+    rows = list(csv.DictReader(manifest.open()))
+    out = tmp_path / "manifest13.csv"
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for i in range(n):
+            row = dict(rows[i % len(rows)])
+            row["slide_id"] = f"s{i:02d}"
+            row["path"] = str((manifest.parent / row["path"]).resolve())
+            row["label"] = str(i % 2)
+            w.writerow(row)
+    return out
+
+
+def test_parallel_auto_never_picks_replicas_training_refuses(
+    tmp_path: Path, manifest: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """13 slides, a quarter validating, batch 4 on 4 ranks: 9 training slides give 4 replicas
+    no full batch (the trainer refuses), so auto keeps to 2 or fewer; preflight refuses 4."""
+    from hyfi_imaging.train.autoplan import replica_check
+    from hyfi_imaging.train.config import load_recipe
+    from hyfi_imaging.train.preflight import preflight
+    from hyfi_imaging.train.split import check_full_batch, training_count
+    from hyfi_imaging.train.tasks import load_cohort
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"dataset: {ROOT}/datasets/synthetic.yaml\nmodel: {{name: resnet18, kwargs: {{width: 0.25}}}}\n"
+        f"data: {{manifest: {_cohort(manifest, tmp_path, 13)}}}\n"
+        f"train: {{out_dir: {tmp_path}/run, batch_size: 4}}\n"
+    )
+    plain = load_recipe(path)
+    training = training_count(plain, load_cohort(plain, plain.data.manifest))
+    assert training == 9  # 7 + 6 slides, round(1.75) + round(1.5) = 4 validate
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    offered = {c.layout.dp for c in candidates(model, (256, 256), 4, 4)}
+    assert 4 in offered  # what the check, not the candidates, keeps out
+    with pytest.raises(ConfigError, match="9 training slides over 4 data replicas make no full"):
+        replica_check(plain)(Layout(dp=4))
+    with pytest.raises(ConfigError, match="9 training slides over 4 data replicas"):
+        preflight(load_recipe(path, ["parallel.data=4"]))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    auto = load_recipe(path, ["parallel=auto"])
+    assert auto.world_size == 4 and auto.parallel.data <= 2
+    check_full_batch(training, auto.parallel.data, 4)  # the trainer's own rule accepts it
+
+
+def _card_text(name: str) -> str:
+    return (ROOT / "models" / f"{name}.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "card",
+    [
+        "resnet50",
+        "cosmoflow",
+        "resnet110-v2",
+        pytest.param("amoebanet-d-18-256", marks=pytest.mark.slow),  # 5 s here
+        "unet2d",
+        "unet3d",
+    ],
+)
+def test_model_cards_state_the_planners_memory(card: str) -> None:
+    """Every memory figure of a card is hyfi-plan's prediction, as the generator rounds it
+    (ResNet-50 at 1024^2: 1.88 GiB predicted, where the card once said 3.2)."""
+    import yaml
+
+    from hyfi_imaging.parallel.cards import card_memory, rewrite
+
+    text = _card_text(card)
+    mem = card_memory(yaml.safe_load(text))
+    assert rewrite(text, mem) == text, (
+        f"models/{card}.yaml is stale: run python -m hyfi_imaging.parallel.cards models/*.yaml"
+    )
+    if card == "resnet50":
+        stated = yaml.safe_load(text)["memory_estimate"]
+        assert stated["bytes_per_input_pixel"] == mem.per_pixel
+        assert 1800 < mem.per_pixel < 2000  # 1.88 GiB at 1024^2, not the old 3277 B/px
+        assert stated["at_1024"].startswith(f"{mem.peaks[1024][0]:.3g} GiB plain")
+
+
+def test_the_guide_memory_table_states_the_planners_figures() -> None:
+    """Each row of the user guide's layout table: its predicted GiB per GPU is predict()'s."""
+    import re
+
+    models = {"ResNet-50": "resnet50", "AmoebaNet-D(18, 256)": "amoebanet-d-18-256"}
+    text = (ROOT / "docs" / "user-guide.md").read_text()
+    head = "| image | model | suggested layout | GiB per GPU (hyfi-plan, batch 1) |"
+    rows = text.split(head, 1)[1].split("\n\n", 1)[0].strip().splitlines()[1:]
+    assert len(rows) >= 4, rows
+    built: dict[str, object] = {}
+    for row in rows:
+        image, name, layout, stated = (c.strip() for c in row.strip("|").split("|"))
+        size = int(image.rstrip("²"))
+        keys = dict(re.findall(r"`(\w+): ([\w,]+)`", layout))
+        grid = tuple(int(v) for v in keys.get("spatial", "1x1").split("x"))
+        cand = Candidate(
+            Layout(sp=grid, pp=int(keys.get("pipeline", 1))),
+            int(keys.get("microbatches", 1)),
+            keys.get("checkpointing", "none"),
+        )
+        model = built.setdefault(name, create_model(models[name]))
+        peak = predict(model, (size, size), cand.microbatches, cand, overhead=0).peak  # type: ignore[arg-type]
+        assert f"{peak / 2**30:.3g}" == stated, (row, peak / 2**30)
+
+
+@pytest.mark.slow
+def test_the_readme_plan_answers_within_a_minute() -> None:
+    """The README's hyfi-plan example (13.5 minutes before issue 22) finishes in a minute on
+    this 2-core machine, says what it is doing on stderr, and prints no step time: no device
+    was named, and this CPU's speed says nothing about 80 GiB GPUs."""
+    import subprocess
+    import sys
+    import time
+
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if "hyfi-plan --" in ln)
+    args = line.split("#")[0].split()[1:]
+    began = time.perf_counter()
+    job = subprocess.run(
+        [sys.executable, "-m", "hyfi_imaging.cli.plan", *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    took = time.perf_counter() - began
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert took <= 60, f"{' '.join(args)} took {took:.0f} s"
+    assert "ranking 241 layouts" in job.stderr and "ranked 241 layouts in" in job.stderr
+    header = job.stdout.splitlines()[0]
+    assert "step time NOT PREDICTED" in header and "this CPU" not in header
+    row = next(ln for ln in job.stdout.splitlines() if ln.startswith("  1 "))
+    assert row.split()[10] == "-" and row.split()[-2] == "-", row  # no step s, no img/s
+    assert "recommended: dp=1 x pp=1 x sp=2x4" in job.stdout

@@ -216,3 +216,47 @@ def test_hyfi_comparison_rows() -> None:
     assert all(r.config.gpus <= 16 for r in rows if r.config)
     text = format_table(rows, "h100")
     assert "PREDICTED" in text and "2.67x" in text
+
+
+def _row_candidate(row: str) -> Candidate:
+    """The candidate of a ``hyfi-plan`` table row (``dp1 pp1 sp1x2``, m, schedule, ckpt)."""
+    cols = row.split()
+    dp, pp, sp = (cols[1][2:], cols[2][2:], cols[3][2:])
+    grids = tuple(tuple(int(v) for v in g.split("x")) for g in sp.split(","))
+    layout = (
+        Layout(dp=int(dp), pp=int(pp), grids=grids)
+        if len(grids) > 1
+        else Layout(dp=int(dp), pp=int(pp), sp=grids[0])
+    )
+    ckpt, *extra = cols[6].split("+")
+    return Candidate(
+        layout, int(cols[4]), ckpt, cols[5],
+        streaming="stem" if "stem" in extra else "none", backward_bands="bands" in extra,
+    )  # fmt: skip
+
+
+def test_gpu_plan_step_times_come_from_the_device_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--device h100``: every step time of the table is the speed model on DEVICES["h100"]
+    (not this CPU's calibration); ``--device-memory`` alone names no device, so no step time is
+    printed (the README's example used to print this CPU's "2.6e+04 s" for an H100 plan)."""
+    model_args = ["--model", "resnet18", "--width", "0.25", "--image-size", "512",
+                  "--devices", "2", "--top", "4"]  # fmt: skip
+    assert main([*model_args, "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "device H100 SXM5 80GB: 494 TFLOP/s" in header and "this CPU" not in header
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    rows = [ln for ln in out.splitlines() if ln[:3].strip().isdigit() and " dp" in ln[:8]]
+    assert len(rows) == 4
+    for row in rows:
+        want = predict(model, (512, 512), 1, _row_candidate(row), device=DEVICES["h100"])
+        assert row.split()[10] == f"{want.step_s:.3g}", row
+        assert want.step_s < 0.01  # an H100's step, not a CPU's (seconds)
+    assert main([*model_args, "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "step time NOT PREDICTED" in header and "this CPU" not in header
+    rows = [ln for ln in out.splitlines() if ln[:3].strip().isdigit() and " dp" in ln[:8]]
+    assert rows and all(row.split()[10] == "-" and row.split()[-2] == "-" for row in rows)

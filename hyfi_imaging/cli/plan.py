@@ -4,8 +4,11 @@ Predicts each candidate layout's per-rank peak memory (activations,
 gradients and optimizer state, gathered parameters, buffers) and step time
 from a meta-device trace of the model (see :mod:`hyfi_imaging.parallel.plan`)
 on a device of the speed model's table (:mod:`hyfi_imaging.parallel.speed`:
-``--device h100``, ...; this CPU, measured, by default), ranks them, and prints
-the recipe lines of the best one that fits.
+``--device h100``, ...; by default this machine's GPU, else this CPU, measured -- but
+with ``--device-memory`` alone no device, and no step time), ranks them, and prints
+the recipe lines of the best one that fits. The model is traced once per tile shape
+(:mod:`hyfi_imaging.parallel.model_trace`): ResNet-50 on 8 devices, 241 layouts, in
+seconds, with its progress on stderr.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ examples:
 Memory is the peak over what a rank holds once its model is built; it was
 within 5 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
 Devices (--device): v100, a100-40gb, a100-80gb, h100, h200, mi300a (datasheet
-figures x a stated efficiency), cpu (this CPU, measured once and cached).
+figures x a stated efficiency), cpu (this CPU, measured once and cached). With
+--device-memory and no device (and no GPU here), step times are not predicted.
 Step times rank layouts; they are not wall-time promises.
 Exit status: 0 a layout fits, 1 none fits, 2 bad arguments.
 """
@@ -120,8 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def choose_device(args: argparse.Namespace) -> Any:
-    """The speed model's device: ``--device`` (or this machine's GPU, else this CPU), with the
-    figures given on the command line replacing the table's."""
+    """The speed model's device, with the figures given on the command line replacing its own.
+
+    ``--device`` names a row of the table (or ``cpu``); without it, this machine's GPU if the
+    table has it, else this CPU -- unless ``--device-memory`` says the plan is for devices that
+    are not here: then there is no device (None), and CPU-calibrated step times would only
+    pass for a GPU plan's (the README's example printed "step s 2.6e+04" for 80 GiB devices).
+    """
     import torch
 
     from hyfi_imaging.parallel.devices import Link, get_device
@@ -136,12 +145,24 @@ def choose_device(args: argparse.Namespace) -> Any:
              if key in gpu),
             None,
         )  # fmt: skip
+    if name is None and args.device_memory is not None:
+        return None  # devices of some memory, elsewhere: no figures to time them with
     dev = get_device(name or "cpu")
     intra = Link(args.link_bw or dev.intra.bandwidth, args.link_latency or dev.intra.latency)
     inter = Link(args.inter_bw or dev.inter.bandwidth, args.inter_latency or dev.inter.latency)
     return dev.with_(
         flops=args.rate, mem_bw=args.mem_bw, per_node=args.gpus_per_node, intra=intra, inter=inter
     )
+
+
+def _unnamed_device(args: argparse.Namespace) -> Any:
+    """The device that ranks layouts when none is named (see :func:`choose_device`): the
+    nominal device of :func:`~.parallel.plan.nominal_device` (counted FLOPs and bytes sent;
+    memory-bound work, launches and latencies cost nothing) at ``--rate`` (else 1e12 FLOP/s)
+    and ``--link-bw`` (else 10 GB/s). Its step times are shown only when ``--rate`` gives one."""
+    from hyfi_imaging.parallel.plan import nominal_device
+
+    return nominal_device(args.rate or 1e12, args.link_bw or 10e9)
 
 
 def _gib(n: float) -> str:
@@ -185,13 +206,15 @@ def _ckpt_text(c: Any) -> str:
     )
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, str, Any]:
-    """(model, image size, devices, batch, optimizer, the recipe's own candidate or None)."""
+def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, str, Any, Any]:
+    """(model, image size, devices, batch, optimizer, the recipe's own candidate or None, and
+    the check of a layout against the recipe's cohort that training applies, or None)."""
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.plan import Candidate
 
     if args.recipe is not None:
         from hyfi_imaging.data.dataset import load_samples
+        from hyfi_imaging.train.autoplan import replica_check
         from hyfi_imaging.train.config import load_recipe
         from hyfi_imaging.train.inputs import build_model, data_pixels
 
@@ -202,6 +225,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
             if args.image_size is None:
                 raise
             channels = None
+        # What training refuses for the cohort (without a manifest at hand: nothing known).
+        cohort_check = replica_check(r, args.batch) if channels is not None else None
         model = build_model(r, channels)
         hw = args.image_size or load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
         p = r.parallel
@@ -218,6 +243,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
             args.batch or r.train.batch_size,
             args.optimizer or r.optim.name,
             own,
+            cohort_check,
         )
     if not args.model or not args.image_size or not args.devices:
         raise ConfigError(
@@ -228,37 +254,107 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
     if args.width is not None:
         kwargs["width"] = args.width
     model = create_model(args.model, **kwargs)
-    return model, args.image_size, args.devices, args.batch or 1, args.optimizer or "sgd", None
+    return (
+        model,
+        args.image_size,
+        args.devices,
+        args.batch or 1,
+        args.optimizer or "sgd",
+        None,
+        None,
+    )
+
+
+def _predict_all(
+    model: Any,
+    hw: tuple[int, int],
+    batch: int,
+    todo: list[Any],
+    *,
+    optimizer: str,
+    dev: Any,
+    overlap: bool,
+) -> list[Any]:
+    """Every candidate's prediction (those the model or image cannot take left out), with a
+    progress bar on a terminal and a line before and after on stderr."""
+    import time
+
+    from tqdm import tqdm
+
+    from hyfi_imaging.parallel.plan import predict
+
+    began = time.perf_counter()
+    print(f"hyfi-plan: ranking {len(todo)} layouts of {type(model).__name__} on "
+          f"{hw[0]}x{hw[1]} ...", file=sys.stderr, flush=True)  # fmt: skip
+    preds = []
+    with tqdm(todo, unit="layout", desc="hyfi-plan", file=sys.stderr,
+              disable=not sys.stderr.isatty()) as bar:  # fmt: skip
+        for cand in bar:
+            try:
+                preds.append(predict(model, hw, batch, cand, optimizer=optimizer,
+                                     device=dev, overlap=overlap))  # fmt: skip
+            except HyfiError:
+                continue  # a layout this model or image cannot take
+    print(f"hyfi-plan: ranked {len(preds)} layouts in {time.perf_counter() - began:.1f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return preds
 
 
 def run(args: argparse.Namespace) -> int:
+    what = args.recipe or args.model
+    print(f"hyfi-plan: building {what} and listing its layouts ...", file=sys.stderr, flush=True)
     from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
-    from hyfi_imaging.parallel.plan import predict
 
-    model, hw, devices, batch, optimizer, own = _inputs(args)
+    model, hw, devices, batch, optimizer, own, cohort_check = _inputs(args)
     dev = choose_device(args)
-    on_cpu = dev.name.startswith("this CPU")
-    memory = args.device_memory or (device_memory(devices) if on_cpu else dev.memory)
+    timed = dev is not None or args.rate is not None  # step times from figures, not invented
+    if dev is None:
+        dev = _unnamed_device(args)
+        memory = args.device_memory
+    else:
+        on_cpu = dev.name.startswith("this CPU")
+        memory = args.device_memory or (device_memory(devices) if on_cpu else dev.memory)
     todo = list(candidates(model, hw, devices, batch))
+    refused: list[str] = []
+    if cohort_check is not None:  # what training would refuse for this cohort is not offered
+        kept = []
+        for c in todo:
+            try:
+                cohort_check(c.layout)
+                kept.append(c)
+            except ConfigError as err:
+                refused.append(str(err))
+        todo = kept
     if own is not None and own not in todo:
         todo.insert(0, own)
-    preds = []
-    for cand in todo:
-        try:
-            preds.append(predict(model, hw, batch, cand, optimizer=optimizer,
-                                 device=dev, overlap=args.overlap))  # fmt: skip
-        except HyfiError:
-            continue  # a layout this model or image cannot take
+    preds = _predict_all(model, hw, batch, todo, optimizer=optimizer, dev=dev,
+                         overlap=args.overlap)  # fmt: skip
     ranked = rank(preds, memory)
     name = type(model).__name__
+    if not timed:
+        device_text = (
+            "step time NOT PREDICTED: no device named (--device h100, a100-80gb, ... or --rate); "
+            "layouts that fit are ranked by counted FLOPs and bytes sent at a nominal rate"
+        )
+    elif dev.name == "nominal":
+        device_text = (
+            f"device unnamed: --rate {dev.flops:.3g} FLOP/s, links {dev.intra.bandwidth / 1e9:.3g} "
+            "GB/s (FLOPs and bytes sent only)"
+        )
+    else:
+        device_text = (
+            f"device {dev.name}: {dev.flops / 1e12:.3g} TFLOP/s sustained ({dev.dtype}), "
+            f"{dev.mem_bw / 1e9:.0f} GB/s, links {dev.intra.bandwidth / 1e9:.3g} GB/s + "
+            f"{dev.intra.latency * 1e6:.0f} us within {dev.per_node} per node, "
+            f"{dev.inter.bandwidth / 1e9:.3g} GB/s + {dev.inter.latency * 1e6:.0f} us across"
+        )
     print(
         f"hyfi-plan: {name} on {hw[0]}x{hw[1]}, {devices} device(s) of {_gib(memory)} GiB, "
-        f"batch {batch} per replica, {optimizer}, {len(preds)} layouts; "
-        f"device {dev.name}: {dev.flops / 1e12:.3g} TFLOP/s sustained ({dev.dtype}), "
-        f"{dev.mem_bw / 1e9:.0f} GB/s, links {dev.intra.bandwidth / 1e9:.3g} GB/s + "
-        f"{dev.intra.latency * 1e6:.0f} us within {dev.per_node} per node, "
-        f"{dev.inter.bandwidth / 1e9:.3g} GB/s + {dev.inter.latency * 1e6:.0f} us across"
+        f"batch {batch} per replica, {optimizer}, {len(preds)} layouts; {device_text}"
     )
+    if refused:
+        print(f"hyfi-plan: {len(refused)} layouts left out, which training refuses for this "
+              f"cohort (e.g. {refused[-1]})")  # fmt: skip
     head = f"{'#':>3} {'layout':28} {'m':>2} {'schedule':15} {'ckpt':14} {'peak GiB':>9} " \
            f"{'act':>7} {'state':>7} {'step s':>9} {'bubble':>6} {'comm %':>6} " \
            f"{'img/s/dev':>10}  fits"  # fmt: skip
@@ -270,12 +366,14 @@ def run(args: argparse.Namespace) -> int:
         c = p.candidate
         lay = f"dp{c.layout.dp} pp{c.layout.pp} sp{grids_text(c.layout)}"
         mark = " <- recipe" if c == own else ""
+        step = f"{p.step_s:>9.3g}" if timed else f"{'-':>9}"
+        speed = f"{p.images_per_s / c.layout.world_size:>10.3g}" if timed else f"{'-':>10}"
         print(
             f"{i:>3} {lay:28} {c.microbatches:>2} {c.schedule:15} "
             f"{_ckpt_text(c):14} "
             f"{_gib(p.peak):>9} {_gib(p.activations + p.transient):>7} {_gib(p.state):>7} "
-            f"{p.step_s:>9.3g} {p.bubble:>6.2f} {100 * _waiting(p):>6.1f} "
-            f"{p.images_per_s / c.layout.world_size:>10.3g}  "
+            f"{step} {p.bubble:>6.2f} {100 * _waiting(p):>6.1f} "
+            f"{speed}  "
             f"{'yes' if p.peak <= memory else 'NO'}{mark}"
         )
     print(LEGEND)
@@ -285,6 +383,11 @@ def run(args: argparse.Namespace) -> int:
         if mine is not None and mine.peak > memory:
             print(f"hyfi-plan: the recipe's layout needs {_gib(mine.peak)} GiB per rank, "
                   f"more than {_gib(memory)} GiB")  # fmt: skip
+        if cohort_check is not None:
+            try:
+                cohort_check(own.layout)
+            except ConfigError as err:
+                print(f"hyfi-plan: training refuses the recipe's layout: {err}")
     if best is None:
         print("hyfi-plan: no layout fits; use more devices, a smaller image or a narrower model")
         return 1

@@ -10,7 +10,6 @@ one's memory and step time; :func:`rank` orders the predictions.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -20,6 +19,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.layout import Grid, Layout
+from hyfi_imaging.parallel.model_trace import meta_model
 from hyfi_imaging.parallel.plan import (
     CHECKPOINTING,
     Candidate,
@@ -30,7 +30,6 @@ from hyfi_imaging.parallel.plan import (
 )
 from hyfi_imaging.parallel.schedules import SCHEDULES
 from hyfi_imaging.parallel.spatial import tile_alignment
-from hyfi_imaging.parallel.streaming import stream_stem
 
 __all__ = [
     "JUNCTION_LIMIT",
@@ -109,7 +108,7 @@ def candidates(
         return math.prod(grid) == 1 or min(tile) >= 2 * align
 
     try:
-        stream_stem(copy.deepcopy(model).to("meta"))
+        meta_model(model, "stem")  # the planner's streamed meta copy, made once
         streams = True
     except ConfigError:
         streams = False

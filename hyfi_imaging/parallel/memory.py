@@ -31,7 +31,7 @@ import ctypes.util
 import math
 import os
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,11 +75,51 @@ class SavedActivations:
     #: Leaf modules in call order: (path, storage key and bytes of the first input,
     #: bytes of the output, shape of the first input).
     calls: list[tuple[str, int, int, int, tuple[int, ...]]] = field(default_factory=list)
+    #: Every save, a storage saved again included: (storage key, saver's path, bytes, dtype,
+    #: the traced module's direct child whose work it is -- between children, the one after
+    #: the last finished -- ``""`` for a module without children).
+    saves: list[tuple[int, str, int, torch.dtype, str]] = field(default_factory=list)
+    #: The direct child running during each of :attr:`calls`.
+    call_tops: list[str] = field(default_factory=list)
+    #: Each direct child's output tensors: (storage key, the tensor's bytes, its storage's).
+    outputs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     @property
     def activations(self) -> int:
         """Total bytes, parameters excluded."""
         return sum(v for k, v in self.by_module.items() if k != PARAMETERS)
+
+    def restrict(self, names: Collection[str]) -> SavedActivations:
+        """What the direct children ``names`` save, counted as a trace of them alone counts it.
+
+        Why: the planner traces a whole model once per input shape and reads every pipeline
+        stage (a run of direct children) from it, instead of tracing each stage of each
+        candidate cut. A stage traced alone starts from a copy of its input, so a storage an
+        earlier child saved and one of ``names`` saves again is this stage's own (attributed
+        to its first saver among ``names``). That is the same count only where each input
+        tensor fills a storage of its own (see :attr:`outputs`); the caller checks.
+        """
+        chosen = set(names)
+        out = SavedActivations(kinds=self.kinds)
+        by_module: dict[str, int] = defaultdict(int)
+        shared: dict[str, int] = defaultdict(int)
+        seen: set[int] = set()
+        for key, owner, nbytes, dtype, top in self.saves:
+            if top not in chosen:
+                continue
+            if key in seen:
+                shared[owner] += nbytes
+                continue
+            seen.add(key)
+            by_module[owner] += nbytes
+            out.storages.append((key, owner, nbytes, dtype))
+            out.saves.append((key, owner, nbytes, dtype, top))
+        picked = [(c, t) for c, t in zip(self.calls, self.call_tops, strict=True) if t in chosen]
+        out.calls = [c for c, _ in picked]
+        out.call_tops = [t for _, t in picked]
+        out.outputs = {k: v for k, v in self.outputs.items() if k in chosen}
+        out.by_module, out.shared = dict(by_module), dict(shared)
+        return out
 
     def by_kind(self) -> dict[str, int]:
         """Bytes per module class name (parameters apart)."""
@@ -111,6 +151,7 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
 
     def enter(path: str, args: Any) -> None:
         stack.append(path)
+        result.call_tops.append(top())
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is None:
             calls.append([path, -1, 0, 0, ()])
@@ -125,6 +166,32 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
                 break
 
     calls: list[list[Any]] = []
+    # The direct child running (a stage's layers, for the planner's slices): a stack, as a
+    # child may call another module that is also a direct child. Between children (a run of
+    # them that a chain runner calls as one, such as a streamed stem, enters none of them)
+    # the work belongs to the child after the last one finished.
+    tops = [""]
+    order = [name for name, _ in model.named_children()]
+    done = [0]
+
+    def top() -> str:
+        if tops[-1] or not order:
+            return tops[-1]
+        return order[min(done[0], len(order) - 1)]
+
+    alive: list[Any] = []  # outputs kept until the end: their storage keys stay unique
+
+    def top_leave(name: str, out: Any) -> None:
+        tops.pop()
+        done[0] = order.index(name) + 1
+        alive.append(out)
+        result.outputs[name] = [
+            (_key(t), _nbytes(t), t.untyped_storage().nbytes()) for t in flat_tensors(out)
+        ]
+
+    for name, child in model.named_children():
+        handles.append(child.register_forward_pre_hook(lambda m, a, n=name: tops.append(n)))
+        handles.append(child.register_forward_hook(lambda m, a, o, n=name: top_leave(n, o)))
     for path, mod in model.named_modules():
         if not list(mod.children()):
             result.kinds[path] = type(mod).__name__
@@ -135,13 +202,14 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
         key, nbytes = _key(t), t.untyped_storage().nbytes()
         if nbytes == 0:
             return t
+        # FSDP2 saves its gathered (unsharded) parameters: Parameters, other storages.
+        is_param = key in params or isinstance(t, nn.Parameter)
+        owner = PARAMETERS if is_param else stack[-1]
+        result.saves.append((key, owner, nbytes, t.dtype, top()))
         if key in seen:
             shared[stack[-1]] += nbytes
         else:
             seen.add(key)
-            # FSDP2 saves its gathered (unsharded) parameters: Parameters, other storages.
-            is_param = key in params or isinstance(t, nn.Parameter)
-            owner = PARAMETERS if is_param else stack[-1]
             by_module[owner] += nbytes
             result.storages.append((key, owner, nbytes, t.dtype))
         return t

@@ -45,33 +45,34 @@ Per-stage grids (:mod:`.junction`) are predicted stage by stage on each stage's 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hyfi_imaging.models.registry import CheckpointedBlock, chain_run
+from hyfi_imaging.models.registry import chain_run
 from hyfi_imaging.parallel.balance import partition
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
 from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.layout import Layout
-from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes, saved_activations
-from hyfi_imaging.parallel.pipeline import (
-    StageModule,
-    model_layers,
-    set_checkpointing,
-    stage_boundaries,
-    stage_bounds,
+from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes
+from hyfi_imaging.parallel.model_trace import (
+    ModelTrace,
+    meta_model,
+    saved_trace,
+    stem_splits,
+    trace_model,
 )
+from hyfi_imaging.parallel.pipeline import StageModule, stage_bounds
 from hyfi_imaging.parallel.schedules import (
     local_stages,
     peak_in_flight,
@@ -84,15 +85,13 @@ from hyfi_imaging.parallel.speed import (
     Counts,
     allreduce_s,
     compute_s,
-    count_chain,
     halo_copy_bytes,
     halo_s,
     message_s,
     norm_allreduce_s,
     reduce_scatter_s,
-    spatial_ops,
 )
-from hyfi_imaging.parallel.streaming import Stem, stream_stem
+from hyfi_imaging.parallel.streaming import Stem
 from hyfi_imaging.parallel.windowed import backward_band
 
 __all__ = [
@@ -178,12 +177,12 @@ def _in_block(path: str, blocks: Sequence[str]) -> str | None:
     return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
 
 
-def _strips(model: nn.Module, trace: SavedActivations, grid: Sequence[int]) -> int:
-    """Bytes of halo strips the busiest rank receives for every windowed layer."""
+def _strips(modules: dict[str, nn.Module], trace: SavedActivations, grid: Sequence[int]) -> int:
+    """Bytes of halo strips the busiest rank receives for every windowed layer (``modules``:
+    the stage's, by path)."""
     if all(g == 1 for g in grid):
         return 0
     nd = len(grid)
-    modules = dict(model.named_modules())
     windowed = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)
     total = 0
     for path, _, nbytes, _, shape in trace.calls:
@@ -241,15 +240,15 @@ def _stage_memory(
                 if _in_block(path, [b]) and kinds.get(path) == "Conv2d"
             ]
     total = sum(n for _, n in kept)
+    # Bytes kept up to each call (positions are call indices), and each block's internals.
+    kept_upto = _upto(kept, len(trace.calls))
+    inside = {b: _upto([(pos, n) for pos, n, bb in items if bb == b], len(trace.calls))
+              for b in first_call}  # fmt: skip
     peak = 0
     for i, (path, _, in_bytes, out_bytes, in_shape) in enumerate(trace.calls):
         b = _in_block(path, blocks)
-        if b is None:
-            base = sum(n for pos, n in kept if pos <= i)
-        else:  # inside a recomputed block: its internals up to here are back
-            start = first_call[b]
-            base = sum(n for pos, n in kept if pos <= start)
-            base += sum(n for pos, n, bb in items if bb == b and pos <= i)
+        # Inside a recomputed block: what was kept before it, and its internals up to here.
+        base = kept_upto[i] if b is None else kept_upto[first_call[b]] + inside[b][i]
         peak = max(
             peak,
             base
@@ -258,6 +257,18 @@ def _stage_memory(
             + (workspaces[i] if i < len(workspaces) else 0),
         )
     return total, max(0, peak - total)
+
+
+def _upto(items: Sequence[tuple[int, int]], n: int) -> list[int]:
+    """``out[i]``: the bytes of ``items`` (position, bytes) at positions ``<= i``, for ``i < n``."""
+    at = [0] * n
+    before = 0  # positions below 0 count from the start
+    for pos, nbytes in items:
+        if pos < 0:
+            before += nbytes
+        elif pos < n:
+            at[pos] += nbytes
+    return list(itertools.accumulate(at, initial=before))[1:]
 
 
 def _transient_factor(
@@ -605,9 +616,11 @@ def _stage_costs(
 ) -> tuple[tuple[int, ...], list[StageCost]]:
     """The stage cut (``candidate.balance`` or one evening out memory) and each stage's costs.
 
-    Traced on a meta copy once per (grids, micro-batch, checkpointing, cut) and model: a schedule
-    only changes which stages a rank holds and in which order, not what a stage costs. Every
-    stage is traced on its own grid's tile (per-stage grids: the junction's ``stage_tiles``).
+    Read from one trace of the whole model per input shape (:func:`~.model_trace.trace_model`):
+    a schedule, the data replicas and the checkpointing mode only change which stages a rank
+    holds, in which order, and what the accounting keeps, not what a stage's layers do. Every
+    stage is read on its own grid's tile (per-stage grids: the junction's ``stage_tiles``), and
+    each stage's costs are kept per (layers, tile, options) for the candidates that share them.
     """
     lay = candidate.layout
     grids = [lay.grid_of(s) if lay.junction else lay.sp for s in range(n_stages)]
@@ -616,106 +629,119 @@ def _stage_costs(
     cache = _COSTS.setdefault(model, {})
     if key in cache:
         return cast(tuple[tuple[int, ...], list[StageCost]], cache[key])
-    meta = copy.deepcopy(model).to("meta")
-    dtype = next((p.dtype for p in meta.parameters()), torch.float32)
-    in_chans = int(getattr(meta, "in_chans", 3))
-    align = tile_alignment(model, len(image_hw), in_chans=in_chans)
+    meta = meta_model(model, candidate.streaming)
+    align = tile_alignment(model, len(image_hw), in_chans=meta.in_chans)
 
-    def tile_of(grid: Sequence[int]) -> tuple[int, ...]:
+    def shape_of(grid: Sequence[int]) -> tuple[int, ...]:
         # Per-stage grids pad the image for every grid, 1x1 included (``junction.stage_tiles``).
-        return tile_hw(image_hw, grid, align) if lay.junction or math.prod(grid) > 1 else image_hw
+        tile = tile_hw(image_hw, grid, align) if lay.junction or math.prod(grid) > 1 else image_hw
+        return (mb, meta.in_chans, *tile)
 
-    blocks = set_checkpointing(meta, candidate.checkpointing)
-    if candidate.streaming == "stem":
-        # Traced as one process on the tile: the stem keeps the image and its parameters.
-        stream_stem(meta)
+    blocks = meta.blocks(candidate.checkpointing)
     policy = "selective" if candidate.checkpointing == "selective" else "full"
-    for blk in meta.modules():  # traced plainly; the accounting above models the recompute
-        if isinstance(blk, CheckpointedBlock):
-            blk.grad_checkpointing = False
-    layers = model_layers(meta)
     # The cut evens out per-rank memory: with per-stage grids, a stage's layers traced on the
     # whole image over its grid's tiles.
     first = (1, 1) if lay.junction else grids[0]
     shares = [math.prod(g) for g in grids] if lay.junction else None
     balance = candidate.balance or _memory_balance(
-        meta, layers, n_stages, (mb, in_chans, *tile_of(first)), shares
+        model, candidate.streaming, n_stages, shape_of(first), shares
     )
-    bounds = {
-        g: stage_boundaries(meta, balance, (mb, in_chans, *tile_of(g)), dtype=dtype)
-        for g in set(grids)
-    }
-    costs = [
-        _stage_cost(
-            layers,
-            s,
-            start,
-            stop,
-            bounds[grids[s]],
-            blocks,
-            policy,
-            grids[s],
-            dev,
-            modes,
-        )
-        for s, (start, stop) in enumerate(stage_bounds(balance))
-    ]
+    cuts = stage_bounds(balance)
+    splits = stem_splits(meta.layers, [a for a, _ in cuts])
+    costs = []
+    for s, (start, stop) in enumerate(cuts):
+        shape = shape_of(grids[s])
+        stage_key = ("stage", shape, candidate.streaming, splits, start, stop,
+                     candidate.checkpointing, grids[s], dev, modes)  # fmt: skip
+        if stage_key not in cache:
+            facts_key = ("stage facts", candidate.streaming, start, stop)
+            if facts_key not in cache:
+                cache[facts_key] = _StageFacts.of(meta.layers[start:stop])
+            whole = trace_model(model, shape, candidate.streaming, splits)
+            cache[stage_key] = _stage_cost(
+                whole, start, stop, cast(_StageFacts, cache[facts_key]), blocks, policy,
+                grids[s], dev, modes,
+            )  # fmt: skip
+        costs.append(cast(StageCost, cache[stage_key]))
     cache[key] = (tuple(balance), costs)
     return tuple(balance), costs
 
 
+@dataclass
+class _StageFacts:
+    """What a stage's layers are, whatever its input: read once per cut, not per tile."""
+
+    modules: dict[str, nn.Module]  # by the path a stage's trace names
+    dtype: torch.dtype
+    params: int  # bytes
+    units: list[int]  # FSDP2 units' parameter bytes
+    weighted: frozenset[str]  # paths of the modules holding parameters of their own
+    passes: dict[str, int]  # a streamed stem's layers: passes per forward
+
+    @staticmethod
+    def of(layers: Sequence[tuple[str, nn.Module]]) -> _StageFacts:
+        stage = StageModule(layers)
+        modules = dict(stage.named_modules())
+        stem = next((r for m in stage.children() if isinstance(r := chain_run(m), Stem)), None)
+        return _StageFacts(
+            modules=modules,
+            dtype=next((p.dtype for p in stage.parameters()), torch.float32),
+            params=sum(p.numel() * p.element_size() for p in stage.parameters()),
+            units=_unit_sizes(stage),
+            weighted=frozenset(
+                path
+                for path, m in modules.items()
+                if any(True for _ in m.parameters(recurse=False))
+            ),
+            passes={path: stem.passes for path in stem.paths} if stem is not None else {},
+        )
+
+
 def _stage_cost(
-    layers: list[tuple[str, nn.Module]],
-    s: int,
+    whole: ModelTrace,
     start: int,
     stop: int,
-    bounds: list[tuple[torch.Tensor, ...]],
+    facts: _StageFacts,
     blocks: Sequence[str],
     policy: str,
     grid: Sequence[int],
     dev: Device,
     modes: tuple[bool, bool, bool],
 ) -> StageCost:
-    """Memory and time of model stage ``s`` (layers ``start:stop``) on one micro-batch's tile;
-    ``modes``: the runtime's ``(overlap, backward_bands)``, and whether it runs on the CPU."""
+    """Memory and time of the stage of layers ``start:stop`` on one micro-batch's tile, read
+    from ``whole`` (the model traced on that tile); ``modes``: the runtime's ``(overlap,
+    backward_bands)``, and whether it runs on the CPU."""
     overlap, banded, on_cpu = modes
-    stage = StageModule(layers[start:stop], index=s)
-    # A received activation: requires grad from stage 1 on; a non-leaf, so a stage
-    # may start with an in-place op (the engine runs that one out of place).
-    ins = tuple(t.detach().requires_grad_(True).clone() if s > 0 else t.detach() for t in bounds[s])
-    trace = saved_activations(stage, partial(stage, *ins))
+    layers = whole.layers
+    trace = whole.stage(start, stop)
     names = {n for n, _ in layers[start:stop]}
     mine = [b for b in blocks if b.split(".")[0] in names]
     spatial = any(g > 1 for g in grid)
-    weighted = dict(stage.named_modules())
-    dtype = next((p.dtype for p in stage.parameters()), torch.float32)
+    weighted = facts.modules
     unfolds = [
-        cpu_unfold_bytes(weighted[path], shape, dtype) if on_cpu and path in weighted else 0
+        cpu_unfold_bytes(weighted[path], shape, facts.dtype) if on_cpu and path in weighted else 0
         for path, _, _, _, shape in trace.calls
     ]
     act, transient = _stage_memory(
         trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds
     )
-    strips = _strips(stage, trace, grid)
+    strips = _strips(weighted, trace, grid)
     # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
     # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
     # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
     # backward.
-    stem = next((r for m in stage.children() if isinstance(r := chain_run(m), Stem)), None)
-    passes = {path: stem.passes for path in stem.paths} if stem is not None else {}
-    children = list(stage.named_children())
-    x0 = ins[0] if len(ins) == 1 else ins
-    counted, _ = count_chain(children, x0, input_grad=s > 0)
+    passes = facts.passes
     fwd = bwd = Counts()
-    for name, (f, b) in counted.items():
+    for name, _ in layers[start:stop]:
+        f, b = whole.counted[name]
         redo = any(bl.split(".")[0] == name for bl in mine)
         again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
         fwd = fwd + f.times(passes.get(name, 1))
         bwd = bwd + b + f.times(again)
     halo = norms = (0.0, 0.0)
     if spatial:
-        ops = spatial_ops(stage, partial(_run_plain, children, x0))
+        ops = whole.stage_ops(start, stop)
         link = dev.link(math.prod(grid))
         copies = Counts(bytes=halo_copy_bytes(ops.windows, grid))
         # ``backward_bands``: a spatial convolution's backward runs in bands of rows
@@ -735,18 +761,15 @@ def _stage_cost(
             norm_allreduce_s(ops.norms, math.prod(grid), link, backward=back)
             for back in (False, True)
         )  # type: ignore[assignment]
+    bounds = whole.boundaries
     return StageCost(
         act=act + strips,
         transient=transient,
-        params=sum(p.numel() * p.element_size() for p in stage.parameters()),
-        units=_unit_sizes(stage),
-        out_bytes=sum(t.numel() * t.element_size() for t in bounds[s + 1]),
-        in_bytes=sum(t.numel() * t.element_size() for t in bounds[s]),
-        weight_grads=sum(
-            out
-            for path, _, _, out, _ in trace.calls
-            if path in weighted and any(True for _ in weighted[path].parameters(recurse=False))
-        ),
+        params=facts.params,
+        units=list(facts.units),
+        out_bytes=sum(t.numel() * t.element_size() for t in bounds[stop]),
+        in_bytes=sum(t.numel() * t.element_size() for t in bounds[start]),
+        weight_grads=sum(out for path, _, _, out, _ in trace.calls if path in facts.weighted),
         forward_s=compute_s(fwd, dev) + halo[0] + norms[0],
         backward_s=compute_s(bwd, dev) + halo[1] + norms[1],
         fwd=fwd,
@@ -754,13 +777,6 @@ def _stage_cost(
         halo_s=halo,
         norms_s=norms,
     )
-
-
-def _run_plain(layers: Sequence[tuple[str, nn.Module]], x: object) -> object:
-    """The layers one by one (a streamed stem's too, as if not streamed)."""
-    for _, layer in layers:
-        x = layer(x)
-    return x
 
 
 def measure_rate(model: nn.Module, device: torch.device, *, side: int = 128) -> float:
@@ -799,8 +815,8 @@ def _unit_sizes(stage: nn.Module) -> list[int]:
 
 
 def _memory_balance(
-    meta: nn.Module,
-    layers: list[tuple[str, nn.Module]],
+    model: nn.Module,
+    streaming: str,
     pp: int,
     shape: tuple[int, ...],
     shares: Sequence[int] | None = None,
@@ -809,11 +825,11 @@ def _memory_balance(
 
     ``shape`` is the traced input; ``shares`` the ranks each stage's cost is spread over (per-stage
     grids: its tiles, with ``shape`` the whole image), default one."""
+    meta = meta_model(model, streaming)
+    layers = meta.layers
     if pp == 1:
         return (len(layers),)
-    dtype = next((p.dtype for p in meta.parameters()), torch.float32)
-    x = torch.empty(shape, dtype=dtype, device="meta")
-    trace = saved_activations(meta, lambda: meta(x))
+    trace = saved_trace(model, shape, streaming)
     cost = dict.fromkeys((n for n, _ in layers), 0.0)
     for _, owner, nbytes, _ in trace.storages:
         top = owner.split(".")[0]
@@ -831,11 +847,12 @@ def check_pooled(model: nn.Module, image_hw: tuple[int, int], layout: Layout) ->
     cache = _COSTS.setdefault(model, {})
     key = ("output shapes", image_hw)  # traced once per model and image, not per candidate
     if key not in cache:
-        c = int(getattr(model, "in_chans", 3))
+        meta = meta_model(model)  # the planner's meta copy: no copy per image size
+        c = meta.in_chans
         h, w = image_hw
         cache[key] = (
-            output_shape(model, (1, c, h, w)) or (),
-            output_shape(model, (1, c, max(1, h // 2), max(1, w // 2))) or (),
+            output_shape(meta.module, (1, c, h, w)) or (),
+            output_shape(meta.module, (1, c, max(1, h // 2), max(1, w // 2))) or (),
         )
     whole, half = cast(tuple[tuple[int, ...], tuple[int, ...]], cache[key])
     check_junction_model(layout, whole, half)

@@ -50,7 +50,8 @@ can be overridden on the command line (``hyfi-plan --flops --mem-bw --link-bw ..
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -243,7 +244,11 @@ def _detached(x: Any, grad: bool, leaves: list[torch.Tensor]) -> Any:
 
 
 def count_chain(
-    layers: Sequence[tuple[str, nn.Module]], x: Any, *, input_grad: bool = False
+    layers: Sequence[tuple[str, nn.Module]],
+    x: Any,
+    *,
+    input_grad: bool = False,
+    per_layer: list[tuple[SpatialOps, Any]] | None = None,
 ) -> tuple[dict[str, tuple[Counts, Counts]], Any]:
     """Forward and backward :class:`Counts` of each layer of a chain run on ``x``.
 
@@ -251,15 +256,18 @@ def count_chain(
     on the previous one's output, detached; its backward is ``autograd.grad`` of its
     outputs towards its floating inputs (not the chain's own input unless ``input_grad``:
     the image needs no gradient) and its parameters. Use meta tensors and a meta model:
-    nothing is computed. Returns ``({name: (forward, backward)}, output)``.
+    nothing is computed. Returns ``({name: (forward, backward)}, output)``. ``per_layer``:
+    each layer's :func:`spatial_ops` and output are appended to it (the same forward).
     """
     out: dict[str, tuple[Counts, Counts]] = {}
     for i, (name, layer) in enumerate(layers):
         leaves: list[torch.Tensor] = []
         xin = _detached(x, input_grad or i > 0, leaves)
         fwd = OpCounter()
-        with fwd:
+        with fwd, _recording(layer) as found:
             y = layer(xin)
+        if per_layer is not None:
+            per_layer.append((found, y))
         outs = [t for t in _tensors(y) if t.requires_grad]
         wrt = leaves + [p for p in layer.parameters() if p.requires_grad]
         bwd = OpCounter()
@@ -387,6 +395,14 @@ class SpatialOps:
 def spatial_ops(module: nn.Module, run: Callable[[], object]) -> SpatialOps:
     """The windowed layers (1x1/stride-1 ones have no halo and are left out) and BatchNorms
     that ``run()`` calls inside ``module`` (meta device), in call order."""
+    with _recording(module) as found, torch.no_grad():
+        run()
+    return found
+
+
+@contextmanager
+def _recording(module: nn.Module) -> Iterator[SpatialOps]:
+    """What :func:`spatial_ops` reports, recorded while the block runs (forward hooks)."""
     from hyfi_imaging.parallel.geometry import layer_geom
 
     kinds = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
@@ -414,12 +430,10 @@ def spatial_ops(module: nn.Module, run: Callable[[], object]) -> SpatialOps:
     handles = [m.register_forward_hook(window) for m in module.modules() if isinstance(m, kinds)]
     handles += [m.register_forward_hook(norm) for m in module.modules() if isinstance(m, norms)]
     try:
-        with torch.no_grad():
-            run()
+        yield found
     finally:
         for h in handles:
             h.remove()
-    return found
 
 
 def norm_allreduce_s(channels: Sequence[int], ranks: int, link: Link, *, backward: bool) -> float:

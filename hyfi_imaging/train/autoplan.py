@@ -9,13 +9,15 @@ timing (a measured rate differs from rank to rank).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.train.config import ParallelConfig, Recipe
 
-__all__ = ["choose_layout", "fit_warning", "launch_world_size"]
+__all__ = ["choose_layout", "fit_warning", "launch_world_size", "replica_check"]
 
 #: FLOP/s used to rank layouts when nothing is measured (the ranking barely depends on it).
 NOMINAL_RATE = {"cpu": 5e10, "cuda": 2e14}
@@ -53,19 +55,49 @@ def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:
     return model, hw, NOMINAL_RATE[kind], r.optim.name
 
 
+def replica_check(recipe: Recipe, batch: int | None = None) -> Callable[[Layout], None]:
+    """The trainer's refusal of a layout for this recipe's cohort, as a check of a layout:
+    ConfigError unless every data replica gets a full batch (``batch``, default the recipe's)
+    of the images the trainer trains on (:mod:`.split`: the same split, the same rule)."""
+    from hyfi_imaging.train.split import check_full_batch, training_count
+    from hyfi_imaging.train.tasks import load_cohort
+
+    training = training_count(recipe, load_cohort(recipe, recipe.data.manifest))
+    per_replica = batch or recipe.train.batch_size
+
+    def check(layout: Layout) -> None:
+        check_full_batch(training, layout.dp, per_replica)
+
+    return check
+
+
 def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
-    """The fastest layout of ``devices`` ranks whose predicted peak fits this machine's devices."""
+    """The fastest layout of ``devices`` ranks whose predicted peak fits this machine's devices
+    and that training accepts for this cohort (micro-batches that split the batch, a full batch
+    for every data replica: :func:`replica_check`)."""
     from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
     from hyfi_imaging.parallel.plan import predict
 
     model, hw, rate, optimizer = _setting(recipe)
     batch = recipe.train.batch_size
-    preds = []
+    check = replica_check(recipe)
+    preds, refused = [], None
     for cand in candidates(model, hw, devices, batch):
+        try:
+            check(cand.layout)
+        except ConfigError as err:
+            refused = err
+            continue
         try:
             preds.append(predict(model, hw, batch, cand, optimizer=optimizer, flops_per_s=rate))
         except ConfigError:
             continue
+    if not preds and refused is not None:
+        raise ConfigError(
+            "parallel=auto",
+            f"every layout of {devices} rank(s) is refused for this cohort: {refused}",
+            "launch fewer ranks, or use a smaller batch or more slides",
+        )
     memory = device_memory(devices)
     ranked = rank(preds, memory)
     if not ranked or ranked[0].peak > memory:

@@ -128,6 +128,9 @@ def preflight(
             f"{recipe.train.batch_size} is not divisible by parallel.microbatches {p.microbatches}",
             "make the batch a multiple of the micro-batch count",
         )
+    from hyfi_imaging.train.split import check_full_batch, training_count
+
+    check_full_batch(training_count(recipe, cohort), p.data, recipe.train.batch_size)
     _check_layout(recipe, cohort.size, cohort.channels, num_outputs(recipe, cohort))
     out = recipe.train.out_dir
     check_start(out, start)

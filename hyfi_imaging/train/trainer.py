@@ -147,14 +147,10 @@ class Trainer:
         self.train_idx, self.val_idx = self._split()
         dp = r.parallel.data
         self.dp_rank = self.pc.coords[0]
+        from hyfi_imaging.train.split import check_full_batch
+
+        check_full_batch(len(self.train_idx), dp, r.train.batch_size)  # preflight's rule too
         self.steps_per_epoch = len(self.train_idx) // dp // r.train.batch_size
-        if self.steps_per_epoch == 0:
-            raise ConfigError(
-                "train.batch_size",
-                f"{len(self.train_idx)} training slides over {dp} data replicas "
-                f"make no full batch of {r.train.batch_size}",
-                "use a smaller batch or more slides",
-            )
         self.total_steps = r.train.max_steps or self.steps_per_epoch * r.train.epochs
 
     def _split(self) -> tuple[list[int], list[int]]:
@@ -174,14 +170,9 @@ class Trainer:
             return list(range(n)), list(range(len(self.val_cohort)))
         self.val_cohort = self.cohort
         self.val_samples = self.samples
-        rng = np.random.default_rng([r.train.seed, 7919])
-        labels = np.array(self.cohort.strata)
-        val: list[int] = []
-        for c in np.unique(labels):  # stratified (one stratum unless classification)
-            idx = rng.permutation(np.flatnonzero(labels == c))
-            val.extend(int(i) for i in idx[: round(len(idx) * r.data.val_fraction)])
-        val_set = set(val)
-        return [i for i in range(n) if i not in val_set], sorted(val)
+        from hyfi_imaging.train.split import validation_split
+
+        return validation_split(self.cohort.strata, r.train.seed, r.data.val_fraction)
 
     def _tile_dataset(self, augment: bool, manifest: Path) -> Any:
         """The slide :class:`~hyfi_imaging.data.dataset.TileDataset` of this rank's tiles."""
