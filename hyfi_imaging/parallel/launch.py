@@ -22,6 +22,7 @@ rank, found from the (host, pid) table the ranks exchange at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
@@ -399,6 +400,50 @@ def _note_reported(rank: int | None) -> None:
         pass
 
 
+def _note_interrupted(rank: int | None) -> None:
+    """Tell this host's other ranks that this rank ended on Ctrl-C (SIGINT), not a failure."""
+    where = _notes_dir()
+    if where is None or rank is None:
+        return
+    with contextlib.suppress(OSError):
+        where.mkdir(exist_ok=True)
+        (where / f"interrupted{rank}").touch()
+
+
+def _peer_interrupted(err: BaseException, rank: int | None) -> bool:
+    """Whether ``err`` is a peer gone because a Ctrl-C ended it first: a lost rank of this
+    host left the note of :func:`_note_interrupted`, or the SIGINT reaches this rank too
+    while it waits (up to 3 s) for the peers' exits to show.
+
+    Why: mpiexec forwards SIGINT to the ranks one by one; a rank that exits on it first
+    closes its sockets, and a peer still inside a collective saw "lost rank 1 ... out of
+    memory?" instead of the one "interrupted" the user should read.
+    """
+    text = " ".join(str(e) for e in error_chain(err)).lower()
+    if not any(k in text for k in _PEER_GONE):
+        return False
+    where = _notes_dir()
+    deadline = time.monotonic() + 3.0
+    try:
+        while True:
+            gone = [r for r in lost_ranks() if r != rank]
+            if where is not None and any((where / f"interrupted{r}").exists() for r in gone):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        return True
+
+
+def _interrupted_exit(prog: str, rank: int | None) -> NoReturn:
+    """Ctrl-C reaches every rank: said once (rank 0), exit status 130."""
+    _note_interrupted(rank)
+    if rank in (None, 0):
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def _reported(ranks: Sequence[int]) -> bool:
     """Whether every rank of ``ranks`` left the note of :func:`_note_reported`."""
     where = _notes_dir()
@@ -494,12 +539,12 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
         return fn()
     except SystemExit:
         raise
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: said once
-        if launch_rank() in (None, 0):
-            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        os._exit(130)
+    except KeyboardInterrupt:
+        _interrupted_exit(prog, launch_rank())
     except BaseException as err:
         rank = launch_rank()
+        if _peer_interrupted(err, rank):  # the Ctrl-C ended a peer first
+            _interrupted_exit(prog, rank)
         line, trace = failure_line(err, rank)
         if trace:
             traceback.print_exc(file=sys.stderr)
