@@ -141,7 +141,9 @@ def test_cosmoflow_regression_learns_and_predicts(tmp_path: Path) -> None:
     evals = _evals(run)
     assert len(evals) == 3 and evals[-1]["mse"] < evals[0]["mse"], evals
     assert {"mae", "mae_spectral_index", "mae_amplitude"} <= set(evals[-1])
-    assert len((run / "val_predictions.csv").read_text().splitlines()) == 3
+    with (run / "val_predictions.csv").open(newline="") as fh:
+        split = [r["split"] for r in csv.DictReader(fh)]
+    assert sorted(split) == ["train"] * 6 + ["val"] * 2, split  # every volume, with its use
     out = tmp_path / "pred.csv"
     _predict(run, manifest, out)
     rows = list(csv.DictReader(out.open()))

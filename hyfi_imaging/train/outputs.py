@@ -257,18 +257,21 @@ def write_regressions(
     pred: np.ndarray,
     names: Sequence[str],
     truth: np.ndarray | None,
+    splits: Sequence[str] | None = None,
 ) -> Path:
-    """One CSV row per image: ``id, pred_<name>... [, true_<name>...]`` (atomically)."""
+    """One CSV row per image: ``id, [split,] pred_<name>... [, true_<name>...]`` (atomically);
+    ``splits`` (``train``/``val`` per row) is what a training run used each image for."""
     from hyfi_imaging.atomic import write_atomic
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    header = ["id", *(f"pred_{n}" for n in names)]
+    header = ["id", *(["split"] if splits is not None else []), *(f"pred_{n}" for n in names)]
     if truth is not None:
         header += [f"true_{n}" for n in names]
     w.writerow(header)
     for i, vid in enumerate(ids):
-        row = [vid, *(f"{float(v):.6g}" for v in pred[i])]
+        row = [vid, *([splits[i]] if splits is not None else [])]
+        row += [f"{float(v):.6g}" for v in pred[i]]
         if truth is not None:
             row += [f"{float(v):.6g}" for v in truth[i]]
         w.writerow(row)

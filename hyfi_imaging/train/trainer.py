@@ -596,10 +596,10 @@ class Trainer:
 
         Segmentation: the means of :func:`~.seg_scores.summarise_segmentation` (each image's
         scores under ``"_per_image"``), masks and overlays written under ``out_dir`` when given.
-        Regression: MSE and MAE (and per target); predictions written to
-        ``out_dir/val_predictions.csv`` when given. Classification: with
-        ``out_dir``, ``val_predictions.csv`` holds every slide with its ``split``
-        (:meth:`_write_split_predictions`).
+        Regression and classification: with ``out_dir``, ``val_predictions.csv``
+        holds every image of the run with its ``split`` (the training images predicted
+        now; classification: :meth:`_write_split_predictions`). Regression: MSE and MAE
+        (and per target).
         """
         from hyfi_imaging.train.metrics import evaluate_predictions
         from hyfi_imaging.train.seg_scores import segmentation_line
@@ -620,11 +620,23 @@ class Trainer:
             names = self.val_cohort.target_names
             errors = regression_errors(torch.from_numpy(p), truth, names)
             errors["val_loss"] = errors["mae" if r.task.loss == "mae" else "mse"]
-            if out_dir is not None and self.rank0:
+            if out_dir is not None:  # every volume of the run with its split, as classification
                 from hyfi_imaging.train.outputs import write_regressions
 
-                ids = [self.val_cohort.ids[i] for i in self.val_idx]
-                write_regressions(out_dir / "val_predictions.csv", ids, p, names, truth.numpy())
+                assert self.cohort.targets is not None
+                train_p = self.predict(r.data.manifest, self.train_idx)  # every rank takes part
+                if self.rank0:
+                    ids = [self.cohort.ids[i] for i in self.train_idx]
+                    ids += [self.val_cohort.ids[i] for i in self.val_idx]
+                    splits = ["train"] * len(self.train_idx) + ["val"] * len(self.val_idx)
+                    write_regressions(
+                        out_dir / "val_predictions.csv",
+                        ids,
+                        np.concatenate([train_p, p]),
+                        names,
+                        torch.cat([self.cohort.targets[self.train_idx], truth]).numpy(),
+                        splits=splits,
+                    )
             line = "  ".join(f"{k} {v:.4f}" for k, v in errors.items())
             return {**errors, "n": len(self.val_idx), "_line": line}
         if not np.isfinite(p).all():
