@@ -215,7 +215,7 @@ def test_a_diverging_run_stops_at_its_step_and_keeps_its_good_checkpoints(
     assert "is the newest checkpoint, intact" in lines[0] or "stays the newest" in lines[0]
     # No non-finite state was saved, so retention never evicted a good checkpoint.
     assert good[-1] in _steps(run)
-    # Relaunched with a sane rate, it resumes from a finite checkpoint and trains on.
+    # Run again with a sane rate, it resumes from a finite checkpoint and trains on.
     _train(manifest, run, 2, SP, f"optim.name={optim}", "train.keep_checkpoints=2")
     assert all(math.isfinite(v) for v in _losses(run)[:3])
 
@@ -364,7 +364,7 @@ def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     assert _steps(run) == [f"step_{step:08d}"] and step < 9, (_steps(run), stderr[-2000:])
     assert not _error_lines(stderr) and "Traceback" not in stderr
-    # Relaunched, it resumes from that checkpoint and ends as the uninterrupted run did.
+    # Started again, it resumes from that checkpoint and ends as the uninterrupted run did.
     _train(manifest, run, 2, *sets)
     assert _losses(run) == _losses(reference)
 

@@ -96,7 +96,7 @@ def _models(names: list[str], ranks: int) -> dict[str, Any]:
     key = ",".join(names)
     if key not in _launches:
         job = mpiexec(ranks, str(MODELS), *names, timeout=900)
-        # A failed launch is remembered: the other cases fail at once instead of relaunching.
+        # A failed launch is remembered: the other cases fail at once instead of launching again.
         _launches[key] = json_line(job)["cases"] if job.returncode == 0 else {"job": job.describe()}
     assert "job" not in _launches[key], _launches[key]["job"]
     return _launches[key]

@@ -179,7 +179,7 @@ def mpiexec(
 ) -> Job:
     """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``), once.
 
-    A rank that died is never relaunched away: its death fails the test that reads the
+    A rank that died is never launched again to hide it: its death fails the test that reads the
     job, with its cause -- the exit status and, for a SIGKILL, the kernel's
     out-of-memory lines (:func:`kernel_oom_lines`) appended to the job's stderr. A job
     whose largest process held more than ``memory_gib`` fails here (AssertionError): a
