@@ -437,10 +437,16 @@ def _peer_interrupted(err: BaseException, rank: int | None) -> bool:
 
 
 def _interrupted_exit(prog: str, rank: int | None) -> NoReturn:
-    """Ctrl-C reaches every rank: said once (rank 0), exit status 130."""
+    """Ctrl-C reaches every rank: said once (rank 0), exit status 130.
+
+    The other ranks leave a moment later: MPICH's mpiexec kills the ranks still running
+    when one exits non-zero, which could take rank 0 before it said so.
+    """
     _note_interrupted(rank)
     if rank in (None, 0):
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    else:
+        time.sleep(0.5)
     os._exit(130)
 
 
