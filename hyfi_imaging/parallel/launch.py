@@ -445,6 +445,8 @@ def _interrupted_exit(prog: str, rank: int | None) -> NoReturn:
     _note_interrupted(rank)
     if rank in (None, 0):
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        if rank is not None:
+            time.sleep(0.2)  # mpiexec forwards the line while this rank still runs
     else:
         time.sleep(0.5)
     os._exit(130)

@@ -186,6 +186,18 @@ def list_checkpoints(root: Path, run_id: str | None = None) -> list[Path]:
     return sorted(done, key=lambda p: step_of(p) or 0, reverse=True)
 
 
+def _interrupted(err: BaseException) -> bool:
+    """Whether DCP's gathered failure is a Ctrl-C on some rank (a KeyboardInterrupt it wrapped)."""
+    if isinstance(err, KeyboardInterrupt):
+        return True
+    if isinstance(err, CheckpointException):
+        for failure in err.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and _interrupted(inner):
+                return True
+    return False
+
+
 def _reason(err: BaseException) -> str:
     """The first line that says something, from ``err`` or what it wraps (DCP nests them)."""
     if isinstance(err, CheckpointException):
@@ -228,6 +240,10 @@ def save_checkpoint(
         try:
             dcp.save(state, checkpoint_id=str(partial))
         except (CheckpointException, OSError) as err:
+            if _interrupted(err):  # a Ctrl-C, not a disk: said as one ("interrupted")
+                if rank0:
+                    shutil.rmtree(partial, ignore_errors=True)
+                raise KeyboardInterrupt from err
             reason = _reason(err)
     if all_agree(not reason) and rank0:
         marker = {
