@@ -9,6 +9,7 @@ for a slide does not pay for it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,3 +90,22 @@ def train_manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("train_cohort")
     options = PreprocessOptions(mpp=1.0, size=(192, 160))
     return preprocessed_cohort(root, 8, options, seed=3, size=(512, 512), lesions=4)
+
+
+@pytest.fixture(scope="module")
+def single() -> Iterator[object]:
+    """One process's ParallelContext (a 1x1 layout, one thread) for a module's tests; the
+    process group is shut down after them unless it existed before."""
+    import torch
+    import torch.distributed as dist
+
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+    from hyfi_imaging.parallel.layout import Layout
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mine = not dist.is_initialized()
+    yield init_parallel(Layout())
+    torch.set_num_threads(threads)
+    if mine:
+        shutdown()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -216,22 +215,6 @@ def test_write_heatmap_records_the_slide_frame_and_draws_the_overlay(
             pool="avg",
             classes=["a", "b"],
         )
-
-
-@pytest.fixture(scope="module")
-def single() -> Iterator[object]:
-    import torch.distributed as dist
-
-    from hyfi_imaging.parallel.launch import init_parallel, shutdown
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mine = not dist.is_initialized()
-    pc = init_parallel(Layout())
-    yield pc
-    torch.set_num_threads(threads)
-    if mine:
-        shutdown()
 
 
 def test_map_means_are_the_logits_in_one_process(single: object) -> None:

@@ -12,7 +12,6 @@ import copy
 import itertools
 import math
 import shlex
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -321,22 +320,6 @@ def test_draw_plan(tmp_path: object) -> None:
 
 
 # ----------------------------------------------------------------------------- engine, one rank
-
-
-@pytest.fixture(scope="module")
-def single() -> Iterator[object]:
-    import torch.distributed as dist
-
-    from hyfi_imaging.parallel.launch import init_parallel, shutdown
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mine = not dist.is_initialized()
-    pc = init_parallel(Layout())
-    yield pc
-    torch.set_num_threads(threads)
-    if mine:
-        shutdown()
 
 
 @pytest.mark.parametrize(
