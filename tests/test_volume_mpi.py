@@ -165,7 +165,6 @@ def test_hyfi_verify_unet3d_checkpointed_blocks() -> None:
     assert report["max_rel_error"] < 1e-10
 
 
-@pytest.mark.slow  # mpiexec may report a rank's SIGKILL (9) for verify's exit 1: see the note
 def test_hyfi_verify_catches_a_broken_3d_halo() -> None:
     """Halo gradients dropped (tests/mpi/broken_halo.py): hyfi-verify must fail, exit 1."""
     job, report = _verify(
