@@ -306,12 +306,11 @@ def _ntuple(value: int | Sequence[int], nd: int) -> tuple[int, ...]:
 
 
 def _window_dims(module: nn.Module) -> int:
-    """Spatial dims of a conv or pool module: 1 (``*1d``), 2 (``*2d``) or 3 (``*3d``)."""
-    from torch import nn
+    """Spatial dims of a conv or pool module: 1 (``*1d``), 2 (``*2d``) or 3 (``*3d``), from
+    the layer-kind registry (2 for a kind it does not know)."""
+    from hyfi_imaging.parallel.spatial.kinds import spatial_dims
 
-    three = (nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d)
-    one = (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.BatchNorm1d)
-    return 3 if isinstance(module, three) else 1 if isinstance(module, one) else 2
+    return spatial_dims(module) or 2
 
 
 def dynamic_same(module: nn.Module) -> bool:

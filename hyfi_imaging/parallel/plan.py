@@ -81,6 +81,7 @@ from hyfi_imaging.parallel.schedules import (
 )
 from hyfi_imaging.parallel.sharding import shard_units
 from hyfi_imaging.parallel.spatial import tile_alignment
+from hyfi_imaging.parallel.spatial.kinds import WINDOWED_LAYERS
 from hyfi_imaging.parallel.speed import (
     Counts,
     allreduce_s,
@@ -183,11 +184,10 @@ def _strips(modules: dict[str, nn.Module], trace: SavedActivations, grid: Sequen
     if all(g == 1 for g in grid):
         return 0
     nd = len(grid)
-    windowed = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)
     total = 0
     for path, _, nbytes, _, shape in trace.calls:
         m = modules.get(path)
-        if not isinstance(m, windowed) or len(shape) != nd + 2:
+        if not isinstance(m, WINDOWED_LAYERS) or len(shape) != nd + 2:
             continue
         side: list[int] = []
         for g, tiles in zip(layer_geom(m, shape[-nd:]), grid, strict=True):

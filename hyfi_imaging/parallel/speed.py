@@ -404,9 +404,8 @@ def spatial_ops(module: nn.Module, run: Callable[[], object]) -> SpatialOps:
 def _recording(module: nn.Module) -> Iterator[SpatialOps]:
     """What :func:`spatial_ops` reports, recorded while the block runs (forward hooks)."""
     from hyfi_imaging.parallel.geometry import layer_geom
+    from hyfi_imaging.parallel.spatial.kinds import BATCH_NORMS, WINDOWED_LAYERS
 
-    kinds = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
-             nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)  # fmt: skip
     found = SpatialOps()
 
     def window(m: nn.Module, args: tuple[Any, ...], y: Any) -> None:
@@ -426,9 +425,12 @@ def _recording(module: nn.Module) -> Iterator[SpatialOps]:
     def norm(m: nn.Module, args: tuple[Any, ...], y: Any) -> None:
         found.norms.append(int(getattr(m, "num_features", 0)))
 
-    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    handles = [m.register_forward_hook(window) for m in module.modules() if isinstance(m, kinds)]
-    handles += [m.register_forward_hook(norm) for m in module.modules() if isinstance(m, norms)]
+    handles = [
+        m.register_forward_hook(window) for m in module.modules() if isinstance(m, WINDOWED_LAYERS)
+    ]
+    handles += [
+        m.register_forward_hook(norm) for m in module.modules() if isinstance(m, BATCH_NORMS)
+    ]
     try:
         yield found
     finally:

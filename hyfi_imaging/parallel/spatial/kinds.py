@@ -48,7 +48,14 @@ from hyfi_imaging.parallel.spatial.transposed import (
     SpatialConvTranspose3d,
 )
 
-__all__ = ["KINDS", "LayerKind", "streaming_classes"]
+__all__ = [
+    "BATCH_NORMS",
+    "KINDS",
+    "LayerKind",
+    "WINDOWED_LAYERS",
+    "spatial_dims",
+    "streaming_classes",
+]
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,13 @@ _ADAPTIVE = tuple(_GLOBAL_POOLS)
 _WINDOWED = tuple(k.layer for k in KINDS if k.windowed)
 #: Layers of each number of spatial dims: a model tiled on a grid of the other kind is refused.
 _DIMS = {d: tuple(k.layer for k in KINDS if k.dims == d and k.dims_checked) for d in (1, 2, 3)}
+#: The planner's and the speed model's tables (public: read outside the spatial core).
+#: Fixed-window layers, every number of dims: each exchanges halo strips on a grid.
+WINDOWED_LAYERS: tuple[type[nn.Module], ...] = _WINDOWED
+#: Batch norms: each all-reduces its statistics (sum, sum of squares, count) over the grid.
+BATCH_NORMS: tuple[type[nn.Module], ...] = tuple(
+    k.layer for k in KINDS if k.family == "norms" and k.layer is not nn.GroupNorm
+)
 #: The spatial forms a deep halo may run through, and those it may pass across.
 _DEEPABLE = tuple(k.spatial for k in KINDS if k.deepable)
 _CARRIERS = tuple(k.layer for k in KINDS if k.carrier)
@@ -166,3 +180,13 @@ def _has_spatial_form(m: nn.Module) -> bool:
     if isinstance(m, nn.Flatten):
         return _is_gathering_flatten(m)
     return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
+
+
+def spatial_dims(module: nn.Module) -> int | None:
+    """Spatial dims of ``module``'s kind (its class or the nearest registered base class,
+    so timm's ``Conv2dSame`` is a ``Conv2d``); None for a kind of any dims or none known."""
+    for cls in type(module).__mro__:
+        for k in KINDS:
+            if k.layer is cls:
+                return k.dims
+    return None
