@@ -1,0 +1,201 @@
+"""Every rank's derived facts, built in one process: the engine on a fake process group.
+
+Why: the tiles, cuts, stage shapes, local stages, per-layer halos, deep-halo runs, streamed
+layers, FSDP2 units and schedule orders that :func:`~hyfi_imaging.parallel.parallelize.parallelize`
+derives for each rank are pure functions of the model, the layout, the options, the image
+size and the rank. Built here for every rank of a layout in one process, on torch's
+``fake`` backend (collectives do nothing, no ``mpiexec``), they are pinned as a snapshot
+(``tests/snapshots/rank_facts.json``): a refactor that changes any of them fails
+``tests/test_rank_facts.py`` in seconds, where the multi-rank exactness tests would need
+minutes. The numbers themselves are checked against one process by those tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyfi_imaging.parallel.geometry import layer_geom
+from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.parallel_plan import ParallelPlan
+from hyfi_imaging.parallel.schedules import schedule_actions
+from hyfi_imaging.parallel.spatial.kinds import WINDOWED_LAYERS
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout case: a registered model, its options, the plan and the image size."""
+
+    name: str
+    model: str
+    image: tuple[int, ...]
+    plan: ParallelPlan
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+#: ResNet at an eighth of its channels: the facts depend on the layers, not their widths.
+SMALL = {"width": 0.125}
+
+
+@contextmanager
+def fake_rank(layout: Layout, rank: int) -> Iterator[ParallelContext]:
+    """``rank``'s ParallelContext of ``layout`` on torch's fake backend (see the module doc).
+
+    The mesh and groups are built as :func:`~hyfi_imaging.parallel.launch.init_parallel`
+    builds them (its junction groups come from :func:`~.junction.junction_meshes`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = layout.world_size
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        device = torch.device("cpu")
+        if layout.junction:
+            from hyfi_imaging.parallel.junction import junction_meshes
+
+            mesh, groups, shard_mesh = junction_meshes(layout, device, rank)
+        else:
+            mesh = init_device_mesh("cpu", layout.shape, mesh_dim_names=layout.mesh_dims)
+            groups = {name: mesh.get_group(name) for name in layout.mesh_dims}
+            spatial = layout.spatial_axes
+            groups["sp"] = (
+                mesh[spatial]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
+            )
+            shard_mesh = None
+            if layout.dp * layout.sp_size > 1:
+                shard_mesh = mesh[("dp", *spatial)]._flatten("shard")
+                groups["shard"] = shard_mesh.get_group()
+        yield ParallelContext(
+            layout, rank, world, rank, "single", "gloo", device, mesh, groups, shard_mesh
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _halos(module: nn.Module, sizes: dict[str, tuple[int, ...]]) -> dict[str, list[list[int]]]:
+    """Every windowed layer's halo (before, after per spatial dim) at its traced input size."""
+    out: dict[str, list[list[int]]] = {}
+    for path, m in module.named_modules():
+        size = sizes.get(path)
+        if size is None or not isinstance(m, WINDOWED_LAYERS):
+            continue
+        out[path] = [
+            [g.padding, max(0, g.extent - g.padding - g.stride)] for g in layer_geom(m, size)
+        ]
+    return out
+
+
+def rank_facts(case: Case, rank: int) -> dict[str, Any]:
+    """What the engine derived for ``rank`` of ``case`` (JSON-ready)."""
+    from hyfi_imaging.models.registry import create_model
+    from hyfi_imaging.parallel.engine import ParallelModel
+
+    plan = case.plan
+    with fake_rank(plan.layout, rank) as pc:
+        torch.manual_seed(0)
+        model = create_model(case.model, **case.model_kwargs)
+        pm = ParallelModel(model, pc, plan, image_hw=case.image)
+        part = pm.part
+        ctx = part.ctx
+        facts: dict[str, Any] = {
+            "coords": list(pc.coords),
+            "padded": list(part.padded_hw),
+            "tile": list(part.tile_hw),
+            "stage_tiles": [list(t) for t in part.stage_tiles],
+            "balance": list(part.balance_info.balance),
+            "local": [[ls.replica, ls.index] for ls in part.local],
+            "num_stages": part.num_stages,
+            "copies": part.copies,
+            "checkpointed": list(part.checkpointed),
+            "streamed": list(part.streamed),
+            "stem_whole": part.stem_whole,
+            "fsdp_units": list(part.fsdp_units),
+            "out_map": None if part.out_map is None else repr(part.out_map),
+        }
+        if ctx is not None:
+            sizes = {k: list(v) for k, v in sorted(ctx.sizes.items())}
+            facts |= {
+                "grid": list(ctx.grid),
+                "tile_index": list(ctx.tile),
+                "align": ctx.align,
+                "tile_slice": [[s.start, s.stop] for s in ctx.tile_slice(case.image)],
+                "halo_depth": ctx.halo_depth,
+                "deep_runs": [list(r) for r in ctx.deep_runs],
+                "sizes": sizes,
+                "halos": _halos(part.stage_module, dict(ctx.sizes)),
+                "rejoined_pools": sorted(ctx.rejoined_pools),
+                "flatten_paths": sorted(ctx.flatten_paths),
+                "functional_sites": sorted(ctx.functional_sites),
+            }
+        if plan.layout.pp > 1:
+            facts["actions"] = [
+                list(a)
+                for a in schedule_actions(plan.schedule, plan.layout.pp, plan.microbatches)[
+                    part.pp_rank
+                ]
+            ]
+        return facts
+
+
+def case_facts(case: Case) -> list[dict[str, Any]]:
+    """Every rank's facts of ``case``, in rank order."""
+    return [rank_facts(case, r) for r in range(case.plan.layout.world_size)]
+
+
+#: The layout families the multi-rank tests run, each at a small size.
+CASES: Sequence[Case] = (
+    Case("resnet-1x2", "resnet18", (64, 48), ParallelPlan(Layout(sp=(1, 2))), SMALL),
+    Case("resnet-2x2-odd", "resnet18", (61, 45), ParallelPlan(Layout(sp=(2, 2))), SMALL),
+    Case("resnet-dp2-1x2", "resnet18", (64, 64), ParallelPlan(Layout(dp=2, sp=(1, 2))), SMALL),
+    Case(
+        "resnet-pp2-1x2-1f1b",
+        "resnet18",
+        (64, 64),
+        ParallelPlan(Layout(pp=2, sp=(1, 2)), microbatches=2, schedule="1f1b", balance=(5, 6)),
+        SMALL,
+    ),
+    Case(
+        "resnet-pp2-bidirectional",
+        "resnet18",
+        (64, 64),
+        ParallelPlan(Layout(pp=2), microbatches=4, schedule="bidirectional", balance=(5, 6)),
+        SMALL,
+    ),
+    Case(
+        "resnet-pp2-zbv",
+        "resnet18",
+        (64, 64),
+        ParallelPlan(Layout(pp=2), microbatches=4, schedule="zbv", balance=(3, 3, 3, 2)),
+        SMALL,
+    ),
+    Case(
+        "resnet-junction-2x2-1x1",
+        "resnet18",
+        (64, 64),
+        ParallelPlan(Layout(pp=2, grids=((2, 2), (1, 1))), microbatches=2, balance=(5, 6)),
+        SMALL,
+    ),
+    Case(
+        "resnet-2x2-deep-halo",
+        "resnet18",
+        (96, 96),
+        ParallelPlan(Layout(sp=(2, 2)), halo_depth=3),
+        SMALL,
+    ),
+    Case(
+        "resnet-2x2-stream-full",
+        "resnet18",
+        (96, 96),
+        ParallelPlan(Layout(sp=(2, 2)), streaming="stem", checkpointing="full"),
+        SMALL,
+    ),
+    Case("unet2d-1x2", "unet2d", (40, 44), ParallelPlan(Layout(sp=(1, 2))), {"width": 2}),
+    Case("unet3d-2x1x2", "unet3d", (20, 18, 22), ParallelPlan(Layout(sp=(2, 1, 2))), {"width": 2}),
+)

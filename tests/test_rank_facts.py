@@ -1,0 +1,68 @@
+"""Every rank's derived facts against their snapshot (see tests/rank_facts.py).
+
+Set ``HYFI_UPDATE_SNAPSHOTS=1`` to write the snapshot again after a change that means to
+change a derivation (and say why in the commit); the multi-rank exactness tests check that
+the new numbers still give one process's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rank_facts import CASES, Case, case_facts
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "rank_facts.json"
+
+
+def _first_difference(got: Any, want: Any, where: str = "") -> str | None:
+    """The first path where ``got`` and ``want`` differ, with both values."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        for key in sorted(set(got) | set(want)):
+            if key not in got or key not in want:
+                return f"{where}.{key}: only in {'got' if key in got else 'snapshot'}"
+            found = _first_difference(got[key], want[key], f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            found = _first_difference(g, w, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    return None if got == want else f"{where}: got {got!r}, snapshot {want!r}"
+
+
+@pytest.fixture(scope="module")
+def snapshot() -> dict[str, Any]:
+    if os.environ.get("HYFI_UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        facts = {case.name: case_facts(case) for case in CASES}
+        SNAPSHOT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+    return json.loads(SNAPSHOT.read_text())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_rank_derives_its_snapshot(case: Case, snapshot: dict[str, Any]) -> None:
+    got = json.loads(json.dumps(case_facts(case)))
+    assert case.name in snapshot, f"{case.name}: no snapshot; run with HYFI_UPDATE_SNAPSHOTS=1"
+    assert len(got) == len(snapshot[case.name]) == case.plan.layout.world_size
+    for rank, (g, w) in enumerate(zip(got, snapshot[case.name], strict=True)):
+        difference = _first_difference(g, w)
+        assert difference is None, f"{case.name} rank {rank}{difference}"
+
+
+def test_the_snapshot_holds_every_case_and_the_ranks_differ() -> None:
+    """The snapshot is of these cases, and the facts are per rank (tiles differ)."""
+    facts = json.loads(SNAPSHOT.read_text())
+    assert sorted(facts) == sorted(c.name for c in CASES)
+    two = facts["resnet-2x2-odd"]
+    assert len({json.dumps(r["tile_slice"]) for r in two}) == 4
+    assert facts["resnet-2x2-deep-halo"][0]["deep_runs"], "deep halos planned no run"
+    assert facts["resnet-2x2-stream-full"][0]["streamed"][:2] == ["conv1", "bn1"]
+    junction = facts["resnet-junction-2x2-1x1"]
+    assert [r["local"] for r in junction] == [[[0, 0]]] * 4 + [[[0, 1]]]
