@@ -10,10 +10,11 @@ Same ranks, same model, image and per-replica batch, one run after the other:
   (``--hybrid 1x3,1x1``: 3 + 1 ranks), ``m`` micro-batches;
 * **hybrid + bi-directional**: spatial and bi-directional pipeline together -- two
   mirrored replicas of a ``pp = 2`` model whose stages are tiled alike
-  (``--bidir-grid 1x2``: 2 x 2 ranks). Per-stage grids (the junction) do not combine
-  with mirrored replicas in this product (replica B's tiled front would land on the
-  ranks of A's back stage; refused in one line), so this is the hybrid that runs
-  bi-directionally.
+  (``--bidir-grid 1x2``: 2 x 2 ranks). Per-stage grids (the junction) do not yet run
+  with mirrored replicas (refused in one line): their placement is worked out
+  (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`, 2x1,1x1 on 4 ranks) but
+  a rank would hold two stages on different grids, which the engine does not build yet,
+  so this is the hybrid that runs bi-directionally.
 
 Throughput. CPU time does not see a pipeline's bubble (a rank waiting for its
 neighbour burns none), and on 2 shared cores wall time across 4 ranks says

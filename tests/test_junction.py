@@ -14,8 +14,15 @@ import pytest
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.engine import ParallelPlan
-from hyfi_imaging.parallel.junction import check_junction_model, pieces, stage_tiles
+from hyfi_imaging.parallel.junction import (
+    MirroredPlacement,
+    MirrorSlot,
+    check_junction_model,
+    pieces,
+    stage_tiles,
+)
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.schedules import ScheduleAction, schedule_actions
 from hyfi_imaging.train.config import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,8 +99,103 @@ def test_parse_grids() -> None:
 
 def test_bidirectional_schedule_is_refused_with_a_junction() -> None:
     with pytest.raises(ConfigError) as err:
-        ParallelPlan(Layout(pp=2, grids=((2, 2), (1, 1))), schedule="bidirectional")  # type: ignore[arg-type]
+        ParallelPlan(Layout(pp=2, grids=((2, 2), (1, 1))), schedule="bidirectional")
     assert "gpipe and 1f1b" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_mirrored_placement_of_two_replicas_on_per_stage_grids() -> None:
+    """Position p holds A's stage p and B's stage P-1-p, each on its own grid, tile i on rank i."""
+    two = MirroredPlacement(Layout(pp=2, grids=((2, 1), (1, 1))))
+    assert two.widths == (2, 2) and two.world_size == 4  # 2x1,1x1 under GEMS: 4 ranks
+    A, B = 0, 1
+    assert [two.slots(r)[2] for r in range(4)] == [
+        (MirrorSlot(A, 0, 0), MirrorSlot(B, 1, 0)),
+        (MirrorSlot(A, 0, 1),),
+        (MirrorSlot(A, 1, 0), MirrorSlot(B, 0, 0)),
+        (MirrorSlot(B, 0, 1),),
+    ]
+    four = MirroredPlacement(Layout(dp=2, pp=4, grids=((2, 2), (1, 2), (1, 2), (1, 1))))
+    assert four.widths == (4, 2, 2, 4) and four.replica_size == 12 and four.world_size == 24
+    assert four.rank_of(1, MirrorSlot(B, 0, 3)) == 12 + 8 + 3
+    # Every stage tile of both replicas is held exactly once, where rank_of says.
+    held = [(four.slots(r)[0], s) for r in range(24) for s in four.slots(r)[2]]
+    assert len(held) == len(set(held)) == 2 * 2 * (4 + 2 + 2 + 1)
+    assert all(
+        four.rank_of(d, s) == r for r in range(24) for d, _, ss in [four.slots(r)] for s in ss
+    )
+
+
+def test_mirrored_placement_with_one_grid_is_todays_gems() -> None:
+    lay = Layout(dp=2, pp=4, sp=(1, 2))
+    place = MirroredPlacement(lay)
+    assert place.world_size == lay.world_size
+    for rank in range(lay.world_size):
+        d, p, *tile = lay.coords(rank)
+        assert place.slots(rank) == (
+            d,
+            p,
+            (MirrorSlot(0, p, tile[-1]), MirrorSlot(1, 3 - p, tile[-1])),
+        )
+    assert place.orders(4)[2 * 2 + 1] == schedule_actions("bidirectional", 4, 4)[2]
+
+
+def _gang_run(orders: list[list[ScheduleAction]], stages: int) -> int:
+    """Run every rank's order with rendezvous semantics (an action starts when it heads the
+    queue of *every* tile of its stage and its inputs are done: the strictest reading of halo
+    exchanges and a stage's collectives); returns the actions run, fails on a deadlock."""
+    tiles: dict[tuple[int, int], list[int]] = {}
+    for r, order in enumerate(orders):
+        for c, s in {(a[0], a[1]) for a in order}:
+            tiles.setdefault((c, s), []).append(r)
+    done: set[ScheduleAction] = set()
+    pos = [0] * len(orders)
+    while any(p < len(o) for p, o in zip(pos, orders, strict=True)):
+        moved = False
+        for r, order in enumerate(orders):
+            if pos[r] == len(order):
+                continue
+            c, s, kind, i = a = order[pos[r]]
+            if kind == "F":
+                dep = (c, s - 1, "F", i) if s > 0 else None
+            else:
+                dep = (c, s + 1, "B", i) if s < stages - 1 else (c, s, "F", i)
+            gang = tiles[(c, s)]
+            if (dep is None or dep in done) and all(orders[g][pos[g]] == a for g in gang):
+                done.add(a)
+                for g in gang:
+                    pos[g] += 1
+                moved = True
+        assert moved, (
+            f"deadlock at {[o[p] if p < len(o) else None for p, o in zip(pos, orders, strict=True)]}"
+        )
+    return len(done)
+
+
+@pytest.mark.parametrize(
+    ("grids", "m"),
+    [(((2, 1), (1, 1)), 2), (((2, 2), (1, 1)), 6), (((2, 2), (1, 2), (1, 2), (1, 1)), 4),
+     (((2, 2), (2, 2), (1, 2), (1, 1)), 8), (((1, 2), (1, 2), (1, 1), (1, 1)), 2)],
+)  # fmt: skip
+def test_mirrored_orders_run_without_deadlock(grids: tuple[tuple[int, int], ...], m: int) -> None:
+    place = MirroredPlacement(Layout(pp=len(grids), grids=grids))
+    orders = place.orders(m)
+    # Every stage's tiles run its actions in one order; both replicas, F and B, m/2 each.
+    assert _gang_run(orders, len(grids)) == 2 * len(grids) * m
+    for r, order in enumerate(orders):
+        assert len(order) == 2 * (m // 2) * len(place.slots(r)[2])
+
+
+def test_mirrored_placement_refuses_before_compute() -> None:
+    place = MirroredPlacement(Layout(pp=2, grids=((2, 1), (1, 1))))
+    place.check(4, microbatches=2)
+    with pytest.raises(ConfigError) as err:
+        place.check(6, microbatches=2)
+    assert "needs 4 ranks" in str(err.value) and "-np 4" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="must be even"):
+        place.check(4, microbatches=3)
+    with pytest.raises(ConfigError, match="even number of pipeline ranks"):
+        MirroredPlacement(Layout(pp=3, grids=((2, 2), (1, 2), (1, 1)))).check(12, microbatches=2)
 
 
 def test_dense_outputs_are_refused_with_a_junction() -> None:

@@ -36,6 +36,20 @@ Groups come from meshes (:func:`junction_meshes`), built from
 :meth:`~.layout.Layout.rank_of` alone: the world as ``(dp, replica)``, and per
 stage ``(dp, sp)`` and a flat ``shard`` mesh for FSDP2 over that stage's own
 ranks (so the gradient rule -- sum over tiles, mean over dp -- holds per stage).
+
+Two mirrored replicas (GEMS, ``--schedule bidirectional``) on per-stage grids are *placed*
+here (:class:`MirroredPlacement`, pure) but not yet run: the engine refuses the combination
+(:func:`check_junction_plan`). Why this placement: pipeline position ``p`` holds replica A's
+stage ``p`` and replica B's stage ``P - 1 - p``, each on its own grid, tile ``i`` of either on
+the position's rank ``i`` -- so a position needs as many ranks as the larger of its two grids.
+With one grid for every stage it is exactly today's GEMS placement (rank ``(d, p, tile)``
+holds A's ``p`` and B's ``P - 1 - p`` at the same tile), and every position's actions keep
+today's merged order (:func:`~.schedules.schedule_actions`), which a rank filters to the
+stages it holds. MPI4DL mirrors *world* ranks instead (``gems_comm.MPIComm``: B's slot ``k``
+on rank ``R - 1 - k`` of the same ``R`` ranks): fewer ranks, but its middle ranks hold two
+tiles of the activation-heavy first stage, which is the memory a junction exists to spread.
+Two disjoint sets of ranks would share no rank, so no bubble would be filled: ``--data 2``
+with half the micro-batches under another name.
 """
 
 from __future__ import annotations
@@ -54,9 +68,12 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.geometry.spans import padded_hw
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.pipeline import as_tuple, schedule_order, stage_boundaries
+from hyfi_imaging.parallel.schedules import ScheduleAction, check_schedule, schedule_actions
 
 __all__ = [
     "JunctionSchedule",
+    "MirrorSlot",
+    "MirroredPlacement",
     "Piece",
     "check_junction_model",
     "check_junction_plan",
@@ -137,6 +154,97 @@ def junction_meshes(
                 shard_mesh = flat
                 groups["shard"] = flat.get_group()
     return mesh, groups, shard_mesh
+
+
+# ----------------------------------------------------------------------------- two mirrored replicas
+
+
+@dataclass(frozen=True)
+class MirrorSlot:
+    """One stage tile of GEMS's two replicas: ``replica`` 0 (A) or 1 (B), model ``stage``,
+    ``tile`` the row-major index in that stage's grid."""
+
+    replica: int
+    stage: int
+    tile: int
+
+
+@dataclass(frozen=True)
+class MirroredPlacement:
+    """Where two mirrored replicas of a per-stage-grid pipeline live (see the module doc).
+
+    OK: ``MirroredPlacement(Layout(pp=2, grids=((2, 1), (1, 1))))`` -> 4 ranks: rank 0 holds
+    A's stage 0 tile 0 and B's stage 1, rank 1 A's stage 0 tile 1, rank 2 A's stage 1 and
+    B's stage 0 tile 0, rank 3 B's stage 0 tile 1.
+
+    Error: ``MirroredPlacement(...).check(4, microbatches=3)`` -> ConfigError (odd
+    micro-batches), as :func:`~.schedules.check_schedule` says for one grid.
+    """
+
+    layout: Layout
+
+    def position(self, replica: int, stage: int) -> int:
+        """The pipeline position holding ``stage`` of ``replica`` (B runs right to left)."""
+        return stage if replica == 0 else self.layout.pp - 1 - stage
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Ranks of every pipeline position: the larger of its two stages' grids."""
+        lay = self.layout
+        return tuple(max(lay.stage_size(p), lay.stage_size(lay.pp - 1 - p)) for p in range(lay.pp))
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one data replica (both mirrored replicas)."""
+        return sum(self.widths)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the placement needs: ``dp x`` the sum of the positions' widths."""
+        return self.layout.dp * self.replica_size
+
+    def rank_of(self, dp: int, slot: MirrorSlot) -> int:
+        """The global rank holding ``slot`` of data replica ``dp``."""
+        p = self.position(slot.replica, slot.stage)
+        return dp * self.replica_size + sum(self.widths[:p]) + slot.tile
+
+    def slots(self, rank: int) -> tuple[int, int, tuple[MirrorSlot, ...]]:
+        """``(data replica, position, slots held)`` of a global rank: A's first, then B's."""
+        lay = self.layout
+        dp, rest = divmod(rank, self.replica_size)
+        if dp >= lay.dp:
+            raise ValueError(f"rank {rank} is outside {self.world_size} ranks")
+        for p, width in enumerate(self.widths):
+            if rest < width:
+                held = [MirrorSlot(0, p, rest), MirrorSlot(1, lay.pp - 1 - p, rest)]
+                return dp, p, tuple(s for s in held if s.tile < lay.stage_size(s.stage))
+            rest -= width
+        raise AssertionError("unreachable: widths sum to replica_size")
+
+    def orders(self, microbatches: int) -> list[list[ScheduleAction]]:
+        """Every rank's actions (one data replica, ranks in order): its position's GEMS order
+        (each replica ``microbatches / 2``) kept to the stages the rank holds. All tiles of a
+        stage run its actions in one relative order, so halo exchanges and the stage's
+        collectives stay matched."""
+        per_position = schedule_actions("bidirectional", self.layout.pp, microbatches)
+        out = []
+        for rank in range(self.replica_size):
+            _, p, held = self.slots(rank)
+            mine = {(s.replica, s.stage) for s in held}
+            out.append([a for a in per_position[p] if (a[0], a[1]) in mine])
+        return out
+
+    def check(self, world_size: int, *, microbatches: int) -> None:
+        """ConfigError (one line, no compute) unless the job and micro-batches fit."""
+        check_schedule("bidirectional", self.layout, microbatches)
+        if world_size != self.world_size:
+            widths = "+".join(map(str, self.widths))
+            raise ConfigError(
+                "layout",
+                f"{self.layout.describe()} with two mirrored replicas needs {self.world_size} "
+                f"ranks (dp {self.layout.dp} x positions {widths}) but the job has {world_size}",
+                f"launch with -np {self.world_size}",
+            )
 
 
 # ----------------------------------------------------------------------------- geometry
