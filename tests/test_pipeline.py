@@ -43,7 +43,6 @@ from hyfi_imaging.parallel.pipeline import (
     parse_checkpointing,
     schedule_order,
     set_checkpointing,
-    simulate_schedule,
     stage_boundaries,
     stage_bounds,
 )
@@ -291,8 +290,10 @@ def test_running_stats_merge_equals_sequential_updates(momentum: float | None) -
     [("gpipe", 2, 1), ("gpipe", 3, 5), ("1f1b", 2, 4), ("1f1b", 3, 5), ("1f1b", 4, 8)],
 )
 def test_simulated_schedules(schedule: str, stages: int, m: int) -> None:
-    times = simulate_schedule(schedule, stages, m)
-    end = max(t1 for _, t1 in times.values())
+    from hyfi_imaging.parallel.schedules import schedule_actions, simulate
+
+    times = simulate([[o] for o in schedule_actions(schedule, stages, m)], stages)
+    end = max(t1 for _, _, t1 in times.values())
     assert end == pytest.approx(3 * (m + stages - 1))  # the (m + p - 1) / m bubble
     order = schedule_order(schedule, stages, m)
     in_flight = 0

@@ -251,22 +251,22 @@ def test_cli_evaluates_a_recipe_set_to_bidirectional(
 
 
 def test_schedule_replay_agrees_with_the_schedules_own_simulations() -> None:
-    """One replay for every schedule: on unit costs it reproduces the makespans of
-    ``simulate_schedule`` (GPipe, 1F1B) and ``simulate_bidirectional`` (GEMS), and torch's
-    orders for its schedules replay without deadlock, each micro-batch once per stage."""
-    from hyfi_imaging.parallel.pipeline import simulate_schedule
+    """One simulator for every schedule: on unit costs GPipe and 1F1B take the textbook
+    ``3 (m + p - 1)``, GEMS's merged order replays to the span it was scheduled in, and
+    torch's orders for its schedules replay without deadlock, each micro-batch once per stage."""
     from hyfi_imaging.parallel.schedules import (
+        gems_queues,
         schedule_actions,
-        simulate_bidirectional,
+        simulate,
         simulate_orders,
     )
 
     for pp, m in ((2, 4), (4, 8)):
         for name in ("gpipe", "1f1b"):
             span, _ = simulate_orders(schedule_actions(name, pp, m), pp)
-            assert span == max(end for _, end in simulate_schedule(name, pp, m).values())
+            assert span == 3 * (m + pp - 1)
         span, _ = simulate_orders(schedule_actions("bidirectional", pp, m), pp)
-        assert span == max(end for _, _, end in simulate_bidirectional(pp, m // 2).values())
+        assert span == max(end for _, _, end in simulate(gems_queues(pp, m // 2), pp).values())
         for name in ("interleaved1f1b", "zbv", "dualpipev"):
             orders = schedule_actions(name, pp, m)
             forwards = sorted((s, i) for o in orders for _, s, k, i in o if k == "F")

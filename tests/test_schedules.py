@@ -13,9 +13,12 @@ from hyfi_imaging.parallel.schedules import (
     LocalStage,
     bidirectional_order,
     check_schedule,
+    gems_queues,
     local_stages,
     model_stages,
-    simulate_bidirectional,
+    schedule_actions,
+    simulate,
+    simulate_orders,
 )
 
 
@@ -34,7 +37,7 @@ def test_placements() -> None:
 
 @pytest.mark.parametrize(("pp", "half"), [(2, 1), (2, 2), (4, 2), (4, 4), (6, 3)])
 def test_bidirectional_order_is_complete_and_respects_dependencies(pp: int, half: int) -> None:
-    times = simulate_bidirectional(pp, half)
+    times = simulate(gems_queues(pp, half), pp)
     assert len(times) == 2 * 2 * pp * half  # F and B of every micro-batch, stage and replica
     for (rep, s, kind, i), (rank, start, _) in times.items():
         assert rank == (s if rep == 0 else pp - 1 - s)
@@ -54,11 +57,9 @@ def test_bidirectional_order_is_complete_and_respects_dependencies(pp: int, half
 
 def test_bidirectional_fills_the_bubble() -> None:
     """Two mirrored replicas of m/2 micro-batches finish sooner than one 1F1B pipeline of m."""
-    from hyfi_imaging.parallel.pipeline import simulate_schedule
-
     pp, m = 4, 4
-    one = max(end for _, end in simulate_schedule("1f1b", pp, m).values())
-    two = max(end for _, _, end in simulate_bidirectional(pp, m // 2).values())
+    one, _ = simulate_orders(schedule_actions("1f1b", pp, m), pp)
+    two = max(end for _, _, end in simulate(gems_queues(pp, m // 2), pp).values())
     assert two < one
 
 

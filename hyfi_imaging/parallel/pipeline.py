@@ -59,7 +59,6 @@ __all__ = [
     "parse_checkpointing",
     "schedule_order",
     "set_checkpointing",
-    "simulate_schedule",
     "stage_boundaries",
     "stage_bounds",
 ]
@@ -348,42 +347,6 @@ def schedule_order(schedule: str, stages: int, microbatches: int) -> list[list[t
     return out
 
 
-def simulate_schedule(
-    schedule: str, stages: int, microbatches: int, *, forward: float = 1.0, backward: float = 2.0
-) -> dict[tuple[int, str, int], tuple[float, float]]:
-    """Start and end time of every ``(stage, "F"|"B", micro-batch)`` with unit stage costs.
-
-    A forward waits for the previous stage's forward of the same micro-batch, a
-    backward for the next stage's backward (the last stage's for its own
-    forward). Used for the plan picture and the ideal bubble of benchmarks.
-    """
-    orders = schedule_order(schedule, stages, microbatches)
-    done: dict[tuple[int, str, int], tuple[float, float]] = {}
-    pos = [0] * stages
-    free = [0.0] * stages
-    while any(pos[s] < len(orders[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            if pos[s] >= len(orders[s]):
-                continue
-            kind, i = orders[s][pos[s]]
-            if kind == "F":
-                dep = (s - 1, "F", i) if s > 0 else None
-            else:
-                dep = (s + 1, "B", i) if s < stages - 1 else (s, "F", i)
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[s], done[dep][1] if dep is not None else 0.0)
-            end = start + (forward if kind == "F" else backward)
-            done[(s, kind, i)] = (start, end)
-            free[s] = end
-            pos[s] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule} deadlocks")  # a bug in schedule_order
-    return done
-
-
 def draw_plan(
     path: str,
     *,
@@ -433,8 +396,11 @@ def draw_plan(
     ax_mesh.axis("off")
     ax_mesh.set_title(f"{layout.describe()}: {layout.world_size} ranks", fontsize=10)
 
-    times = simulate_schedule(schedule, pp, microbatches)
-    for (s, kind, i), (t0, t1) in times.items():
+    from hyfi_imaging.parallel.schedules import simulate
+
+    orders = schedule_order(schedule, pp, microbatches)  # stage s on rank s
+    times = simulate([[[(0, s, k, i) for k, i in o]] for s, o in enumerate(orders)], pp)
+    for (_, s, kind, i), (_, t0, t1) in times.items():
         shade = colours(i % 10)
         ax_time.add_patch(
             Rectangle(
@@ -442,7 +408,7 @@ def draw_plan(
             )
         )
         ax_time.text((t0 + t1) / 2, pp - 1 - s + 0.45, f"{kind}{i}", ha="center", va="center")
-    end = max(t1 for _, t1 in times.values())
+    end = max(t1 for _, _, t1 in times.values())
     ideal = (microbatches + pp - 1) / microbatches
     ax_time.set_xlim(0, end)
     ax_time.set_ylim(0, pp)

@@ -40,7 +40,7 @@ statistics: the two copies are two more "replicas" of the affine recurrence (see
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,8 @@ __all__ = [
     "mirror_groups",
     "peak_in_flight",
     "schedule_actions",
-    "simulate_bidirectional",
+    "gems_queues",
+    "simulate",
     "simulate_orders",
 ]
 
@@ -219,56 +220,28 @@ def forward_only(
 Action = tuple[int, str, int]  # (replica, "F" | "B", micro-batch of that replica)
 
 
-def simulate_bidirectional(
-    pp: int, half: int, *, forward: float = 1.0, backward: float = 2.0
-) -> dict[tuple[int, int, str, int], tuple[int, float, float]]:
-    """List-schedule two mirrored 1F1B replicas with unit costs.
-
-    Keys ``(replica, stage, kind, micro-batch)``; values ``(rank, start, end)``. Each replica
-    keeps its own 1F1B order per stage; a rank, when free, starts whichever of its two replicas'
-    next actions can start earliest (ties: backward first, to free activations, then replica A).
-    The result is a valid timed execution, so ordering each rank's actions by start time gives a
-    deadlock-free order for blocking receives and non-blocking sends.
-    """
+def gems_queues(pp: int, half: int) -> list[list[list[ScheduleAction]]]:
+    """Per pipeline rank, the two 1F1B orders it interleaves: replica A's stage ``r`` and
+    replica B's stage ``pp - 1 - r``, ``half`` micro-batches each (for :func:`simulate`)."""
     inner = schedule_order("1f1b", pp, half)
-    queues = [[list(inner[r]), list(inner[pp - 1 - r])] for r in range(pp)]
-    stage_of = [[r, pp - 1 - r] for r in range(pp)]
-    pos = [[0, 0] for _ in range(pp)]
-    free = [0.0] * pp
-    done: dict[tuple[int, int, str, int], tuple[int, float, float]] = {}
-    total = sum(len(q[0]) + len(q[1]) for q in queues)
-    while len(done) < total:
-        best: tuple[float, int, int, int] | None = None  # (start, kind rank, replica, rank)
-        for r in range(pp):
-            for rep in (0, 1):
-                if pos[r][rep] >= len(queues[r][rep]):
-                    continue
-                kind, i = queues[r][rep][pos[r][rep]]
-                s = stage_of[r][rep]
-                if kind == "F":
-                    dep = (rep, s - 1, "F", i) if s > 0 else None
-                else:
-                    dep = (rep, s + 1, "B", i) if s < pp - 1 else (rep, s, "F", i)
-                if dep is not None and dep not in done:
-                    continue
-                start = max(free[r], done[dep][2] if dep is not None else 0.0)
-                key = (start, 0 if kind == "B" else 1, rep, r)
-                if best is None or key < best:
-                    best = key
-        if best is None:
-            raise RuntimeError("bidirectional schedule deadlocks")  # a bug in the orders
-        start, _, rep, r = best
-        kind, i = queues[r][rep][pos[r][rep]]
-        end = start + (forward if kind == "F" else backward)
-        done[(rep, stage_of[r][rep], kind, i)] = (r, start, end)
-        free[r] = end
-        pos[r][rep] += 1
-    return done
+    return [
+        [
+            [(0, r, k, i) for k, i in inner[r]],
+            [(1, pp - 1 - r, k, i) for k, i in inner[pp - 1 - r]],
+        ]
+        for r in range(pp)
+    ]
 
 
 def bidirectional_order(pp: int, half: int) -> list[list[Action]]:
-    """Per pipeline rank, the merged ``(replica, kind, micro-batch)`` actions of both replicas."""
-    times = simulate_bidirectional(pp, half)
+    """Per pipeline rank, the merged ``(replica, kind, micro-batch)`` actions of both replicas.
+
+    Each replica keeps its own 1F1B order per stage; a rank, when free, starts whichever of its
+    two replicas' next actions can start earliest (:func:`simulate`). The result is a valid
+    timed execution, so ordering each rank's actions by start time gives a deadlock-free order
+    for blocking receives and non-blocking sends.
+    """
+    times = simulate(gems_queues(pp, half), pp)
     out: list[list[Action]] = [[] for _ in range(pp)]
     for (rep, _, kind, i), (r, _start, _) in sorted(times.items(), key=lambda kv: kv[1][1]):
         out[r].append((rep, kind, i))
@@ -280,7 +253,9 @@ def bidirectional_order(pp: int, half: int) -> list[list[Action]]:
 #: One compute action of a rank: (chain, model stage, kind, micro-batch of that chain). Chain 1 is
 #: GEMS's replica B; kinds ``F``, ``B`` (full backward), ``I`` / ``W`` (input / weight backward).
 ScheduleAction = tuple[int, int, str, int]
-#: Unit costs of :func:`simulate_orders`: a backward is two forwards, split evenly into I and W.
+#: When each action runs: ``{action: (rank, start, end)}`` (:func:`simulate`).
+Timeline = dict[ScheduleAction, tuple[int, float, float]]
+#: Unit costs of :func:`simulate`: a backward is two forwards, split evenly into I and W.
 UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
@@ -330,49 +305,78 @@ def schedule_actions(schedule: str, pp: int, microbatches: int) -> list[list[Sch
     return _torch_rank_orders(schedule, pp, microbatches)
 
 
+def _dependency(
+    action: ScheduleAction, stages: int, done: dict[ScheduleAction, Any]
+) -> ScheduleAction | None:
+    """The action ``action`` waits for: a forward, the previous stage's forward of the same
+    micro-batch (same chain); a backward (or input-backward), the next stage's (the last
+    stage's, its own forward); a weight-backward, its own input-backward."""
+    c, s, kind, i = action
+    if kind == "F":
+        return (c, s - 1, "F", i) if s > 0 else None
+    if kind == "W":
+        return (c, s, "I", i)
+    if s == stages - 1:
+        return (c, s, "F", i)
+    nxt = [(c, s + 1, k, i) for k in ("B", "I")]
+    return next((d for d in nxt if d in done), nxt[0])
+
+
+def simulate(
+    queues: Sequence[Sequence[Sequence[ScheduleAction]]],
+    stages: int,
+    cost: Callable[[int, str], float] | None = None,
+) -> Timeline:
+    """The schedule simulator: when every action runs, ``{action: (rank, start, end)}``.
+
+    ``queues[r]`` are rank ``r``'s action queues. One queue is a fixed order, replayed (every
+    schedule training runs, :func:`schedule_actions`); with several (GEMS's two replicas,
+    :func:`gems_queues`), a free rank starts whichever queue's next action can start earliest
+    (ties: a backward first, to free activations, then chain A). ``cost(stage, kind)`` is an
+    action's duration (default :data:`UNIT_COST`); dependencies as :func:`_dependency`. The one
+    simulator behind the GEMS order, the planner's step time (:mod:`.plan`), the benchmark's
+    bubbles and the plan picture. Raises if the queues deadlock.
+    """
+    price = cost or (lambda _s, kind: UNIT_COST[kind])
+    pos = [[0] * len(q) for q in queues]
+    free = [0.0] * len(queues)
+    done: Timeline = {}
+    total = sum(len(q) for rank in queues for q in rank)
+    while len(done) < total:
+        best: tuple[tuple[float, int, int, int, int], ScheduleAction] | None = None
+        for r, mine in enumerate(queues):
+            for k, queue in enumerate(mine):
+                if pos[r][k] >= len(queue):
+                    continue
+                action = queue[pos[r][k]]
+                dep = _dependency(action, stages, done)
+                if dep is not None and dep not in done:
+                    continue
+                start = max(free[r], done[dep][2] if dep is not None else 0.0)
+                key = (start, 0 if action[2] != "F" else 1, action[0], r, k)
+                if best is None or key < best[0]:
+                    best = (key, action)
+        if best is None:
+            raise RuntimeError("the order deadlocks")
+        (start, _, _, r, k), action = best
+        end = start + price(action[1], action[2])
+        done[action] = (r, start, end)
+        free[r] = end
+        pos[r][k] += 1
+    return done
+
+
 def simulate_orders(
     orders: list[list[ScheduleAction]],
     stages: int,
     cost: Callable[[int, str], float] | None = None,
 ) -> tuple[float, float]:
-    """Replay every rank's action order; returns (makespan, idle fraction of ranks x makespan).
-
-    ``cost(stage, kind)`` is an action's duration (default :data:`UNIT_COST`). A forward waits
-    for the previous stage's forward of the same micro-batch (same chain), a backward (or
-    input-backward) for the next stage's, the last stage's for its own forward, a weight-backward
-    for its own input-backward. Used for the bubbles of ``benchmarks/bench_schedules.py`` (unit
-    costs) and the step time of :mod:`.plan` (each stage's predicted costs). Raises if an order
-    deadlocks.
-    """
+    """Replay every rank's action order (:func:`simulate`); returns (makespan, idle fraction
+    of ranks x makespan). Used for the bubbles of ``benchmarks/bench_schedules.py`` (unit
+    costs) and the step time of :mod:`.plan` (each stage's predicted costs)."""
     price = cost or (lambda _s, kind: UNIT_COST[kind])
-    done: dict[ScheduleAction, float] = {}
-    pos = [0] * len(orders)
-    free = [0.0] * len(orders)
-    total = sum(len(o) for o in orders)
-    while len(done) < total:
-        moved = False
-        for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                c, s, kind, i = order[pos[r]]
-                dep: ScheduleAction | None
-                if kind == "F":
-                    dep = (c, s - 1, "F", i) if s > 0 else None
-                elif kind == "W":
-                    dep = (c, s, "I", i)
-                elif s == stages - 1:
-                    dep = (c, s, "F", i)
-                else:
-                    nxt = [(c, s + 1, k, i) for k in ("B", "I")]
-                    dep = next((d for d in nxt if d in done), nxt[0])
-                if dep is not None and dep not in done:
-                    break
-                end = max(free[r], done[dep] if dep is not None else 0.0) + price(s, kind)
-                done[(c, s, kind, i)] = free[r] = end
-                pos[r] += 1
-                moved = True
-        if not moved:
-            raise RuntimeError("the order deadlocks")
-    span = max(free)
+    times = simulate([[o] for o in orders], stages, price)
+    span = max((end for _, _, end in times.values()), default=0.0)
     busy = sum(price(a[1], a[2]) for o in orders for a in o)
     return span, 1.0 - busy / (len(orders) * span) if span else 0.0
 
@@ -538,7 +542,7 @@ class BidirectionalSchedule:
                 stage.backward_one_chunk(i, loss=loss, last_backward=i == self.half - 1)
                 send = stage.get_bwd_send_ops(i)
             # Sends are never waited for before the step's end: a rank blocks only on receives,
-            # which the simulated order guarantees are sent (see simulate_bidirectional).
+            # which the simulated order guarantees are sent (see bidirectional_order).
             if send:
                 works.extend(dist.batch_isend_irecv(send))
         for w in works:
