@@ -7,4 +7,4 @@ export PATH="$PWD/.venv/bin:$PATH"
 ruff format --check hyfi_imaging tests benchmarks
 ruff check hyfi_imaging tests benchmarks
 mypy
-pytest -q -p no:cacheprovider --timeout=600 "$@"
+pytest -q -p no:cacheprovider --timeout=600 --durations=25 "$@"
