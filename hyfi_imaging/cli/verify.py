@@ -30,7 +30,7 @@ examples:
   # AmoebaNet-D, 3 tiles in a column, double precision
   mpirun -np 3 hyfi-verify --model amoebanet-d-6-64 --image-size 257x190 --spatial 3x1 --dtype float64
 
-  # your own model (any nn.Module; spatial and data parallelism; pipeline needs a chain)
+  # your own model (any nn.Module; spatial and data parallelism; pipeline if torch.fx traces it)
   mpirun -np 4 hyfi-verify --model torchvision.models:resnet18 --image-size 256x224 --spatial 2x2
 
   # 2 pipeline stages, 1F1B over 4 micro-batches, every block checkpointed
@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data", type=int, default=1, metavar="D", help="data-parallel replicas, dp (default 1)"
+    )
+    p.add_argument(
+        "--branches",
+        type=int,
+        default=1,
+        metavar="B",
+        help="branch ranks per tile, br: each runs some branches of every cell (default 1)",
     )
     p.add_argument(
         "--microbatches",
@@ -227,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from hyfi_imaging.errors import ConfigError
     from hyfi_imaging.models import create_model
+    from hyfi_imaging.parallel.branches import check_branches
     from hyfi_imaging.parallel.launch import init_parallel, shutdown, threads_per_rank
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.verify import check_image_size, run_verify
@@ -242,7 +250,11 @@ def _run(args: argparse.Namespace) -> int:
                 "give a volume (DxHxW) a grid GZxGYxGX and an image (HxW) a grid GYxGX",
             )
     layout = Layout(
-        dp=args.data, pp=args.pipeline, sp=grids[0], grids=grids if len(grids) > 1 else None
+        dp=args.data,
+        pp=args.pipeline,
+        sp=grids[0],
+        grids=grids if len(grids) > 1 else None,
+        br=args.branches,
     )
     plan = _plan(args, layout)
     kwargs: dict[str, object] = {"num_classes": args.num_classes}
@@ -252,6 +264,7 @@ def _run(args: argparse.Namespace) -> int:
     # Fail on a bad name, option, cut, batch or image size before any process group exists.
     model = create_model(args.model, **kwargs)
     plan.validate(model, batch)
+    check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_image_size(model, args.image_size, batch)
     del model
     pc = init_parallel(layout)

@@ -377,7 +377,8 @@ class ModelBase(nn.Module):
 
     Not every model is a chain: a U-Net's decoder reads the encoder's outputs across the
     network (skip connections), so it derives from this class only and runs its own
-    ``forward`` as one pipeline stage (spatial and data parallelism still apply).
+    ``forward`` on one pipeline stage; several stages cut its traced chain form
+    (``parallel/chain_form.py``).
     """
 
     num_classes: int

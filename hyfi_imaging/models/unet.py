@@ -43,7 +43,9 @@ Design choices, and why:
   channels.
 * **Not a chain.** Every decoder level reads an encoder level's output, so the
   model derives from :class:`~.registry.ModelBase` and runs its own ``forward``
-  as one pipeline stage; the double convolutions are checkpointable blocks
+  on one pipeline stage; cut into several, it is its traced chain form
+  (``parallel/chain_form.py``: the skips travel between stages); the double
+  convolutions are checkpointable blocks
   (``set_grad_checkpointing``), which is how a U-Net on a whole slide trades
   compute for memory.
 

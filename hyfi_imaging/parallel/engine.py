@@ -31,6 +31,7 @@ every element exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -176,7 +177,8 @@ class ParallelModel:
         # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
         # backward and adds them to the (sharded) gradients already there.
         target = self.target_of(labels).to(self.pc.device)
-        with self.running_stats.merged():
+        sync = self.part.branch_sync
+        with self.running_stats.merged(), sync.step() if sync else contextlib.nullcontext():
             out = pipe.step(*args, target=target, losses=losses)
         self.last_logits = out.detach() if self.is_last and isinstance(out, Tensor) else None
         # One host read per step (the returned float), not one per micro-batch. It
@@ -199,7 +201,8 @@ class ParallelModel:
             loss, norm, stops = total.tolist()
             self.grads_finite, self.stop_requested = math.isfinite(norm), stops > 0
         layout = self.plan.layout
-        return loss / layout.stage_size(layout.pp - 1)
+        # Every tile and branch rank of the last stage holds the replica's whole loss.
+        return loss / (layout.stage_size(layout.pp - 1) * layout.br)
 
     def _owned_grads(self) -> list[Tensor]:
         """The gradients this rank owns: its FSDP shards (a DTensor's local part), else whole."""

@@ -117,6 +117,11 @@ class ParallelContext:
         return self.layout.coords(self.rank)
 
     @property
+    def branch(self) -> int:
+        """This rank's coordinate in its branch group (:mod:`.branches`); 0 without one."""
+        return self.layout.branch(self.rank)
+
+    @property
     def tile(self) -> tuple[int, ...]:
         """(row, column) of this rank's tile in the spatial grid; (slab, row, column) in 3-D."""
         return tuple(self.coords[2:])
@@ -127,7 +132,7 @@ class ParallelContext:
         return self.layout.grid_of(self.coords[1])
 
     def group(self, name: str) -> Any:
-        """Process group of a mesh axis (``dp``, ``pp``, ``sz``, ``sy``, ``sx``) or ``sp``
+        """Process group of a mesh axis (``dp``, ``pp``, ``br``, ``sz``, ``sy``, ``sx``) or ``sp``
         (all tile axes); with per-stage grids ``dp``, ``sp`` and ``replica`` (see
         :mod:`.junction`)."""
         if name not in self.groups:
@@ -144,7 +149,7 @@ class ParallelContext:
         at = [c + d for c, d in zip(self.tile, step, strict=True)]
         if not all(0 <= a < g for a, g in zip(at, grid, strict=True)):
             return None
-        return self.layout.rank_of(*self.coords[:2], *at)
+        return self.layout.rank_of(*self.coords[:2], *at, br=self.branch)
 
     def neighbours(self) -> Neighbours:
         """The ranks of this tile's face neighbours, for the halo exchange."""

@@ -17,6 +17,12 @@ world is no rectangle, so ranks are numbered replica by replica, stage by
 stage, tile by tile (row-major); :meth:`Layout.coords` and
 :meth:`Layout.rank_of` are the only places that turn coordinates into ranks,
 for both kinds of layout, and :mod:`.junction` builds its meshes from them.
+
+Branch groups (data sub-graph parallelism, :mod:`.branches`): ``br`` ranks hold the
+same tile of the same stage and each runs some of the independent branches of every
+cell. Their mesh axis ``"br"`` sits between ``pp`` and the spatial axes (only when
+``br > 1``, so every other layout's mesh is unchanged); :meth:`Layout.coords` keeps
+returning ``(dp, pp, *tile)`` and :meth:`Layout.branch` gives the branch coordinate.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Layout:
         Layout(sp=(2, 1, 2))         # 4 ranks, one volume cut into 2x1x2 sub-volumes
         Layout(sp=(4,))              # 4 ranks, one (N, C, L) signal cut into 4 segments
         Layout(pp=3, grids=((2, 2), (1, 2), (1, 1)))  # 7 ranks: a grid per stage
+        Layout(br=2, sp=(1, 2))      # 4 ranks: two branch ranks per tile
 
     Error::
 
@@ -75,10 +82,22 @@ class Layout:
     pp: int = 1
     sp: Grid = (1, 1)
     grids: tuple[Grid, ...] | None = None
+    #: Branch ranks per tile (:mod:`.branches`): each runs some branches of every cell.
+    br: int = 1
 
     def __post_init__(self) -> None:
         if self.grids is not None:
             self._set_grids(tuple(tuple(int(v) for v in g) for g in self.grids))
+        if not isinstance(self.br, int) or self.br < 1:
+            raise ConfigError(
+                "layout", f"br must be a positive integer, got {self.br!r}", "use e.g. --branches 2"
+            )
+        if self.br > 1 and self.grids is not None:
+            raise ConfigError(
+                f"--branches {self.br} --spatial {','.join(map(grid_text, self.grids))}",
+                "branch groups need one tile grid for every stage (no per-stage grids)",
+                "give one grid, e.g. --spatial 1x2, or drop --branches",
+            )
         if not isinstance(self.sp, tuple) or len(self.sp) not in SPATIAL_AXES:
             raise ConfigError(
                 "layout",
@@ -150,12 +169,13 @@ class Layout:
 
     @property
     def replica_size(self) -> int:
-        """Ranks of one data replica: the tiles of every stage."""
-        return sum(self.stage_size(s) for s in range(self.pp))
+        """Ranks of one data replica: the tiles of every stage, times the branch ranks."""
+        return self.br * sum(self.stage_size(s) for s in range(self.pp))
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: dp * (sum of the stage grids' tiles) = dp * pp * gy * gx (* gz)."""
+        """Ranks the layout needs: dp * br * (sum of the stage grids' tiles) = dp * pp * br * gy * gx
+        (* gz)."""
         return self.dp * self.replica_size
 
     @property
@@ -170,13 +190,14 @@ class Layout:
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
-        """Mesh axis names, outermost first: ``("dp", "pp", *spatial_axes)``."""
-        return ("dp", "pp", *self.spatial_axes)
+        """Mesh axis names, outermost first: ``("dp", "pp", *spatial_axes)``, with ``"br"``
+        before the spatial axes when ``br > 1``."""
+        return ("dp", "pp", *(("br",) if self.br > 1 else ()), *self.spatial_axes)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Mesh shape in :attr:`mesh_dims` order."""
-        return (self.dp, self.pp, *self.sp)
+        return (self.dp, self.pp, *((self.br,) if self.br > 1 else ()), *self.sp)
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError unless the job has exactly the ranks this layout needs."""
@@ -188,38 +209,53 @@ class Layout:
                 + (
                     f"dp*(sum of the stage grids) = {world_size}"
                     if self.junction
-                    else f"dp*pp*{'*'.join(_FACTORS[len(self.sp)])} = {world_size}"
+                    else f"dp*pp*{'br*' if self.br > 1 else ''}"
+                    f"{'*'.join(_FACTORS[len(self.sp)])} = {world_size}"
                 ),
             )
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """``(dp, pp, sy, sx)`` (or ``(dp, pp, sz, sy, sx)``) of a global rank: replica, then
         stage, then tile (row-major; the order of the rectangular mesh when every stage has one
-        grid)."""
+        grid). The branch coordinate is :meth:`branch`'s."""
         dp, rest = divmod(rank, self.replica_size)
         for stage in range(self.pp):
-            if rest < self.stage_size(stage):
+            if rest < self.br * self.stage_size(stage):
+                rest %= self.stage_size(stage)  # branch-major within the stage
                 tile = []
                 for n in reversed(self.grid_of(stage)):
                     tile.append(rest % n)
                     rest //= n
                 return (dp, stage, *reversed(tile))
-            rest -= self.stage_size(stage)
+            rest -= self.br * self.stage_size(stage)
         raise ValueError(f"rank {rank} is outside {self.describe()}")
 
-    def rank_of(self, dp: int, pp: int, *tile: int) -> int:
-        """The global rank at coordinates ``(dp, pp, *tile)``: :meth:`coords` inverted."""
+    def rank_of(self, dp: int, pp: int, *tile: int, br: int = 0) -> int:
+        """The global rank at coordinates ``(dp, pp, *tile)`` of branch ``br``: :meth:`coords`
+        (and :meth:`branch`) inverted."""
         index = 0
         for t, n in zip(tile, self.grid_of(pp), strict=True):
             index = index * n + t
-        before = sum(self.stage_size(s) for s in range(pp))
+        index += br * self.stage_size(pp)
+        before = self.br * sum(self.stage_size(s) for s in range(pp))
         return dp * self.replica_size + before + index
+
+    def branch(self, rank: int) -> int:
+        """The branch coordinate (``0 .. br-1``) of a global rank; 0 without branch groups."""
+        rest = rank % self.replica_size
+        for stage in range(self.pp):
+            size = self.br * self.stage_size(stage)
+            if rest < size:
+                return rest // self.stage_size(stage)
+            rest -= size
+        raise ValueError(f"rank {rank} is outside {self.describe()}")
 
     def describe(self) -> str:
         if self.grids is not None:
             grids = ",".join("x".join(map(str, g)) for g in self.grids)
             return f"dp={self.dp} x pp={self.pp} x sp=[{grids}]"
-        return f"dp={self.dp} x pp={self.pp} x sp={grid_text(self.sp)}"
+        branches = f" x br={self.br}" if self.br > 1 else ""
+        return f"dp={self.dp} x pp={self.pp}{branches} x sp={grid_text(self.sp)}"
 
     @staticmethod
     def parse_grid(text: str) -> tuple[int, ...]:

@@ -130,15 +130,9 @@ class ParallelPlan:
 
     def check_model(self, model: nn.Module) -> None:
         """ConfigError unless the model can be cut and checkpointed as planned (no compute)."""
-        if self.layout.pp > 1 and not is_chain(model):
-            raise ConfigError(
-                f"--pipeline {self.layout.pp}",
-                f"{type(model).__name__} is not a chain of layers (its forward is not its "
-                "top-level children in order), so it cannot be cut into pipeline stages",
-                "use --pipeline 1 (spatial and data parallelism work for any model), or build it "
-                "as a hyfi_imaging.models.ChainModel or nn.Sequential",
-            )
-        n = len(model_layers(model))
+        n = len(model_layers(model, self.stages))  # a non-chain: traced, or refused
+        if self.stages > 1 and not is_chain(model):
+            self._check_traced(model)
         if self.stages > n:
             per_rank = self.stages // self.layout.pp
             raise ConfigError(
@@ -157,6 +151,24 @@ class ParallelPlan:
                 f"--checkpointing {self.checkpointing}",
                 f"{type(model).__name__} has no checkpointable blocks",
                 "use --checkpointing none",
+            )
+
+    def _check_traced(self, model: nn.Module) -> None:
+        """ConfigError for what a traced chain form (:mod:`.chain_form`) cannot run exactly."""
+        where = f"--pipeline {self.layout.pp} with {type(model).__name__} (not a chain)"
+        if self.halo_depth > 1:
+            raise ConfigError(
+                where,
+                f"--halo-depth {self.halo_depth} plans deep halos across top-level children, "
+                "but its traced layers may be cut inside one",
+                "use --halo-depth 1",
+            )
+        if self.layout.junction:
+            raise ConfigError(
+                where,
+                "per-stage grids re-partition one activation between stages, but a traced "
+                "layer hands on several (skips)",
+                "use one grid for every stage (e.g. --spatial 1x2)",
             )
 
     def check_batch(self, batch: int) -> None:

@@ -11,6 +11,11 @@ Model code is single-device; parallelism is applied to it here, as torchtitan's
    (:func:`~.apply.apply_spatial`), so every layer knows its true size at the image size;
    FSDP2 applies the gradient rule, so the layers' own reduction is off;
 4. **streaming** -- a chain's stem runs in row bands (:func:`~.streaming.stream_stem`);
+4b. **branches** -- each cell with independent branches runs only this rank's branches,
+   combined over the branch group (:func:`~.branches.apply_branches`; after spatial, so
+   the branches' layers are already this tile's; before the cut, which then takes the
+   branched cells); the branch gradients' sum (:class:`~.branches.BranchSync`) is made
+   after sharding, on this rank's stage;
 5. **balance** -- where the model is cut: given, or measured on a tile-sized micro-batch
    (the maximum over the world, so every rank cuts alike) (:func:`choose_balance`);
 6. **stages** -- a chain is cut into this rank's stage modules (:func:`apply_stages`);
@@ -31,6 +36,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +50,7 @@ from hyfi_imaging.parallel.apply import (
     output_shape,
 )
 from hyfi_imaging.parallel.balance import LayerCosts, measure_layers, partition
+from hyfi_imaging.parallel.branches import BranchSync, apply_branches, check_branches
 from hyfi_imaging.parallel.junction import check_junction_model, stage_tiles
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.layout import Layout
@@ -90,6 +97,7 @@ def parallelize(
             "build the ParallelContext and the plan from the same Layout",
         )
     plan.check_model(model)
+    check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_same_weights(model, pc.device)
     image = tuple(int(v) for v in image_hw)
     pp_rank = pc.coords[1]
@@ -98,7 +106,7 @@ def parallelize(
     in_chans = input_channels(model)
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     checkpointed = set_checkpointing(model, plan.checkpointing)
-    layers = model_layers(model)
+    layers = model_layers(model, plan.stages)
     meta_model = copy.deepcopy(model).to("meta")
     if layout.junction:
         h, w = image
@@ -118,7 +126,11 @@ def parallelize(
         reduce_grads=False,  # FSDP2 reduces them (sharding.py: the tile/head rule)
         backward_bands=plan.backward_bands,
     )
+    if ctx is not None and plan.stages > 1 and not is_chain(model):
+        _check_traced_sites(model, ctx)
     streamed = stream_stem(model, ctx) if plan.streaming == "stem" else []
+    if layout.br > 1:
+        apply_branches(model, layout.br, pc.branch, pc.group("br"))
     padded_hw, tile_hw, tile_model = image, image, meta_model
     if ctx is not None:
         padded_hw, tile_hw = ctx.padded_size(image), ctx.tile_size(image)
@@ -161,6 +173,7 @@ def parallelize(
         stage_module=stage_module,
         fsdp_units=fsdp_units,
         planned=planned,
+        branch_sync=BranchSync(stage_module, pc.group("br")) if layout.br > 1 else None,
     )
     runtime = runtime_cls(part, pc, layout, plan.schedule, loss_fn)
     running_stats = apply_running_stats(
@@ -171,6 +184,21 @@ def parallelize(
         copy_groups=runtime.copy_groups,
     )
     return part, runtime, running_stats
+
+
+def _check_traced_sites(model: nn.Module, ctx: SpatialContext) -> None:
+    """ConfigError for a function call in the model's own ``forward`` that mixes pixels across
+    tiles: its spatial form is entered with a module's frame, and a traced pipeline layer
+    calls it outside any (functions inside the model's modules run as in one stage)."""
+    top = sorted(s for s in ctx.functional_sites if s.startswith("#"))
+    if top:
+        raise ConfigError(
+            f"{type(model).__name__}'s forward",
+            f"calls a function that mixes pixels across tiles itself (site {top[0]}), which "
+            "a traced pipeline stage cannot run on tiles",
+            "use --pipeline 1 on a grid, or move that call into a module (e.g. "
+            "nn.AdaptiveAvgPool2d(1) for F.adaptive_avg_pool2d(x, 1))",
+        )
 
 
 def _stage_tiles(
@@ -200,7 +228,9 @@ def choose_balance(
 ) -> BalanceInfo:
     """The cut: the plan's, one stage, or measured per layer on a tile (``plain``: a copy of
     the model before spatialization, timed one layer at a time)."""
-    params = [sum(p.numel() for p in m.parameters()) for _, m in model_layers(meta_model)]
+    params = [
+        sum(p.numel() for p in m.parameters()) for _, m in model_layers(meta_model, plan.stages)
+    ]
     n = len(params)
     if plan.balance is not None:
         return BalanceInfo(plan.balance, "explicit", None, params)
@@ -209,7 +239,7 @@ def choose_balance(
     assert plain is not None
     plain.to(device)
     sample = torch.randn(1, in_chans, *tile_hw, dtype=dtype, device=device)
-    costs = measure_layers(model_layers(plain), sample, repeat=3)
+    costs = measure_layers(model_layers(plain, plan.stages), sample, repeat=3)
     # Max over ranks is exact: every rank then cuts from the same numbers.
     vec = torch.tensor([*costs.seconds, *[float(b) for b in costs.bytes]], dtype=torch.float64).to(
         device
@@ -238,13 +268,14 @@ def apply_stages(
     """This rank's stage modules (one per local stage) and all its layers as one module.
 
     A chain is cut into stages of its children; any other model is one stage, the model
-    itself, running its own forward under its own parameter names. The stage modules are
+    itself, running its own forward under its own parameter names, or, cut into several, its
+    traced chain form (:mod:`.chain_form`, the same parameter names). The stage modules are
     fixed here: their dtype, the split-backward schedules' contiguous input gradients, and
     the output shapes they check (looked up in ``planned``, which the runtime fills).
     """
-    if not is_chain(model):
+    if len(balance) == 1 and not is_chain(model):
         return [model], model
-    layers = model_layers(model)
+    layers = model_layers(model, len(balance))
     bounds = stage_bounds(balance)
     submods: list[nn.Module] = []
     for ls in local:
@@ -262,7 +293,8 @@ def apply_stages(
         return submods, submods[0]
     order = sorted(range(len(local)), key=lambda k: local[k].index)
     whole = StageModule(
-        [nl for k in order for nl in submods[k].named_children()], index=local[0].index
+        [nl for k in order for nl in cast(StageModule, submods[k]).named_layers()],
+        index=local[0].index,
     )
     return submods, whole
 

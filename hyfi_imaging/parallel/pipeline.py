@@ -6,9 +6,11 @@ children run in order, each on the previous child's output. Any cut between
 children is therefore a valid stage boundary, and the stages chained again are
 the model, bit for bit (``tests/test_pipeline.py`` checks it). A *balance* is
 the number of children per stage, as in torchgpipe: ``(5, 6)`` gives stage 0
-the first five children and stage 1 the other six. Any other module (a
-torchvision or timm network, a user's own class) is one layer, the whole
-model: it runs its own ``forward``, on one stage (:func:`model_layers`).
+the first five children and stage 1 the other six. Any other module (a U-Net,
+a torchvision or timm network, a user's own class) is one layer, the whole
+model, on one stage; cut into several, it is its traced chain form
+(:mod:`.chain_form`), whose layers hand on the tuple of live tensors
+(:func:`model_layers`).
 
 Why a :class:`StageModule` keeps the children under their original names:
 ``stage.state_dict()`` then has exactly the keys of the full model restricted
@@ -46,6 +48,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock, run_chain
+from hyfi_imaging.parallel.chain_form import ChainLayer, chain_layers, mount
 
 __all__ = [
     "StageModule",
@@ -76,15 +79,18 @@ def is_chain(model: nn.Module) -> bool:
     return isinstance(model, ChainModel | nn.Sequential)
 
 
-def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The ``(name, layer)`` pairs a pipeline is cut from.
+def model_layers(model: nn.Module, stages: int = 1) -> list[tuple[str, nn.Module]]:
+    """The ``(name, layer)`` pairs a pipeline of ``stages`` model stages is cut from.
 
     For a chain (:func:`is_chain`): the model's top-level children. Any other
-    module is one layer, the whole model under its class name: it runs its own
-    ``forward`` and can only be one pipeline stage. Raises ConfigError for a
-    chain without children (nothing to run).
+    module is, for one stage, one layer, the whole model under its class name
+    (it runs its own ``forward``); for several, its traced chain form
+    (:func:`~.chain_form.chain_layers`: ConfigError naming the fix when torch.fx
+    cannot trace it). Raises ConfigError for a chain without children.
     """
     if not is_chain(model):
+        if stages > 1:
+            return chain_layers(model)
         return [(type(model).__name__, model)]
     layers = list(model.named_children())
     if not layers:
@@ -156,6 +162,11 @@ class _ContiguousGrad(torch.autograd.Function):
 class StageModule(nn.Module):
     """Consecutive top-level children of a model, under their original names.
 
+    Layers of a traced chain form (:class:`~.chain_form.ChainLayer`) are not
+    registered under their layer names: the modules they call are, at their
+    model paths (:func:`~.chain_form.mount`), so the stage's parameter names are
+    the model's here too; :meth:`named_layers` gives the layers in order.
+
     ``forward(*args)`` packs several arguments into one tuple (the form a
     multi-input child such as an AmoebaNet cell takes), runs the children in
     order, and returns a tensor or a tuple of tensors in standard contiguous
@@ -183,8 +194,15 @@ class StageModule(nn.Module):
         planned: Callable[[int], tuple[tuple[int, ...], ...]] | None = None,
     ) -> None:
         super().__init__()
-        for name, module in layers:
-            self.add_module(name, module)
+        #: The traced layers in order (not registered: their modules are, by model path).
+        self.traced: tuple[tuple[str, ChainLayer], ...] = tuple(
+            (n, m) for n, m in layers if isinstance(m, ChainLayer)
+        )
+        if self.traced:
+            mount(self, [part for _, layer in self.traced for part in layer.parts])
+        else:
+            for name, module in layers:
+                self.add_module(name, module)
         self.index = index
         self.dtype = dtype
         self.contiguous_grads = contiguous_grads
@@ -198,6 +216,10 @@ class StageModule(nn.Module):
             t = t.to(self.dtype)
         return t.contiguous()
 
+    def named_layers(self) -> list[tuple[str, nn.Module]]:
+        """The stage's layers in order: its children, or its traced layers."""
+        return list(self.traced) if self.traced else list(self.named_children())
+
     def forward(self, *args: Any) -> Any:
         """Run the children in order on ``args`` (one tensor, or a tuple given as several args)."""
         if self.contiguous_grads:
@@ -205,7 +227,12 @@ class StageModule(nn.Module):
                 _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
                 for a in args
             )
-        x: Any = run_chain(list(self.children()), args[0] if len(args) == 1 else tuple(args))
+        x: Any = args[0] if len(args) == 1 else tuple(args)
+        if self.traced:
+            for _, layer in self.traced:
+                x = layer(x, mirror=self)  # the modules as this stage holds them (FSDP2)
+        else:
+            x = run_chain(list(self.children()), x)
         if isinstance(x, tuple | list):
             x = tuple(self._boundary(t) for t in x)
         else:
@@ -224,7 +251,7 @@ class StageModule(nn.Module):
 
 def cut_stages(model: nn.Module, balance: Sequence[int]) -> list[StageModule]:
     """Cut ``model`` into stages of ``balance`` children each (the modules are shared, not copied)."""
-    layers = model_layers(model)
+    layers = model_layers(model, len(balance))
     check_balance(tuple(balance), len(layers), len(balance))
     return [
         StageModule(layers[start:stop], index=i)
@@ -300,7 +327,7 @@ def stage_boundaries(
     tensors are contiguous, like the ones :class:`StageModule` sends.
     """
     dtype = dtype or next((p.dtype for p in model.parameters()), torch.get_default_dtype())
-    layers = model_layers(copy.deepcopy(model).to("meta"))
+    layers = model_layers(copy.deepcopy(model).to("meta"), len(balance))
     check_balance(tuple(balance), len(layers), len(balance))
     x: Any = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     out: list[tuple[torch.Tensor, ...]] = [(x,)]

@@ -17,6 +17,7 @@ from torch import nn
 
 from hyfi_imaging.parallel.apply import OutputMap
 from hyfi_imaging.parallel.balance import LayerCosts
+from hyfi_imaging.parallel.branches import BranchSync
 from hyfi_imaging.parallel.schedules import LocalStage
 from hyfi_imaging.parallel.spatial import SpatialContext
 
@@ -102,6 +103,8 @@ class RankModel:
     #: The FSDP2 units of this rank's stages.
     fsdp_units: list[str]
     planned: PlannedShapes
+    #: The branch group's once-per-step gradient and statistics sum (:mod:`.branches`), or None.
+    branch_sync: BranchSync | None = None
 
     @property
     def stage_index(self) -> int:

@@ -1,0 +1,81 @@
+"""Data sub-graph parallelism against one process, in float64, through ``hyfi-verify``.
+
+Each case is one ``mpiexec`` of the real CLI (two SGD steps, every rank's
+gradients, weights, BatchNorm statistics and predictions compared with rank 0's
+one-process run). The sabotaged case turns the branch group's gradient sum off
+(in this test, not in the CLI) and must be caught: the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _launch import have_mpiexec, json_line, mpiexec
+
+pytestmark = pytest.mark.mpi
+
+AMOEBA = ("--model", "amoebanet-d-3-8", "--dtype", "float64", "--num-classes", "5", "--json")
+
+#: name -> (ranks, extra options).
+CASES = {
+    "br2": (2, ("--image-size", "32x32", "--branches", "2")),
+    "br2-pp2-1f1b": (
+        4,
+        (
+            "--image-size",
+            "70x52",
+            "--branches",
+            "2",
+            "--pipeline",
+            "2",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "1f1b",
+        ),
+    ),
+    "br2-sp1x2": (4, ("--image-size", "70x190", "--branches", "2", "--spatial", "1x2")),
+    "br2-dp2": (4, ("--image-size", "32x32", "--branches", "2", "--data", "2")),
+}
+SLOW = {"br2-sp1x2", "br2-dp2"}
+
+#: The CLI with BranchSync's gradient sum replaced by nothing (test-only sabotage).
+SABOTAGE = (
+    "import contextlib, sys\n"
+    "from hyfi_imaging.parallel import branches\n"
+    "branches.BranchSync.step = lambda self: contextlib.nullcontext()\n"
+    "from hyfi_imaging.cli.verify import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def _verdict(n: int, *args: str) -> dict[str, object]:
+    if not have_mpiexec():
+        pytest.skip("mpiexec not found (install the mpich extra)")
+    job = mpiexec(n, *args, timeout=300)
+    return json_line(job)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES]
+)
+def test_branches_train_like_one_process(name: str) -> None:
+    n, extra = CASES[name]
+    verdict = _verdict(n, "-m", "hyfi_imaging.cli.verify", *AMOEBA, *extra)
+    assert verdict["ok"], verdict
+    assert "br=2" in str(verdict["plan"])
+    assert verdict["compared"] > 900  # every parameter's gradient, weights, statistics
+    assert verdict["max_rel_error"] < 1e-5  # type: ignore[operator]
+
+
+def test_missing_gradient_sum_is_caught() -> None:
+    verdict = _verdict(2, "-c", SABOTAGE, *AMOEBA, *CASES["br2"][1])
+    assert not verdict["ok"]
+    failed = [str(f) for f in verdict["failed"]]  # type: ignore[attr-defined]
+    assert any("grad/" in f and ".ops." in f for f in failed), failed
+    # Parameters outside the branches still agree: only the branches' sum was removed.
+    assert not any("grad/stem." in f or "grad/head." in f for f in failed), failed
