@@ -274,9 +274,11 @@ def _predict_all(
     optimizer: str,
     dev: Any,
     overlap: bool,
+    left_out: list[str],
 ) -> list[Any]:
-    """Every candidate's prediction (those the model or image cannot take left out), with a
-    progress bar on a terminal and a line before and after on stderr."""
+    """Every candidate's prediction, with a progress bar on a terminal and a line before and
+    after on stderr. A candidate the model or image cannot take (a HyfiError, which names
+    why) is left out and said in ``left_out``; any other error is a bug and propagates."""
     import time
 
     from tqdm import tqdm
@@ -293,8 +295,8 @@ def _predict_all(
             try:
                 preds.append(predict(model, hw, batch, cand, optimizer=optimizer,
                                      device=dev, overlap=overlap))  # fmt: skip
-            except HyfiError:
-                continue  # a layout this model or image cannot take
+            except HyfiError as err:
+                left_out.append(f"{cand.describe()}: {err}")
     print(f"hyfi-plan: ranked {len(preds)} layouts in {time.perf_counter() - began:.1f} s",
           file=sys.stderr, flush=True)  # fmt: skip
     return preds
@@ -327,8 +329,9 @@ def run(args: argparse.Namespace) -> int:
         todo = kept
     if own is not None and own not in todo:
         todo.insert(0, own)
+    left_out: list[str] = []
     preds = _predict_all(model, hw, batch, todo, optimizer=optimizer, dev=dev,
-                         overlap=args.overlap)  # fmt: skip
+                         overlap=args.overlap, left_out=left_out)  # fmt: skip
     ranked = rank(preds, memory)
     name = type(model).__name__
     if not timed:
@@ -355,6 +358,9 @@ def run(args: argparse.Namespace) -> int:
     if refused:
         print(f"hyfi-plan: {len(refused)} layouts left out, which training refuses for this "
               f"cohort (e.g. {refused[-1]})")  # fmt: skip
+    if left_out:
+        print(f"hyfi-plan: {len(left_out)} layouts left out, which the planner cannot predict "
+              f"for this model and image (e.g. {left_out[0]})")  # fmt: skip
     head = f"{'#':>3} {'layout':28} {'m':>2} {'schedule':15} {'ckpt':14} {'peak GiB':>9} " \
            f"{'act':>7} {'state':>7} {'step s':>9} {'bubble':>6} {'comm %':>6} " \
            f"{'img/s/dev':>10}  fits"  # fmt: skip

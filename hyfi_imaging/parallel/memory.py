@@ -121,6 +121,21 @@ class SavedActivations:
         out.by_module, out.shared = dict(by_module), dict(shared)
         return out
 
+    def by_layer(self) -> dict[str, int]:
+        """Bytes of activations (parameters apart) per direct child -- per layer, for a stage
+        of traced layers -- each distinct storage counted by the child that first saved it.
+
+        Why by the running child and not by the saver's path: a traced layer's work between
+        its modules (``"(between modules)"``) has no module path, yet it is that layer's."""
+        out: dict[str, int] = defaultdict(int)
+        seen: set[int] = set()
+        for key, owner, nbytes, _, top in self.saves:
+            if key in seen or owner == PARAMETERS:
+                continue
+            seen.add(key)
+            out[top] += nbytes
+        return dict(out)
+
     def by_kind(self) -> dict[str, int]:
         """Bytes per module class name (parameters apart)."""
         out: dict[str, int] = defaultdict(int)
@@ -135,11 +150,23 @@ def _key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActivations:
+def saved_activations(
+    model: nn.Module,
+    forward: Callable[[], Any],
+    layers: Sequence[tuple[str, nn.Module]] | None = None,
+) -> SavedActivations:
     """Run ``forward()`` (which should call ``model``) and count what autograd saves.
 
     The result of ``forward()`` is dropped, so its graph is freed. Works on the
     ``meta`` device (no memory, no compute), which is how the planner uses it.
+
+    ``layers``: the ``(name, module)`` units each save is attributed to (the ``top`` of
+    :attr:`SavedActivations.saves`, what :meth:`SavedActivations.restrict` selects by);
+    default the model's direct children. A pipeline stage of traced layers
+    (:meth:`~.pipeline.StageModule.named_layers`) passes its layers: its direct children are
+    the levels of the model's module tree (``encoder``), each spread over several layers, and
+    a layer's work between its modules (a concatenation, a ReLU called as a function) is
+    its own.
     """
     params = {_key(p.to_local() if isinstance(p, DTensor) else p) for p in model.parameters()}
     stack = [BETWEEN]
@@ -171,7 +198,8 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
     # them that a chain runner calls as one, such as a streamed stem, enters none of them)
     # the work belongs to the child after the last one finished.
     tops = [""]
-    order = [name for name, _ in model.named_children()]
+    units = list(model.named_children()) if layers is None else list(layers)
+    order = [name for name, _ in units]
     done = [0]
 
     def top() -> str:
@@ -189,7 +217,7 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedActi
             (_key(t), _nbytes(t), t.untyped_storage().nbytes()) for t in flat_tensors(out)
         ]
 
-    for name, child in model.named_children():
+    for name, child in units:
         handles.append(child.register_forward_pre_hook(lambda m, a, n=name: tops.append(n)))
         handles.append(child.register_forward_hook(lambda m, a, o, n=name: top_leave(n, o)))
     for path, mod in model.named_modules():

@@ -15,6 +15,13 @@ gives (``tests/test_plan.py`` compares the two on several models and cuts).
 One exception keeps its own trace: a streamed stem that a pipeline cut splits runs its layers
 one by one (:func:`~..models.registry.run_chain`), so the cut points inside it are part of the
 key (``splits``).
+
+A model that is no chain (a U-Net) is one layer for one stage and its traced chain form
+(:mod:`.chain_form`) for several, as :func:`~.pipeline.model_layers` cuts it for training:
+every function here takes the stage count (``stages``), and the meta copy keeps both forms
+over the same modules. A traced layer holds several of the model's modules at their own
+paths (``encoder.0``, ``up.1``), so a module path names its layer by the longest prefix a
+layer holds (:func:`layer_of`), not by its first component.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyfi_imaging.models.registry import CheckpointedBlock, chain_run, run_chain
-from hyfi_imaging.parallel.memory import SavedActivations, saved_activations
+from hyfi_imaging.parallel.chain_form import ChainLayer
+from hyfi_imaging.parallel.memory import SavedActivations, _key, saved_activations
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
     as_tuple,
@@ -48,6 +56,7 @@ __all__ = [
     "MetaMemo",
     "MetaModel",
     "ModelTrace",
+    "layer_of",
     "layer_work",
     "meta_model",
     "saved_trace",
@@ -65,16 +74,44 @@ class MetaModel:
     dtype: torch.dtype
     in_chans: int
 
+    @property
+    def traced(self) -> bool:
+        """Whether the layers are the model's traced chain form (a non-chain model cut)."""
+        return any(isinstance(layer, ChainLayer) for _, layer in self.layers)
+
     def blocks(self, checkpointing: str) -> list[str]:
-        """The blocks ``checkpointing`` recomputes. The copy itself always runs them plainly:
-        the planner accounts for the recomputation (and a trace must not depend on the mode)."""
+        """The blocks ``checkpointing`` recomputes, by the paths a stage's trace names. The
+        copy itself always runs them plainly: the planner accounts for the recomputation
+        (and a trace must not depend on the mode)."""
         chosen = set_checkpointing(self.module, checkpointing)
         for blk in self.module.modules():
             if isinstance(blk, CheckpointedBlock):
                 blk.grad_checkpointing = False
-        if not is_chain(self.module):  # one layer, the whole model, under its class name
-            return [f"{self.layers[0][0]}.{name}" for name in chosen]
+        if not is_chain(self.module) and not self.traced:
+            return [f"{self.layers[0][0]}.{name}" for name in chosen]  # one layer, the model
         return chosen
+
+
+def layer_of(layers: Sequence[tuple[str, nn.Module]], path: str) -> int | None:
+    """The index of the layer of ``layers`` that holds the module (or tensor) at ``path`` --
+    a path as a stage of those layers names it -- or None.
+
+    A top-level layer holds the paths under its name (``layer3.0.conv1``: ``layer3``); a
+    traced layer (:class:`~.chain_form.ChainLayer`) the paths under each module and tensor
+    it mounts, which are the model's own (``encoder.0.conv``: the layer calling
+    ``encoder.0``). The longest such prefix wins."""
+    roots: dict[str, int] = {}
+    for i, (name, layer) in enumerate(layers):
+        if isinstance(layer, ChainLayer):
+            roots.update((part, i) for part, _, _ in layer.parts)
+        else:
+            roots[name] = i
+    parts = path.split(".")
+    for k in range(len(parts), 0, -1):
+        found = roots.get(".".join(parts[:k]))
+        if found is not None:
+            return found
+    return None
 
 
 @dataclass
@@ -98,19 +135,37 @@ class ModelTrace:
         return self.work.boundaries
 
     def stage(self, start: int, stop: int) -> SavedActivations:
-        """What layers ``start:stop`` save, as a trace of that stage alone counts it.
+        """What layers ``start:stop`` save, as a trace of that stage alone counts it
+        (:meth:`stage_held`)."""
+        return self.stage_held(start, stop)[0]
 
-        Read from the whole trace where every tensor the stage receives fills a storage of its
-        own (a stage traced alone, like a pipeline stage, receives a copy of each); otherwise
-        (AmoebaNet's stem hands on one tensor twice) the stage is traced alone."""
+    def stage_held(self, start: int, stop: int) -> tuple[SavedActivations, int]:
+        """What layers ``start:stop`` save, and the bytes of the boundary tensors it receives
+        and sends (to another stage) that none of them saves.
+
+        What is saved is read from the whole trace where every tensor the stage receives fills
+        a storage of its own (a stage traced alone, like a pipeline stage, receives a copy of
+        each); otherwise (AmoebaNet's stem hands on one tensor twice) the stage is traced alone.
+
+        Why the boundary tensors: the pipeline holds what a stage received and what it sent
+        until its backward (the inputs' gradients are asked of them, the outputs are given
+        their gradients), saved or not. A chain stage saves them anyway (its first layer its
+        input); a traced U-Net stage receives and sends skips that only a concatenation
+        reads, which saves nothing -- megabytes the saved tensors do not count."""
+        names = [n for n, _ in self.layers[start:stop]]
+        ends: list[tuple[int, int]] = []  # (storage key, bytes) of the boundary tensors
         if start:
             received = self.saved.outputs.get(self.layers[start - 1][0], [])
             keys = [key for key, _, _ in received]
             if len(set(keys)) < len(keys) or any(own != whole for _, own, whole in received):
                 stage = StageModule(self.layers[start:stop], index=start)
                 ins = tuple(t.detach().requires_grad_(True).clone() for t in self.boundaries[start])
-                return saved_activations(stage, partial(stage, *ins))
-        return self.saved.restrict([n for n, _ in self.layers[start:stop]])
+                alone = saved_activations(stage, partial(stage, *ins), stage.named_layers())
+                ends = [(_key(t), t.numel() * t.element_size()) for t in ins]
+                return alone, _unsaved(alone, ends, names[-1], stop < len(self.layers))
+            ends = [(key, own) for key, own, _ in received]
+        mine = self.saved.restrict(names)
+        return mine, _unsaved(mine, ends, names[-1], stop < len(self.layers))
 
     def stage_ops(self, start: int, stop: int) -> SpatialOps:
         """The halo windows and BatchNorms of layers ``start:stop``, in call order."""
@@ -119,6 +174,18 @@ class ModelTrace:
             out.windows += ops.windows
             out.norms += ops.norms
         return out
+
+
+def _unsaved(
+    saved: SavedActivations, received: list[tuple[int, int]], last: str, sends: bool
+) -> int:
+    """Bytes of ``received`` (storage key, bytes) and, where the stage ``sends``, of its last
+    layer's outputs, that ``saved`` does not hold; a tensor passed on untouched counts once."""
+    ends = dict(received)
+    if sends:
+        ends.update((key, own) for key, own, _ in saved.outputs.get(last, []))
+    kept = {key for key, *_ in saved.storages}
+    return sum(n for key, n in ends.items() if key not in kept)
 
 
 @dataclass
@@ -143,17 +210,30 @@ _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], object]] =
 )
 
 
-def meta_model(model: nn.Module, streaming: str = "none") -> MetaModel:
-    """``model`` on the meta device (copied once per streaming mode), ``"stem"``: its stem streamed."""
+def meta_model(model: nn.Module, streaming: str = "none", stages: int = 1) -> MetaModel:
+    """``model`` on the meta device (copied once per streaming mode), ``"stem"``: its stem
+    streamed; its layers those a pipeline of ``stages`` stages is cut from
+    (:func:`~.pipeline.model_layers`: a non-chain model's traced form, on the same copy)."""
     cache = _CACHE.setdefault(model, {})
-    key = ("meta", streaming)
+    traced = stages > 1 and not is_chain(model)
+    key = ("meta", streaming, traced)
     if key not in cache:
-        # The plain copy without copying the weights' data; the streamed one from it.
-        meta = _meta_copy(model) if streaming == "none" else copy.deepcopy(meta_model(model).module)
-        if streaming == "stem":
-            stream_stem(meta)
-        dtype = next((p.dtype for p in meta.parameters()), torch.float32)
-        cache[key] = MetaModel(meta, model_layers(meta), dtype, int(getattr(meta, "in_chans", 3)))
+        if traced:  # the same meta modules, as the traced layers hold them
+            plain = meta_model(model, streaming)
+            layers = model_layers(plain.module, stages)
+            cache[key] = MetaModel(plain.module, layers, plain.dtype, plain.in_chans)
+        else:
+            # The plain copy without copying the weights' data; the streamed one from it.
+            meta = (
+                _meta_copy(model)
+                if streaming == "none"
+                else copy.deepcopy(meta_model(model).module)
+            )
+            if streaming == "stem":
+                stream_stem(meta)
+            dtype = next((p.dtype for p in meta.parameters()), torch.float32)
+            in_chans = int(getattr(meta, "in_chans", 3))
+            cache[key] = MetaModel(meta, model_layers(meta), dtype, in_chans)
     found = cache[key]
     assert isinstance(found, MetaModel)
     return found
@@ -187,14 +267,16 @@ def trace_model(
     shape: Sequence[int],
     streaming: str = "none",
     splits: tuple[int, ...] = (),
+    stages: int = 1,
 ) -> ModelTrace:
     """The :class:`ModelTrace` of ``model`` (any device; its meta copy is traced) on an input of
-    ``shape`` ``(batch, channels, *spatial)``, cached per model, shape, streaming and splits."""
+    ``shape`` ``(batch, channels, *spatial)``, cached per model, shape, streaming and splits;
+    its layers those of a pipeline of ``stages`` stages (:func:`meta_model`)."""
     shape = tuple(int(v) for v in shape)
     return ModelTrace(
-        meta_model(model, streaming).layers,
-        saved_trace(model, shape, streaming, splits),
-        layer_work(model, shape),
+        meta_model(model, streaming, stages).layers,
+        saved_trace(model, shape, streaming, splits, stages),
+        layer_work(model, shape, stages),
     )
 
 
@@ -203,17 +285,18 @@ def saved_trace(
     shape: Sequence[int],
     streaming: str = "none",
     splits: tuple[int, ...] = (),
+    stages: int = 1,
 ) -> SavedActivations:
     """What autograd saves over one forward of the whole model on ``shape`` (cached), by
-    top-level layer (:meth:`~.memory.SavedActivations.restrict`); the paths are a pipeline
-    stage's. A streamed stem runs as the chain runner runs it; ``splits``: stage starts
-    inside it (each side then runs its layers one by one)."""
+    layer of a pipeline of ``stages`` stages (:meth:`~.memory.SavedActivations.restrict`);
+    the paths are a pipeline stage's. A streamed stem runs as the chain runner runs it;
+    ``splits``: stage starts inside it (each side then runs its layers one by one)."""
+    meta = meta_model(model, streaming, stages)
     cache = _CACHE.setdefault(model, {})
-    key = ("saved", tuple(int(v) for v in shape), streaming, splits)
+    key = ("saved", tuple(int(v) for v in shape), streaming, splits, meta.traced)
     found = cache.get(key)
     if isinstance(found, SavedActivations):
         return found
-    meta = meta_model(model, streaming)
     layers = meta.layers
     whole = StageModule(layers)  # the paths a pipeline stage's trace names
     x = torch.empty(tuple(shape), dtype=meta.dtype, device="meta")
@@ -226,20 +309,21 @@ def saved_trace(
         return y
 
     with MetaMemo():
-        found = saved_activations(whole, run)
+        found = saved_activations(whole, run, whole.named_layers())
     cache[key] = found
     return found
 
 
-def layer_work(model: nn.Module, shape: Sequence[int]) -> LayerWork:
-    """Each top-level layer run alone on an input of ``shape`` (:class:`LayerWork`, cached):
-    neither a streamed stem nor a cut changes it, so the plain meta copy is traced."""
+def layer_work(model: nn.Module, shape: Sequence[int], stages: int = 1) -> LayerWork:
+    """Each layer of a pipeline of ``stages`` stages run alone on an input of ``shape``
+    (:class:`LayerWork`, cached): neither a streamed stem nor a cut changes it, so the plain
+    meta copy is traced."""
+    meta = meta_model(model, "none", stages)
     cache = _CACHE.setdefault(model, {})
-    key = ("layers", tuple(int(v) for v in shape))
+    key = ("layers", tuple(int(v) for v in shape), meta.traced)
     found = cache.get(key)
     if isinstance(found, LayerWork):
         return found
-    meta = meta_model(model)
     x = torch.empty(tuple(shape), dtype=meta.dtype, device="meta")
     per_layer: list[tuple[SpatialOps, object]] = []
     with MetaMemo():

@@ -67,6 +67,7 @@ from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes
 from hyfi_imaging.parallel.model_trace import (
     ModelTrace,
+    layer_of,
     meta_model,
     saved_trace,
     stem_splits,
@@ -629,7 +630,7 @@ def _stage_costs(
     cache = _COSTS.setdefault(model, {})
     if key in cache:
         return cast(tuple[tuple[int, ...], list[StageCost]], cache[key])
-    meta = meta_model(model, candidate.streaming)
+    meta = meta_model(model, candidate.streaming, n_stages)  # a U-Net cut: its traced layers
     align = tile_alignment(model, len(image_hw), in_chans=meta.in_chans)
 
     def shape_of(grid: Sequence[int]) -> tuple[int, ...]:
@@ -652,12 +653,12 @@ def _stage_costs(
     for s, (start, stop) in enumerate(cuts):
         shape = shape_of(grids[s])
         stage_key = ("stage", shape, candidate.streaming, splits, start, stop,
-                     candidate.checkpointing, grids[s], dev, modes)  # fmt: skip
+                     candidate.checkpointing, grids[s], dev, modes, meta.traced)  # fmt: skip
         if stage_key not in cache:
-            facts_key = ("stage facts", candidate.streaming, start, stop)
+            facts_key = ("stage facts", candidate.streaming, start, stop, meta.traced)
             if facts_key not in cache:
                 cache[facts_key] = _StageFacts.of(meta.layers[start:stop])
-            whole = trace_model(model, shape, candidate.streaming, splits)
+            whole = trace_model(model, shape, candidate.streaming, splits, n_stages)
             cache[stage_key] = _stage_cost(
                 whole, start, stop, cast(_StageFacts, cache[facts_key]), blocks, policy,
                 grids[s], dev, modes,
@@ -713,9 +714,9 @@ def _stage_cost(
     backward_bands)``, and whether it runs on the CPU."""
     overlap, banded, on_cpu = modes
     layers = whole.layers
-    trace = whole.stage(start, stop)
-    names = {n for n, _ in layers[start:stop]}
-    mine = [b for b in blocks if b.split(".")[0] in names]
+    trace, held = whole.stage_held(start, stop)  # held: boundary tensors no layer saves
+    block_layer = {b: layer_of(layers, b) for b in blocks}
+    mine = [b for b in blocks if (at := block_layer[b]) is not None and start <= at < stop]
     spatial = any(g > 1 for g in grid)
     weighted = facts.modules
     unfolds = [
@@ -733,9 +734,9 @@ def _stage_cost(
     # backward.
     passes = facts.passes
     fwd = bwd = Counts()
-    for name, _ in layers[start:stop]:
+    for i, (name, _) in enumerate(layers[start:stop], start=start):
         f, b = whole.counted[name]
-        redo = any(bl.split(".")[0] == name for bl in mine)
+        redo = any(block_layer[bl] == i for bl in mine)
         again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
         fwd = fwd + f.times(passes.get(name, 1))
         bwd = bwd + b + f.times(again)
@@ -763,7 +764,7 @@ def _stage_cost(
         )  # type: ignore[assignment]
     bounds = whole.boundaries
     return StageCost(
-        act=act + strips,
+        act=act + strips + held,
         transient=transient,
         params=facts.params,
         units=list(facts.units),
@@ -825,16 +826,12 @@ def _memory_balance(
 
     ``shape`` is the traced input; ``shares`` the ranks each stage's cost is spread over (per-stage
     grids: its tiles, with ``shape`` the whole image), default one."""
-    meta = meta_model(model, streaming)
+    meta = meta_model(model, streaming, pp)
     layers = meta.layers
     if pp == 1:
         return (len(layers),)
-    trace = saved_trace(model, shape, streaming)
-    cost = dict.fromkeys((n for n, _ in layers), 0.0)
-    for _, owner, nbytes, _ in trace.storages:
-        top = owner.split(".")[0]
-        if top in cost:
-            cost[top] += nbytes
+    saved = saved_trace(model, shape, streaming, stages=pp).by_layer()
+    cost = {n: float(saved.get(n, 0)) for n, _ in layers}
     for name, layer in layers:
         cost[name] += 4 * sum(p.numel() * p.element_size() for p in layer.parameters())
     return partition([cost[n] for n, _ in layers], pp, shares=shares)
