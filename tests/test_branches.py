@@ -117,3 +117,15 @@ def test_amoebanet_cells_all_found() -> None:
     names = [n for n, _ in branch_cells(model)]
     assert len(names) == 2 + 6 + 2
     assert list(itertools.islice(names, 2)) == ["stem_reduction1", "stem_reduction2"]
+
+
+def test_recipe_branches_set_the_layout_and_world() -> None:
+    from hyfi_imaging.train.config import ParallelConfig, Recipe
+
+    p = ParallelConfig(branches=2, pipeline=2, data=2, spatial=(1, 2))
+    assert p.layout() == Layout(dp=2, pp=2, br=2, sp=(1, 2))
+    recipe = Recipe.model_validate(
+        {"data": {"manifest": "m.csv"}, "model": {"name": "amoebanet-d-3-8"},
+         "train": {"out_dir": "runs/x"}, "parallel": p.model_dump()}
+    )  # fmt: skip
+    assert recipe.world_size == 16 == p.layout().world_size

@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.amoebanet import Cell
 from hyfi_imaging.models.registry import CheckpointedBlock
 
+if TYPE_CHECKING:
+    from hyfi_imaging.parallel.spatial import SpatialContext
+
 __all__ = [
     "BranchSync",
     "BranchedCell",
@@ -67,6 +70,7 @@ __all__ = [
     "ParallelBranches",
     "apply_branches",
     "branch_cells",
+    "check_branch_tiles",
     "check_branches",
     "plan_cell",
 ]
@@ -239,6 +243,41 @@ def check_branches(model: nn.Module, br: int, *, checkpointing: Any = None) -> N
             "repeat the group's collectives and BatchNorm updates)",
             "drop --checkpointing, or --branches",
         )
+
+
+def check_branch_tiles(
+    model: nn.Module,
+    plain: nn.Module,
+    ctx: SpatialContext,
+    image_hw: Sequence[int],
+    in_chans: int,
+) -> None:
+    """ConfigError unless every windowed layer of the spatialized ``model`` takes its tile.
+
+    Why before :func:`apply_branches`, on every rank: a layer refuses a tile too small for
+    its halo when it runs (:meth:`~.spatial.base._SpatialMixin._window`), and in a branch
+    only some ranks run, the others would wait in the cell's sum for a rank that stopped
+    (and a collective error is printed by rank 0 only, which may not be one of them). So
+    every rank asks every windowed layer of the whole model, at its tile of the padded
+    image, with the layers' own check: the same line, everywhere, before any compute.
+    ``plain``: a meta-device copy of the model before spatialization (traced for the
+    layers' input sizes on the padded image; a tile is that over the grid).
+    """
+    from hyfi_imaging.parallel.spatial.base import _SpatialMixin
+    from hyfi_imaging.parallel.spatial.kinds import WINDOWED_LAYERS
+    from hyfi_imaging.parallel.spatial.trace import _trace_sizes
+
+    padded = ctx.padded_size(image_hw)
+    sizes, _, _ = _trace_sizes(plain, (1, in_chans, *padded))
+    for path, m in model.named_modules():
+        if not isinstance(m, _SpatialMixin) or not isinstance(m, WINDOWED_LAYERS):
+            continue
+        if path not in sizes:
+            continue
+        carry = m._carry(0)
+        tile = [s // g for s, g in zip(sizes[path], ctx.grid, strict=True)]
+        shape = [t + carry[2 * k] + carry[2 * k + 1] for k, t in enumerate(tile)]
+        m._window(torch.empty(1, 1, *shape, device="meta"), 0.0)
 
 
 class _FanOut(torch.autograd.Function):

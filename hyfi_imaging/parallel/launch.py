@@ -592,10 +592,27 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
         if trace:
             traceback.print_exc(file=sys.stderr)
         if line is not None:
-            _note_reported(rank)
             print(f"{prog}: {line}", file=sys.stderr, flush=True)
+            _note_reported(rank)
+        elif isinstance(err, HyfiError):
+            _await_rank0_line()
         sys.stdout.flush()
         os._exit(2 if isinstance(err, HyfiError) or _disk_full(err) else 1)
+
+
+def _await_rank0_line() -> None:
+    """A rank that leaves a collective error to rank 0 waits (up to 5 s on one host, 1 s
+    across hosts) until rank 0 has said it (its note) or is gone. Why: this rank's exit
+    without MPI's finalize can make MPICH's proxy kill rank 0 before it prints the one line
+    (see :func:`exit_now`): the job would end with exit status 9 and no message."""
+    if not _PEERS:
+        return
+    same_host = _PEERS[0][0] == socket.gethostname()
+    deadline = time.monotonic() + (5.0 if same_host else 1.0)
+    while time.monotonic() < deadline and not _reported([0]):
+        if same_host and not _alive(_PEERS[0][1]):
+            return
+        time.sleep(0.02)
 
 
 def _disk_full(err: BaseException) -> bool:

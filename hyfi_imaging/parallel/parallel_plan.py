@@ -17,6 +17,7 @@ from torch import nn
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.balance import BalanceBy
+from hyfi_imaging.parallel.branches import check_branches
 from hyfi_imaging.parallel.junction import check_junction_plan
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.pipeline import (
@@ -152,6 +153,8 @@ class ParallelPlan:
                 f"{type(model).__name__} has no checkpointable blocks",
                 "use --checkpointing none",
             )
+        # Branch ranks need cells to split (hyfi-train's preflight, the planner and the engine).
+        check_branches(model, self.layout.br, checkpointing=self.checkpointing)
 
     def _check_traced(self, model: nn.Module) -> None:
         """ConfigError for what a traced chain form (:mod:`.chain_form`) cannot run exactly."""

@@ -50,7 +50,12 @@ from hyfi_imaging.parallel.apply import (
     output_shape,
 )
 from hyfi_imaging.parallel.balance import LayerCosts, measure_layers, partition
-from hyfi_imaging.parallel.branches import BranchSync, apply_branches, check_branches
+from hyfi_imaging.parallel.branches import (
+    BranchSync,
+    apply_branches,
+    check_branch_tiles,
+    check_branches,
+)
 from hyfi_imaging.parallel.junction import check_junction_model, stage_tiles
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.layout import Layout
@@ -130,6 +135,8 @@ def parallelize(
         _check_traced_sites(model, ctx)
     streamed = stream_stem(model, ctx) if plan.streaming == "stem" else []
     if layout.br > 1:
+        if ctx is not None:  # a layer too small for its tile, judged on every rank
+            check_branch_tiles(model, meta_model, ctx, image, in_chans)
         apply_branches(model, layout.br, pc.branch, pc.group("br"))
     padded_hw, tile_hw, tile_model = image, image, meta_model
     if ctx is not None:

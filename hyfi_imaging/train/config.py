@@ -159,6 +159,10 @@ class ParallelConfig(_Strict):
     stage_grids: tuple[tuple[int, int], ...] | None = None
     pipeline: int = Field(1, ge=1)
     data: int = Field(1, ge=1)
+    #: Branch ranks per tile (data sub-graph parallelism, :mod:`~hyfi_imaging.parallel.branches`):
+    #: each runs some independent branches of every AmoebaNet cell or ``ParallelBranches``
+    #: block. ``parallel: auto`` never picks it (the planner's candidates have ``branches: 1``).
+    branches: int = Field(1, ge=1)
     microbatches: int = Field(1, ge=1)
     #: Seconds a collective waits for the other ranks before the job ends naming the rank
     #: that stopped answering.
@@ -205,7 +209,13 @@ class ParallelConfig(_Strict):
         """The :class:`~hyfi_imaging.parallel.layout.Layout` of this section (ConfigError if invalid)."""
         from hyfi_imaging.parallel.layout import Layout
 
-        return Layout(dp=self.data, pp=self.pipeline, sp=self.spatial, grids=self.stage_grids)
+        return Layout(
+            dp=self.data,
+            pp=self.pipeline,
+            br=self.branches,
+            sp=self.spatial,
+            grids=self.stage_grids,
+        )
 
     @field_validator("checkpointing")
     @classmethod
@@ -270,8 +280,8 @@ class Recipe(_Strict):
     def world_size(self) -> int:
         p = self.parallel
         if p.stage_grids is not None:
-            return int(p.data * sum(gy * gx for gy, gx in p.stage_grids))
-        return p.data * p.pipeline * math.prod(p.spatial)
+            return int(p.data * p.branches * sum(gy * gx for gy, gx in p.stage_grids))
+        return p.data * p.pipeline * p.branches * math.prod(p.spatial)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
