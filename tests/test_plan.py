@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -648,3 +649,31 @@ def test_the_readme_plan_answers_within_a_minute() -> None:
     row = next(ln for ln in job.stdout.splitlines() if ln.startswith("  1 "))
     assert row.split()[10] == "-" and row.split()[-2] == "-", row  # no step s, no img/s
     assert "recommended: dp=1 x pp=1 x sp=2x4" in job.stdout
+
+
+def test_parallel_auto_says_which_layouts_it_could_not_predict(
+    tmp_path: Path,
+    manifest: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A layout the planner cannot predict (here: every pipeline, its prediction made to fail
+    with the planner's own error) is left out of ``parallel=auto`` and said in one warning, as
+    hyfi-plan says it, instead of being dropped quietly."""
+    from hyfi_imaging.parallel import plan
+    from hyfi_imaging.train.config import load_recipe
+
+    real = plan.predict
+
+    def predict(model: Any, hw: Any, batch: int, cand: Any, **kw: Any) -> Any:
+        if cand.layout.pp > 1:
+            raise ConfigError("a stage", "cannot be predicted here", "use --pipeline 1")
+        return real(model, hw, batch, cand, **kw)
+
+    monkeypatch.setattr(plan, "predict", predict)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level("WARNING", logger="hyfi_imaging.train"):
+        r = load_recipe(_recipe(tmp_path, manifest, "resnet18"), ["parallel=auto"])
+    assert r.parallel.pipeline == 1
+    said = [rec.getMessage() for rec in caplog.records if "parallel=auto" in rec.getMessage()]
+    assert len(said) == 1 and "cannot predict" in said[0] and "pp=2" in said[0], said

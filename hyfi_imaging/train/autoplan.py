@@ -8,6 +8,7 @@ timing (a measured rate differs from rank to rank).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -81,7 +82,7 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
     model, hw, rate, optimizer = _setting(recipe)
     batch = recipe.train.batch_size
     check = replica_check(recipe)
-    preds, refused = [], None
+    preds, refused, unpredicted = [], None, []
     for cand in candidates(model, hw, devices, batch):
         try:
             check(cand.layout)
@@ -90,8 +91,16 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
             continue
         try:
             preds.append(predict(model, hw, batch, cand, optimizer=optimizer, flops_per_s=rate))
-        except ConfigError:
-            continue
+        except ConfigError as err:
+            unpredicted.append(f"{cand.describe()}: {err}")
+    from hyfi_imaging.parallel.launch import launch_rank
+
+    if unpredicted and launch_rank() in (None, 0):  # said once, not dropped quietly
+        logging.getLogger("hyfi_imaging.train").warning(
+            "parallel=auto: %d layouts left out, which the planner cannot predict (e.g. %s)",
+            len(unpredicted),
+            unpredicted[0],
+        )
     if not preds and refused is not None:
         raise ConfigError(
             "parallel=auto",
