@@ -119,7 +119,16 @@ def launches(request: pytest.FixtureRequest) -> dict[int, dict[str, Any]]:
     )
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: The 6- and 7-rank worlds (two replicas of a junction; three stages): compositions whose
+#: parts the default cases hold (dp x spatial and checkpointing in the pipeline and schedule
+#: tests; every rank's derived facts of a junction in tests/test_rank_facts.py), run by
+#: ``pytest -m slow``: a world of 6 or 7 ranks on CI's 2 cores is most of this file's time.
+SLOW = {"dp2-1x2-1x1-amoeba-ck2-clip", "2x2-1x2-1x1-resnet-ckfull"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES]
+)
 def test_junction_trains_like_one_process(launches: dict[int, dict[str, Any]], name: str) -> None:
     n, cfg = CASES[name]
     verdict = training_verdict(launches, n, name)

@@ -43,7 +43,13 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
 
 #: Cases of families another default case holds (AmoebaNet's two-tensor cells between
 #: stages: bidirectional and dualpipev; zbv with tiles), run by ``pytest -m slow``.
-SLOW = {"bidir-pp2-amoeba-ckfull", "dualpipev-pp2-amoeba", "zbv-pp2-sp1x2-resnet"}
+SLOW = {
+    "bidir-pp2-amoeba-ckfull",
+    "dualpipev-pp2-amoeba",
+    "zbv-pp2-sp1x2-resnet",
+    # The 8-rank world: GEMS with dp x spatial at once; its pairs are default cases.
+    "bidir-dp2-pp2-sp1x2-resnet-clip-accumulate2",
+}
 
 
 def _worker() -> None:
