@@ -11,16 +11,13 @@ dropped; ``hyfi-verify``'s memory estimate is made for such runs.
 from __future__ import annotations
 
 import gc
-import json
 import re
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fresh import in_fresh_process
 from torch import nn
 
 from hyfi_imaging.cli.plan import _predict_all, main
@@ -127,9 +124,7 @@ def _stage_peak(stage: nn.Module, ins: tuple[torch.Tensor, ...], first: bool, la
 
 def _predicted_and_measured(checkpointing: str) -> list[tuple[int, int]]:
     """Per pipeline rank of ``unet2d`` on two stages: (predicted, measured) peak bytes. Run in
-    a fresh process (:func:`test_a_unet_pipelines_predicted_peaks_are_close_to_measured_stage_runs`):
-    the resident-memory peak of a phase counts only pages first touched in it, and a
-    process that ran other tests holds freed pages the phase would reuse unseen."""
+    a fresh process (``tests/fresh.py`` says why)."""
     fix_malloc_threshold()
     torch.set_num_threads(1)
     model, hw, batch = _unet(width=8), (192, 192), 2
@@ -165,18 +160,8 @@ def test_a_unet_pipelines_predicted_peaks_are_close_to_measured_stage_runs(
             pass
     except OSError:
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    here = Path(__file__).resolve().parent
-    code = (
-        "import json, sys\n"
-        f"sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]\n"
-        "from test_plan_traced import _predicted_and_measured\n"
-        f"print(json.dumps(_predicted_and_measured({checkpointing!r})))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for s, (predicted, measured) in enumerate(json.loads(proc.stdout.splitlines()[-1])):
+    pairs = in_fresh_process("test_plan_traced", "_predicted_and_measured", checkpointing)
+    for s, (predicted, measured) in enumerate(pairs):
         error = predicted / measured - 1
         assert abs(error) <= TOLERANCE, (
             f"stage {s}: predicted {predicted / 2**20:.1f} MiB, measured "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fresh import in_fresh_process
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
@@ -62,33 +63,41 @@ def test_cpu_unfold_bytes(module: nn.Module, shape: tuple[int, ...], want: int) 
         assert cpu_unfold_bytes(module, shape, torch.float32) == 0
 
 
+def _conv_peaks() -> list[list[int]]:
+    """Per dtype (float64, float32): a Conv3d forward's resident peak, its unfold as
+    predicted, and its output's bytes, on one thread (run in a fresh process)."""
+    fix_malloc_threshold()
+    torch.set_num_threads(1)
+    out = []
+    for dtype in (F64, torch.float32):
+        conv = nn.Conv3d(32, 16, 3, padding=1, bias=False).to(dtype)
+        x = torch.randn(2, 32, 16, 16, 16, dtype=dtype)
+        with torch.no_grad(), AnonymousPeak() as peak:
+            y = conv(x)
+        out.append(
+            [peak.bytes, cpu_unfold_bytes(conv, x.shape, dtype), y.numel() * y.element_size()]
+        )
+        del x, y
+    return out
+
+
 @pytest.mark.skipif(not hasattr(torch.backends, "mkldnn"), reason="needs a CPU build")
 def test_cpu_unfold_is_what_the_kernel_allocates() -> None:
-    """Measured: a float64 Conv3d's forward grows the resident set by its unfolded input (and
-    its output), about 57 MB here, 9x its input; float32 (oneDNN) does not unfold."""
+    """Measured (in a fresh process, ``tests/fresh.py``): a float64 Conv3d's forward grows the
+    resident set by its unfolded input (and its output), about 57 MB here, 9x its input;
+    float32 (oneDNN) does not unfold."""
     try:
-        fix_malloc_threshold()
         with AnonymousPeak():
             pass
     except OSError:
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for dtype in (F64, torch.float32):
-            conv = nn.Conv3d(32, 16, 3, padding=1, bias=False).to(dtype)
-            x = torch.randn(2, 32, 16, 16, 16, dtype=dtype)
-            with torch.no_grad(), AnonymousPeak() as peak:
-                y = conv(x)
-            out = y.numel() * y.element_size()
-            unfold = cpu_unfold_bytes(conv, x.shape, dtype)
-            assert unfold == (2 * 32 * 27 * 4096 * 8 if dtype == F64 else 0)
-            assert peak.bytes <= 1.1 * (unfold + out) + 4 * 2**20, (dtype, peak.bytes)
-            if dtype == F64:
-                assert peak.bytes >= 0.9 * unfold, peak.bytes
-            del x, y
-    finally:
-        torch.set_num_threads(threads)
+    for dtype, (peak, unfold, out) in zip(
+        (F64, torch.float32), in_fresh_process("test_verify_memory", "_conv_peaks"), strict=True
+    ):
+        assert unfold == (2 * 32 * 27 * 4096 * 8 if dtype == F64 else 0)
+        assert peak <= 1.1 * (unfold + out) + 4 * 2**20, (dtype, peak)
+        if dtype == F64:
+            assert peak >= 0.9 * unfold, peak
 
 
 def _unet(width: int = 4, dtype: torch.dtype = F64) -> nn.Module:
@@ -116,32 +125,36 @@ def test_predict_adds_the_unfold_on_the_cpu_in_float64_only() -> None:
     assert default.peak == predict(_unet(), size, 2, one, cpu_kernels=False).peak  # type: ignore[arg-type]
 
 
+def _reference_peak_and_estimate() -> list[int]:
+    """A float64 3-D U-Net's measured forward + backward peak, its estimated reference peak
+    and model bytes, its unfold estimate and its saved activations (run in a fresh process)."""
+    fix_malloc_threshold()
+    torch.set_num_threads(1)
+    model, size = _unet(width=4), (16, 24, 24)
+    est = estimate_memory(model, size, 2, ParallelPlan(Layout(sp=(1, 1, 1))), "cpu")
+    x = torch.randn(2, 3, *size, dtype=F64)
+    target = torch.randint(0, 3, (2, *size))
+    with AnonymousPeak() as peak:
+        nn.functional.cross_entropy(model(x), target).backward()
+    saved = saved_activations(model, lambda: model(x)).activations
+    return [peak.bytes, est.reference_peak, est.model, est.unfold, saved]
+
+
 def test_reference_estimate_is_close_to_a_measured_step() -> None:
     """The reference's predicted peak (one process, float64) against a measured forward and
-    backward of the same model and batch: within 25 % (the step leaves out momentum)."""
+    backward of the same model and batch (in a fresh process, ``tests/fresh.py``): within
+    25 % (the step leaves out momentum)."""
     try:
-        fix_malloc_threshold()
         with AnonymousPeak():
             pass
     except OSError:
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, size = _unet(width=4), (16, 24, 24)
-        est = estimate_memory(model, size, 2, ParallelPlan(Layout(sp=(1, 1, 1))), "cpu")
-        x = torch.randn(2, 3, *size, dtype=F64)
-        target = torch.randint(0, 3, (2, *size))
-        with AnonymousPeak() as peak:
-            nn.functional.cross_entropy(model(x), target).backward()
-        momentum = est.model  # the estimate holds SGD's momentum too; this step has none
-        assert 0.75 * peak.bytes <= est.reference_peak - momentum <= 1.25 * peak.bytes, (
-            peak.bytes,
-            est,
-        )
-        assert est.unfold > saved_activations(model, lambda: model(x)).activations
-    finally:
-        torch.set_num_threads(threads)
+    peak, reference, momentum, unfold, saved = in_fresh_process(
+        "test_verify_memory", "_reference_peak_and_estimate"
+    )
+    # the estimate holds SGD's momentum too (the model's bytes); this step has none
+    assert 0.75 * peak <= reference - momentum <= 1.25 * peak, (peak, reference, momentum)
+    assert unfold > saved
 
 
 def test_node_total_takes_the_larger_phase() -> None:
