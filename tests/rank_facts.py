@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyfi_imaging.parallel.geometry import layer_geom
-from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.launch import ParallelContext, build_meshes
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.schedules import schedule_actions
@@ -48,30 +48,15 @@ SMALL = {"width": 0.125}
 def fake_rank(layout: Layout, rank: int) -> Iterator[ParallelContext]:
     """``rank``'s ParallelContext of ``layout`` on torch's fake backend (see the module doc).
 
-    The mesh and groups are built as :func:`~hyfi_imaging.parallel.launch.init_parallel`
-    builds them (its junction groups come from :func:`~.junction.junction_meshes`)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    The mesh and groups are :func:`~hyfi_imaging.parallel.launch.build_meshes`, as
+    :func:`~hyfi_imaging.parallel.launch.init_parallel` builds them."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     world = layout.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         device = torch.device("cpu")
-        if layout.junction:
-            from hyfi_imaging.parallel.junction import junction_meshes
-
-            mesh, groups, shard_mesh = junction_meshes(layout, device, rank)
-        else:
-            mesh = init_device_mesh("cpu", layout.shape, mesh_dim_names=layout.mesh_dims)
-            groups = {name: mesh.get_group(name) for name in layout.mesh_dims}
-            spatial = layout.spatial_axes
-            groups["sp"] = (
-                mesh[spatial]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
-            )
-            shard_mesh = None
-            if layout.dp * layout.sp_size > 1:
-                shard_mesh = mesh[("dp", *spatial)]._flatten("shard")
-                groups["shard"] = shard_mesh.get_group()
+        mesh, groups, shard_mesh = build_meshes(layout, device, rank)
         yield ParallelContext(
             layout, rank, world, rank, "single", "gloo", device, mesh, groups, shard_mesh
         )

@@ -57,6 +57,7 @@ __all__ = [
     "ParallelContext",
     "detect_launcher",
     "error_chain",
+    "build_meshes",
     "exit_now",
     "fail_fast",
     "failure_line",
@@ -295,28 +296,36 @@ def init_parallel(
                         "export MASTER_PORT=<a free port> in the job script and relaunch",
                     ) from err
                 raise
-    groups: dict[str, Any]
-    if layout.junction:
-        from hyfi_imaging.parallel.junction import junction_meshes
-
-        mesh, groups, shard_mesh = junction_meshes(layout, device, rank)
-    else:
-        mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.mesh_dims)
-        groups = {name: mesh.get_group(name) for name in layout.mesh_dims}
-        spatial = layout.spatial_axes
-        groups["sp"] = (
-            mesh[spatial]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
-        )
-        shard_mesh = None
-        if layout.dp * layout.sp_size > 1:
-            shard_mesh = mesh[("dp", *spatial)]._flatten("shard")
-            groups["shard"] = shard_mesh.get_group()
+    mesh, groups, shard_mesh = build_meshes(layout, device, rank)
     table: list[Any] = [None] * world
     dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
     _PEERS[:] = table
     return ParallelContext(
         layout, rank, world, local_rank, launcher, backend, device, mesh, groups, shard_mesh
     )
+
+
+def build_meshes(
+    layout: Layout, device: torch.device, rank: int
+) -> tuple[DeviceMesh, dict[str, Any], DeviceMesh | None]:
+    """``layout``'s mesh, its named process groups (each mesh dimension, ``sp`` for the whole
+    grid, ``shard`` for FSDP2) and FSDP2's shard mesh (None: one rank shares the parameters),
+    for ``rank``, once the default process group exists. The one place they are built: the
+    engine's groups (:func:`init_parallel`) and the tests' one-process snapshot of every
+    rank (``tests/rank_facts.py``, on torch's fake backend) are the same."""
+    if layout.junction:
+        from hyfi_imaging.parallel.junction import junction_meshes
+
+        return junction_meshes(layout, device, rank)
+    mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.mesh_dims)
+    groups: dict[str, Any] = {name: mesh.get_group(name) for name in layout.mesh_dims}
+    spatial = layout.spatial_axes
+    groups["sp"] = mesh[spatial]._flatten("sp").get_group() if layout.sp_size > 1 else groups["sx"]
+    shard_mesh = None
+    if layout.dp * layout.sp_size > 1:
+        shard_mesh = mesh[("dp", *spatial)]._flatten("shard")
+        groups["shard"] = shard_mesh.get_group()
+    return mesh, groups, shard_mesh
 
 
 def shutdown() -> None:
