@@ -22,6 +22,7 @@ rank, found from the (host, pid) table the ranks exchange at start-up.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import datetime
@@ -31,6 +32,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -464,13 +466,17 @@ def _interrupted_exit(prog: str, rank: int | None) -> NoReturn:
     """Ctrl-C reaches every rank: said once (rank 0), exit status 130.
 
     The other ranks leave only once rank 0 has said it (its note ``said-interrupted``,
-    or its process gone; up to 10 s, 3 s where rank 0 runs on another host), closing
-    their process groups after half a second to free a rank 0 that waits for them in a
-    collective. Why: a rank that leaves without MPI's finalize can make MPICH's proxy
-    kill the ranks still running (see :func:`exit_now`), and rank 0 may be inside an
-    operation that has not yet returned to Python to take its SIGINT.
+    or its process gone; up to 10 s, 3 s where rank 0 runs on another host). Why: a
+    rank that leaves without MPI's finalize can make MPICH's proxy kill the ranks still
+    running (see :func:`exit_now`). Rank 0 says it within a second even while it waits
+    in a collective (:func:`_watch_interrupts`). Called by the main thread or the
+    watcher, whichever comes first; the other waits for the exit.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
+    if not _LEAVING.acquire(blocking=False):  # the other thread of this rank is leaving
+        while True:
+            time.sleep(3600)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
     _note_interrupted(rank)
     where = _notes_dir()
     if rank in (None, 0):
@@ -481,19 +487,43 @@ def _interrupted_exit(prog: str, rank: int | None) -> NoReturn:
             time.sleep(0.2)  # the others leave first: their exit cannot take this rank's line
     elif where is not None:
         same_host = _PEERS[0][0] == socket.gethostname()
-        began = time.monotonic()
-        released = False
-        while time.monotonic() < began + (10.0 if same_host else 3.0):
+        deadline = time.monotonic() + (10.0 if same_host else 3.0)
+        while time.monotonic() < deadline:
             if (where / "said-interrupted").exists() or (same_host and not _alive(_PEERS[0][1])):
                 break
-            if not released and time.monotonic() > began + 0.5:
-                # Rank 0 may wait in a collective for this rank, where no signal reaches
-                # Python: closing this rank's connections ends that wait at once.
-                released = True
-                with contextlib.suppress(Exception):
-                    shutdown()
             time.sleep(0.05)
     os._exit(130)
+
+
+#: Taken by the first thread of a rank that leaves on Ctrl-C (:func:`_interrupted_exit`).
+_LEAVING = threading.Lock()
+
+
+def _watch_interrupts(prog: str) -> None:
+    """Take Ctrl-C (SIGINT) on a thread of its own in a multi-rank job, so that a rank says
+    it and leaves even while its main thread waits inside a collective.
+
+    Why: Python runs a signal's handler only when the main thread returns to the
+    interpreter; a rank blocked in a gloo collective for a peer that was interrupted first
+    never does, and was killed silent (MPICH's proxy, see :func:`exit_now`) -- rank 0's
+    "interrupted" was lost about 1 run in 8. SIGINT is blocked in every thread (threads
+    started later inherit that) and a daemon thread waits for it: it interrupts the main
+    thread (KeyboardInterrupt, the usual path) and, if that has not left within a second,
+    leaves itself (:func:`_interrupted_exit`). One process alone keeps Python's own handling.
+    """
+    if launch_env().launcher == "single" or not hasattr(signal, "pthread_sigmask"):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def watch() -> None:
+        signal.sigwait({signal.SIGINT})
+        _thread.interrupt_main()  # KeyboardInterrupt in the main thread at its next bytecode
+        time.sleep(1.0)  # still inside C++ (a collective waiting for a peer): leave from here
+        _interrupted_exit(prog, launch_rank())
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    threading.Thread(target=watch, name="hyfi-sigint", daemon=True).start()
 
 
 def _reported(ranks: Sequence[int]) -> bool:
@@ -587,6 +617,7 @@ def fail_fast(fn: Callable[[], T], *, prog: str) -> T:
     ``os._exit`` skips interpreter teardown, which could otherwise block in a
     collective or in MPI_Finalize waiting for a rank that is already gone.
     """
+    _watch_interrupts(prog)
     try:
         return fn()
     except SystemExit:
