@@ -15,6 +15,12 @@ Same ranks, same model, image and per-replica batch, one run after the other:
   (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`, 2x1,1x1 on 4 ranks) but
   a rank would hold two stages on different grids, which the engine does not build yet,
   so this is the hybrid that runs bi-directionally.
+* **sub-graph** (data sub-graph parallelism, :mod:`~hyfi_imaging.parallel.branches`):
+  ``br = B`` branch ranks per stage of ``pp = P / B`` stages (``--branches 2``, models with
+  branched cells only: AmoebaNet). Beside it, the planner's prediction of the same layouts
+  (:func:`~hyfi_imaging.parallel.plan.predict` on this CPU, :func:`~.devices.calibrate_cpu`):
+  per-rank saved activations, the busiest rank's counted FLOPs, and the predicted step,
+  against the pipeline row's layout. ``--rows subgraph,pipeline`` runs only those rows.
 
 Throughput. CPU time does not see a pipeline's bubble (a rank waiting for its
 neighbour burns none), and on 2 shared cores wall time across 4 ranks says
@@ -40,6 +46,8 @@ Usage::
 
     python benchmarks/bench_junction.py                       # resnet18 w0.25, 192x288, 4 ranks
     python benchmarks/bench_junction.py --size 256x384 --steps 4
+    python benchmarks/bench_junction.py --model amoebanet-d-6-32 --width 1 --size 96x128 \
+        --ranks 2 --batch 2 --microbatches 2 --steps 2 --rows pipeline,subgraph
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 MARKER = "HYFI-BENCH-JUNCTION "
+#: Row keys, in table order (``--rows``).
+ROWS = ("layer", "pipeline", "bidir", "spatial", "hybrid", "hybrid-bidir", "subgraph")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -87,11 +97,17 @@ def _count_messages() -> list[int]:
     return counters
 
 
+def _create(name: str, width: float) -> Any:
+    """The registry's model; ``width`` 1 is every model's own (AmoebaNet takes no width)."""
+    from hyfi_imaging.models import create_model
+
+    return create_model(name, num_classes=2, **({"width": width} if width != 1 else {}))
+
+
 def _worker(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
     from hyfi_imaging.parallel.launch import init_parallel, shutdown
     from hyfi_imaging.parallel.layout import Layout
@@ -99,7 +115,9 @@ def _worker(cfg: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     grids = tuple(tuple(g) for g in cfg["grids"])
-    layout = Layout(pp=cfg["pp"], sp=grids[0], grids=grids if len(grids) > 1 else None)
+    layout = Layout(
+        pp=cfg["pp"], br=cfg.get("br", 1), sp=grids[0], grids=grids if len(grids) > 1 else None
+    )
     plan = ParallelPlan(
         layout,
         microbatches=cfg["m"],
@@ -109,7 +127,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     pc = init_parallel(layout)
     counters = _count_messages()
     torch.manual_seed(0)
-    model = create_model(cfg["model"], num_classes=2, width=cfg["width"])
+    model = _create(cfg["model"], cfg["width"])
     hw = tuple(cfg["hw"])
     pm = ParallelModel(model, pc, plan, image_hw=(int(hw[0]), int(hw[1])))
     del model
@@ -186,6 +204,36 @@ def _bubble(cfg: dict[str, Any]) -> float:
     return simulate_orders(orders, model_stages(schedule, pp))[1]
 
 
+def _predicted(args: argparse.Namespace, base: dict[str, Any], rows: list[Any]) -> None:
+    """The planner's figures for ``rows`` (``(name, config)``: the pipeline row, then the
+    sub-graph row), on this CPU calibrated and Gloo's nominal link; the sub-graph's speed-up."""
+    from hyfi_imaging.parallel.devices import calibrate_cpu
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.plan import Candidate, predict
+
+    model = _create(args.model, args.width)
+    dev = calibrate_cpu()
+    hw = (int(base["hw"][0]), int(base["hw"][1]))
+    print()
+    print(
+        "| layout (planner, this CPU calibrated) | saved activations MiB per rank, busiest "
+        "| GFLOP/step, busiest rank | predicted step s | predicted images/s |"
+    )
+    print("|---|---|---|---|---|")
+    steps = []
+    for name, cfg in rows:
+        lay = Layout(pp=cfg["pp"], br=cfg.get("br", 1), sp=tuple(cfg["grids"][0]))
+        cand = Candidate(lay, cfg["m"], balance=tuple(cfg["balance"]) if "balance" in cfg else None)
+        pred = predict(model, hw, base["batch"], cand, device=dev)
+        steps.append(pred.step_s)
+        print(
+            f"| {name} | {pred.activations / 2**20:.2f} | {pred.parts['flops'] / 1e9:.2f} "
+            f"| {pred.step_s:.3f} | {base['batch'] / pred.step_s:.2f} |"
+        )
+    if len(steps) == 2:
+        print(f"predicted speed-up, {rows[1][0]} / {rows[0][0]}: {steps[0] / steps[1]:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -206,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--pipeline-balance", default="4,1,2,4", help="layers per stage of layer and pipeline"
+    )
+    p.add_argument("--branches", type=int, default=2, help="branch ranks of the sub-graph row")
+    p.add_argument(
+        "--rows",
+        default=",".join(ROWS[:6]),
+        help=f"rows to run, of {','.join(ROWS)} (default: all but subgraph)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run (64x96, 1 step)")
     args = p.parse_args(argv)
@@ -230,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = {"pp": n, "grids": [[1, 1]], "m": m, "balance": cut}
     bidir_grid = list(Layout.parse_grid(args.bidir_grid))
     bidir_pp = n // (bidir_grid[0] * bidir_grid[1])
+    br = args.branches
+    chosen = args.rows.split(",")
+    unknown = sorted(set(chosen) - set(ROWS))
+    if unknown or n % br:
+        what = f"--rows {','.join(unknown)}: use {','.join(ROWS)}" if unknown else ""
+        sys.exit(f"bench_junction: {what or f'--ranks {n} is not a multiple of --branches {br}'}")
     cases = [
         ("layer (pp, 1 micro-batch)", {**pipeline, "m": 1}),
         (f"pipeline (pp, {m} micro-batches)", pipeline),
@@ -260,9 +320,16 @@ def main(argv: list[str] | None = None) -> int:
                 "balance": [int(v) for v in args.hybrid_balance.split(",")],
             },
         ),
+        (
+            f"sub-graph (br {br} x pp {n // br}, {m if n > br else 1} micro-batches)",
+            {"pp": n // br, "br": br, "grids": [[1, 1]], "m": m if n > br else 1},
+        ),
     ]
+    picked = [c for key, c in zip(ROWS, cases, strict=True) if key in chosen]
+    if "pipeline" in chosen and len(cut) != n:
+        pipeline.pop("balance")  # the default cut is for ResNet-18 on 4 ranks: let the engine cut
     load = os.getloadavg()[0]
-    results = [_run(name, {**base, **cfg}, n) for name, cfg in cases]
+    results = [_run(name, {**base, **cfg}, n) for name, cfg in picked]
     print(
         f"# {args.model} width {args.width}, {h}x{w}, batch {args.batch}, {n} ranks (gloo, CPU, one "
         f"thread each), median of {args.steps} steps; load average {load:.1f} at start"
@@ -282,7 +349,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['cpu_max']:.2f} | {r['cpu_sum']:.2f} | {r['halo'] / 2**20:.1f} "
             f"| {r['stage'] / 2**20:.1f} | {r['peak_max'] / 2**20:.0f} | {peaks} |"
         )
-    layer, pipe, _, _, hyb, hyb_bd = results
+    if "subgraph" in chosen:  # the planner beside it: the pipeline row's layout, and its own
+        keys = [k for k in ("pipeline", "subgraph") if k in chosen]
+        _predicted(args, base, [picked[[k for k in ROWS if k in chosen].index(k)] for k in keys])
+    if not {"layer", "pipeline", "hybrid", "hybrid-bidir"} <= set(chosen):
+        return 0
+    got = dict(zip([k for k in ROWS if k in chosen], results, strict=True))
+    layer, pipe, hyb, hyb_bd = (got[k] for k in ("layer", "pipeline", "hybrid", "hybrid-bidir"))
     print()
     for name, r in (("hybrid", hyb), ("hybrid + bi-directional", hyb_bd)):
         for base, goal in ((pipe, 1.5), (layer, 2.0)):

@@ -129,3 +129,59 @@ def test_recipe_branches_set_the_layout_and_world() -> None:
          "train": {"out_dir": "runs/x"}, "parallel": p.model_dump()}
     )  # fmt: skip
     assert recipe.world_size == 16 == p.layout().world_size
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def _rank_saved(model: nn.Module, br: int, rank: int, x: torch.Tensor) -> int:
+    """What branch rank ``rank`` alone saves for backward, measured on real tensors."""
+    import copy
+
+    from hyfi_imaging.parallel.branches import apply_branches
+    from hyfi_imaging.parallel.memory import saved_activations
+
+    solo = copy.deepcopy(model)
+    if br > 1:
+        apply_branches(solo, br, rank, None)
+    return saved_activations(solo, lambda: solo(x)).activations
+
+
+def test_planner_predicts_the_busiest_branch_ranks_saved_activations() -> None:
+    """br=2 vs br=1 on AmoebaNet-D (3, 8), float32, one process: the planner's per-rank saved
+    activations equal those measured on the busiest branch rank (the cell's own plan), and
+    br=2 keeps measurably less than one rank running every branch."""
+    from hyfi_imaging.parallel.plan import Candidate, predict
+
+    torch.manual_seed(0)
+    model = create_model("amoebanet-d-3-8").train()
+    x = torch.randn(2, 3, 70, 90)
+    measured = {br: max(_rank_saved(model, br, r, x) for r in range(br)) for br in (1, 2)}
+    predicted = {
+        br: predict(model, (70, 90), 2, Candidate(Layout(br=br))).activations for br in (1, 2)
+    }
+    assert predicted == measured, (predicted, measured)
+    assert measured[2] < 0.85 * measured[1]  # 2026-11-27: 1017152 / 1272992 bytes = 0.80
+
+
+def test_planner_counts_the_branch_groups_sums() -> None:
+    """Per cell, the zero-padded output forward and the two preprocessed inputs' gradients
+    backward; once per step the branch ops' gradients and BatchNorm buffers."""
+    from hyfi_imaging.parallel.branches import BranchedCell, BranchSync, rank_model
+    from hyfi_imaging.parallel.model_trace import trace_model
+    from hyfi_imaging.parallel.plan import Candidate, predict
+
+    model = create_model("amoebanet-d-3-8")
+    trace = trace_model(rank_model(model, 2, 0), (1, 3, 70, 90))
+    sums = trace.stage_ops(0, len(trace.layers)).branch_sums
+    assert len(sums) == len(branch_cells(model)) == 7
+    # stem_reduction1: width 2 (8 / 4), three pieces of 18x23; inputs 2 x 35x45 (float32).
+    assert sums[0] == (3 * 2 * 18 * 23 * 4, 2 * 2 * 35 * 45 * 4)
+    cells = [m for m in rank_model(model, 2, 1).modules() if isinstance(m, BranchedCell)]
+    grads, bufs = BranchSync(nn.ModuleList(cells), None).nbytes
+    ops = [op for c in branch_cells(model) for op in c[1].ops]  # type: ignore[union-attr]
+    assert grads == 4 * sum(p.numel() for op in ops for p in op.parameters() if p.requires_grad)
+    assert bufs == sum(b.numel() * b.element_size() for op in ops for b in op.buffers())
+    one, two = (predict(model, (70, 90), 1, Candidate(Layout(br=b)), bandwidth=1e9) for b in (1, 2))
+    assert one.parts["branch"] == 0.0 and two.parts["branch"] > 0.0
+    assert two.parts["collectives"] > 0.0 and two.step_s > one.step_s  # a 1 GB/s link: all cost

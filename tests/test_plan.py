@@ -677,3 +677,24 @@ def test_parallel_auto_says_which_layouts_it_could_not_predict(
     assert r.parallel.pipeline == 1
     said = [rec.getMessage() for rec in caplog.records if "parallel=auto" in rec.getMessage()]
     assert len(said) == 1 and "cannot predict" in said[0] and "pp=2" in said[0], said
+
+
+def test_fit_warning_predicts_a_branches_recipe_per_branch_rank(
+    tmp_path: Path, manifest: Path
+) -> None:
+    """The warning's figure is the planner's with br (the busiest branch rank), not one rank
+    running every branch; the recipe lines keep the branches."""
+    from hyfi_imaging.cli.plan import recipe_lines
+    from hyfi_imaging.train.autoplan import fit_warning
+    from hyfi_imaging.train.config import load_recipe
+
+    path = _recipe(tmp_path, manifest, "amoebanet-d-3-8")
+    plain, branched = (load_recipe(path, [f"parallel.branches={b}"]) for b in (1, 2))
+    messages = [fit_warning(r, memory=2**16) for r in (plain, branched)]
+    assert messages[1] is not None and "br=2" in messages[1]
+    model = create_model("amoebanet-d-3-8", num_classes=2)
+    one, two = (predict(model, (256, 256), 2, Candidate(Layout(br=b))) for b in (1, 2))
+    assert two.activations < 0.85 * one.activations
+    for message, pred in zip(messages, (one, two), strict=True):
+        assert message is not None and f"predicts {pred.peak / 2**30:.2f} GiB" in message
+    assert "branches: 2" in recipe_lines(Candidate(Layout(br=2)), (9,))

@@ -188,6 +188,8 @@ def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
         f"  schedule: {cand.schedule}",
         f"  checkpointing: {cand.checkpointing}",
     ]
+    if lay.br > 1:
+        lines.insert(4, f"  branches: {lay.br}")
     if cand.streaming != "none":
         lines.append(f"  streaming: {cand.streaming}")
     if cand.backward_bands:

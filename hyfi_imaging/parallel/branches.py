@@ -42,12 +42,19 @@ parameters, small next to their activations. :class:`BranchSync` does this once 
 training step (after the last micro-batch's backward, after FSDP2's reduce-scatter,
 on the shards), and copies the BatchNorm running statistics of each op from the first
 rank that runs it, since a rank that skips an op never updates them.
+
+A rank *alone* (``group=None``, :func:`rank_model`): the cells of one branch rank with the
+collectives left out -- the same layers, the same saved tensors and the same output shapes,
+not the same values (the output holds this rank's pieces only). The planner traces it on the
+meta device for the busiest rank's memory and work (:mod:`.plan`), and the memory test
+measures it in one process; neither needs a process group.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +80,8 @@ __all__ = [
     "check_branch_tiles",
     "check_branches",
     "plan_cell",
+    "rank_model",
+    "sync_bytes",
 ]
 
 
@@ -284,7 +293,7 @@ class _FanOut(torch.autograd.Function):
     """Identity forward; backward sums each input's gradient over the branch group."""
 
     @staticmethod
-    def forward(ctx: Any, group: ProcessGroup, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, group: ProcessGroup | None, *xs: Tensor) -> tuple[Tensor, ...]:
         ctx.group = group
         ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
         return tuple(x.view_as(x) for x in xs)
@@ -294,7 +303,7 @@ class _FanOut(torch.autograd.Function):
         out = []
         for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True):
             g = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-            dist.all_reduce(g, group=ctx.group)
+            _group_sum(g, ctx.group)
             out.append(g)
         return (None, *out)
 
@@ -307,7 +316,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        group: ProcessGroup,
+        group: ProcessGroup | None,
         shape: list[int],
         slots: list[slice | None],
         *pieces: Tensor,
@@ -319,7 +328,7 @@ class _Combine(torch.autograd.Function):
                 full += t
             else:
                 full[:, s] = t
-        dist.all_reduce(full, group=group)
+        _group_sum(full, group)
         return full
 
     @staticmethod
@@ -327,13 +336,22 @@ class _Combine(torch.autograd.Function):
         return (None, None, None, *(grad if s is None else grad[:, s] for s in ctx.slots))
 
 
+def _group_sum(t: Tensor, group: ProcessGroup | None) -> None:
+    """Sum ``t`` over ``group`` in place; a rank alone (``None``, module doc) keeps its own."""
+    if group is not None:
+        dist.all_reduce(t, group=group)
+
+
 class BranchedCell(CheckpointedBlock):
     """A cell of which this rank runs only its branches; the outputs are combined over ``group``.
 
     Adopts the cell's children under their names (``preprocess0``, ``ops``, ``branches``...).
+    ``group=None``: this rank alone, for counting (module doc).
     """
 
-    def __init__(self, cell: nn.Module, plan: CellPlan, rank: int, group: ProcessGroup) -> None:
+    def __init__(
+        self, cell: nn.Module, plan: CellPlan, rank: int, group: ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.kind = plan.kind
         for name, child in cell.named_children():
@@ -359,6 +377,17 @@ class BranchedCell(CheckpointedBlock):
 
     def _piece_channels(self, key: tuple[int, ...], mine: dict[int, Tensor]) -> list[int]:
         """Channels of every piece: each owner tells the group its pieces' (one sum)."""
+        if key not in self._channels and self.group is None:
+            if self.kind != "cell":
+                raise ConfigError(
+                    "branch rank alone",
+                    "a concatenating ParallelBranches' other pieces have widths only the group "
+                    "knows (no process group here: the planner's trace)",
+                    "plan this model without --branches, or measure it on the ranks",
+                )
+            # Every state of a cell has the cell's width (every op keeps the channels).
+            width = next(iter(mine.values())).shape[1]
+            self._channels[key] = [int(width)] * len(self.plan.pieces)
         if key not in self._channels:
             n = len(self.plan.pieces)
             device = next(iter(mine.values())).device if mine else torch.device("cpu")
@@ -402,13 +431,18 @@ class BranchedCell(CheckpointedBlock):
         mine = {
             i: hidden[s] for i, s in enumerate(self.plan.pieces) if self.plan.owner[i] == self.rank
         }
+        # ``current`` passes through as AmoebaNet's Cell passes it; under FSDP2 it is a view
+        # (FSDP2's pre-forward returns its inputs through an autograd Function), hence FSDP2's
+        # "returned a view tensor" warning, which plain AmoebaNet prints alike. Nothing
+        # downstream changes it in place (docs/architecture.md, "FSDP2's view warning").
         return self._combine(tuple(current.shape), mine), current
 
 
-def apply_branches(model: nn.Module, br: int, rank: int, group: ProcessGroup) -> list[str]:
+def apply_branches(model: nn.Module, br: int, rank: int, group: ProcessGroup | None) -> list[str]:
     """Swap every branched cell of ``model`` for this rank's :class:`BranchedCell`, in place.
 
-    Returns the swapped cells' paths. ``rank``: this rank's coordinate in ``group``.
+    Returns the swapped cells' paths. ``rank``: this rank's coordinate in ``group``
+    (``None``: the rank alone, module doc).
     """
     check_branches(model, br)
     paths = []
@@ -423,11 +457,37 @@ def apply_branches(model: nn.Module, br: int, rank: int, group: ProcessGroup) ->
     return paths
 
 
+#: Per model (weakly), its meta copies as each branch rank alone runs it, by (br, rank).
+_RANK_MODELS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int], nn.Module]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def rank_model(model: nn.Module, br: int, rank: int) -> nn.Module:
+    """A meta-device copy of ``model`` whose branched cells are branch rank ``rank``'s, alone
+    (module doc; cached per model): what the planner traces for that rank.
+
+    Why a copy of the model and not a share of the plain cell's trace: the rank's saved tensors,
+    work and combine buffers are then counted by the same trace as every other layout's, and the
+    assignment is :func:`plan_cell`'s own (read by :func:`apply_branches`), never re-derived.
+    """
+    import copy
+
+    from hyfi_imaging.parallel.model_trace import meta_model
+
+    cache = _RANK_MODELS.setdefault(model, {})
+    if (br, rank) not in cache:
+        solo = copy.deepcopy(meta_model(model).module)
+        apply_branches(solo, br, rank, None)
+        cache[br, rank] = solo
+    return cache[br, rank]
+
+
 class BranchSync:
     """Once per training step: sum the branch ops' new gradients over the group and copy each
     op's running statistics from the first rank that ran it (module doc: why)."""
 
-    def __init__(self, stage: nn.Module, group: ProcessGroup) -> None:
+    def __init__(self, stage: nn.Module, group: ProcessGroup | None) -> None:
         self.group = group
         self.params: list[nn.Parameter] = []
         #: (buffer, whether this rank is its source) for every op buffer.
@@ -441,6 +501,13 @@ class BranchSync:
                 self.params += [p for p in op.parameters() if p.requires_grad]
                 first = min((r for r, ks in enumerate(runners) if k in ks), default=0)
                 self.buffers += [(b, first == cell.rank) for b in op.buffers()]
+
+    @property
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes summed per step: the branch parameters' gradients (whole: under FSDP2 each
+        rank sums its ``1/shards`` of them) and the op buffers. The planner's count."""
+        grads = sum(p.numel() * p.element_size() for p in self.params)
+        return grads, sum(b.numel() * b.element_size() for b, _ in self.buffers)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -469,6 +536,13 @@ class BranchSync:
         _sum_flat([_local(b) for b, _ in self.buffers], self.group)
 
 
+def sync_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
+    """:attr:`BranchSync.nbytes` of the branched cells among ``modules`` (a stage's, for the
+    planner): what that stage's ranks sum over the branch group once per step."""
+    cells = [m for m in modules if isinstance(m, BranchedCell)]
+    return BranchSync(nn.ModuleList(cells), None).nbytes if cells else (0, 0)
+
+
 def _local(t: Tensor) -> Tensor:
     """A tensor's own part: a DTensor's local shard (FSDP2), else itself."""
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -476,7 +550,7 @@ def _local(t: Tensor) -> Tensor:
     return local
 
 
-def _sum_flat(tensors: list[Tensor], group: ProcessGroup) -> None:
+def _sum_flat(tensors: list[Tensor], group: ProcessGroup | None) -> None:
     """Sum ``tensors`` over ``group`` in place, one flat all-reduce per dtype, fixed order."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
@@ -484,7 +558,7 @@ def _sum_flat(tensors: list[Tensor], group: ProcessGroup) -> None:
     for dtype in sorted(by_dtype, key=str):
         group_ts = by_dtype[dtype]
         flat = torch.cat([t.reshape(-1) for t in group_ts])
-        dist.all_reduce(flat, group=group)
+        _group_sum(flat, group)
         offset = 0
         for t in group_ts:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))

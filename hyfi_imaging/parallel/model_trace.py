@@ -173,6 +173,7 @@ class ModelTrace:
         for ops in self.work.ops[start:stop]:
             out.windows += ops.windows
             out.norms += ops.norms
+            out.branch_sums += ops.branch_sums
         return out
 
 

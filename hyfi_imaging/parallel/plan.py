@@ -50,7 +50,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -59,6 +59,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hyfi_imaging.models.registry import chain_run
 from hyfi_imaging.parallel.balance import partition
+from hyfi_imaging.parallel.branches import rank_model, sync_bytes
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
@@ -86,6 +87,7 @@ from hyfi_imaging.parallel.spatial.kinds import WINDOWED_LAYERS
 from hyfi_imaging.parallel.speed import (
     Counts,
     allreduce_s,
+    branch_allreduce_s,
     compute_s,
     halo_copy_bytes,
     halo_s,
@@ -333,7 +335,11 @@ class StageCost:
     fwd: Counts = field(default_factory=Counts)  # one micro-batch's forward (stem: every pass)
     bwd: Counts = field(default_factory=Counts)  # its backward, recomputed forwards included
     halo_s: tuple[float, float] = (0.0, 0.0)  # exposed halo exchange, forward and backward
-    norms_s: tuple[float, float] = (0.0, 0.0)  # BatchNorm statistics all-reduces
+    norms_s: tuple[float, float] = (0.0, 0.0)  # BatchNorm statistics (and branch) all-reduces
+    #: Per branched cell, the bytes its branch group sums per micro-batch (forward, backward),
+    #: and what the stage sums once per step (branch gradients, op buffers): :mod:`.branches`.
+    branch_sums: tuple[tuple[int, int], ...] = ()
+    branch_sync: tuple[int, int] = (0, 0)
 
 
 def predict(
@@ -387,6 +393,10 @@ def predict(
         (overlap, backward_bands or candidate.backward_bands, cpu_kernels),
     )
     n_stages = plan.stages
+    if lay.br > 1:
+        costs = _branch_costs(model, image_hw, batch // m, replace(candidate, balance=balance),
+                              n_stages, dev, (overlap, backward_bands or candidate.backward_bands,
+                              cpu_kernels))  # fmt: skip
     if overhead is None:
         overhead = RUNTIME_OVERHEAD["cuda" if _on_cuda(model) else "cpu"]
     k_opt = OPT_STATE.get(optimizer, 1)
@@ -455,6 +465,53 @@ def predict(
     worst.step_s, worst.bubble, worst.parts = step_time(costs, lay, m, schedule, dev, optimizer)
     worst.images_per_s = lay.dp * batch / worst.step_s
     return worst
+
+
+def _branch_costs(
+    model: nn.Module,
+    image_hw: tuple[int, int],
+    mb: int,
+    candidate: Candidate,
+    n_stages: int,
+    dev: Device,
+    modes: tuple[bool, bool, bool],
+) -> list[StageCost]:
+    """Each stage's costs on its busiest branch rank (``candidate.layout.br > 1``).
+
+    Every branch rank ``b`` is traced as it runs alone (:func:`~.branches.rank_model`: the
+    plan's own assignment, on the cut of the plain model); per stage, the rank with the most
+    memory gives the memory and the slowest the time, plus its group's sums of every branched
+    cell's output (forward) and fanned-out inputs' gradients (backward), blocking, over a link
+    spanning the group. Each branch rank of a pipeline rank holds one branch rank's stages, so
+    with one stage per rank this is that rank's; a cell waits for the group's slowest rank, so
+    the time is a floor where the slowest rank differs from cell to cell.
+    """
+    lay = candidate.layout
+    per_rank = [
+        _stage_costs(rank_model(model, lay.br, b), image_hw, mb, candidate, n_stages, dev, modes)[1]
+        for b in range(lay.br)
+    ]
+    link = dev.link(lay.br * math.prod(lay.sp))
+    out = []
+    for options in zip(*per_rank, strict=True):
+        heavy = max(options, key=lambda c: (c.act + c.transient, c.weight_grads))
+        slow = max(options, key=lambda c: c.forward_s + c.backward_s)
+        sums = tuple(
+            branch_allreduce_s(slow.branch_sums, lay.br, link, backward=back)
+            for back in (False, True)
+        )
+        out.append(
+            replace(
+                heavy,
+                forward_s=slow.forward_s + sums[0],
+                backward_s=slow.backward_s + sums[1],
+                fwd=slow.fwd,
+                bwd=slow.bwd,
+                halo_s=slow.halo_s,
+                norms_s=(slow.norms_s[0] + sums[0], slow.norms_s[1] + sums[1]),
+            )
+        )
+    return out
 
 
 def step_time(
@@ -584,6 +641,9 @@ def _rank_time(
     mirror = 0.0
     if schedule == "bidirectional":
         mirror = allreduce_s(params / n_shard, 2, dev.link(lay.world_size // lay.dp))
+    # The branch gradients (on FSDP2's shards) and op buffers, summed once per step (BranchSync).
+    grads, bufs = (sum(c.branch_sync[k] for c in stages) for k in (0, 1))
+    branch = allreduce_s(grads / n_shard + bufs, lay.br, dev.link(lay.br * math.prod(lay.sp)))
     busy = compute_s(total, dev)
     return {
         "busy": busy,
@@ -592,7 +652,8 @@ def _rank_time(
         "collectives": norms,
         "fsdp": fsdp,
         "mirror": mirror,
-        "exposed": fsdp + mirror,
+        "branch": branch,
+        "exposed": fsdp + mirror + branch,
         "flops": total.flops,
         "bytes": total.bytes,
         "ops": float(total.ops),
@@ -777,6 +838,8 @@ def _stage_cost(
         bwd=bwd,
         halo_s=halo,
         norms_s=norms,
+        branch_sums=tuple(whole.stage_ops(start, stop).branch_sums),
+        branch_sync=sync_bytes(facts.modules.values()),
     )
 
 

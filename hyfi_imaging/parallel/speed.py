@@ -70,6 +70,7 @@ __all__ = [
     "SpatialOps",
     "Window",
     "allreduce_s",
+    "branch_allreduce_s",
     "compute_s",
     "count_chain",
     "halo_copy_bytes",
@@ -386,10 +387,13 @@ def halo_copy_bytes(windows: Sequence[Window], grid: Sequence[int]) -> float:
 @dataclass
 class SpatialOps:
     """What a spatial rank exchanges in one forward: its windowed layers' :class:`Window` s,
-    and the channels of every BatchNorm (each all-reduces its statistics over the grid)."""
+    and the channels of every BatchNorm (each all-reduces its statistics over the grid); and
+    what a branch rank sums over its branch group: per branched cell, the bytes of the whole
+    output (forward) and of its fanned-out inputs (their gradients, backward)."""
 
     windows: list[Window] = field(default_factory=list)
     norms: list[int] = field(default_factory=list)
+    branch_sums: list[tuple[int, int]] = field(default_factory=list)
 
 
 def spatial_ops(module: nn.Module, run: Callable[[], object]) -> SpatialOps:
@@ -403,6 +407,7 @@ def spatial_ops(module: nn.Module, run: Callable[[], object]) -> SpatialOps:
 @contextmanager
 def _recording(module: nn.Module) -> Iterator[SpatialOps]:
     """What :func:`spatial_ops` reports, recorded while the block runs (forward hooks)."""
+    from hyfi_imaging.parallel.branches import BranchedCell
     from hyfi_imaging.parallel.geometry import layer_geom
     from hyfi_imaging.parallel.spatial.kinds import BATCH_NORMS, WINDOWED_LAYERS
 
@@ -425,17 +430,43 @@ def _recording(module: nn.Module) -> Iterator[SpatialOps]:
     def norm(m: nn.Module, args: tuple[Any, ...], y: Any) -> None:
         found.norms.append(int(getattr(m, "num_features", 0)))
 
+    preprocessed: list[int] = []  # bytes of the running cell's preprocessed inputs
+
+    def branched(m: nn.Module, args: tuple[Any, ...], y: Any) -> None:
+        # Forward: the combined output (the first tensor; a cell passes its input on too).
+        # Backward: the gradients of what fans out -- a cell's two preprocessed inputs, a
+        # container's input.
+        fanned = sum(preprocessed) if preprocessed else sum(_nbytes(t) for t in _tensors(args))
+        preprocessed.clear()
+        found.branch_sums.append((_nbytes(_tensors(y)[0]), fanned))
+
     handles = [
         m.register_forward_hook(window) for m in module.modules() if isinstance(m, WINDOWED_LAYERS)
     ]
     handles += [
         m.register_forward_hook(norm) for m in module.modules() if isinstance(m, BATCH_NORMS)
     ]
+    cells = [m for m in module.modules() if isinstance(m, BranchedCell)]
+    handles += [m.register_forward_hook(branched) for m in cells]
+    handles += [
+        pre.register_forward_hook(lambda _m, _a, y: preprocessed.append(_nbytes(y)))
+        for m in cells
+        for name, pre in m.named_children()
+        if name in ("preprocess0", "preprocess1")
+    ]
     try:
         yield found
     finally:
         for h in handles:
             h.remove()
+
+
+def branch_allreduce_s(
+    sums: Sequence[tuple[int, int]], ranks: int, link: Link, *, backward: bool
+) -> float:
+    """A branch group's sums of one micro-batch (:attr:`SpatialOps.branch_sums`): per cell, the
+    zero-padded output in forward and the fanned-out inputs' gradients in backward; blocking."""
+    return sum(allreduce_s(b if backward else f, ranks, link) for f, b in sums)
 
 
 def norm_allreduce_s(channels: Sequence[int], ranks: int, link: Link, *, backward: bool) -> float:
