@@ -349,6 +349,9 @@ def exit_now(code: int) -> NoReturn:
     MPICH's proxy, like one that died, and when the proxy sees its socket close
     before it reaps the rank, it kills the ranks still running (SIGKILL, exit
     status 9) although every rank succeeded -- about 1 run in 8 of a 4-rank job here.
+    The C library's ``exit`` also runs C++ static destructors (not Python's teardown):
+    the commands destroy their process groups first (:func:`shutdown`), so no
+    communicator thread is left for them to abort on.
     """
     sys.stdout.flush()
     sys.stderr.flush()
