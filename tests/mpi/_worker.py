@@ -141,9 +141,10 @@ def merge_ranks(local: dict[str, Case]) -> dict[str, Case]:
 def emit(payload: dict[str, Any]) -> None:
     """Print the results line on rank 0 and leave without interpreter teardown.
 
-    After a barrier, :func:`~hyfi_imaging.parallel.launch.exit_now` (MPI finalized, then
-    ``os._exit``): tearing down gloo at interpreter exit sometimes aborts ("terminate called
-    without an active exception", exit 6) after all the work is done.
+    After a barrier, :func:`~hyfi_imaging.parallel.launch.exit_now` (MPI finalized, then the
+    C library's ``exit``, without Python's teardown): tearing down gloo at interpreter exit
+    sometimes aborts ("terminate called without an active exception", exit 6) after all the
+    work is done.
     """
     from hyfi_imaging.parallel.launch import exit_now
 
