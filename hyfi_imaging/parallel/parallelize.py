@@ -6,26 +6,27 @@ Model code is single-device; parallelism is applied to it here, as torchtitan's
 1. **check** -- the plan fits the model and the job, and every rank built bit-identical
    weights (:func:`check_same_weights`), before anything is changed;
 2. **checkpointing** -- the chosen blocks recompute in backward (:func:`~.pipeline.set_checkpointing`),
-   before any copy is taken, so that copies (the timing copy of step 5) checkpoint alike;
+   before any copy is taken, so that copies (the timing copy of step 6) checkpoint alike;
 3. **spatial** -- the whole model is spatialized for this rank's tile
    (:func:`~.apply.apply_spatial`), so every layer knows its true size at the image size;
    FSDP2 applies the gradient rule, so the layers' own reduction is off;
 4. **streaming** -- a chain's stem runs in row bands (:func:`~.streaming.stream_stem`);
-4b. **branches** -- each cell with independent branches runs only this rank's branches,
+5. **branches** -- each cell with independent branches runs only this rank's branches,
    combined over the branch group (:func:`~.branches.apply_branches`; after spatial, so
    the branches' layers are already this tile's; before the cut, which then takes the
    branched cells); the branch gradients' sum (:class:`~.branches.BranchSync`) is made
    after sharding, on this rank's stage;
-5. **balance** -- where the model is cut: given, or measured on a tile-sized micro-batch
+6. **balance** -- where the model is cut: given, or measured on a tile-sized micro-batch
    (the maximum over the world, so every rank cuts alike) (:func:`choose_balance`);
-6. **stages** -- a chain is cut into this rank's stage modules (:func:`apply_stages`);
-   any other model is one stage, itself;
-7. **FSDP2** -- each stage module is sharded over ``dp x sp`` of its stage
+7. **stages** -- a chain is cut into this rank's stage modules (:func:`apply_stages`); any
+   other model is one stage, itself, or, cut into several, its traced chain form
+   (:mod:`.chain_form`);
+8. **FSDP2** -- each stage module is sharded over ``dp x sp`` of its stage
    (:func:`apply_sharding`);
-8. **runtime** -- the schedule family's runtime (:func:`~.runtimes.runtime_for`; GEMS
+9. **runtime** -- the schedule family's runtime (:func:`~.runtimes.runtime_for`; GEMS
    creates its process groups here, after sharding, in the same order on every rank);
-9. **running statistics** -- BatchNorm's running statistics merged over the replicas after
-   each step (:func:`~.running_stats.apply_running_stats`).
+10. **running statistics** -- BatchNorm's running statistics merged over the replicas after
+    each step (:func:`~.running_stats.apply_running_stats`).
 
 The result is one :class:`~.rank_model.RankModel` of facts (tiles, cut, stages, units) that
 the engine, the runtime and the printed plan read, plus the runtime and the statistics merge.
