@@ -66,3 +66,50 @@ def test_bad_grids_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="use at most") as err:
         tile_region_nd((8, 64, 64), (3, 1, 1), (0, 0, 0), align=4)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("image", "grid", "align"),
+    [
+        ((777, 777), (1, 2), 32),
+        ((19, 26, 23), (2, 1, 2), 4),
+        ((61, 45), (2, 2), 1),
+        ((9,), (3,), 1),
+    ],
+)
+def test_tile_grid_is_the_padding_rule_cut_into_owned_tiles(
+    image: tuple[int, ...], grid: tuple[int, ...], align: int
+) -> None:
+    from hyfi_imaging.geometry.grid import TileGrid
+
+    tg = TileGrid.padding(image, grid, align)
+    assert tg.padded == padded_hw(image, grid, align)
+    cover = np.zeros(tg.padded, np.int64)
+    inside = np.zeros(tg.padded, bool)
+    inside[tuple(slice(0, n) for n in image)] = True
+    for coords in tg.coords():
+        box = tg.slices(coords)
+        cover[box] += 1
+        # valid: the leading indices of the tile that are image, counted pixel by pixel
+        tile_inside = inside[box]
+        assert tg.valid(coords) == tuple(
+            int(tile_inside.any(axis=tuple(b for b in range(len(grid)) if b != a)).sum())
+            for a in range(len(grid))
+        )
+        assert tg.owner(tg.origin(coords)) == coords
+        region = tile_region_nd(image, grid, coords, align=align)
+        assert region.owned == BoxND(tg.origin(coords), tg.tile)  # the loader's numbers
+    assert (cover == 1).all()
+
+
+def test_tile_grid_refuses_a_tile_of_padding_and_a_map_it_cannot_hold() -> None:
+    from hyfi_imaging.geometry.grid import TileGrid, map_end
+
+    with pytest.raises(ConfigError, match="leave tile 2 with nothing of the image"):
+        TileGrid.padding((8, 8), (1, 3), 4)
+    with pytest.raises(ConfigError, match="cannot hold it"):
+        TileGrid.of_map((10, 7), (2, 2), (4, 4))
+    with pytest.raises(ConfigError, match="outside the grid"):
+        TileGrid.padding((8, 8), (2, 2)).origin((2, 0))
+    assert TileGrid.of_map((10, 7), (2, 2), (6, 4)).valid((1, 1)) == (4, 3)
+    assert map_end((10, 7), (0, 1), (6, 4)) == (10, 3)  # past the tile: the map goes on

@@ -7,6 +7,9 @@ engine all take the same numbers from the same functions.
 
 * :mod:`.spans`: spans and partitions of one axis, the padding rule
   (:func:`~.spans.padded_hw`);
+* :mod:`.grid`: one image on one grid (:class:`~.grid.TileGrid`: padded size, tiles,
+  origins, valid extents, owners), which the engine, the junction, the planner and the
+  loader all read;
 * :mod:`.tiles`: N-d boxes, a rank's tile plus halo of an image or a volume,
   reading and stitching them.
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.geometry.spans import padded_hw
+from hyfi_imaging.geometry.grid import TileGrid
 
 __all__ = [
     "BoxND",
@@ -203,15 +203,16 @@ def tile_region_nd(
             "use 0 <= coordinate < tiles on every axis",
         )
     pairs = normalize_halo_nd(halo, len(shape_t))
-    rule = tuple(int(n) for n in padded_hw(shape_t, grid_t, int(align)))
+    tiling = TileGrid.padding(shape_t, grid_t, int(align))
+    rule = tiling.padded
     if padded is not None and tuple(int(n) for n in padded) != rule:
         raise ConfigError(
             f"padded size {tuple(padded)}",
             f"the padding rule gives {rule} for {shape_t} on grid {grid_t} with align {align}",
             "pass the model's total stride as align, or the padded size the rule gives",
         )
-    tile = tuple(p // g for p, g in zip(rule, grid_t, strict=True))
-    owned = BoxND(tuple(c * t for c, t in zip(rank, tile, strict=True)), tile)
+    tile = tiling.tile
+    owned = BoxND(tiling.origin(rank), tile)
     read = BoxND(
         tuple(o - b for o, (b, _) in zip(owned.origin, pairs, strict=True)),
         tuple(t + b + a for t, (b, a) in zip(tile, pairs, strict=True)),

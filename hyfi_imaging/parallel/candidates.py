@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.geometry.grid import TileGrid
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.model_trace import meta_model
 from hyfi_imaging.parallel.plan import (
@@ -26,7 +27,6 @@ from hyfi_imaging.parallel.plan import (
     Prediction,
     candidate_plan,
     check_pooled,
-    tile_hw,
 )
 from hyfi_imaging.parallel.schedules import SCHEDULES
 from hyfi_imaging.parallel.spatial import tile_alignment
@@ -101,7 +101,7 @@ def candidates(
 
     def roomy(grid: Grid) -> bool:
         try:
-            tile = tile_hw(image_hw, grid, align)
+            tile = TileGrid.padding(image_hw, grid, align).tile
         except ConfigError:
             return False
         # tiles of one pixel at the deepest layer: no room for halos

@@ -57,12 +57,13 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from hyfi_imaging.geometry.grid import TileGrid
 from hyfi_imaging.models.registry import chain_run
 from hyfi_imaging.parallel.balance import partition
 from hyfi_imaging.parallel.branches import rank_model, sync_bytes
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
-from hyfi_imaging.parallel.geometry import layer_geom, padded_hw
+from hyfi_imaging.parallel.geometry import layer_geom
 from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes
@@ -170,11 +171,6 @@ class Prediction:
     @property
     def peak(self) -> int:
         return self.activations + self.transient + self.state + self.buffers
-
-
-def tile_hw(image_hw: Sequence[int], grid: Sequence[int], align: int) -> tuple[int, ...]:
-    """The padded tile every rank holds (the geometry module's rule), 2-D or 3-D."""
-    return tuple(p // g for p, g in zip(padded_hw(image_hw, grid, align), grid, strict=True))
 
 
 def _in_block(path: str, blocks: Sequence[str]) -> str | None:
@@ -695,8 +691,7 @@ def _stage_costs(
     align = tile_alignment(model, len(image_hw), in_chans=meta.in_chans)
 
     def shape_of(grid: Sequence[int]) -> tuple[int, ...]:
-        # Per-stage grids pad the image for every grid, 1x1 included (``junction.stage_tiles``).
-        tile = tile_hw(image_hw, grid, align) if lay.junction or math.prod(grid) > 1 else image_hw
+        tile = TileGrid.padding(image_hw, grid, align).tile  # a 1x1 grid: the image
         return (mb, meta.in_chans, *tile)
 
     blocks = meta.blocks(candidate.checkpointing)

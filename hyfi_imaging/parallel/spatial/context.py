@@ -18,13 +18,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hyfi_imaging.errors import ConfigError, HyfiError
+from hyfi_imaging.geometry.grid import TileGrid, map_end
 from hyfi_imaging.parallel.collectives import all_reduce_max_replicated, all_reduce_replicated
 from hyfi_imaging.parallel.functional import Resample, Site, SpatialFunctions, Windowed
-from hyfi_imaging.parallel.geometry import Resample1D, layer_geom, padded_hw
+from hyfi_imaging.parallel.geometry import Resample1D, layer_geom
 from hyfi_imaging.parallel.grad_sync import TileGradSync
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.spatial import resampling
-from hyfi_imaging.parallel.spatial.base import _AXES, _tail
+from hyfi_imaging.parallel.spatial.base import _tail
 from hyfi_imaging.parallel.spatial.convolutions import _WindowedConv
 from hyfi_imaging.parallel.spatial.kinds import _SWAP
 from hyfi_imaging.parallel.spatial.trace import _trace_sizes
@@ -97,18 +98,21 @@ class SpatialContext:
         # The spatial layer each windowed function runs as, per site and image size.
         self._windowed: dict[tuple[str, tuple[int, ...]], nn.Module] = {}
 
+    def tiling(self, image_hw: Sequence[int]) -> TileGrid:
+        """The image on this grid: padded size, tiles, origins (:class:`~hyfi_imaging.geometry.grid.TileGrid`)."""
+        return TileGrid.padding(image_hw, self.grid, self.align)
+
     def padded_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
-        """Image size after global padding (:func:`~hyfi_imaging.parallel.geometry.padded_hw`)."""
-        return padded_hw(image_hw, self.grid, self.align)
+        """Image size after global padding (:func:`~hyfi_imaging.geometry.spans.padded_hw`)."""
+        return self.tiling(image_hw).padded
 
     def tile_size(self, image_hw: Sequence[int]) -> tuple[int, ...]:
         """This rank's tile size (every rank's: the tiles are equal)."""
-        return tuple(p // g for p, g in zip(self.padded_size(image_hw), self.grid, strict=True))
+        return self.tiling(image_hw).tile
 
     def tile_slice(self, image_hw: Sequence[int]) -> tuple[slice, ...]:
         """Rows and columns (and slabs, for volumes) of the padded image that this rank owns."""
-        size = self.tile_size(image_hw)
-        return tuple(slice(i * t, (i + 1) * t) for i, t in zip(self.tile, size, strict=True))
+        return self.tiling(image_hw).slices(self.tile)
 
     def set_image_size(self, image_hw: Sequence[int]) -> None:
         """Prepare the layers for images of ``image_hw`` (traced once per size)."""
@@ -129,16 +133,7 @@ class SpatialContext:
     def _trace(self, image_hw: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         if self._reference is None:
             raise RuntimeError("SpatialContext has no reference model; use spatialize()")
-        padded = self.padded_size(image_hw)
-        for axis, n, g, p in zip(_AXES[self.nd], image_hw, self.grid, padded, strict=True):
-            if (g - 1) * (p // g) >= n:
-                raise ConfigError(
-                    f"image {'x'.join(map(str, image_hw))} on a "
-                    f"{'x'.join(map(str, self.grid))} grid",
-                    f"the last tile along the {axis} would hold no image pixels (tiles of {p // g} "
-                    f"px, aligned to the model's total stride {self.align})",
-                    f"use at most {max(1, -(-n // (p // g)))} tiles along the {axis}, or a larger image",
-                )
+        self.tiling(image_hw)  # ConfigError for a grid that leaves a tile no image pixels
         try:
             sizes, outs, resamples = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
         except HyfiError:
@@ -213,9 +208,7 @@ class SpatialContext:
 
     def _valid(self, name: str, tiles: Sequence[int]) -> tuple[int, ...]:
         """Per spatial dim, how many leading indices of this rank's tile lie in the image."""
-        return tuple(
-            m - i * t for m, i, t in zip(self.size_of(name), self.tile, tiles, strict=True)
-        )
+        return map_end(self.size_of(name), self.tile, tiles)
 
     def global_reduce(self, x: torch.Tensor, site: Site, name: str) -> torch.Tensor:
         """The whole image's average, sum or maximum over the spatial dims, on every rank.
