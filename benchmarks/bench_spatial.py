@@ -92,9 +92,11 @@ QUIET_CORES = 0.1  # a timed step counts when the rest of the machine used at mo
 
 
 def _halo_1d(kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
-    """(before, after) halo of one window axis for stride-aligned tiles (REFERENCE.md)."""
-    extent = dilation * (kernel - 1) + 1
-    return padding, max(0, extent - padding - stride)
+    """(before, after) halo of one window axis for stride-aligned tiles: the one rule,
+    :meth:`~hyfi_imaging.parallel.geometry.LayerGeom.halo` (not the exchange's own numbers)."""
+    from hyfi_imaging.parallel.geometry import LayerGeom
+
+    return LayerGeom(kernel, stride, padding, dilation).halo()
 
 
 def _pair(v: Any) -> tuple[int, int]:

@@ -56,7 +56,7 @@ def _analytic(
             halo = [transposed_halo(m.kernel_size[a], m.stride[a], m.padding[a], m.dilation[a])
                     for a in range(nd)]  # fmt: skip
         else:
-            halo = [(g.padding, max(0, g.extent - g.padding - g.stride)) for g in layer_geom(m)]
+            halo = [g.halo() for g in layer_geom(m)]
         for k, (lo, hi) in enumerate(sides):
             got = (halo[k][0] if lo is not None else 0) + (halo[k][1] if hi is not None else 0)
             across = math.prod(

@@ -71,9 +71,7 @@ def _halos(module: nn.Module, sizes: dict[str, tuple[int, ...]]) -> dict[str, li
         size = sizes.get(path)
         if size is None or not isinstance(m, WINDOWED_LAYERS):
             continue
-        out[path] = [
-            [g.padding, max(0, g.extent - g.padding - g.stride)] for g in layer_geom(m, size)
-        ]
+        out[path] = [list(g.halo()) for g in layer_geom(m, size)]
     return out
 
 

@@ -194,6 +194,23 @@ class LayerGeom:
             )
         return m
 
+    def halo(self, carry: tuple[int, int] = (0, 0), *, surplus: bool = False) -> tuple[int, int]:
+        """Input pixels read before and after a stride-aligned tile, the one halo rule.
+
+        For outputs that are the tile plus a carried border ``carry = (b, a)`` (0 for a
+        plain layer; a deep halo's earlier layers carry one): ``(s*b + p, s*a + K - p - s)``
+        (REFERENCE.md). A negative ``after`` means the windows stop short of the tile's end:
+        no data is needed, so it is 0 unless ``surplus`` asks for the signed value (the
+        extent the windows span is ``before + tile + after``).
+
+        OK: ``LayerGeom(3, padding=1).halo()`` -> ``(1, 1)``; ``LayerGeom(3, 2, 1).halo()``
+        -> ``(1, 0)``, with ``surplus=True`` ``(1, 0)``; ``LayerGeom(1, 2).halo(surplus=True)``
+        -> ``(0, -1)``.
+        """
+        before = self.stride * carry[0] + self.padding
+        after = self.stride * carry[1] + self.extent - self.padding - self.stride
+        return before, after if surplus else max(after, 0)
+
     def reads(self, j: int) -> range:
         """Exact input indices (padding included) that output ``j`` reads."""
         first = self.stride * j - self.padding
@@ -285,10 +302,7 @@ def carried_halos(
     for axes in reversed(layers):
         inn: list[int] = []
         for a, g in enumerate(axes):
-            inn += [
-                g.stride * out[2 * a] + g.padding,
-                max(g.stride * out[2 * a + 1] + g.extent - g.padding - g.stride, 0),
-            ]
+            inn += g.halo((out[2 * a], out[2 * a + 1]))
         result.append((tuple(inn), out))
         out = tuple(inn)
     return result[::-1]

@@ -190,7 +190,7 @@ def _strips(modules: dict[str, nn.Module], trace: SavedActivations, grid: Sequen
             continue
         side: list[int] = []
         for g, tiles in zip(layer_geom(m, shape[-nd:]), grid, strict=True):
-            before, after = g.padding, max(0, g.extent - g.padding - g.stride)
+            before, after = g.halo()
             side.append(0 if tiles == 1 else before + after if tiles > 2 else max(before, after))
         tile = shape[-nd:]
         grown = math.prod(t + s for t, s in zip(tile, side, strict=True)) - math.prod(tile)

@@ -418,7 +418,7 @@ def _recording(module: nn.Module) -> Iterator[SpatialOps]:
         if x is None:
             return
         geoms = layer_geom(m, tuple(x.shape[2:]))
-        halo = tuple((g.padding, max(0, g.extent - g.padding - g.stride)) for g in geoms)
+        halo = tuple(g.halo() for g in geoms)
         if not any(b or a for b, a in halo):
             return
         flops = pixel = 0.0

@@ -172,8 +172,7 @@ class _SpatialMixin:
                 )
             # Rows read around the tile for outputs that keep the border carry_out.
             ob, oa = carry_out[2 * a], carry_out[2 * a + 1]
-            before = g.stride * ob + g.padding
-            after = g.stride * oa + g.extent - g.padding - g.stride
+            before, after = g.halo((ob, oa), surplus=True)
             deep = " (a deep halo: use a smaller halo_depth)" if any(carry_out) else ""
             # With one tile along an axis the halo is all global padding: any width works.
             if max(before, after) > t and n_tiles > 1 and not any(carry_in):

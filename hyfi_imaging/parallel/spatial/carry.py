@@ -73,9 +73,7 @@ def _plan_deep_halos(
         group: list[int] = []
         halos = 0
         for k, path in enumerate([*chain, None]):
-            needs = path is not None and any(
-                g.padding or g.extent - g.padding - g.stride > 0 for g in _geoms(modules[path])
-            )
+            needs = path is not None and any(any(g.halo()) for g in _geoms(modules[path]))
             if path is None or (needs and halos == depth):
                 if len(group) > 1:
                     runs.append([chain[i] for i in group])
