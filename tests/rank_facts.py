@@ -127,6 +127,47 @@ def rank_facts(case: Case, rank: int) -> dict[str, Any]:
         return facts
 
 
+def planned_facts(case: Case) -> list[dict[str, Any]]:
+    """Every rank's facts as :mod:`hyfi_imaging.parallel.rank_plan` decides them before
+    anything runs: no process group (not even a fake one), the model only read on a meta
+    copy. The keys are the snapshot's that the rank plan holds."""
+    import copy
+
+    from hyfi_imaging.models.registry import create_model
+    from hyfi_imaging.parallel.apply import input_channels
+    from hyfi_imaging.parallel.rank_plan import model_facts, rank_plans
+
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    model = create_model(case.model, **case.model_kwargs)
+    meta = copy.deepcopy(model).to("meta")
+    facts = model_facts(meta, case.plan, case.image, input_channels(model))
+    out = []
+    for rp in rank_plans(facts, case.plan):
+        assert rp.balance is not None, f"{case.name}: every case gives its cut"
+        got: dict[str, Any] = {
+            "coords": list(rp.coords),
+            "padded": list(rp.padded),
+            "tile": list(rp.tile),
+            "stage_tiles": [list(t) for t in rp.stage_tiles],
+            "balance": list(rp.balance),
+            "local": [[ls.replica, ls.index] for ls in rp.local],
+            "num_stages": rp.num_stages,
+            "copies": rp.copies,
+            "checkpointed": list(rp.facts.checkpointed),
+            "streamed": list(rp.facts.streamed),
+            "stem_whole": rp.stem_whole(rp.balance),
+            "grid": list(rp.tiling.grid),
+            "tile_index": list(rp.tile_coords),
+            "align": rp.facts.align,
+            "tile_slice": [[s.start, s.stop] for s in rp.tile_slice],
+        }
+        if case.plan.layout.pp > 1:
+            got["actions"] = [list(a) for a in rp.actions]
+        out.append(got)
+    return out
+
+
 def case_facts(case: Case) -> list[dict[str, Any]]:
     """Every rank's facts of ``case``, in rank order."""
     return [rank_facts(case, r) for r in range(case.plan.layout.world_size)]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rank_facts import CASES, Case, case_facts
+from rank_facts import CASES, Case, case_facts, planned_facts
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "rank_facts.json"
 
@@ -54,6 +54,25 @@ def test_every_rank_derives_its_snapshot(case: Case, snapshot: dict[str, Any]) -
     for rank, (g, w) in enumerate(zip(got, snapshot[case.name], strict=True)):
         difference = _first_difference(g, w)
         assert difference is None, f"{case.name} rank {rank}{difference}"
+
+
+#: Facts a rank on a one-tile grid has no spatial context to report (its plan has them).
+_SPATIAL_ONLY = ("grid", "tile_index", "align", "tile_slice")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_rank_plan_is_its_snapshot_before_anything_runs(
+    case: Case, snapshot: dict[str, Any]
+) -> None:
+    """The pure per-rank plan (no process group, no module changed) gives the numbers the
+    engine built from it on every rank: its tiles, stages, cut, blocks, stem and actions."""
+    planned = json.loads(json.dumps(planned_facts(case)))
+    for rank, (p, w) in enumerate(zip(planned, snapshot[case.name], strict=True)):
+        keys = [k for k in p if k in w or k not in _SPATIAL_ONLY]
+        difference = _first_difference({k: p[k] for k in keys}, {k: w.get(k) for k in keys})
+        assert difference is None, f"{case.name} rank {rank}{difference}"
+        if "grid" not in w:  # one tile: the whole image, at its origin
+            assert p["tile_slice"] == [[0, n] for n in p["padded"]]
 
 
 def test_the_snapshot_holds_every_case_and_the_ranks_differ() -> None:

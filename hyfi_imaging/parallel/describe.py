@@ -11,7 +11,6 @@ from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import stage_bounds
 from hyfi_imaging.parallel.rank_model import RankModel
-from hyfi_imaging.parallel.schedules import local_stages
 
 __all__ = ["describe_plan"]
 
@@ -38,7 +37,7 @@ def describe_plan(part: RankModel, pc: ParallelContext, plan: ParallelPlan) -> s
     if len(part.local) > 1:
         held = ", ".join(
             f"{'AB'[ls.replica] if part.copies > 1 else ''}{ls.index}"
-            for ls in local_stages(plan.schedule, layout.pp, 0)
+            for ls in part.plan.of_rank(0).local
         )
         what = (
             "two mirrored replicas: rank r holds stage r of replica A (first half of the "
@@ -92,13 +91,11 @@ def describe_plan(part: RankModel, pc: ParallelContext, plan: ParallelPlan) -> s
     lines.append("  rank  dp stage  tile   " + "".join(f"{a:<12s}" for a in axes).rstrip())
     shown = min(layout.world_size, 64)
     for r in range(shown):
-        d, p, *tile = layout.coords(r)
-        tile = [0] * (nd - len(tile)) + tile
-        held = "+".join(str(ls.index) for ls in local_stages(plan.schedule, layout.pp, p))
-        spans = "".join(
-            f"{i * t:5d}:{(i + 1) * t:<6d}" for i, t in zip(tile, part.stage_tiles[p], strict=True)
-        )
-        lines.append(f"  {r:4d} {d:3d} {held:>5s}  {','.join(map(str, tile)):<6s} {spans.rstrip()}")
+        other = part.plan.of_rank(r)
+        held = "+".join(str(ls.index) for ls in other.local)
+        spans = "".join(f"{s.start:5d}:{s.stop:<6d}" for s in other.tile_slice)
+        tile = ",".join(map(str, other.tile_coords))
+        lines.append(f"  {r:4d} {other.coords[0]:3d} {held:>5s}  {tile:<6s} {spans.rstrip()}")
     if shown < layout.world_size:
         lines.append(f"  ... ({layout.world_size - shown} more ranks)")
     return "\n".join(lines)

@@ -57,7 +57,7 @@ from hyfi_imaging.parallel.branches import (
     check_branch_tiles,
     check_branches,
 )
-from hyfi_imaging.parallel.junction import check_junction_model, stage_tiles
+from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
@@ -69,11 +69,12 @@ from hyfi_imaging.parallel.pipeline import (
     stage_bounds,
 )
 from hyfi_imaging.parallel.rank_model import BalanceInfo, PlannedShapes, RankModel
+from hyfi_imaging.parallel.rank_plan import RankPlan, model_facts, rank_plan
 from hyfi_imaging.parallel.running_stats import ReplicaRunningStats, apply_running_stats
 from hyfi_imaging.parallel.runtimes import PipelineRuntime, runtime_for
-from hyfi_imaging.parallel.schedules import LocalStage, local_stages
+from hyfi_imaging.parallel.schedules import LocalStage
 from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
-from hyfi_imaging.parallel.spatial import SpatialContext, tile_alignment, tile_shaped
+from hyfi_imaging.parallel.spatial import SpatialContext, tile_shaped
 from hyfi_imaging.parallel.streaming import stream_stem
 
 __all__ = [
@@ -106,13 +107,10 @@ def parallelize(
     check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_same_weights(model, pc.device)
     image = tuple(int(v) for v in image_hw)
-    pp_rank = pc.coords[1]
-    local = local_stages(plan.schedule, layout.pp, pp_rank)
     runtime_cls = runtime_for(plan.schedule, layout)
     in_chans = input_channels(model)
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
-    checkpointed = set_checkpointing(model, plan.checkpointing)
-    layers = model_layers(model, plan.stages)
+    set_checkpointing(model, plan.checkpointing)
     meta_model = copy.deepcopy(model).to("meta")
     if layout.junction:
         h, w = image
@@ -134,22 +132,22 @@ def parallelize(
     )
     if ctx is not None and plan.stages > 1 and not is_chain(model):
         _check_traced_sites(model, ctx)
+    # The plan of this rank: the tiles on the context's alignment (one number, measured once).
+    facts = model_facts(meta_model, plan, image, in_chans, align=None if ctx is None else ctx.align)
+    rank = rank_plan(facts, plan, pc.rank)
+    local = rank.local
     streamed = stream_stem(model, ctx) if plan.streaming == "stem" else []
     if layout.br > 1:
         if ctx is not None:  # a layer too small for its tile, judged on every rank
             check_branch_tiles(model, meta_model, ctx, image, in_chans)
         apply_branches(model, layout.br, pc.branch, pc.group("br"))
-    padded_hw, tile_hw, tile_model = image, image, meta_model
-    if ctx is not None:
-        padded_hw, tile_hw = ctx.padded_size(image), ctx.tile_size(image)
-        if ctx.flatten_paths:
-            tile_model = tile_shaped(copy.deepcopy(meta_model), ctx)
-            plain = None if plain is None else tile_shaped(plain, ctx)
-    tiles = _stage_tiles(layout, image, tile_hw, meta_model, in_chans)
-    out_map = output_map(tile_model, in_chans, image, tile_hw)
-    info = choose_balance(plan, meta_model, plain, tile_hw, in_chans, dtype, pc.device)
+    tile_model = meta_model
+    if ctx is not None and ctx.flatten_paths:
+        tile_model = tile_shaped(copy.deepcopy(meta_model), ctx)
+        plain = None if plain is None else tile_shaped(plain, ctx)
+    out_map = output_map(tile_model, in_chans, image, rank.tile)
+    info = choose_balance(rank, plain, dtype, pc.device)
     del plain
-    bounds = stage_bounds(info.balance)
     planned = PlannedShapes()
     submods, stage_module = apply_stages(
         model, local, info.balance, dtype=dtype, schedule=plan.schedule, planned=planned
@@ -158,25 +156,13 @@ def parallelize(
         submods, local, pc, layout, ctx, meta_model, (1, in_chans, *image), streamed
     )
     part = RankModel(
-        image_hw=image,
-        in_chans=in_chans,
+        plan=rank,
         dtype=dtype,
-        pp_rank=pp_rank,
-        local=local,
-        num_stages=plan.stages,
-        copies=runtime_cls.copies,
-        checkpointed=checkpointed,
-        layer_names=[n for n, _ in layers],
         meta_model=meta_model,
         tile_model=tile_model,
         ctx=ctx,
-        streamed=streamed,
-        padded_hw=padded_hw,
-        tile_hw=tile_hw,
-        stage_tiles=tiles,
         out_map=out_map,
         balance_info=info,
-        stem_whole=not streamed or bounds[0][1] >= len(streamed),
         submods=submods,
         stage_module=stage_module,
         fsdp_units=fsdp_units,
@@ -209,44 +195,23 @@ def _check_traced_sites(model: nn.Module, ctx: SpatialContext) -> None:
         )
 
 
-def _stage_tiles(
-    layout: Layout,
-    image: tuple[int, ...],
-    tile_hw: tuple[int, ...],
-    meta_model: nn.Module,
-    in_chans: int,
-) -> list[tuple[int, ...]]:
-    """The input tile of every stage's grid: this rank's tile, or the junction's per grid."""
-    if not layout.junction:
-        return [tile_hw] * layout.pp
-    # Every grid pads the image to the model's alignment (a 1x1 stage too, which has no
-    # spatial context: the number comes from the model, the same everywhere).
-    align = tile_alignment(meta_model, len(image), in_chans=in_chans)
-    return list(stage_tiles(layout, image, align))
-
-
 def choose_balance(
-    plan: ParallelPlan,
-    meta_model: nn.Module,
+    rank: RankPlan,
     plain: nn.Module | None,
-    tile_hw: tuple[int, ...],
-    in_chans: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> BalanceInfo:
-    """The cut: the plan's, one stage, or measured per layer on a tile (``plain``: a copy of
-    the model before spatialization, timed one layer at a time)."""
-    params = [
-        sum(p.numel() for p in m.parameters()) for _, m in model_layers(meta_model, plan.stages)
-    ]
-    n = len(params)
-    if plan.balance is not None:
-        return BalanceInfo(plan.balance, "explicit", None, params)
-    if plan.stages == 1:
-        return BalanceInfo((n,), "one stage", None, params)
+    """The cut: the plan's (or one stage), or measured per layer on this rank's tile
+    (``plain``: a copy of the model before spatialization, timed one layer at a time)."""
+    params = list(rank.facts.layer_params)
+    plan = rank.parallel
+    if rank.balance is not None:
+        how = "explicit" if plan.balance is not None else "one stage"
+        return BalanceInfo(rank.balance, how, None, params)
     assert plain is not None
+    n = len(params)
     plain.to(device)
-    sample = torch.randn(1, in_chans, *tile_hw, dtype=dtype, device=device)
+    sample = torch.randn(1, rank.facts.in_chans, *rank.tile, dtype=dtype, device=device)
     costs = measure_layers(model_layers(plain, plan.stages), sample, repeat=3)
     # Max over ranks is exact: every rank then cuts from the same numbers.
     vec = torch.tensor([*costs.seconds, *[float(b) for b in costs.bytes]], dtype=torch.float64).to(

@@ -284,8 +284,8 @@ def parse_checkpointing(text: str) -> int:
     )
 
 
-def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
-    """Enable activation checkpointing on the blocks ``mode`` selects; returns their names.
+def checkpoint_blocks(model: nn.Module, mode: str) -> list[str]:
+    """The names of the blocks ``mode`` checkpoints (pure: the model is only read).
 
     Blocks are the model's :class:`~hyfi_imaging.models.CheckpointedBlock`
     modules numbered 1, 2, ... in module order over the *whole* model, and
@@ -295,21 +295,26 @@ def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
     is asked for and the model has no checkpointable block.
     """
     every = parse_checkpointing(mode)
-    policy = "selective" if mode.strip().lower() == "selective" else "full"
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, CheckpointedBlock)]
+    blocks = [n for n, m in model.named_modules() if isinstance(m, CheckpointedBlock)]
     if every and not blocks:
         raise ConfigError(
             f"--checkpointing {mode}",
             f"{type(model).__name__} has no checkpointable blocks",
             "use --checkpointing none, or build the model from CheckpointedBlock modules",
         )
-    chosen = []
-    for i, (name, block) in enumerate(blocks, start=1):
-        block.grad_checkpointing = bool(every) and i % every == 0
-        block.checkpoint_policy = policy
-        if block.grad_checkpointing:
-            chosen.append(name)
-    return chosen
+    return [name for i, name in enumerate(blocks, start=1) if every and i % every == 0]
+
+
+def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
+    """Enable activation checkpointing on the blocks ``mode`` selects
+    (:func:`checkpoint_blocks`); returns their names."""
+    chosen = set(checkpoint_blocks(model, mode))
+    policy = "selective" if mode.strip().lower() == "selective" else "full"
+    for name, block in model.named_modules():
+        if isinstance(block, CheckpointedBlock):
+            block.grad_checkpointing = name in chosen
+            block.checkpoint_policy = policy
+    return [n for n, m in model.named_modules() if n in chosen]
 
 
 def stage_boundaries(

@@ -18,6 +18,7 @@ from torch import nn
 from hyfi_imaging.parallel.apply import OutputMap
 from hyfi_imaging.parallel.balance import LayerCosts
 from hyfi_imaging.parallel.branches import BranchSync
+from hyfi_imaging.parallel.rank_plan import RankPlan
 from hyfi_imaging.parallel.schedules import LocalStage
 from hyfi_imaging.parallel.spatial import SpatialContext
 
@@ -63,39 +64,18 @@ class PlannedShapes:
 class RankModel:
     """One rank's part of the model and the facts it was built from (see the module doc)."""
 
-    #: The image's size: ``(h, w)``, or ``(d, h, w)`` for volumes on a 3-D grid.
-    image_hw: tuple[int, ...]
-    in_chans: int
+    #: What this rank does, decided before anything ran (:mod:`.rank_plan`): its tiles,
+    #: stages, blocks, stem and actions; the fields below read it.
+    plan: RankPlan
     dtype: torch.dtype
-    #: This rank's pipeline coordinate.
-    pp_rank: int
-    #: The model stages this rank holds (two for bidirectional and torch's V schedules).
-    local: tuple[LocalStage, ...]
-    #: How many stages the model is cut into.
-    num_stages: int
-    #: Copies of every stage across the pipeline (2: bidirectional replicas A and B).
-    copies: int
-    #: The checkpointed blocks' names.
-    checkpointed: list[str]
-    #: The model's top-level layers' names.
-    layer_names: list[str]
     #: The unmodified model on the meta device (stage shapes, units, the junction's cuts).
     meta_model: nn.Module
     #: The plain model as it runs on a tile's shape (stage shapes, layer timing).
     tile_model: nn.Module
     ctx: SpatialContext | None
-    #: The streamed stem's layers (:mod:`.streaming`), empty without streaming.
-    streamed: list[str]
-    padded_hw: tuple[int, ...]
-    tile_hw: tuple[int, ...]
-    #: The input tile of every stage's grid (all the same without per-stage grids).
-    stage_tiles: list[tuple[int, ...]]
     #: The output's map when the model is dense (its output is tiled too), else None.
     out_map: OutputMap | None
     balance_info: BalanceInfo
-    #: Whether the first stage holds the whole streamed stem (a cut inside it runs its
-    #: layers one by one: exact, without the memory saving; said in the plan).
-    stem_whole: bool
     #: One module per local stage, in :attr:`local`'s order.
     submods: list[nn.Module]
     #: This rank's layers (of all its stages, in model order) under their original names.
@@ -105,6 +85,61 @@ class RankModel:
     planned: PlannedShapes
     #: The branch group's once-per-step gradient and statistics sum (:mod:`.branches`), or None.
     branch_sync: BranchSync | None = None
+
+    @property
+    def image_hw(self) -> tuple[int, ...]:
+        """The image's size: ``(h, w)``, or ``(d, h, w)`` for volumes."""
+        return self.plan.facts.image
+
+    @property
+    def in_chans(self) -> int:
+        return self.plan.facts.in_chans
+
+    @property
+    def pp_rank(self) -> int:
+        return self.plan.pp_rank
+
+    @property
+    def local(self) -> tuple[LocalStage, ...]:
+        return self.plan.local
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+    @property
+    def copies(self) -> int:
+        return self.plan.copies
+
+    @property
+    def checkpointed(self) -> list[str]:
+        return list(self.plan.facts.checkpointed)
+
+    @property
+    def layer_names(self) -> list[str]:
+        return list(self.plan.facts.layer_names)
+
+    @property
+    def streamed(self) -> list[str]:
+        return list(self.plan.facts.streamed)
+
+    @property
+    def padded_hw(self) -> tuple[int, ...]:
+        return self.plan.padded
+
+    @property
+    def tile_hw(self) -> tuple[int, ...]:
+        return self.plan.tile
+
+    @property
+    def stage_tiles(self) -> list[tuple[int, ...]]:
+        return self.plan.stage_tiles
+
+    @property
+    def stem_whole(self) -> bool:
+        """Whether the first stage holds the whole streamed stem (a cut inside it runs its
+        layers one by one: exact, without the memory saving; said in the plan)."""
+        return self.plan.stem_whole(self.balance_info.balance)
 
     @property
     def stage_index(self) -> int:

@@ -683,14 +683,15 @@ def _autocast(state: tuple[str, bool, torch.dtype]) -> Any:
     return torch.autocast(kind, dtype=dtype, enabled=on)
 
 
-def stream_stem(model: nn.Module, ctx: Any = None, *, band_rows: int = _BAND_ROWS) -> list[str]:
-    """Stream the stem of chain ``model`` (its leading convolutions, max-pools, BatchNorms
-    and activations) in bands; returns the streamed layers' names.
+def stem_paths(model: nn.Module) -> list[str]:
+    """The layers :func:`stream_stem` streams in ``model`` (pure: the model is only read).
 
-    ``ctx``: the :class:`~hyfi_imaging.parallel.spatial.SpatialContext` of a spatialized
-    model, or None for one process. Raises ConfigError when the model is not a chain or
-    does not start with a convolution that can stream.
-    """
+    Raises ConfigError when the model is not a chain or does not start with a convolution
+    that can stream."""
+    return [ly.path for ly in _stream_layers(model)]
+
+
+def _stream_layers(model: nn.Module) -> list[_Layer]:
     from hyfi_imaging.parallel.pipeline import is_chain, model_layers
 
     if not is_chain(model):
@@ -708,6 +709,18 @@ def stream_stem(model: nn.Module, ctx: Any = None, *, band_rows: int = _BAND_ROW
             "max-pool, BatchNorm or activation that can stream",
             "use parallel.streaming=none",
         )
+    return layers
+
+
+def stream_stem(model: nn.Module, ctx: Any = None, *, band_rows: int = _BAND_ROWS) -> list[str]:
+    """Stream the stem of chain ``model`` (its leading convolutions, max-pools, BatchNorms
+    and activations) in bands; returns the streamed layers' names.
+
+    ``ctx``: the :class:`~hyfi_imaging.parallel.spatial.SpatialContext` of a spatialized
+    model, or None for one process. Raises ConfigError when the model is not a chain or
+    does not start with a convolution that can stream.
+    """
+    layers = _stream_layers(model)
     stem = Stem(layers, ctx, band_rows)
     set_chain_run(layers[0].module, stem)  # run_chain runs the stem in its layers' place
     return stem.paths
