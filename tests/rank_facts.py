@@ -161,6 +161,8 @@ def planned_facts(case: Case) -> list[dict[str, Any]]:
             "tile_index": list(rp.tile_coords),
             "align": rp.facts.align,
             "tile_slice": [[s.start, s.stop] for s in rp.tile_slice],
+            "sizes": {k: list(v) for k, v in sorted(rp.facts.sizes.items())},
+            "halos": {k: [list(h) for h in v] for k, v in rp.facts.halos.items()},
         }
         if case.plan.layout.pp > 1:
             got["actions"] = [list(a) for a in rp.actions]

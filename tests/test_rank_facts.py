@@ -57,7 +57,7 @@ def test_every_rank_derives_its_snapshot(case: Case, snapshot: dict[str, Any]) -
 
 
 #: Facts a rank on a one-tile grid has no spatial context to report (its plan has them).
-_SPATIAL_ONLY = ("grid", "tile_index", "align", "tile_slice")
+_SPATIAL_ONLY = ("grid", "tile_index", "align", "tile_slice", "sizes", "halos")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -65,10 +65,14 @@ def test_every_rank_plan_is_its_snapshot_before_anything_runs(
     case: Case, snapshot: dict[str, Any]
 ) -> None:
     """The pure per-rank plan (no process group, no module changed) gives the numbers the
-    engine built from it on every rank: its tiles, stages, cut, blocks, stem and actions."""
+    engine built from it on every rank: its tiles, stages, cut, blocks, stem, actions, and
+    every layer's size and halo."""
     planned = json.loads(json.dumps(planned_facts(case)))
     for rank, (p, w) in enumerate(zip(planned, snapshot[case.name], strict=True)):
         keys = [k for k in p if k in w or k not in _SPATIAL_ONLY]
+        if "halos" in w:  # the plan's are the whole model's; the engine's, its stages' layers
+            assert set(w["halos"]) <= set(p["halos"]), f"{case.name} rank {rank}: layers missing"
+            p["halos"] = {k: v for k, v in p["halos"].items() if k in w["halos"]}
         difference = _first_difference({k: p[k] for k in keys}, {k: w.get(k) for k in keys})
         assert difference is None, f"{case.name} rank {rank}{difference}"
         if "grid" not in w:  # one tile: the whole image, at its origin

@@ -133,7 +133,14 @@ def parallelize(
     if ctx is not None and plan.stages > 1 and not is_chain(model):
         _check_traced_sites(model, ctx)
     # The plan of this rank: the tiles on the context's alignment (one number, measured once).
-    facts = model_facts(meta_model, plan, image, in_chans, align=None if ctx is None else ctx.align)
+    facts = model_facts(
+        meta_model,
+        plan,
+        image,
+        in_chans,
+        align=None if ctx is None else ctx.align,
+        sizes=None if ctx is None else ctx.sizes,
+    )
     rank = rank_plan(facts, plan, pc.rank)
     local = rank.local
     streamed = stream_stem(model, ctx) if plan.streaming == "stem" else []

@@ -54,6 +54,11 @@ class ModelFacts:
     checkpointed: tuple[str, ...]
     #: The streamed stem's layers (the plan's ``streaming``), empty without streaming.
     streamed: tuple[str, ...]
+    #: The whole image's input size at every layer with a spatial form (and every
+    #: functional site), where any stage is tiled; empty otherwise.
+    sizes: dict[str, tuple[int, ...]]
+    #: Every windowed layer's halo, ``(before, after)`` per spatial axis, at its size.
+    halos: dict[str, tuple[tuple[int, int], ...]]
 
 
 def model_facts(
@@ -63,25 +68,37 @@ def model_facts(
     in_chans: int,
     *,
     align: int | None = None,
+    sizes: dict[str, tuple[int, ...]] | None = None,
 ) -> ModelFacts:
     """Read :class:`ModelFacts` from ``meta_model`` (a meta-device copy, left unchanged).
 
-    ``align``: the engine's number where it already measured it (a spatial context's);
-    else asked of :func:`~.spatial.tile_alignment`, the one source, where any stage has a
-    grid of more than one tile, and 1 where none has.
+    ``align`` and ``sizes``: the engine's numbers where a spatial context already measured
+    them (one trace, not two); else asked of :func:`~.spatial.tile_alignment` (the one
+    source) and traced on ``meta_model``, where any stage has a grid of more than one tile
+    (1 and none where none has).
     """
+    from hyfi_imaging.parallel.geometry import layer_geom
     from hyfi_imaging.parallel.spatial import tile_alignment
+    from hyfi_imaging.parallel.spatial.kinds import WINDOWED_LAYERS
+    from hyfi_imaging.parallel.spatial.trace import _trace_sizes
     from hyfi_imaging.parallel.streaming import stem_paths
 
     size = tuple(int(v) for v in image)
     layout = plan.layout
+    tiled = any(math.prod(layout.grid_of(s)) > 1 for s in range(layout.pp))
     if align is None:
-        tiled = any(math.prod(layout.grid_of(s)) > 1 for s in range(layout.pp))
         align = (
             tile_alignment(meta_model, len(size), in_chans=in_chans, image_size=size)
             if tiled
             else 1
         )
+    if sizes is None:
+        sizes = _trace_sizes(meta_model, (1, in_chans, *size))[0] if tiled else {}
+    halos = {
+        path: tuple(g.halo() for g in layer_geom(m, sizes[path]))
+        for path, m in meta_model.named_modules()
+        if path in sizes and isinstance(m, WINDOWED_LAYERS)
+    }
     layers = model_layers(meta_model, plan.stages)
     return ModelFacts(
         image=size,
@@ -91,6 +108,8 @@ def model_facts(
         layer_params=tuple(sum(p.numel() for p in m.parameters()) for _, m in layers),
         checkpointed=tuple(checkpoint_blocks(meta_model, plan.checkpointing)),
         streamed=tuple(stem_paths(meta_model)) if plan.streaming == "stem" else (),
+        sizes=dict(sizes),
+        halos=halos,
     )
 
 
