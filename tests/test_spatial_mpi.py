@@ -43,6 +43,9 @@ pytestmark = [
 ]
 
 GRIDS = ["1x2", "2x1", "2x2", "3x1", "1x3"]
+#: Grids whose launch runs with the slow set: every case runs by default on 1x2, 2x2 (both
+#: axes, corners) and 1x3 (a middle tile); 2x1 and 3x1 are the same exchanges along rows.
+SLOW_GRIDS = {"2x1", "3x1"}
 
 
 def _grid(text: str) -> tuple[int, int]:
@@ -98,6 +101,7 @@ def _params() -> list[Any]:
                 continue
             reason = _known_failure(grid, case)
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            marks += [pytest.mark.slow] if grid in SLOW_GRIDS else []
             out.append(pytest.param(grid, case, marks=marks, id=f"{grid}:{case}"))
     return out
 
@@ -114,7 +118,8 @@ def _sabotage_params() -> list[Any]:
     for grid in GRIDS:
         for case in grid_cases.case_names(_grid(grid)):
             if case.startswith("halo/sabotaged/"):
-                out.append(pytest.param(grid, case, id=f"{grid}:{case}"))
+                marks = [pytest.mark.slow] if grid in SLOW_GRIDS else []
+                out.append(pytest.param(grid, case, marks=marks, id=f"{grid}:{case}"))
     return out
 
 
