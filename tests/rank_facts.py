@@ -164,6 +164,16 @@ def planned_facts(case: Case) -> list[dict[str, Any]]:
             "sizes": {k: list(v) for k, v in sorted(rp.facts.sizes.items())},
             "halos": {k: [list(h) for h in v] for k, v in rp.facts.halos.items()},
         }
+        assert rp.units is not None, f"{case.name}: every case gives its cut"
+        got["fsdp_units"] = [path for stage in rp.units for path, _ in stage]
+        if rp.spatial is not None:
+            got |= {
+                "halo_depth": case.plan.halo_depth,
+                "deep_runs": [list(r) for r in rp.spatial.deep_runs],
+                "rejoined_pools": sorted(rp.spatial.rejoined_pools),
+                "flatten_paths": sorted(rp.spatial.flatten_paths),
+                "functional_sites": sorted(rp.spatial.functional_sites),
+            }
         if case.plan.layout.pp > 1:
             got["actions"] = [list(a) for a in rp.actions]
         out.append(got)

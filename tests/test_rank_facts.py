@@ -57,7 +57,10 @@ def test_every_rank_derives_its_snapshot(case: Case, snapshot: dict[str, Any]) -
 
 
 #: Facts a rank on a one-tile grid has no spatial context to report (its plan has them).
-_SPATIAL_ONLY = ("grid", "tile_index", "align", "tile_slice", "sizes", "halos")
+_SPATIAL_ONLY = (
+    "grid", "tile_index", "align", "tile_slice", "sizes", "halos", "halo_depth", "deep_runs",
+    "rejoined_pools", "flatten_paths", "functional_sites",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -65,8 +68,8 @@ def test_every_rank_plan_is_its_snapshot_before_anything_runs(
     case: Case, snapshot: dict[str, Any]
 ) -> None:
     """The pure per-rank plan (no process group, no module changed) gives the numbers the
-    engine built from it on every rank: its tiles, stages, cut, blocks, stem, actions, and
-    every layer's size and halo."""
+    engine built from it on every rank: its tiles, stages, cut, blocks, stem, actions,
+    every layer's size and halo, the deep-halo runs and the FSDP2 units."""
     planned = json.loads(json.dumps(planned_facts(case)))
     for rank, (p, w) in enumerate(zip(planned, snapshot[case.name], strict=True)):
         keys = [k for k in p if k in w or k not in _SPATIAL_ONLY]

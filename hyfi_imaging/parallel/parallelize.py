@@ -59,7 +59,6 @@ from hyfi_imaging.parallel.branches import (
 )
 from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.launch import ParallelContext
-from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
@@ -138,8 +137,7 @@ def parallelize(
         plan,
         image,
         in_chans,
-        align=None if ctx is None else ctx.align,
-        sizes=None if ctx is None else ctx.sizes,
+        ctx=ctx,
     )
     rank = rank_plan(facts, plan, pc.rank)
     local = rank.local
@@ -159,9 +157,7 @@ def parallelize(
     submods, stage_module = apply_stages(
         model, local, info.balance, dtype=dtype, schedule=plan.schedule, planned=planned
     )
-    fsdp_units = apply_sharding(
-        submods, local, pc, layout, ctx, meta_model, (1, in_chans, *image), streamed
-    )
+    fsdp_units = apply_sharding(submods, rank, pc, ctx, meta_model, (1, in_chans, *image), streamed)
     part = RankModel(
         plan=rank,
         dtype=dtype,
@@ -281,36 +277,41 @@ def apply_stages(
 
 def apply_sharding(
     submods: Sequence[nn.Module],
-    local: Sequence[LocalStage],
+    rank: RankPlan,
     pc: ParallelContext,
-    layout: Layout,
     ctx: SpatialContext | None,
     meta_model: nn.Module,
     input_shape: tuple[int, ...],
     streamed: Sequence[str],
 ) -> list[str]:
     """Move each stage module to the device and shard it with FSDP2 over ``dp x sp`` of its
-    stage (each stage its own FSDP root); returns the units' paths."""
+    stage (each stage its own FSDP root), in the units the rank's plan chose (chosen here by
+    the same function where the cut was measured); returns the units' paths."""
     units: list[str] = []
-    for ls, sub in zip(local, submods, strict=True):
+    planned = rank.facts.stage_units
+    called: set[str] | None = None
+    for ls, sub in zip(rank.local, submods, strict=True):
         if ls.index > 0:
             _no_inplace_at_entry(sub)
         sub.to(pc.device)
         if pc.shard_mesh is None or not any(p.requires_grad for p in sub.parameters()):
             continue
+        if planned is None and called is None:
+            # A streamed stem's layers are not called one by one: their parameters are the
+            # root's, gathered when the stage starts.
+            called = called_modules(meta_model, input_shape) - set(streamed)
         paths = apply_fsdp(
             sub,
             pc.shard_mesh,
             tile_names=None if ctx is None else ctx.tile_param_names,
-            tiles=layout.stage_size(pc.coords[1]),
+            tiles=rank.parallel.layout.stage_size(rank.pp_rank),
             # Keep each unit's parameters gathered from its forward to its backward: a
             # second all-gather per step cost a 1x2 ResNet-50 rank 0.4 s of its 3.4 s on CPU
             # (bench_spatial, CPU-time bound 0.442 -> 0.486), and the parameters are small
             # next to a whole image's activations.
             reshard_after_forward=False,
-            # A streamed stem's layers are not called one by one: their parameters are the
-            # root's, gathered when the stage starts.
-            called=called_modules(meta_model, input_shape) - set(streamed),
+            called=called,
+            units=None if planned is None else planned[ls.index],
         )
         # FSDP2 hands a unit its input as a view made by a custom Function, which an
         # in-place op may not modify (torchvision's classifier: Dropout(inplace=True)).

@@ -37,6 +37,7 @@ has no ``PREMUL_SUM``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,14 @@ from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
 
-__all__ = ["apply_fsdp", "called_modules", "full_tensor", "shard_units"]
+__all__ = [
+    "apply_fsdp",
+    "called_modules",
+    "divide_factor",
+    "full_tensor",
+    "shard_units",
+    "stage_units",
+]
 
 TILE, HEAD = "tile", "head"
 
@@ -170,14 +178,39 @@ def apply_fsdp(
     tiles: int,
     reshard_after_forward: bool,
     called: set[str] | None = None,
+    units: Sequence[tuple[str, str]] | None = None,
 ) -> list[str]:
     """Shard ``stage`` in place over ``mesh`` (FSDP2); returns the unit paths, root last.
 
     ``tiles`` is the number of spatial ranks (``sp``) in the mesh: the divide
-    factor of head units; ``called`` as for :func:`shard_units`. Call once,
-    before creating the optimizer (its parameters become sharded DTensors).
+    factor of head units; ``called`` as for :func:`shard_units`. ``units``: the
+    ``(path, kind)`` pairs the per-rank plan chose (:mod:`.rank_plan`, by
+    :func:`stage_units` on a meta copy), sharded as given; else chosen here by that
+    function. Call once, before creating the optimizer (its parameters become sharded
+    DTensors).
     """
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
+    chosen = (
+        stage_units(stage, tile_names, called=called)
+        if units is None
+        else [(p, stage if p == "(stage)" else stage.get_submodule(p), k) for p, k in units]
+    )
+    for _, module, kind in chosen:
+        sharded: FSDPModule = fully_shard(
+            module, mesh=mesh, reshard_after_forward=reshard_after_forward
+        )
+        sharded.set_gradient_divide_factor(divide_factor(kind, tiles))
+        if gloo:
+            sharded.set_force_sum_reduction_for_comms(True)
+    return [path for path, _, _ in chosen]
+
+
+def stage_units(
+    stage: nn.Module, tile_names: set[str] | None, *, called: set[str] | None = None
+) -> list[tuple[str, nn.Module, str]]:
+    """``(path, module, kind)`` of every FSDP unit of ``stage``, innermost first, its root
+    (path ``(stage)``) last: what :func:`apply_fsdp` shards, decided without a mesh (the
+    per-rank plan reads it on a meta copy). ConfigError when the root would hold both kinds."""
     units = shard_units(stage, tile_names, called=called)
     inner = {id(p) for _, module, _, _ in units for p in module.parameters()}
     rest = [n for n, p in stage.named_parameters() if id(p) not in inner]
@@ -189,15 +222,17 @@ def apply_fsdp(
             "its forward calls",
             "call the modules that hold them (or split them into two modules)",
         )
-    units.append(("(stage)", stage, next(iter(root_kinds), TILE), 0))
-    for _, module, kind, _ in units:
-        sharded: FSDPModule = fully_shard(
-            module, mesh=mesh, reshard_after_forward=reshard_after_forward
-        )
-        sharded.set_gradient_divide_factor(float(tiles) if kind == HEAD else 1.0)
-        if gloo:
-            sharded.set_force_sum_reduction_for_comms(True)
-    return [path for path, _, _, _ in units]
+    return [
+        *((path, module, kind) for path, module, kind, _ in units),
+        ("(stage)", stage, next(iter(root_kinds), TILE)),
+    ]
+
+
+def divide_factor(kind: str, tiles: int) -> float:
+    """FSDP2's gradient divide factor of a unit: a head unit's gradient is the same on every
+    tile, so its sum over the ``tiles`` ranks of a grid is divided by them; a tile unit's
+    sum is the whole image's gradient (1)."""
+    return float(tiles) if kind == HEAD else 1.0
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
