@@ -217,6 +217,9 @@ def _stage_units(
         balance = (len(model_layers(meta_model, 1)),)
     if balance is None or plan.layout.br > 1:
         return None
+    layout = plan.layout
+    if all(layout.dp * layout.stage_size(s) == 1 for s in range(layout.pp)):
+        return tuple(() for _ in balance)  # no stage is shared: nothing to shard
     work = copy.deepcopy(meta_model)
     set_checkpointing(work, plan.checkpointing)  # whole checkpointed blocks are one unit
     called = called_modules(work, (1, in_chans, *image)) - set(streamed)
