@@ -58,6 +58,11 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
 # halo.window_of until the garbage collector ran (fixed, not modelled away).
 XFAIL = {
     "pp2-zbv": "ZBV's split backward working set is not modelled (-19.5 %)",
+    # Measured 2026-11-27 (fifth session) on this session's code and on 201f3e8 alike: 28.5
+    # predicted / 36.0 MiB measured. Within 15 % when fixed (8b4ed78), while every
+    # convolution's backward still ran in bands; since bands became an option (c69ee4d)
+    # about one conv1-output-sized map (8 MiB at batch 2 on a 512^2 tile) is not modelled.
+    "sp2x2-full+stem": "the streamed stem with full checkpointing, unbanded: -20.7 %",
 }
 #: Four more in the slow set since 2026-11-27 (the suite's time): each composes a planner
 #: term a default layout already checks (dp with sp1x2 / sp2x2; checkpointing full with
