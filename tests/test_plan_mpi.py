@@ -63,8 +63,9 @@ XFAIL = {
     # convolution's backward still ran in bands (an option since c69ee4d). With the stem
     # streamed the planner is 5-7 MiB under at every checkpointing mode (none 46.8 / 52.1,
     # selective 39.8 / 44.7, full 28.5 / 35.8), and its transient drops to 0.5-6.7 MiB: the
-    # input tile the stem's bands read again in backward (6 MiB at batch 2) is the likely
-    # missing term; not yet confirmed.
+    # stem's saved input tile is counted (6 MiB "between modules" in the trace). One process
+    # at the tile's size with the stem streamed is within 4 % (45.6 / 47.4 MiB): the missing
+    # term is the grid's (the stem's strips or its BatchNorm passes on tiles); not yet found.
     "sp2x2-full+stem": "the streamed stem with full checkpointing, unbanded: -20.7 %",
 }
 #: Four more in the slow set since 2026-11-27 (the suite's time): each composes a planner
