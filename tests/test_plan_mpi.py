@@ -53,11 +53,11 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
 # (-14 %, not the busiest rank). Known under-predictions: ZBV (pp2-zbv, -19.5 %: the split
 # input/weight backward's working set is not modelled; it read -7 % only while the transient
 # of one stage was added to the other's activations) and DualPipeV (pp 2, m 4, -20 %).
+# ZBV now reads -8.5 % (measured twice, 2026-11-27, fifth session): no longer an xfail.
 # The streamed stem (sp2x2-full+stem) read -22.6 % at 1024^2 until 2026-11-27: the ~9 MiB
 # "not modelled" were the stem's input bands, kept alive by a reference cycle in
 # halo.window_of until the garbage collector ran (fixed, not modelled away).
 XFAIL = {
-    "pp2-zbv": "ZBV's split backward working set is not modelled (-19.5 %)",
     # Measured 2026-11-27 (fifth session) on this session's code and on 201f3e8 alike: 28.5
     # predicted / 36.0 MiB measured. Within 15 % when fixed (8b4ed78), while every
     # convolution's backward still ran in bands (an option since c69ee4d). With the stem
