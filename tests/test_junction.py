@@ -19,7 +19,6 @@ from hyfi_imaging.parallel.junction import (
     MirrorSlot,
     check_junction_model,
     pieces,
-    stage_tiles,
 )
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.schedules import ScheduleAction, schedule_actions
@@ -236,7 +235,9 @@ def test_pieces_carry_every_valid_pixel_exactly_once(
 def test_stage_tiles_pad_each_grid_to_the_stride() -> None:
     # A grid of more than one tile pads both axes (padded_hw); a 1x1 grid is the image.
     lay = Layout(pp=3, grids=((2, 2), (1, 2), (1, 1)))
-    assert stage_tiles(lay, (71, 101), 32) == [(64, 64), (96, 64), (71, 101)]
+    from hyfi_imaging.parallel.rank_plan import stage_grids
+
+    assert [g.tile for g in stage_grids(lay, (71, 101), 32)] == [(64, 64), (96, 64), (71, 101)]
 
 
 def test_recipe_takes_a_grid_per_stage(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.geometry.grid import TileGrid
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.pipeline import as_tuple, schedule_order, stage_boundaries
 from hyfi_imaging.parallel.schedules import ScheduleAction, check_schedule, schedule_actions
@@ -79,7 +78,6 @@ __all__ = [
     "check_junction_plan",
     "junction_meshes",
     "pieces",
-    "stage_tiles",
 ]
 
 
@@ -317,14 +315,6 @@ def pieces(
                 )
             )
     return out
-
-
-def stage_tiles(layout: Layout, image_hw: tuple[int, ...], align: int) -> list[tuple[int, int]]:
-    """The input tile of every stage's grid: the padded image over the grid (the image on 1x1)."""
-    return [
-        cast(tuple[int, int], TileGrid.padding(image_hw, layout.grid_of(s), align).tile)
-        for s in range(layout.pp)
-    ]
 
 
 @dataclass(frozen=True)

@@ -677,7 +677,7 @@ def _stage_costs(
     Read from one trace of the whole model per input shape (:func:`~.model_trace.trace_model`):
     a schedule, the data replicas and the checkpointing mode only change which stages a rank
     holds, in which order, and what the accounting keeps, not what a stage's layers do. Every
-    stage is read on its own grid's tile (per-stage grids: the junction's ``stage_tiles``), and
+    stage is read on its own grid's tile (per-stage grids: ``rank_plan.stage_grids``), and
     each stage's costs are kept per (layers, tile, options) for the candidates that share them.
     """
     lay = candidate.layout

@@ -46,7 +46,15 @@ from hyfi_imaging.parallel.schedules import (
     schedule_actions,
 )
 
-__all__ = ["GridFacts", "ModelFacts", "RankPlan", "model_facts", "rank_plan", "rank_plans"]
+__all__ = [
+    "GridFacts",
+    "ModelFacts",
+    "RankPlan",
+    "model_facts",
+    "rank_plan",
+    "rank_plans",
+    "stage_grids",
+]
 
 #: A grid of tiles per spatial axis.
 Grid = tuple[int, ...]
@@ -344,11 +352,20 @@ class RankPlan:
         return rank_plan(self.facts, self.parallel, rank)
 
 
-def _stage_grid(layout: Layout, stage: int, facts: ModelFacts) -> TileGrid:
-    grid = layout.grid_of(stage)
-    if math.prod(grid) == 1 and len(grid) != len(facts.image):
-        grid = (1,) * len(facts.image)  # one tile: the image keeps its own axes
-    return TileGrid.padding(facts.image, grid, facts.align)
+def stage_grids(layout: Layout, image: Sequence[int], align: int) -> tuple[TileGrid, ...]:
+    """The image on every stage's grid, padded for each grid by the one rule (a grid of one
+    tile is the image itself, with the image's own axes).
+
+    OK: ``stage_grids(Layout(pp=3, grids=((2, 2), (1, 2), (1, 1))), (71, 101), 32)``: tiles
+    ``(64, 64)``, ``(96, 64)``, ``(71, 101)``.
+    """
+    out = []
+    for stage in range(layout.pp):
+        grid = layout.grid_of(stage)
+        if math.prod(grid) == 1 and len(grid) != len(image):
+            grid = (1,) * len(image)
+        out.append(TileGrid.padding(image, grid, align))
+    return tuple(out)
 
 
 def rank_plan(facts: ModelFacts, plan: ParallelPlan, rank: int) -> RankPlan:
@@ -364,7 +381,7 @@ def rank_plan(facts: ModelFacts, plan: ParallelPlan, rank: int) -> RankPlan:
         rank=rank,
         coords=coords,
         branch=layout.branch(rank),
-        grids=tuple(_stage_grid(layout, s, facts) for s in range(layout.pp)),
+        grids=stage_grids(layout, facts.image, facts.align),
         local=local,
         num_stages=plan.stages,
         copies=1 + max(ls.replica for ls in local),  # replica B's stages: a second copy
