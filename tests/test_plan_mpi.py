@@ -70,6 +70,10 @@ XFAIL = {
     # stem, which only the smallest prediction (full + stem) turns into a -20 % miss. About
     # 3 MiB of it is there at any size and layout (64^2, one process: 6.3 predicted / 9.3
     # measured; 2x2 at 128^2: 7.0 / 10.7; dp 2: 8.3 / 10.3), the rest grows with the grid.
+    # Sixth session: the tensors alive at once on the same steps (LiveTensorPeak) read 27.8
+    # MiB, so the planner is +2.6 % on the tensors and the 8.8 MiB it misses are no tensor:
+    # Python objects (1.4 MiB by tracemalloc) and what oneDNN and Gloo allocate inside their
+    # kernels. glibc's heap is not it (an mmap threshold of 4 KiB changes nothing).
     "sp2x2-full+stem": "the streamed stem with full checkpointing, unbanded: -20.7 %",
 }
 #: Four more in the slow set since 2026-11-27 (the suite's time): each composes a planner
@@ -101,9 +105,13 @@ def test_predicted_peak_within_15_percent(name: str) -> None:
         *(("--grids", grids[0]) if grids else ()),
     )  # fmt: skip
     result = merged_result(job)
-    measured = max(result["measured"])
-    error = result["predicted"] / measured - 1
-    assert abs(error) <= TOLERANCE, (
+    measured, tensors = max(result["measured"]), max(result["tensors"])
+    error, tensor_error = result["predicted"] / measured - 1, result["predicted"] / tensors - 1
+    said = (
         f"{name}: predicted {result['predicted'] / 2**20:.1f} MiB, measured "
-        f"{measured / 2**20:.1f} MiB ({100 * error:+.1f} %); parts {result['parts']}"
+        f"{measured / 2**20:.1f} MiB ({100 * error:+.1f} %), tensors alive at once "
+        f"{tensors / 2**20:.1f} MiB ({100 * tensor_error:+.1f} %); parts {result['parts']}"
     )
+    # The tensors alive at once (``LiveTensorPeak``, on the same steps) say which side of the
+    # planner a miss is on; they are not its quantity: it counts the kernels' workspaces too.
+    assert abs(error) <= TOLERANCE, said

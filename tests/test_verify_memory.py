@@ -23,6 +23,7 @@ from hyfi_imaging.parallel.engine import ParallelPlan
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import (
     AnonymousPeak,
+    LiveTensorPeak,
     cpu_unfold_bytes,
     fix_malloc_threshold,
     saved_activations,
@@ -261,3 +262,34 @@ def test_hyfi_verify_refuses_a_wrong_size_before_any_process_group() -> None:
     err = job.stderr.strip()
     assert err.startswith("hyfi-verify: error: CosmoFlow") and "\n" not in err, err
     assert "128 to 159 voxels a side" in err and "cosmoflow-pool" in err
+
+
+def test_live_tensor_peak_counts_each_storage_once_while_it_lives() -> None:
+    """Views add nothing, a freed storage leaves the count, parameters are not counted, and
+    the peak is broken down by the op that made each storage alive at that moment."""
+    weight = nn.Parameter(torch.ones(1000, dtype=F64))
+    with LiveTensorPeak() as live:
+        a = torch.zeros(1000, dtype=F64)  # 8,000 bytes
+        views = [a.view(10, 100), a[::2], a.t()]  # the same storage: nothing more
+        b = torch.ones(500, dtype=torch.float32)  # 2,000: the peak, 10,000
+        del a, views
+        c = torch.empty(250, dtype=torch.float32) + 1  # empty (gone at once) and add: 1,000
+        grad = weight * 2  # a new storage, not the parameter: 8,000 -> 11,000
+    assert live.peak == 11_000
+    assert live.by_op == {
+        "aten.ones.default": 2_000, "aten.add.Tensor": 1_000, "aten.mul.Tensor": 8_000,
+    }  # fmt: skip
+    assert b.numel() + c.numel() + grad.numel() == 1_750
+
+
+def test_live_tensor_peak_of_a_training_step_is_what_autograd_keeps() -> None:
+    """One convolution's step: the live peak is the output and what backward keeps (the
+    input is made outside the mode), measured against the storages counted by hand."""
+    conv = nn.Conv2d(2, 4, 3, padding=1, bias=False).to(F64)
+    x = torch.randn(1, 2, 8, 8, dtype=F64, requires_grad=True)
+    with LiveTensorPeak() as live:
+        y = conv(x)  # 4 x 8 x 8 x 8 bytes = 2,048, saved with x for backward
+        loss = y.square().sum()  # y.square() 2,048 more, and the 8-byte loss
+        loss.backward()
+    assert live.peak >= 2 * 2048 + 8
+    assert live.by_op["aten.convolution.default"] == 2048

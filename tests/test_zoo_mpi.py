@@ -72,7 +72,9 @@ UNSEEN_HEAVY = {
 
 #: (grid, image size, {model: expected}, slow)
 ROWS: list[tuple[str, str, dict[str, str], bool]] = [
-    ("2x2", "64x72", {"timm-regnetx_002": "exact", "tv-mobilenet_v3_small": HALO}, False),
+    # slow since 2026-11-27 (the suite's time): 2x2 keeps its default rows below (functions,
+    # a dense head), and mobilenet_v3_small runs exact in the default 1x2 row
+    ("2x2", "64x72", {"timm-regnetx_002": "exact", "tv-mobilenet_v3_small": HALO}, True),
     ("1x2", "64x128", {
         "tv-mobilenet_v3_small": "exact", "timm-tf_efficientnet_b0": "exact",
         "timm-resnet18-droppath": "exact", **REFUSED,

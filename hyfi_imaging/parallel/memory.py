@@ -22,6 +22,12 @@ U-Net's first decoder convolution in float64 that is 27 x its input -- 8.9 GB fo
 two 40x48x56 volumes, six times what autograd saves for the whole network (measured with
 ``VmHWM``, ``docs/benchmarks.md``). :func:`available_bytes` is what the kernel and the
 cgroup still grant, for the checks that refuse a run before it is killed for memory.
+
+:class:`LiveTensorPeak` is the planner's own quantity, measured: the peak bytes of tensor
+storages alive at once. Held against :class:`AnonymousPeak` on the same steps, it splits
+a miss of the planner into its tensor model (what it predicts) and the process's memory
+that is no tensor at all: Python objects, autograd's graph, and the buffers oneDNN and Gloo
+allocate inside their kernels (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import ctypes
 import ctypes.util
 import math
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hyfi_imaging.parallel.balance import flat_tensors
 
@@ -47,6 +56,7 @@ __all__ = [
     "cpu_unfold_bytes",
     "fix_malloc_threshold",
     "AnonymousPeak",
+    "LiveTensorPeak",
     "reset_peak_rss",
     "rss_bytes",
     "saved_activations",
@@ -393,3 +403,61 @@ class AnonymousPeak:
     def __exit__(self, *exc: object) -> None:
         grown = rss_bytes("RssFile") + rss_bytes("RssShmem") - self._shared
         self.bytes = rss_bytes("VmHWM") - self._base - max(grown, 0)
+
+
+class LiveTensorPeak(TorchDispatchMode):
+    """The peak bytes of tensor storages created inside the mode and alive at once.
+
+    ``with LiveTensorPeak() as live: ...`` then ``live.peak`` (bytes) and ``live.by_op``
+    (bytes alive at the peak, by the op that created each storage). A storage is counted
+    once however many views of it exist, from the op that returns it until the last
+    tensor on it is gone. What it cannot see, by construction: memory a kernel allocates
+    for itself below the dispatcher (oneDNN's scratchpads, PyTorch's CPU convolutions'
+    unfolded input, Gloo's staging buffers), storages created before the mode (parameters,
+    optimizer state from earlier steps), and a storage emptied in place
+    (``untyped_storage().resize_(0)``, as FSDP2 frees unsharded parameters), which counts
+    until its tensor goes. Parameters are skipped; a ``DTensor`` counts its local shard.
+    One process's view: use it per rank.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+        self.by_op: dict[str, int] = {}
+        self._now = 0
+        self._alive: dict[int, tuple[int, str]] = {}  # data_ptr -> (bytes, op)
+        self._refs: dict[int, int] = defaultdict(int)
+        self._now_by: dict[str, int] = defaultdict(int)
+
+    def _gone(self, ptr: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            size, op = self._alive.pop(ptr)
+            self._now -= size
+            self._now_by[op] -= size
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t  # FSDP2's shards
+            try:
+                storage = local.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage (another subclass)
+                continue
+            ptr, size = storage.data_ptr(), storage.nbytes()
+            if ptr == 0 or size == 0:
+                continue
+            if ptr not in self._alive:
+                op = str(func)
+                self._alive[ptr] = (size, op)
+                self._now += size
+                self._now_by[op] += size
+                if self._now > self.peak:
+                    self.peak = self._now
+                    self.by_op = {k: v for k, v in self._now_by.items() if v}
+            self._refs[ptr] += 1
+            weakref.finalize(t, self._gone, ptr)
+        return out

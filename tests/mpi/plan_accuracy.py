@@ -27,7 +27,7 @@ from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel.engine import ParallelModel, ParallelPlan
 from hyfi_imaging.parallel.launch import init_parallel
 from hyfi_imaging.parallel.layout import Layout
-from hyfi_imaging.parallel.memory import AnonymousPeak
+from hyfi_imaging.parallel.memory import AnonymousPeak, LiveTensorPeak
 from hyfi_imaging.parallel.plan import Candidate, predict
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     gc.collect()
     dist.barrier()
-    with AnonymousPeak() as peak:
+    with AnonymousPeak() as peak, LiveTensorPeak() as live:
         for _ in range(2):
             # A loader delivers this rank's tile only (never the whole image).
             tiles = torch.randn(args.batch, 3, *pm.tile_hw, generator=gen) if pm.is_first else None
@@ -79,9 +79,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             del tiles
-    measured = peak.bytes
     gathered: list[Any] = [None] * pc.world_size
-    dist.all_gather_object(gathered, measured)
+    dist.all_gather_object(gathered, (peak.bytes, live.peak))
     emit(
         {
             "predicted": pred.peak,
@@ -92,7 +91,8 @@ def main() -> None:
                 "state": pred.state,
                 "buffers": pred.buffers,
             },
-            "measured": gathered,
+            "measured": [rss for rss, _ in gathered],
+            "tensors": [tensors for _, tensors in gathered],
         }
     )
 
