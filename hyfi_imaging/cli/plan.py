@@ -48,7 +48,8 @@ examples:
   mpirun -np 4 hyfi-train recipes/synthetic.yaml --set parallel=auto
 
 Memory is the peak over what a rank holds once its model is built; it was
-within 5 % of measured peaks on the layouts of tests/test_plan_mpi.py (CPU).
+within 9 % of measured peaks on 10 of the 11 layouts of tests/test_plan_mpi.py
+(CPU) and 22 % under on the smallest: it counts tensors, not the runtime's own memory.
 Devices (--device): v100, a100-40gb, a100-80gb, h100, h200, mi300a (datasheet
 figures x a stated efficiency), cpu (this CPU, measured once and cached). With
 --device-memory and no device (and no GPU here), step times are not predicted.
@@ -62,8 +63,10 @@ peak: the busiest rank's predicted peak over its built model (act = activations 
 the backward's working set; state = gradients, optimizer state, gathered parameters). Ranks of
 bidirectional, interleaved1f1b, zbv and dualpipev hold two model stages: both stages' state and
 the activations their order keeps in flight. Measured on CPU (tests/test_plan_mpi.py): within
-5 % for gpipe/1f1b layouts, every pipeline rank; one case each of bidirectional -3.5 %, zbv
--19.5 % and dualpipev -20 % (under-predicted, not calibrated: leave them a margin). Per-stage
+9 % on 10 of 11 layouts (bidirectional -1.4 %, zbv -8.6 %); 22 % under on 2x2 with full
+checkpointing and the streamed stem, where the runtime's own memory (not counted: Python,
+oneDNN, Gloo; on a GPU the CUDA context and NCCL) is a fifth of a small peak; dualpipev -20 %
+in the case measured. Leave a margin. Per-stage
 grids (sp2x2,1x2,1x1, the junction): each stage on its own grid; the busiest (front) rank
 within 1 %, later stages up to 14 % lower. "recommended" lists every pipeline rank's peak.
 ckpt full+stem: every block checkpointed and the stem streamed in row bands (parallel.streaming);
