@@ -96,6 +96,21 @@ class _Functional(nn.Module):
         return self.fc(x.permute(0, 2, 3, 1).mean((1, 2)))
 
 
+def _global_context() -> nn.Module:
+    """timm's GCNet block twice: with its softmax attention, a gate and an addend (its zero
+    init replaced, so the addend counts), then with the plain mean (``use_attn=False``)
+    after a strided convolution, on odd maps whose tiles end past the image."""
+    from timm.layers import GlobalContext
+
+    attend = GlobalContext(8, use_attn=True, fuse_add=True, fuse_scale=True, rd_channels=4)
+    nn.init.normal_(attend.mlp_add.fc2.weight, std=0.3)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), attend,
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), GlobalContext(8, use_attn=False),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
 #: name -> builder. What must happen, per grid and size, is the test's data (test_zoo_mpi.py).
 ZOO: dict[str, Callable[[], nn.Module]] = {
     "tv-resnet18": _tv("resnet18"),
@@ -151,6 +166,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "timm-ghostnetv2_100": _timm("ghostnetv2_100"),  # DFC attention: F.avg_pool2d, F.interpolate
     "fixed-29x43": _fixed_size(29, 43),  # flatten -> Linear: takes 29x43 only
     "fn-windowed": _Functional,
+    "fn-global-context": _global_context,
 }
 
 

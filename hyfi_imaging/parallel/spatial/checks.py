@@ -6,8 +6,6 @@ its forward.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
@@ -33,20 +31,6 @@ _PIXEL_MIXERS = (
 )  # fmt: skip
 #: Those without a spatial form.
 _UNSUPPORTED = tuple(c for c in _PIXEL_MIXERS if c not in _SWAP)
-
-
-#: timm layers refused by name, with what they do and the fix: the watch would refuse one of
-#: their ops (a view across the spatial dims), a line that does not say what the layer is.
-_REFUSED_BY_NAME: dict[str, tuple[Any, str, str]] = {
-    "GlobalContext": (
-        lambda m: getattr(m, "conv_attn", None) is not None,
-        "is global-context attention: a softmax over all pixels of the image and the map "
-        "weighted by it (a global max, sum of exponentials and weighted sum over the tiles, "
-        "which is not implemented)",
-        "build it with use_attn=False (a global mean), use squeeze-excite attention, or run "
-        "without spatial parallelism",
-    ),
-}
 
 
 #: How messages name a grid of each number of axes.
@@ -89,9 +73,6 @@ def _check_tiled(name: str, m: nn.Module, nd: int) -> None:
 
 def _check(name: str, m: nn.Module, nd: int = 2) -> None:
     where = f"module {name!r} ({type(m).__name__})"
-    refused = _REFUSED_BY_NAME.get(type(m).__name__)
-    if refused is not None and type(m).__module__.startswith("timm.") and refused[0](m):
-        raise ConfigError(where, refused[1], refused[2])
     if isinstance(m, _UNSUPPORTED):
         raise ConfigError(
             where,

@@ -18,6 +18,7 @@ from torch import nn
 
 from hyfi_imaging.parallel.spatial.convolutions import SpatialConv1d, SpatialConv2d, SpatialConv3d
 from hyfi_imaging.parallel.spatial.flatten import _is_gathering_flatten
+from hyfi_imaging.parallel.spatial.global_context import is_global_context
 from hyfi_imaging.parallel.spatial.global_pools import (
     SpatialGlobalAvgPool1d,
     SpatialGlobalAvgPool2d,
@@ -179,7 +180,7 @@ def _has_spatial_form(m: nn.Module) -> bool:
         return False
     if isinstance(m, nn.Flatten):
         return _is_gathering_flatten(m)
-    return isinstance(m, tuple(_SWAP)) or _is_global_pool(m)
+    return isinstance(m, tuple(_SWAP)) or _is_global_pool(m) or is_global_context(m)
 
 
 def spatial_dims(module: nn.Module) -> int | None:

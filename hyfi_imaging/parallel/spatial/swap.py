@@ -25,6 +25,7 @@ from hyfi_imaging.parallel.spatial.checks import _check, _check_dims, _check_til
 from hyfi_imaging.parallel.spatial.context import SpatialContext
 from hyfi_imaging.parallel.spatial.convolutions import SpatialConv2dSame
 from hyfi_imaging.parallel.spatial.flatten import SpatialFlatten, _is_gathering_flatten
+from hyfi_imaging.parallel.spatial.global_context import is_global_context, spatial_global_context
 from hyfi_imaging.parallel.spatial.kinds import (
     _GLOBAL_POOLS,
     _SWAP,
@@ -138,6 +139,8 @@ def spatialize(
             cls = _norm_act(norm, type(m))
         if _is_global_pool(m):
             cls = _GLOBAL_POOLS[type(m)]
+        if is_global_context(m):
+            cls = spatial_global_context(type(m))
         if _is_gathering_flatten(m):
             cls = SpatialFlatten
             ctx.flatten_paths.add(name)

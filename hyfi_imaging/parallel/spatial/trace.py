@@ -16,6 +16,7 @@ from torch import nn
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode, Windowed
 from hyfi_imaging.parallel.spatial.flatten import _is_gathering_flatten
+from hyfi_imaging.parallel.spatial.global_context import is_global_context
 from hyfi_imaging.parallel.spatial.kinds import _SWAP, _has_spatial_form, _is_global_pool
 
 __all__: list[str] = []
@@ -62,7 +63,12 @@ def _trace_sizes(
     for name, mod in model.named_modules():
         # Every layer with a spatial form, timm's norm + activation layers included (their
         # normalisation is spatial although their forward is not: see _has_spatial_form).
-        if isinstance(mod, tuple(_SWAP)) or _is_global_pool(mod) or _is_gathering_flatten(mod):
+        if (
+            isinstance(mod, tuple(_SWAP))
+            or _is_global_pool(mod)
+            or _is_gathering_flatten(mod)
+            or is_global_context(mod)
+        ):
             handles.append(
                 mod.register_forward_pre_hook(
                     lambda m, args, name=name: record(sizes, name, args[0] if args else None)
