@@ -470,10 +470,12 @@ def branch_allreduce_s(
 
 
 def norm_allreduce_s(channels: Sequence[int], ranks: int, link: Link, *, backward: bool) -> float:
-    """BatchNorm statistics over a grid: forward all-reduces (sum, sum of squares, count) per
-    layer, backward (sum of gradients, sum of gradient x normalised input); float32, blocking."""
-    per = [(2 * c + (0 if backward else 1)) * 4 for c in channels]
-    return sum(allreduce_s(n, ranks, link) for n in per)
+    """BatchNorm statistics over a grid, one blocking collective per layer (float32): forward
+    all-gathers every tile's (mean, variance, count) (``norms.merged_statistics``), backward
+    all-reduces (sum of gradients, sum of gradient x normalised input)."""
+    if backward:
+        return sum(allreduce_s(2 * c * 4, ranks, link) for c in channels)
+    return sum(reduce_scatter_s(ranks * (2 * c + 1) * 4, ranks, link) for c in channels)
 
 
 # ----------------------------------------------------------------------------- schedules

@@ -1,18 +1,20 @@
 """Spatial BatchNorm and GroupNorm: statistics over the whole image, from all tiles.
 
-Why: a tile's own statistics differ from the image's; the sums (then the
-centred squares, two-pass for accuracy) are all-reduced over the spatial group,
-outside the image excluded, and backward reduces the two gradient sums the same
-way. timm's norm + activation layers get a spatial form built from these, and
+Why: a tile's own statistics differ from the image's. BatchNorm merges every tile's mean
+and centred variance (two passes over its pixels, outside the image excluded) from one
+all-gather (:func:`merged_statistics`); GroupNorm all-reduces the sums, then the centred
+squares; backward all-reduces the two gradient sums. timm's norm + activation layers get a spatial form built from these, and
 InstanceNorm (``instance_norm.py``) GroupNorm's statistics (:func:`_sample_norm`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -60,6 +62,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         outside: torch.Tensor | None,
         own: tuple[int, int, int, int] | None,
         n: int,
+        count: int,
         eps: float,
         group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,13 +70,24 @@ class _GlobalBatchNorm(torch.autograd.Function):
         ctx.fast = outside is None and own is None and x.dtype in (torch.float32, torch.float64)
         if ctx.fast:
             return _GlobalBatchNorm.forward_whole(ctx, x, weight, bias, n, eps, group)
+        # This tile's statistics over its ``count`` own pixels inside the image (two passes:
+        # its mean, then the squares centred on it), merged with the other tiles' (Chan).
         xm = x if outside is None else x.masked_fill(outside, 0.0)
-        mean = all_reduce_sum(_own(xm, own).sum(dim=dims, dtype=_acc(x)), group) / n
+        acc = _acc(x)
+        mean_l = _own(xm, own).sum(dim=dims, dtype=acc) / max(count, 1)
+        # In the accumulation type (a half-type tile's squares in float32, as torch's own
+        # BatchNorm computes under autocast); gone before xhat is made, so no higher peak.
+        centre = mean_l.view(shape)
+        centred = xm - centre if acc == x.dtype else xm.to(acc).sub_(centre)
+        if outside is not None:
+            centred.masked_fill_(outside, 0.0)
+        var_l = _own(centred.square_(), own).sum(dim=dims) / max(count, 1)
+        del centred
+        mean, var = merged_statistics(mean_l, var_l, count, n, group)
+        # Centred on the image's mean in one rounding (a half-type input keeps its precision).
         xhat = xm - mean.to(x.dtype).view(shape)
         if outside is not None:
             xhat.masked_fill_(outside, 0.0)
-        squares = _own(xhat, own).square().sum(dim=dims, dtype=_acc(x))
-        var = all_reduce_sum(squares, group) / n
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
         # One output allocation (xhat * w + b would hold a second tile-sized temporary).
@@ -97,10 +111,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
 
         Why: the expression above makes five passes over the tile and three
         tile-sized temporaries; here one fused pass gives the tile's mean and
-        variance (``batch_norm_update_stats`` on CPU, ``var_mean`` elsewhere), Chan's merge across the tiles needs two
-        all-reduces of one number per channel (the mean, then the centred
-        squares: no cancellation), and the normalisation is ATen's inference
-        kernel with the whole image's statistics. The input is saved (it is
+        variance (``batch_norm_update_stats`` on CPU, ``var_mean`` elsewhere),
+        Chan's merge across the tiles needs one all-gather of two numbers per
+        channel (:func:`merged_statistics`: no cancellation), and the
+        normalisation is ATen's inference kernel with the whole image's statistics. The input is saved (it is
         kept alive instead of a new normalised copy: the same bytes).
         """
         _, dims = _channel_shape(x)
@@ -110,11 +124,9 @@ class _GlobalBatchNorm(torch.autograd.Function):
             mean_l, var_l = torch.batch_norm_update_stats(x, None, None, 0.0)
         else:
             var_l, mean_l = torch.var_mean(x, dim=dims, correction=0)
-        count = x.numel() // x.shape[1]
-        # The collectives in the dtype the masked path uses: tiles of one image may take
-        # either path, and they must issue the same messages.
-        mean = all_reduce_sum(mean_l * count, group) / n
-        var = all_reduce_sum((var_l + (mean_l - mean).square()) * count, group) / n
+        # In the dtype the masked path uses: tiles of one image may take either path, and
+        # they must issue the same messages.
+        mean, var = merged_statistics(mean_l, var_l, x.numel() // x.shape[1], n, group)
         y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.n, ctx.group, ctx.eps = n, group, eps
@@ -142,9 +154,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         b = -scale * total[0] - a * mean
         dx.addcmul_(x, a.to(dtype).view(shape)).add_(b.to(dtype).view(shape))
         if weight is None:
-            return dx, None, None, None, None, None, None, None
+            return dx, None, None, None, None, None, None, None, None
         return (
             dx, sum_gxhat.to(weight.dtype), sum_g.to(weight.dtype), None, None, None, None, None,
+            None,
         )  # fmt: skip
 
     @staticmethod
@@ -177,8 +190,34 @@ class _GlobalBatchNorm(torch.autograd.Function):
         if outside is not None:
             dx.masked_fill_(outside, 0.0)
         if weight is None:
-            return dx, None, None, None, None, None, None, None
-        return dx, dweight.to(weight.dtype), dbias.to(weight.dtype), None, None, None, None, None
+            return dx, None, None, None, None, None, None, None, None
+        return (
+            dx, dweight.to(weight.dtype), dbias.to(weight.dtype), None, None, None, None, None,
+            None,
+        )  # fmt: skip
+
+
+def merged_statistics(
+    mean_l: torch.Tensor, var_l: torch.Tensor, count: int, n: int, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The image's per-channel mean and (biased) variance from every tile's own: one
+    all-gather of ``(mean, variance, count)`` per tile, then Chan's merge, the same on every
+    rank (the tiles in rank order): ``mean = sum(c m) / n``, ``var = sum(c (v + (m -
+    mean)^2)) / n``, which centres each tile's mean on the image's and so cancels nothing.
+
+    Why one collective: two all-reduces (the mean, then the centred squares) were a second
+    synchronisation per BatchNorm layer in every forward; the merge needs no second look at
+    the pixels, only each tile's two numbers per channel."""
+    dtype, c = mean_l.dtype, mean_l.numel()
+    # One message per tile, assembled once: its two vectors and its pixel count.
+    mine = torch.cat([mean_l, var_l.to(dtype), mean_l.new_tensor([float(count)])])
+    flat = mine.new_empty(dist.get_world_size(group) * (2 * c + 1))  # Gloo: concatenated
+    dist.all_gather_single(flat, mine, group=group)
+    tiles = flat.view(-1, 2 * c + 1)
+    m, v, counts = tiles[:, :c], tiles[:, c : 2 * c], tiles[:, 2 * c :]
+    mean = (counts * m).sum(0) / n
+    var = (counts * (v + (m - mean).square())).sum(0) / n
+    return mean, var
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -195,6 +234,18 @@ def _own(t: torch.Tensor, own: tuple[int, ...] | None) -> torch.Tensor:
     if own is None:
         return t
     return t[trailing([slice(own[2 * k], own[2 * k + 1]) for k in range(len(own) // 2)])]
+
+
+def _pixels_in(inside: tuple[int, ...], own: tuple[int, ...] | None, spatial: Sequence[int]) -> int:
+    """Positions of a tile of size ``spatial`` inside the image box ``inside`` and its own box
+    ``own`` (``(start, stop)`` per dim; None: all of it): its share of the statistics."""
+    total = 1
+    for k, size in enumerate(spatial):
+        lo, hi = max(inside[2 * k], 0), min(inside[2 * k + 1], size)
+        if own is not None:
+            lo, hi = max(lo, own[2 * k]), min(hi, own[2 * k + 1])
+        total *= max(hi - lo, 0)
+    return total
 
 
 def _outside_mask(inside: tuple[int, ...], x: torch.Tensor) -> torch.Tensor | None:
@@ -217,8 +268,8 @@ def _outside_mask(inside: tuple[int, ...], x: torch.Tensor) -> torch.Tensor | No
 class _SpatialBatchNorm(_SpatialMixin):
     """BatchNorm with statistics over the whole image: all tiles, the whole batch.
 
-    Two-pass (mean, then centred squares) for accuracy on badly scaled data.
-    Normalises with the biased variance and stores the unbiased one, exactly as
+    Two-pass on each tile (mean, then centred squares) and merged without cancellation, for
+    accuracy on badly scaled data. Normalises with the biased variance and stores the unbiased one, exactly as
     ``nn.BatchNorm2d``; running statistics equal the single-process ones.
     """
 
@@ -248,7 +299,8 @@ class _SpatialBatchNorm(_SpatialMixin):
                 self.eps,
             )
         n = x.shape[0] * math.prod(self.hyfi_ctx.size_of(self.hyfi_path))
-        outside = _outside_mask(self._inside(x), x)
+        inside = self._inside(x)
+        outside = _outside_mask(inside, x)
         own = None
         if any(self.hyfi_carry[0]):
             carry = self.hyfi_carry[0]
@@ -262,6 +314,7 @@ class _SpatialBatchNorm(_SpatialMixin):
             outside,
             own,
             n,
+            x.shape[0] * _pixels_in(inside, own, x.shape[2:]),
             self.eps,
             self.hyfi_ctx.group,
         )
