@@ -209,8 +209,9 @@ def merged_statistics(
     synchronisation per BatchNorm layer in every forward; the merge needs no second look at
     the pixels, only each tile's two numbers per channel."""
     dtype, c = mean_l.dtype, mean_l.numel()
-    # One message per tile, assembled once: its two vectors and its pixel count.
-    mine = torch.cat([mean_l, var_l.to(dtype), mean_l.new_tensor([float(count)])])
+    # One message per tile, assembled once: its two vectors and its pixel count (filled on
+    # the device: no copy from the host).
+    mine = torch.cat([mean_l, var_l.to(dtype), mean_l.new_full((1,), float(count))])
     flat = mine.new_empty(dist.get_world_size(group) * (2 * c + 1))  # Gloo: concatenated
     dist.all_gather_single(flat, mine, group=group)
     tiles = flat.view(-1, 2 * c + 1)
