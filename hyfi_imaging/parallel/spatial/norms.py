@@ -3,8 +3,9 @@
 Why: a tile's own statistics differ from the image's. BatchNorm merges every tile's mean
 and centred variance (two passes over its pixels, outside the image excluded) from one
 all-gather (:func:`merged_statistics`); GroupNorm all-reduces the sums, then the centred
-squares; backward all-reduces the two gradient sums. timm's norm + activation layers get a spatial form built from these, and
-InstanceNorm (``instance_norm.py``) GroupNorm's statistics (:func:`_sample_norm`).
+squares; backward all-reduces the two gradient sums. timm's norm + activation layers get a
+spatial form built from these, and InstanceNorm (``instance_norm.py``) GroupNorm's
+statistics (:func:`_sample_norm`).
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ class _GlobalBatchNorm(torch.autograd.Function):
         variance (``batch_norm_update_stats`` on CPU, ``var_mean`` elsewhere),
         Chan's merge across the tiles needs one all-gather of two numbers per
         channel (:func:`merged_statistics`: no cancellation), and the
-        normalisation is ATen's inference kernel with the whole image's statistics. The input is saved (it is
-        kept alive instead of a new normalised copy: the same bytes).
+        normalisation is ATen's inference kernel with the whole image's
+        statistics. The input is saved (it is kept alive instead of a new
+        normalised copy: the same bytes).
         """
         _, dims = _channel_shape(x)
         if x.device.type == "cpu":
@@ -270,8 +272,9 @@ class _SpatialBatchNorm(_SpatialMixin):
     """BatchNorm with statistics over the whole image: all tiles, the whole batch.
 
     Two-pass on each tile (mean, then centred squares) and merged without cancellation, for
-    accuracy on badly scaled data. Normalises with the biased variance and stores the unbiased one, exactly as
-    ``nn.BatchNorm2d``; running statistics equal the single-process ones.
+    accuracy on badly scaled data. Normalises with the biased variance and stores the
+    unbiased one, exactly as ``nn.BatchNorm2d``; running statistics equal the single-process
+    ones.
     """
 
     training: bool
