@@ -165,6 +165,13 @@ LAYERS: dict[str, LayerSpec] = {
         2,
         **BN_STEPS,
     ),
+    # GroupNorm: each sample's statistics per group of channels over the whole image (two
+    # groups of two channels; one group of all), after a strided convolution whose map ends
+    # inside the last tile.
+    "gn": LayerSpec(_seq(nn.GroupNorm(2, C)), 1, **BN_STEPS),
+    "gn-conv-chain": LayerSpec(
+        _seq(_conv(3, 2, 1, bias=False), nn.GroupNorm(1, C), nn.ReLU(), _conv(3)), 2, **BN_STEPS
+    ),
 }
 
 

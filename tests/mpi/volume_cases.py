@@ -190,6 +190,10 @@ VOLUME: dict[str, Spec] = {
     "conv-instancenorm": Spec(
         _seq(_conv(3, 2, 1, bias=False), lambda nd: _IN[nd](C)), 2, train_steps=2, eval_steps=1
     ),
+    # GroupNorm of any dims (one group of all channels): each sample's statistics over the volume.
+    "conv-groupnorm": Spec(
+        _seq(_conv(3, 2, 1, bias=False), lambda nd: nn.GroupNorm(1, C)), 2, train_steps=2
+    ),
 }
 
 

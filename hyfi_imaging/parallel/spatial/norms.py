@@ -1,11 +1,11 @@
 """Spatial BatchNorm and GroupNorm: statistics over the whole image, from all tiles.
 
-Why: a tile's own statistics differ from the image's. BatchNorm merges every tile's mean
-and centred variance (two passes over its pixels, outside the image excluded) from one
-all-gather (:func:`merged_statistics`); GroupNorm all-reduces the sums, then the centred
-squares; backward all-reduces the two gradient sums. timm's norm + activation layers get a
-spatial form built from these, and InstanceNorm (``instance_norm.py``) GroupNorm's
-statistics (:func:`_sample_norm`).
+Why: a tile's own statistics differ from the image's. BatchNorm (per channel) and GroupNorm
+(per sample and group) merge every tile's mean and centred variance (two passes over its
+pixels, outside the image excluded) from one all-gather (:func:`merged_statistics`), and
+backward all-reduces the two gradient sums. timm's norm + activation layers get a spatial
+form built from these, and InstanceNorm (``instance_norm.py``) GroupNorm's statistics
+(:func:`_sample_norm`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.collectives import all_reduce_replicated, all_reduce_sum
+from hyfi_imaging.parallel.collectives import all_reduce_sum
 from hyfi_imaging.parallel.halo import trailing
-from hyfi_imaging.parallel.spatial.base import _crosses, _SpatialMixin, _tail
+from hyfi_imaging.parallel.spatial.base import _crosses, _SpatialMixin
 
 _aten = torch.ops.aten
 
@@ -364,11 +364,10 @@ class SpatialBatchNorm3d(_SpatialBatchNorm, nn.BatchNorm3d):
 class SpatialGroupNorm(_SpatialMixin, nn.GroupNorm):
     """GroupNorm with statistics over the whole image: per sample and group, all tiles.
 
-    Two-pass like :class:`SpatialBatchNorm2d` (mean, then centred squares),
-    outside the image excluded; the sums are all-reduced with a backward that
-    sums the tiles' gradient shares (each tile's output depends on every
-    tile's pixels through the statistics). Written as tensor operations:
-    autograd gives the exact adjoint.
+    Two-pass on each tile like :class:`SpatialBatchNorm2d` (mean, then centred squares),
+    outside the image excluded, merged from one all-gather; backward all-reduces the two
+    sums the input gradient needs (each tile's output depends on every tile's pixels
+    through the statistics): :class:`_GlobalSampleNorm`.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,28 +388,107 @@ def _sample_norm(
     per channel where given; with the statistics: mean and biased variance ``(N, groups)``
     and the pixels each is over.
 
-    Why one function: the two layers' statistics are the same arithmetic, two-pass (the
-    all-reduced sum, then the centred squares, outside the image excluded).
+    Why one function: the two layers' statistics are the same arithmetic
+    (:class:`_GlobalSampleNorm`: each tile's two-pass statistics merged from one all-gather,
+    outside the image excluded).
     """
-    n, c, *tile = x.shape
+    c, tile = x.shape[1], x.shape[2:]
     ctx = layer.hyfi_ctx
     count = (c // groups) * math.prod(ctx.size_of(layer.hyfi_path))
-    dims = tuple(range(2, 3 + len(tile)))
-    ones = (1,) * (len(tile) + 1)
-    xm = layer._mask(x, 0.0).view(n, groups, c // groups, *tile)
-    total = all_reduce_replicated(xm.sum(dim=dims, dtype=_acc(x)), ctx.group, partial=True)
-    mean = total / count
-    centred = xm - mean.to(x.dtype).view(n, groups, *ones)
     valid = ctx._valid(layer.hyfi_path, tile)
-    centred = _tail(centred.view(x.shape), valid, 0.0).view(n, groups, c // groups, *tile)
-    squares = centred.square().sum(dim=dims, dtype=_acc(x))
-    var = all_reduce_replicated(squares, ctx.group, partial=True) / count
-    rstd = torch.rsqrt(var + eps).to(x.dtype).view(n, groups, *ones)
-    y = (centred * rstd).view(x.shape)
-    if weight is not None and bias is not None:
-        shape, _ = _channel_shape(x)
-        y = y * weight.view(shape) + bias.view(shape)
+    inside = tuple(v for end in valid for v in (0, end))
+    local = (c // groups) * _pixels_in(inside, None, tile)
+    y, mean, var = _GlobalSampleNorm.apply(
+        x, weight, bias, inside, groups, count, local, eps, ctx.group
+    )
     return y, mean, var, count
+
+
+class _GlobalSampleNorm(torch.autograd.Function):
+    """GroupNorm's statistics (per sample and group of channels) over all tiles, with a
+    hand-written backward, as :class:`_GlobalBatchNorm` does per channel.
+
+    Forward: each tile's mean and centred variance per sample and group over its pixels
+    inside the image (``inside``: ``(start, stop)`` per spatial dim), merged from one
+    all-gather (:func:`merged_statistics`), then ``xhat = (x - mean) * rstd`` and the
+    per-channel affine. Backward: one all-reduce of the two sums the input gradient needs,
+    per sample and group, ``dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat))`` with
+    ``gw = g * weight`` and means over the whole image's pixels and the group's channels;
+    the weight and bias gradients are this tile's share (summed over the tiles later, as
+    for every parameter that sees tiles). Outside the image: ignored, no gradient. One
+    activation is saved (``xhat``); autograd through the tensor expression kept two, and
+    issued two collectives each way.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        inside: tuple[int, ...],
+        groups: int,
+        count: int,
+        local: int,
+        eps: float,
+        group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, c, *tile = x.shape
+        ones = (1,) * (len(tile) + 1)
+        dims = tuple(range(2, 3 + len(tile)))
+        outside = _outside_mask(inside, x)
+        xm = x if outside is None else x.masked_fill(outside, 0.0)
+        acc = _acc(x)
+        xg = xm.view(n, groups, c // groups, *tile)
+        mean_l = xg.sum(dim=dims, dtype=acc) / max(local, 1)
+        centre = mean_l.view(n, groups, *ones)
+        centred = xg - centre if acc == x.dtype else xg.to(acc).sub_(centre)
+        if outside is not None:
+            centred.view(x.shape).masked_fill_(outside, 0.0)
+        var_l = centred.square_().sum(dim=dims) / max(local, 1)
+        del centred
+        mean, var = merged_statistics(mean_l.reshape(-1), var_l.reshape(-1), local, count, group)
+        mean, var = mean.view(n, groups), var.view(n, groups)
+        rstd = torch.rsqrt(var + eps)
+        xhat = xg - mean.to(x.dtype).view(n, groups, *ones)
+        xhat.mul_(rstd.to(x.dtype).view(n, groups, *ones))
+        xhat = xhat.view(x.shape)
+        if outside is not None:
+            xhat.masked_fill_(outside, 0.0)
+        shape, _ = _channel_shape(x)
+        y = xhat if weight is None else torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
+        ctx.save_for_backward(xhat, rstd, weight, outside)
+        ctx.groups, ctx.count, ctx.group = groups, count, group
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(
+        ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        xhat, rstd, weight, outside = ctx.saved_tensors
+        n, c, *tile = gy.shape
+        groups, ones = ctx.groups, (1,) * (len(tile) + 1)
+        dims = tuple(range(2, 3 + len(tile)))
+        shape, channel_dims = _channel_shape(gy)
+        g = gy if outside is None else gy.masked_fill(outside, 0.0)
+        gw = g if weight is None else g * weight.to(g.dtype).view(shape)
+        gwg, xg = gw.view(n, groups, c // groups, *tile), xhat.view(n, groups, c // groups, *tile)
+        acc = _acc(g)
+        local = torch.stack([gwg.sum(dim=dims, dtype=acc), (gwg * xg).sum(dim=dims, dtype=acc)])
+        total = all_reduce_sum(local, ctx.group) / ctx.count
+        mean_g = total[0].to(g.dtype).view(n, groups, *ones)
+        mean_gx = total[1].to(g.dtype).view(n, groups, *ones)
+        dx = xg * -mean_gx
+        dx.add_(gwg).sub_(mean_g).mul_(rstd.to(g.dtype).view(n, groups, *ones))
+        dx = dx.view(gy.shape)
+        if outside is not None:
+            dx.masked_fill_(outside, 0.0)
+        if weight is None:
+            return dx, None, None, None, None, None, None, None, None
+        dweight = (g * xhat).sum(dim=channel_dims, dtype=acc).to(weight.dtype)
+        dbias = g.sum(dim=channel_dims, dtype=acc).to(weight.dtype)
+        return dx, dweight, dbias, None, None, None, None, None, None
 
 
 def _norm_act(norm: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
