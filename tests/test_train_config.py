@@ -15,6 +15,8 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.train.checkpoint import (
     MARKER,
     CheckpointError,
+    _disk_reason,
+    _reason,
     install_optimizer_state,
     list_checkpoints,
     load_latest,
@@ -222,3 +224,20 @@ def test_a_failed_write_leaves_no_partial_and_keeps_the_previous(tmp_path: Path)
     assert "resume from step_00000001, which is intact" in str(err.value)
     assert not (root / "step_00000002.partial").exists()
     assert [p.name for p in list_checkpoints(root, "r")] == ["step_00000001"]
+
+
+def test_a_write_that_found_no_space_is_said_as_a_full_disk(tmp_path: Path) -> None:
+    """PyTorch's zip writer reports a write onto a full disk as "file write failed" under a
+    C++ tag, without the system's error: the reason drops the tag, and a failed write to a
+    disk with less free space than the rank's share of the checkpoint says the disk is full."""
+    torch_error = RuntimeError(
+        "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+        "data/0: file write failed"
+    )
+    reason = _reason(torch_error)
+    assert reason == "PytorchStreamWriter failed writing file data/0: file write failed"
+    huge = {"model": {"w": torch.empty(2**50, device="meta")}}  # 4 PiB: no disk holds it
+    assert _disk_reason(reason, tmp_path, huge) == f"No space left on device: {reason}"
+    small = {"model": {"w": torch.zeros(4)}, "step": 3}
+    assert _disk_reason(reason, tmp_path, small) == reason  # a disk with room: not the cause
+    assert _disk_reason("", tmp_path, huge) == ""

@@ -30,7 +30,9 @@ survives a change of layout.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
 import re
 import shutil
@@ -208,7 +210,35 @@ def _reason(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return lines[0].split(". ")[0][:160] if lines else type(err).__name__
+    if not lines:
+        return type(err).__name__
+    # PyTorch's C++ errors open with a tag ("[enforce fail at inline_container.cc:672] . ")
+    # that says where, not what: what follows it does.
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", lines[0])
+    return (text or lines[0]).split(". ")[0][:160]
+
+
+def _disk_reason(reason: str, root: Path, state: Any) -> str:
+    """``reason``, or the full disk that caused it: PyTorch's zip writer reports a write that
+    found no space without the system's error ("file write failed"), so a failed write to a
+    disk with less free space than this rank's share of the checkpoint is said as one."""
+    if not reason or os.strerror(errno.ENOSPC) in reason:
+        return reason
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+    except OSError:
+        return reason
+    need = sum(t.numel() * t.element_size() for t in _tensors(state))
+    return f"{os.strerror(errno.ENOSPC)}: {reason}" if free < max(need, 1 << 20) else reason
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of a nested state (dicts, lists), each as this rank holds it."""
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, list | tuple):
+        return [t for v in state for t in _tensors(v)]
+    return [_local(state)] if isinstance(state, torch.Tensor) else []
 
 
 def save_checkpoint(
@@ -244,7 +274,7 @@ def save_checkpoint(
                 if rank0:
                     shutil.rmtree(partial, ignore_errors=True)
                 raise KeyboardInterrupt from err
-            reason = _reason(err)
+            reason = _disk_reason(_reason(err), root, state)
     if all_agree(not reason) and rank0:
         marker = {
             **meta,
