@@ -74,17 +74,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         # This tile's statistics over its ``count`` own pixels inside the image (two passes:
         # its mean, then the squares centred on it), merged with the other tiles' (Chan).
         xm = x if outside is None else x.masked_fill(outside, 0.0)
-        acc = _acc(x)
-        mean_l = _own(xm, own).sum(dim=dims, dtype=acc) / max(count, 1)
-        # In the accumulation type (a half-type tile's squares in float32, as torch's own
-        # BatchNorm computes under autocast); gone before xhat is made, so no higher peak.
-        centre = mean_l.view(shape)
-        centred = xm - centre if acc == x.dtype else xm.to(acc).sub_(centre)
-        if outside is not None:
-            centred.masked_fill_(outside, 0.0)
-        var_l = _own(centred.square_(), own).sum(dim=dims) / max(count, 1)
-        del centred
-        mean, var = merged_statistics(mean_l, var_l, count, n, group)
+        mean_l, var_l = _tile_moments(xm, outside, dims, count, x.shape, own=own)
+        mean, var = merged_statistics(mean_l.flatten(), var_l.flatten(), count, n, group)
         # Centred on the image's mean in one rounding (a half-type input keeps its precision).
         xhat = xm - mean.to(x.dtype).view(shape)
         if outside is not None:
@@ -220,6 +211,31 @@ def merged_statistics(
     m, v, counts = tiles[:, :c], tiles[:, c : 2 * c], tiles[:, 2 * c :]
     mean = (counts * m).sum(0) / n
     var = (counts * (v + (m - mean).square())).sum(0) / n
+    return mean, var
+
+
+def _tile_moments(
+    xm: torch.Tensor,
+    outside: torch.Tensor | None,
+    dims: tuple[int, ...],
+    count: int,
+    shape: Sequence[int],
+    own: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile's mean and biased variance over ``dims`` (kept, size 1) of its ``count``
+    pixels inside the image and in its own box ``own``, in two passes: the mean, then the
+    squares centred on it. ``xm`` (a view of the tile, whose own shape is ``shape``) is
+    zero outside the image (``outside``, broadcastable on the tile).
+
+    In the accumulation type: a half-type tile's squares in float32, as torch's own norms
+    compute under autocast; the centred copy is gone before the caller normalises, so the
+    peak is no higher."""
+    acc = _acc(xm)
+    mean = _own(xm, own).sum(dim=dims, keepdim=True, dtype=acc) / max(count, 1)
+    centred = xm - mean if acc == xm.dtype else xm.to(acc).sub_(mean)
+    if outside is not None:
+        centred.view(shape).masked_fill_(outside, 0.0)
+    var = _own(centred.square_(), own).sum(dim=dims, keepdim=True) / max(count, 1)
     return mean, var
 
 
@@ -438,16 +454,9 @@ class _GlobalSampleNorm(torch.autograd.Function):
         dims = tuple(range(2, 3 + len(tile)))
         outside = _outside_mask(inside, x)
         xm = x if outside is None else x.masked_fill(outside, 0.0)
-        acc = _acc(x)
         xg = xm.view(n, groups, c // groups, *tile)
-        mean_l = xg.sum(dim=dims, dtype=acc) / max(local, 1)
-        centre = mean_l.view(n, groups, *ones)
-        centred = xg - centre if acc == x.dtype else xg.to(acc).sub_(centre)
-        if outside is not None:
-            centred.view(x.shape).masked_fill_(outside, 0.0)
-        var_l = centred.square_().sum(dim=dims) / max(local, 1)
-        del centred
-        mean, var = merged_statistics(mean_l.reshape(-1), var_l.reshape(-1), local, count, group)
+        mean_l, var_l = _tile_moments(xg, outside, dims, local, x.shape)
+        mean, var = merged_statistics(mean_l.flatten(), var_l.flatten(), local, count, group)
         mean, var = mean.view(n, groups), var.view(n, groups)
         rstd = torch.rsqrt(var + eps)
         xhat = xg - mean.to(x.dtype).view(n, groups, *ones)
