@@ -44,7 +44,8 @@ BLOCKS_WORKER = Path(__file__).parent / "workers" / "pooling_blocks.py"
 
 
 @pytest.mark.parametrize("model", ["squeeze-excite", "functional"])
-@pytest.mark.parametrize("grid", [(1, 2), (2, 2)])
+# # slow since 2026-11-27 (the suite's time): 2x2's global max pool runs by default above
+@pytest.mark.parametrize("grid", [(1, 2), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_pools_inside_the_network_and_as_functions_match_one_process(
     model: str, grid: tuple[int, int]
 ) -> None:

@@ -245,7 +245,7 @@ def test_skipped_steps_are_counted_and_a_run_of_them_stops(manifest: Path, tmp_p
             marks=pytest.mark.slow,
         ),
         pytest.param("data.mean=[0.4]", "data.mean None -> now [0.4]", marks=pytest.mark.slow),
-        ("optim.name=sgd", "optim.name adamw -> now sgd"),
+        pytest.param("optim.name=sgd", "optim.name adamw -> now sgd", marks=pytest.mark.slow),
     ],
 )
 def test_a_resume_that_would_change_the_runs_meaning_is_refused(

@@ -252,6 +252,8 @@ def _sbatch(slurm: Cluster, path: Path, *options: str) -> int:
     return int(proc.stdout.strip().split(";")[0])
 
 
+# slow since 2026-11-27 (the suite's time): the shipped template and srun tests run sbatch jobs that train
+@pytest.mark.slow
 def test_print_sbatch_job_trains_on_four_tasks(
     slurm: Cluster, manifest: Path, tmp_path: Path
 ) -> None:

@@ -44,8 +44,9 @@ pytestmark = [
 
 GRIDS = ["1x2", "2x1", "2x2", "3x1", "1x3"]
 #: Grids whose launch runs with the slow set: every case runs by default on 1x2, 2x2 (both
-#: axes, corners), 1x3 and 3x1 (a middle tile along each axis); 2x1 is 2x2's row split.
-SLOW_GRIDS = {"2x1"}
+#: axes, corners) and 1x3 (a middle tile); 2x1 is 2x2's row split, and 3x1 (a middle tile
+#: along the height) is slow since 2026-11-27 (the suite's time).
+SLOW_GRIDS = {"2x1", "3x1"}
 
 
 def _grid(text: str) -> tuple[int, int]:

@@ -24,8 +24,9 @@ pytestmark = [
 CASES = [
     # (ranks, hyfi-verify options): corners and checkpointed blocks
     (4, ("--spatial", "2x2", "--image-size", "130x97", "--checkpointing", "full")),
-    # two pipeline stages (the stem in the first) on 1x2 tiles, 1F1B
-    (
+    # two pipeline stages (the stem in the first) on 1x2 tiles, 1F1B (slow since 2026-11-27,
+    # the suite's time: the stem-cut test below runs a pipeline through the stem by default)
+    pytest.param(
         4,
         (
             "--spatial",
@@ -39,6 +40,7 @@ CASES = [
             "--image-size",
             "90x90",
         ),
+        marks=pytest.mark.slow,
     ),
     # data replicas x row tiles, selective checkpointing; three column tiles
     pytest.param(

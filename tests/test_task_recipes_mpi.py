@@ -208,6 +208,9 @@ def test_unet3d_segmentation_with_data_replicas(tmp_path: Path) -> None:
     assert mask.shape == (16, 16, 16) and set(np.unique(mask)) <= {0, 1}
 
 
+# slow since 2026-11-27 (the suite's time): the CosmoFlow recipe trains on sub-volumes above, and
+# test_volume_mpi runs the 3D U-Net on a 3-D grid
+@pytest.mark.slow
 def test_unet3d_trains_on_a_grid_of_sub_volumes_like_one_process(tmp_path: Path) -> None:
     """``parallel.spatial=2x1x2``: 4 ranks each read and train their sub-volume (+ halo);
     the losses equal one process's (float32 rounding) and the gathered masks are whole."""

@@ -71,22 +71,12 @@ def test_layouts_train_and_spatial_equals_one_process(manifest: Path, tmp_path: 
     sgd = ("optim.name=sgd", "optim.lr=0.01")
     _train(manifest, tmp_path / "one", 1, "parallel.spatial=1x1", *sgd)
     _train(manifest, tmp_path / "grid", 4, "parallel.spatial=2x2", *sgd)
-    _train(
-        manifest,
-        tmp_path / "pipe",
-        2,
-        "parallel.spatial=1x1",
-        "parallel.pipeline=2",
-        "parallel.microbatches=2",
-    )
     one, grid = _losses(tmp_path / "one"), _losses(tmp_path / "grid")
     # Same weights, same tiles: the first losses agree to float32 rounding. Later steps
     # drift by rounding amplified through training (hyfi-verify proves exactness in float64).
     assert len(one) == 6 and one[:2] == pytest.approx(grid[:2], rel=1e-4, abs=1e-5)
     assert all(math.isfinite(v) for v in grid)
-    # Pipelining splits each batch into 2 micro-batches (BatchNorm per micro-batch): it runs, losses are finite.
-    assert len(_losses(tmp_path / "pipe")) == 6
-    for run in ("one", "grid", "pipe"):
+    for run in ("one", "grid"):
         for name in ("summary.json", "training_curves.png", "confusion_matrix.png", "recipe.yaml"):
             assert (tmp_path / run / name).exists(), (run, name)
     dp = _train(
@@ -98,6 +88,24 @@ def test_layouts_train_and_spatial_equals_one_process(manifest: Path, tmp_path: 
         "train.batch_size=1",
     )
     assert "done" in dp.stdout and len(_losses(tmp_path / "dp")) == 6
+
+
+# slow since 2026-11-27 (the suite's time): hyfi-train runs a pipeline by default in
+# test_run_safety_mpi (a resume keeps the first launch's cut).
+@pytest.mark.slow
+def test_a_pipeline_layout_trains(manifest: Path, tmp_path: Path) -> None:
+    _train(
+        manifest,
+        tmp_path / "pipe",
+        2,
+        "parallel.spatial=1x1",
+        "parallel.pipeline=2",
+        "parallel.microbatches=2",
+    )
+    # Pipelining splits each batch into 2 micro-batches (BatchNorm per micro-batch): it runs, losses are finite.
+    assert len(_losses(tmp_path / "pipe")) == 6
+    for name in ("summary.json", "training_curves.png", "confusion_matrix.png", "recipe.yaml"):
+        assert (tmp_path / "pipe" / name).exists(), name
 
 
 def test_bf16_trains_on_tiles_like_one_process_to_bfloat16_rounding(

@@ -163,6 +163,8 @@ def test_hyfi_verify_unet3d_on_a_3d_grid() -> None:
     assert max(peaks[1:]) < peaks[0] - 0.5 * est["reference_peak"], (peaks, est)
 
 
+# slow since 2026-11-27 (the suite's time): checkpointed blocks run on 2-D grids by default
+@pytest.mark.slow
 def test_hyfi_verify_unet3d_checkpointed_blocks() -> None:
     """Activation checkpointing re-runs the 3-D halo exchanges and BatchNorm3d in backward."""
     job, report = _verify(
