@@ -26,9 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
-# slow since 2026-11-27 (the suite's time): the GPU check's plumbing, run by every session's slow set
-# before a lent GPU would run it; no product path is only checked here.
-@pytest.mark.slow
 def test_dry_run_records_every_item(tmp_path: Path) -> None:
     out, md = tmp_path / "check" / "gpu_check.json", tmp_path / "benchmarks.md"
     md.write_text("# Benchmarks\n")
