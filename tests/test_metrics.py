@@ -1,8 +1,9 @@
 """Evaluation metrics against values worked out by hand, plus every input error.
 
 The expected numbers below are derived in the comments (pair counting for ROC
-AUC, the kappa formula for QWK), not taken from scikit-learn, so a wrong call
-into the library (wrong column, wrong weights, missing ``labels=``) shows.
+AUC, the kappa formula for QWK), so a wrong formula (wrong column, wrong weights,
+a class left out) shows; scikit-learn, an independent implementation, is then
+held against ours on random data with many ties.
 """
 
 from __future__ import annotations
@@ -105,6 +106,26 @@ def test_qwk_matches_the_formula_on_random_grades() -> None:
     r = evaluate_predictions(probs, y, task="graded")
     assert r.qwk == pytest.approx(_qwk_by_formula(y, probs.argmax(1), 6))
     assert r.macro_auc is not None and 0.5 < r.macro_auc <= 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auc_kappa_and_confusion_equal_scikit_learns(seed: int) -> None:
+    """Ours (rank sums, the kappa formula, counts) against scikit-learn's (trapezoids under
+    the ROC curve, its own kappa and confusion matrix): coarse scores tie often."""
+    sk = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(seed)
+    n, k = 57, 4
+    labels = rng.integers(0, k, n)
+    probs = rng.integers(0, 6, (n, k)).astype(np.float64) / 5  # six levels: many ties
+    r = evaluate_predictions(probs, labels, task="graded")
+    pred = probs.argmax(axis=1)
+    per_class = [sk.roc_auc_score(labels == c, probs[:, c]) for c in range(k)]
+    assert r.macro_auc == pytest.approx(float(np.mean(per_class)), rel=1e-12)
+    qwk = sk.cohen_kappa_score(labels, pred, weights="quadratic", labels=list(range(k)))
+    assert r.qwk == pytest.approx(qwk, rel=1e-12)
+    assert np.array_equal(r.confusion, sk.confusion_matrix(labels, pred, labels=list(range(k))))
+    binary = evaluate_predictions(probs[:, :2], (labels % 2), task="binary")
+    assert binary.auc == pytest.approx(sk.roc_auc_score(labels % 2, probs[:, 1]), rel=1e-12)
 
 
 def test_undefined_metrics_are_none() -> None:

@@ -6,8 +6,8 @@ the parallel plan; how a run is measured and recorded does not. Metrics
 (:mod:`~hyfi_imaging.train.logs`) and the pictures
 (:mod:`~hyfi_imaging.train.plots`) are plain functions of gathered numbers,
 usable on their own to evaluate a saved model or redraw an old run.
-scikit-learn, matplotlib and TensorBoard are imported on first use, so
-importing this package stays cheap for ranks that never evaluate.
+matplotlib and TensorBoard are imported on first use, so importing this
+package stays cheap for ranks that never draw or log.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ offending numbers.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -228,28 +227,56 @@ def _check_inputs(
     return p, y, names
 
 
-def _binary_auc(positive: np.ndarray, scores: np.ndarray) -> float | None:
-    """ROC AUC of ``scores`` for the boolean ``positive``; ``None`` with one class only."""
-    from sklearn.metrics import roc_auc_score
+def _average_ranks(values: np.ndarray) -> np.ndarray:
+    """1-based ranks of ``values``, tied values sharing their mean rank."""
+    order = np.argsort(values, kind="mergesort")
+    ordered = values[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    stops = np.r_[starts[1:], values.size]
+    mean_rank = (starts + 1 + stops) / 2.0  # the mean of ranks start + 1 .. stop
+    ranks = np.empty(values.size, dtype=np.float64)
+    ranks[order] = np.repeat(mean_rank, stops - starts)
+    return ranks
 
-    if positive.all() or not positive.any():
+
+def _binary_auc(positive: np.ndarray, scores: np.ndarray) -> float | None:
+    """ROC AUC of ``scores`` for the boolean ``positive``; ``None`` with one class only.
+
+    The area under the ROC curve is the Mann-Whitney statistic: the share of
+    (positive, negative) pairs ranked right, a tie counting one half, from the
+    positives' rank sum with tied scores on their mean rank -- the value
+    scikit-learn's trapezoids give. Why not ``sklearn.metrics``: every rank
+    evaluates, and importing it cost each rank 0.45 s of start-up.
+    """
+    n_pos = int(positive.sum())
+    n_neg = positive.size - n_pos
+    if n_pos == 0 or n_neg == 0:
         return None
-    return float(roc_auc_score(positive, scores))
+    rank_sum = float(_average_ranks(scores.astype(np.float64))[positive].sum())
+    return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+
+
+def _confusion(y: np.ndarray, pred: np.ndarray, k: int) -> np.ndarray:
+    """``k x k`` counts, rows the true class, columns the prediction."""
+    return np.bincount(y * k + pred, minlength=k * k).reshape(k, k).astype(np.int64)
 
 
 def _quadratic_kappa(y: np.ndarray, pred: np.ndarray, k: int) -> float | None:
     """Quadratic weighted kappa; ``None`` when undefined (0/0).
 
-    The expected disagreement is zero exactly when truth and prediction are
-    the same single class; then kappa is 0/0 and we say so.
+    ``1 - sum(W O) / sum(W E)`` with ``O`` the confusion matrix, ``W_ij = (i -
+    j)^2`` and ``E`` the outer product of the true and predicted class counts
+    over ``N`` (Cohen's, as scikit-learn computes it). The expected
+    disagreement is zero exactly when truth and prediction are the same single
+    class; then kappa is 0/0 and we say so.
     """
-    from sklearn.metrics import cohen_kappa_score
-
     if np.unique(y).size == 1 and np.array_equal(np.unique(pred), np.unique(y)):
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        value = float(cohen_kappa_score(y, pred, weights="quadratic", labels=list(range(k))))
+    observed = _confusion(y, pred, k).astype(np.float64)
+    expected = np.outer(observed.sum(axis=1), observed.sum(axis=0)) / observed.sum()
+    weights = np.subtract.outer(np.arange(k), np.arange(k)) ** 2.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = 1.0 - float((weights * observed).sum()) / float((weights * expected).sum())
     return value if math.isfinite(value) else None
 
 
@@ -280,8 +307,6 @@ def evaluate_predictions(
         Traceback (most recent call last):
         ValueError: evaluate_predictions: label(s) [2] outside [0, 2) ...
     """
-    from sklearn.metrics import confusion_matrix
-
     p, y, names = _check_inputs(probs, labels, task, class_names)
     n, k = p.shape
     pred = p.argmax(axis=1)
@@ -293,7 +318,7 @@ def evaluate_predictions(
         defined = [a for a in per_class if a is not None]
         macro_auc = float(np.mean(defined)) if defined else None
     qwk = _quadratic_kappa(y, pred, k) if task == "graded" else None
-    confusion = confusion_matrix(y, pred, labels=list(range(k))).astype(np.int64)
+    confusion = _confusion(y, pred, k)
     confusion.setflags(write=False)
     return EvalResult(
         n=int(n),
