@@ -26,7 +26,11 @@ def _run_worker(worker: Path, *args: object, ranks: int) -> dict[str, Any]:
     return json_line(job)
 
 
-@pytest.mark.parametrize(("grid", "size"), [((2, 2), (130, 98)), ((1, 3), (70, 200))])
+# 1x3 (a middle tile) with the slow set since 2026-11-27 (the suite's time); 2x2 stays
+@pytest.mark.parametrize(
+    ("grid", "size"),
+    [((2, 2), (130, 98)), pytest.param((1, 3), (70, 200), marks=pytest.mark.slow)],
+)
 def test_global_max_pool_matches_one_process(grid: tuple[int, int], size: tuple[int, int]) -> None:
     result = _run_worker(WORKER, *grid, *size, ranks=grid[0] * grid[1])
     assert result["ok"] and result["max_rel_error"] < 1e-9
