@@ -249,8 +249,21 @@ def test_killed_rank_ends_the_job(
     print(f"{launcher} {op} {how}: job ended {after_death:.2f} s after rank 1 died")
 
 
-# Slow like the other kill tests: in two full-suite runs on a loaded 2-core VM (2026-11-25)
-# it failed while passing every time alone or with its file; under investigation.
+def _survivors_live_on() -> tuple[bool, str]:
+    """Whether this ``mpiexec -disable-auto-cleanup`` leaves the survivors of a SIGKILLed
+    rank alive (three probes, all must): see ``tests/mpi/survivor_probe.py``."""
+    alive = []
+    for _ in range(3):
+        job = mpiexec(3, "tests/mpi/survivor_probe.py", timeout=60,
+                      options=("-disable-auto-cleanup",))  # fmt: skip
+        alive.append(sum(ln.startswith("ALIVE ") for ln in job.stdout.splitlines()))
+    return alive == [2, 2, 2], f"survivors alive per probe: {alive} of 2"
+
+
+# Slow like the other kill tests. Its failures (first seen 2026-11-25: it failed in full
+# runs and passed alone) are the launcher's: MPICH 5.0.2's hydra SIGKILLs the survivors
+# within a millisecond of the death even with -disable-auto-cleanup (strace, 2026-11-27),
+# before they can speak. The probe says so, and the test then skips naming it.
 @pytest.mark.slow
 @pytest.mark.mpi
 @needs_mpi
@@ -259,8 +272,11 @@ def test_survivors_name_the_lost_rank() -> None:
 
     Without ``-disable-auto-cleanup`` MPICH SIGKILLs the survivors as soon as it
     sees the death, which may be before they notice it: then its banner alone
-    speaks. With it, the survivors always get to say it.
+    speaks. With it, where the launcher keeps its word, the survivors get to say it.
     """
+    keeps_word, measured = _survivors_live_on()
+    if not keeps_word:
+        pytest.skip(f"this mpiexec kills the survivors despite -disable-auto-cleanup ({measured})")
     job = mpiexec(3, "tests/mpi/kill_rank.py", "allreduce", "sigkill", timeout=90,
                   options=("-disable-auto-cleanup",))  # fmt: skip
     dying = [ln for ln in job.stdout.splitlines() if ln.startswith("DYING ")]
