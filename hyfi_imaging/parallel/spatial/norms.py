@@ -82,8 +82,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
             xhat.masked_fill_(outside, 0.0)
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
-        # One output allocation (xhat * w + b would hold a second tile-sized temporary).
-        y = xhat if weight is None else torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
+        y = _affine(xhat, weight, bias)
         ctx.save_for_backward(xhat, rstd, weight, outside)
         ctx.n, ctx.group, ctx.own = n, group, own
         ctx.mark_non_differentiable(mean, var)
@@ -237,6 +236,17 @@ def _tile_moments(
         centred.view(shape).masked_fill_(outside, 0.0)
     var = _own(centred.square_(), own).sum(dim=dims, keepdim=True) / max(count, 1)
     return mean, var
+
+
+def _affine(
+    xhat: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``xhat * weight + bias`` per channel in one output allocation (the expression would
+    hold a second tile-sized temporary); ``xhat`` itself without an affine."""
+    if weight is None:
+        return xhat
+    shape, _ = _channel_shape(xhat)
+    return torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -464,8 +474,7 @@ class _GlobalSampleNorm(torch.autograd.Function):
         xhat = xhat.view(x.shape)
         if outside is not None:
             xhat.masked_fill_(outside, 0.0)
-        shape, _ = _channel_shape(x)
-        y = xhat if weight is None else torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
+        y = _affine(xhat, weight, bias)
         ctx.save_for_backward(xhat, rstd, weight, outside)
         ctx.groups, ctx.count, ctx.group = groups, count, group
         ctx.mark_non_differentiable(mean, var)
