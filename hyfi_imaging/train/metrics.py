@@ -275,8 +275,8 @@ def _quadratic_kappa(y: np.ndarray, pred: np.ndarray, k: int) -> float | None:
     observed = _confusion(y, pred, k).astype(np.float64)
     expected = np.outer(observed.sum(axis=1), observed.sum(axis=0)) / observed.sum()
     weights = np.subtract.outer(np.arange(k), np.arange(k)) ** 2.0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        value = 1.0 - float((weights * observed).sum()) / float((weights * expected).sum())
+    with np.errstate(divide="ignore", invalid="ignore"):  # NumPy's 0/0 is NaN, not an error
+        value = float(1.0 - (weights * observed).sum() / (weights * expected).sum())
     return value if math.isfinite(value) else None
 
 
