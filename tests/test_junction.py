@@ -96,10 +96,31 @@ def test_parse_grids() -> None:
         Layout.parse_grids("2x2,axb")
 
 
-def test_bidirectional_schedule_is_refused_with_a_junction() -> None:
-    with pytest.raises(ConfigError) as err:
-        ParallelPlan(Layout(pp=2, grids=((2, 2), (1, 1))), schedule="bidirectional")
-    assert "gpipe and 1f1b" in str(err.value) and "\n" not in str(err.value)
+def test_two_stage_schedules_other_than_gems_are_refused_with_a_junction() -> None:
+    lay = Layout(pp=2, grids=((2, 2), (1, 1)))
+    ParallelPlan(lay, microbatches=2, schedule="bidirectional")  # GEMS places two replicas
+    for schedule in ("interleaved1f1b", "zbv", "dualpipev"):
+        with pytest.raises(ConfigError) as err:
+            ParallelPlan(lay, microbatches=4, schedule=schedule)  # type: ignore[arg-type]
+        assert "gpipe, 1f1b and bidirectional" in str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_mirrored_replicas_map_layout_ranks_and_pair_the_mirrors() -> None:
+    """Each replica's layout ranks land where the placement puts its stage tiles; the mirror
+    pairs join position p and P-1-p at the same tile, every rank in exactly one pair."""
+    place = MirroredPlacement(Layout(dp=2, pp=2, grids=((2, 1), (1, 1))))
+    # layout ranks per replica: stage 0 tiles 0, 1, then stage 1; replica 1 after replica 0
+    assert place.replica_ranks(0) == (0, 1, 2, 4, 5, 6)
+    assert place.replica_ranks(1) == (2, 3, 0, 6, 7, 4)
+    assert place.mirror_pairs() == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    four = MirroredPlacement(Layout(pp=4, grids=((2, 2), (1, 2), (1, 2), (1, 1))))
+    pairs = four.mirror_pairs()
+    assert sorted(r for pair in pairs for r in pair) == list(range(four.world_size))
+    for a, b in pairs:  # a mirror pair holds the two copies of the same stages, same tiles
+        copies_a = {(s.stage, s.tile) for s in four.slots(a)[2]}
+        copies_b = {(s.stage, s.tile) for s in four.slots(b)[2]}
+        assert copies_a == copies_b
 
 
 def test_mirrored_placement_of_two_replicas_on_per_stage_grids() -> None:

@@ -37,9 +37,12 @@ Groups come from meshes (:func:`junction_meshes`), built from
 stage ``(dp, sp)`` and a flat ``shard`` mesh for FSDP2 over that stage's own
 ranks (so the gradient rule -- sum over tiles, mean over dp -- holds per stage).
 
-Two mirrored replicas (GEMS, ``--schedule bidirectional``) on per-stage grids are *placed*
-here (:class:`MirroredPlacement`, pure) but not yet run: the engine refuses the combination
-(:func:`check_junction_plan`). Why this placement: pipeline position ``p`` holds replica A's
+Two mirrored replicas (GEMS, ``--schedule bidirectional``) on per-stage grids are placed by
+:class:`MirroredPlacement` (pure) and run by :class:`MirroredJunctionSchedule`: each rank
+holds a *view* of each replica it has a stage of (a :class:`~.launch.ParallelContext` whose
+layout ranks map to the placement's global ranks), each replica's stage is built on its view
+exactly as a plain junction rank, and the two run interleaved in the position's GEMS order;
+the mirror pair sums the two copies of every stage. Why this placement: pipeline position ``p`` holds replica A's
 stage ``p`` and replica B's stage ``P - 1 - p``, each on its own grid, tile ``i`` of either on
 the position's rank ``i`` -- so a position needs as many ranks as the larger of its two grids.
 With one grid for every stage it is exactly today's GEMS placement (rank ``(d, p, tile)``
@@ -67,16 +70,25 @@ from torch.distributed.fsdp import FSDPModule
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.pipeline import as_tuple, schedule_order, stage_boundaries
-from hyfi_imaging.parallel.schedules import ScheduleAction, check_schedule, schedule_actions
+from hyfi_imaging.parallel.schedules import (
+    ScheduleAction,
+    add_mirror_grads,
+    check_schedule,
+    mirror_input_grad,
+    mirror_outputs,
+    schedule_actions,
+)
 
 __all__ = [
     "JunctionSchedule",
     "MirrorSlot",
+    "MirroredJunctionSchedule",
     "MirroredPlacement",
     "Piece",
     "check_junction_model",
     "check_junction_plan",
     "junction_meshes",
+    "mirrored",
     "pieces",
 ]
 
@@ -85,12 +97,18 @@ def check_junction_plan(layout: Layout, schedule: str) -> None:
     """ConfigError (no compute) for what per-stage grids do not combine with."""
     if not layout.junction:
         return
-    if schedule not in ("gpipe", "1f1b"):
+    if schedule not in ("gpipe", "1f1b", "bidirectional"):
         raise ConfigError(
             f"--schedule {schedule} with --spatial {_grids_text(layout)}",
-            "per-stage grids (the junction) run the gpipe and 1f1b schedules only",
-            "use --schedule gpipe or 1f1b, or one grid for every stage",
+            "per-stage grids (the junction) run the gpipe, 1f1b and bidirectional schedules only",
+            "use --schedule gpipe, 1f1b or bidirectional, or one grid for every stage",
         )
+
+
+def mirrored(layout: Layout, schedule: str | None) -> MirroredPlacement | None:
+    """The placement of two mirrored replicas where ``schedule`` asks for them on per-stage
+    grids (None elsewhere: every layout rank is its global rank)."""
+    return MirroredPlacement(layout) if layout.junction and schedule == "bidirectional" else None
 
 
 def check_junction_model(layout: Layout, whole: Sequence[int], half: Sequence[int]) -> None:
@@ -112,19 +130,27 @@ def _grids_text(layout: Layout) -> str:
 # ----------------------------------------------------------------------------- meshes
 
 
-def _stage_ranks(layout: Layout, stage: int) -> Tensor:
-    """Global ranks of stage ``stage``: ``(dp, tiles)``, tiles row-major."""
+def _stage_ranks(layout: Layout, stage: int, ranks: Sequence[int] | None = None) -> Tensor:
+    """Global ranks of stage ``stage``: ``(dp, tiles)``, tiles row-major (``ranks``: the global
+    rank of every layout rank, where they differ)."""
     gy, gx = layout.grid_of(stage)
+
+    def glob(r: int) -> int:
+        return r if ranks is None else ranks[r]
+
     return torch.tensor(
         [
-            [layout.rank_of(d, stage, i, j) for i in range(gy) for j in range(gx)]
+            [glob(layout.rank_of(d, stage, i, j)) for i in range(gy) for j in range(gx)]
             for d in range(layout.dp)
         ]
     )
 
 
 def junction_meshes(
-    layout: Layout, device: torch.device, rank: int
+    layout: Layout,
+    device: torch.device,
+    rank: int | None,
+    ranks: Sequence[int] | None = None,
 ) -> tuple[DeviceMesh, dict[str, Any], DeviceMesh | None]:
     """The meshes of a layout with per-stage grids: ``(world mesh, groups, shard mesh)``.
 
@@ -134,18 +160,23 @@ def junction_meshes(
     when it has more than one rank, a flat ``shard`` mesh for FSDP2. Every rank
     builds every mesh in the same order (building a group is collective) and
     keeps its own stage's groups: ``dp``, ``sp``, ``replica``, ``shard``.
+
+    ``rank`` is this rank's number in ``layout`` (None: it holds no rank of it); ``ranks``
+    the global rank of every layout rank where they differ (a mirrored replica's placement).
     """
-    world = torch.cat([_stage_ranks(layout, s) for s in range(layout.pp)], dim=1)
+    world = torch.cat([_stage_ranks(layout, s, ranks) for s in range(layout.pp)], dim=1)
     mesh = DeviceMesh(device.type, world, mesh_dim_names=("dp", "replica"))
-    groups: dict[str, Any] = {"dp": mesh.get_group("dp"), "replica": mesh.get_group("replica")}
+    groups: dict[str, Any] = {}
+    if rank is not None:
+        groups = {"dp": mesh.get_group("dp"), "replica": mesh.get_group("replica")}
     shard_mesh: DeviceMesh | None = None
-    mine = layout.coords(rank)[1]
+    mine = None if rank is None else layout.coords(rank)[1]
     for stage in range(layout.pp):
-        ranks = _stage_ranks(layout, stage)
-        stage_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("dp", "sp"))
+        stage_ranks = _stage_ranks(layout, stage, ranks)
+        stage_mesh = DeviceMesh(device.type, stage_ranks, mesh_dim_names=("dp", "sp"))
         flat = None
-        if ranks.numel() > 1:
-            flat = DeviceMesh(device.type, ranks.reshape(-1), mesh_dim_names=("shard",))
+        if stage_ranks.numel() > 1:
+            flat = DeviceMesh(device.type, stage_ranks.reshape(-1), mesh_dim_names=("shard",))
         if stage == mine:
             groups["sp"] = stage_mesh.get_group("sp")
             if flat is not None:
@@ -232,9 +263,33 @@ class MirroredPlacement:
             out.append([a for a in per_position[p] if (a[0], a[1]) in mine])
         return out
 
-    def check(self, world_size: int, *, microbatches: int) -> None:
-        """ConfigError (one line, no compute) unless the job and micro-batches fit."""
-        check_schedule("bidirectional", self.layout, microbatches)
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        """The global rank of every rank of :attr:`layout` as replica ``replica`` (0: A, 1: B)
+        places it: ``layout`` rank ``r`` of stage ``s``, tile ``t`` -> the rank holding it."""
+        lay = self.layout
+        out = []
+        for r in range(lay.world_size):
+            dp, stage, *tile = lay.coords(r)
+            index = 0
+            for t, n in zip(tile, lay.grid_of(stage), strict=True):
+                index = index * n + t
+            out.append(self.rank_of(dp, MirrorSlot(replica, stage, index)))
+        return tuple(out)
+
+    def mirror_pairs(self) -> list[tuple[int, int]]:
+        """Every pair of mirror ranks (position ``p`` and ``P - 1 - p``, the same tile), in one
+        order for every rank: the groups over which a stage's two copies are summed."""
+        lay, pairs = self.layout, []
+        for dp in range(lay.dp):
+            base = dp * self.replica_size
+            for p in range(lay.pp // 2):
+                q = lay.pp - 1 - p
+                for i in range(self.widths[p]):
+                    pairs.append((base + sum(self.widths[:p]) + i, base + sum(self.widths[:q]) + i))
+        return pairs
+
+    def check_world(self, world_size: int) -> None:
+        """ConfigError (one line, no compute) unless the job has the ranks the placement needs."""
         if world_size != self.world_size:
             widths = "+".join(map(str, self.widths))
             raise ConfigError(
@@ -243,6 +298,11 @@ class MirroredPlacement:
                 f"ranks (dp {self.layout.dp} x positions {widths}) but the job has {world_size}",
                 f"launch with -np {self.world_size}",
             )
+
+    def check(self, world_size: int, *, microbatches: int) -> None:
+        """ConfigError (one line, no compute) unless the job and micro-batches fit."""
+        check_schedule("bidirectional", self.layout, microbatches)
+        self.check_world(world_size)
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -333,10 +393,12 @@ def _routes(
     cut: int,
     send: bool,
     shapes: tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[tuple[int, ...]]],
+    peer_of: Callable[[int], int],
 ) -> list[_Route]:
     """The messages across cut ``cut`` (between stages ``cut`` and ``cut + 1``) of this rank
     (stage, tile row, tile column), as sender (``send``) or receiver. ``shapes``: the tensors
-    crossing the cut on the sender's tile, on the receiver's tile, and for the whole image."""
+    crossing the cut on the sender's tile, on the receiver's tile, and for the whole image;
+    ``peer_of`` the global rank of a layout rank."""
     src_shapes, dst_shapes, whole = shapes
     src_grid, dst_grid = layout.grid_of(cut), layout.grid_of(cut + 1)
     out = []
@@ -349,9 +411,9 @@ def _routes(
             (int(b[-2]), int(b[-1])),
         ):
             if send and pc.src == me[1:]:
-                out.append(_Route(t, layout.rank_of(dp, cut + 1, *pc.dst), pc.src_box))
+                out.append(_Route(t, peer_of(layout.rank_of(dp, cut + 1, *pc.dst)), pc.src_box))
             elif not send and pc.dst == me[1:]:
-                out.append(_Route(t, layout.rank_of(dp, cut, *pc.src), pc.dst_box))
+                out.append(_Route(t, peer_of(layout.rank_of(dp, cut, *pc.src)), pc.dst_box))
     return out
 
 
@@ -365,6 +427,10 @@ class JunctionSchedule:
     (and the target) into the micro-batches, runs this stage's actions in the
     schedule's order, receives and sends the junction's pieces, and returns the
     last stage's outputs concatenated (None elsewhere). ``loss_fn`` None: forward only.
+
+    The actions are public (:meth:`begin`, :meth:`forward`, :meth:`backward`,
+    :meth:`finish`) so that two mirrored replicas (:class:`MirroredJunctionSchedule`) run
+    theirs interleaved on one rank. ``peer_of`` maps a rank of ``layout`` to its global rank.
     """
 
     def __init__(
@@ -385,6 +451,7 @@ class JunctionSchedule:
         group: Any,
         device: torch.device,
         dtype: torch.dtype,
+        peer_of: Callable[[int], int] = int,
     ) -> None:
         dp, stage, sy, sx = coords  # per-stage grids are 2-D (Layout refuses others)
         self.module, self.stage, self.num_stages = module, stage, layout.pp
@@ -407,20 +474,27 @@ class JunctionSchedule:
         if stage > 0:
             cut = stage - 1
             shapes = (per_stage[cut][stage], per_stage[stage][stage], whole[stage])
-            self.recv = _routes(layout, dp, me, cut, False, shapes)
+            self.recv = _routes(layout, dp, me, cut, False, shapes, peer_of)
         if stage < layout.pp - 1:
             shapes = (
                 per_stage[stage][stage + 1],
                 per_stage[stage + 1][stage + 1],
                 whole[stage + 1],
             )
-            self.send = _routes(layout, dp, me, stage, True, shapes)
+            self.send = _routes(layout, dp, me, stage, True, shapes, peer_of)
         self.order = (
             schedule_order(schedule, layout.pp, microbatches)[stage]
             if loss_fn is not None
             else [("F", k) for k in range(microbatches)]
         )
         self._pending: list[tuple[dist.Work, Tensor]] = []
+        # One step's state (:meth:`begin` resets it).
+        self._chunks: list[Tensor] = []
+        self._targets: list[Tensor] = []
+        self._losses: list[Tensor] | None = None
+        self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...] | Tensor]] = {}
+        self._outputs: list[Any] = []
+        self._train = False
 
     # -- messages
 
@@ -459,65 +533,161 @@ class JunctionSchedule:
             out[r.tensor][..., r.box[0], r.box[1]] = buf
         return out
 
-    # -- the step
+    # -- the actions
 
-    def step(
-        self, *args: Tensor, target: Tensor | None = None, losses: list[Tensor] | None = None
-    ) -> Any:
-        m, train = self.n_micro, self.loss_fn is not None
+    def begin(
+        self,
+        chunks: Sequence[Tensor],
+        targets: Sequence[Tensor],
+        losses: list[Tensor] | None,
+    ) -> None:
+        """Start a step: the first stage's micro-batches, the last stage's targets (empty
+        elsewhere), and where the losses go."""
+        self._train = self.loss_fn is not None
         self._pending = []
-        chunks = [c for c in args[0].tensor_split(m)] if self.is_first else []
-        targets = list(target.tensor_split(m)) if target is not None and self.is_last else []
-        saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...] | Tensor]] = {}
-        outputs: list[Any] = []
-        last_backward = max((k for a, k in self.order if a == "B"), default=-1)
-        for action, k in self.order:
-            if action == "F":
-                if self.is_first:
-                    inputs = [chunks[k]]
-                else:
-                    inputs = self._receive(self.recv, self.in_shapes, k, False)
-                    for x in inputs:
-                        x.requires_grad_(train and torch.is_grad_enabled())
-                out = self.module(*inputs)
-                if self.is_last:
-                    outputs.append(out)
-                    if train:
-                        assert self.loss_fn is not None
-                        loss = self.loss_fn(out, targets[k])
-                        if losses is not None:
-                            losses.append(loss.detach())
-                        saved[k] = (inputs, loss)
-                else:
-                    self._post_sends(self.send, as_tuple(out), k, False)
-                    if train:
-                        saved[k] = (inputs, as_tuple(out))
-            else:
-                inputs, result = saved.pop(k)
-                _gradient_sync(self.module, k == last_backward)
-                if self.is_last:
-                    assert isinstance(result, Tensor)
-                    torch.autograd.backward(result)
-                else:
-                    assert isinstance(result, tuple)
-                    grads = self._receive(self.send, self.out_shapes, k, True)
-                    pairs = [(o, g) for o, g in zip(result, grads, strict=True) if o.requires_grad]
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if not self.is_first:
-                    input_grads = [
-                        x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs
-                    ]
-                    self._post_sends(self.recv, input_grads, k, True)
+        self._chunks, self._targets, self._losses = list(chunks), list(targets), losses
+        self._saved, self._outputs = {}, []
+
+    def forward(self, k: int) -> None:
+        """Micro-batch ``k``'s forward: receive the pieces, run the stage, send (or the loss)."""
+        train = self._train
+        if self.is_first:
+            inputs = [self._chunks[k]]
+        else:
+            inputs = self._receive(self.recv, self.in_shapes, k, False)
+            for x in inputs:
+                x.requires_grad_(train and torch.is_grad_enabled())
+        out = self.module(*inputs)
+        if self.is_last:
+            self._outputs.append(out)
+            if train:
+                assert self.loss_fn is not None
+                loss = self.loss_fn(out, self._targets[k])
+                if self._losses is not None:
+                    self._losses.append(loss.detach())
+                self._saved[k] = (inputs, loss)
+        else:
+            self._post_sends(self.send, as_tuple(out), k, False)
+            if train:
+                self._saved[k] = (inputs, as_tuple(out))
+
+    def backward(self, k: int, *, last: bool) -> None:
+        """Micro-batch ``k``'s backward (``last``: the step's last one here, where FSDP2
+        reduce-scatters): receive the output's gradient pieces, send the input's."""
+        inputs, result = self._saved.pop(k)
+        _gradient_sync(self.module, last)
+        if self.is_last:
+            assert isinstance(result, Tensor)
+            torch.autograd.backward(result)
+        else:
+            assert isinstance(result, tuple)
+            grads = self._receive(self.send, self.out_shapes, k, True)
+            pairs = [(o, g) for o, g in zip(result, grads, strict=True) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+            self._post_sends(self.recv, input_grads, k, True)
+
+    def finish(self) -> Any:
+        """End the step: every message delivered; the last stage's outputs concatenated."""
         # Every message delivered before the step returns (after an error, the peer that
         # waits for one times out with the process group's timeout).
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        outputs, self._outputs, self._chunks, self._targets = self._outputs, [], [], []
         if not self.is_last:
             return None
         if isinstance(outputs[0], Tensor):
-            return torch.cat([o.detach() if train else o for o in outputs])
+            return torch.cat([o.detach() if self._train else o for o in outputs])
         return tuple(torch.cat(parts) for parts in zip(*outputs, strict=True))
+
+    # -- the step
+
+    def step(
+        self, *args: Tensor, target: Tensor | None = None, losses: list[Tensor] | None = None
+    ) -> Any:
+        m = self.n_micro
+        chunks = list(args[0].tensor_split(m)) if self.is_first else []
+        targets = list(target.tensor_split(m)) if target is not None and self.is_last else []
+        self.begin(chunks, targets, losses)
+        last_backward = max((k for a, k in self.order if a == "B"), default=-1)
+        for action, k in self.order:
+            if action == "F":
+                self.forward(k)
+            else:
+                self.backward(k, last=k == last_backward)
+        return self.finish()
+
+
+class MirroredJunctionSchedule:
+    """One step of two mirrored replicas on per-stage grids, on this rank (GEMS + the junction).
+
+    ``schedules``: the :class:`JunctionSchedule` of each replica this rank holds a stage of
+    (0: A, 1: B), each over its replica's group and built for half the micro-batches;
+    ``actions`` this rank's part of its position's GEMS order
+    (:meth:`MirroredPlacement.orders`); ``mirror`` the group of this rank and its mirror
+    (position ``P - 1 - p``, the same tile). ``step`` as
+    :class:`~.schedules.BidirectionalSchedule`'s: A takes the first half of the micro-batches,
+    B the second; it returns the whole per-replica batch's outputs on the ranks holding a last
+    stage, completes the input's gradient on the ranks holding a first stage, and leaves in
+    ``.grad`` of both copies of every stage the whole batch's gradient (summed over the
+    mirror pair). Without a loss (evaluation) replica A runs every micro-batch alone.
+    """
+
+    def __init__(
+        self,
+        schedules: dict[int, JunctionSchedule],
+        actions: Sequence[ScheduleAction],
+        microbatches: int,
+        mirror: Any,
+    ) -> None:
+        self.schedules, self.actions = schedules, list(actions)
+        self.m, self.mirror = microbatches, mirror
+        self.train = any(s.loss_fn is not None for s in schedules.values())
+
+    def step(
+        self, *args: Tensor, target: Tensor | None = None, losses: list[Tensor] | None = None
+    ) -> Tensor | None:
+        x = args[0] if args else None
+        if not self.train:
+            a = self.schedules.get(0)
+            return None if a is None else a.step(*(args if a.is_first else ()))
+        half = self.m // 2
+        terms: dict[int, list[Tensor]] = {0: [], 1: []}
+        for rep, sched in self.schedules.items():
+            mine = slice(rep * half, (rep + 1) * half)
+            chunks = list(x.tensor_split(self.m))[mine] if sched.is_first and x is not None else []
+            parts = (
+                list(target.tensor_split(self.m))[mine]
+                if sched.is_last and target is not None
+                else []
+            )
+            sched.begin(chunks, parts, terms[rep])
+        b = self.schedules.get(1)
+        if b is not None:
+            for p in b.module.parameters():  # the A copy keeps what earlier steps accumulated
+                p.grad = None
+        before = None if x is None or x.grad is None else x.grad.detach().clone()
+        for rep, _, kind, i in self.actions:
+            sched = self.schedules[rep]
+            if kind == "F":
+                sched.forward(i)
+            else:
+                sched.backward(i, last=i == half - 1)
+        outs = {rep: sched.finish() for rep, sched in self.schedules.items()}
+        add_mirror_grads([(s.stage, s.module) for s in self.schedules.values()], self.mirror)
+        if losses is not None:
+            losses.clear()
+            losses.extend([*terms[0], *terms[1]])
+        if x is not None:
+            mirror_input_grad(x, before, self.mirror)
+        last = [(rep, out) for rep, out in outs.items() if out is not None]
+        if not last:
+            return None
+        rep, mine_out = last[0]
+        assert isinstance(mine_out, Tensor)
+        return mirror_outputs(mine_out, rep, self.mirror)
 
 
 def _gradient_sync(module: nn.Module, last: bool) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import errno
 import os
@@ -112,17 +113,34 @@ class ParallelContext:
     #: 1-D mesh of the ranks that share this rank's parameters (``dp`` x ``sy`` x ``sx``
     #: at its ``pp`` coordinate): FSDP2 shards over it. None when it has one rank.
     shard_mesh: DeviceMesh | None = None
+    #: The global rank of every rank of :attr:`layout` (None: the same numbers). Two mirrored
+    #: replicas on per-stage grids (:class:`~.junction.MirroredPlacement`) place each replica's
+    #: layout on other global ranks; a rank's view of one replica maps through this.
+    ranks: tuple[int, ...] | None = None
+    #: This rank's view of each replica it holds a stage of (0: A, 1: B), when two mirrored
+    #: replicas run on per-stage grids; empty otherwise. This context is then the view of the
+    #: replica whose first stage it holds (it takes the input), else of A.
+    slots: dict[int, ParallelContext] = field(default_factory=dict)
+
+    @property
+    def layout_rank(self) -> int:
+        """This rank's number in :attr:`layout` (its global rank unless :attr:`ranks` maps)."""
+        return self.rank if self.ranks is None else self.ranks.index(self.rank)
+
+    def global_rank(self, layout_rank: int) -> int:
+        """The global rank of rank ``layout_rank`` of :attr:`layout`."""
+        return layout_rank if self.ranks is None else self.ranks[layout_rank]
 
     @property
     def coords(self) -> tuple[int, ...]:
         """(dp, pp, sy, sx) of this rank; (dp, pp, sz, sy, sx) on a 3-D grid, (dp, pp, sx) on
         a 1-D one."""
-        return self.layout.coords(self.rank)
+        return self.layout.coords(self.layout_rank)
 
     @property
     def branch(self) -> int:
         """This rank's coordinate in its branch group (:mod:`.branches`); 0 without one."""
-        return self.layout.branch(self.rank)
+        return self.layout.branch(self.layout_rank)
 
     @property
     def tile(self) -> tuple[int, ...]:
@@ -152,7 +170,7 @@ class ParallelContext:
         at = [c + d for c, d in zip(self.tile, step, strict=True)]
         if not all(0 <= a < g for a, g in zip(at, grid, strict=True)):
             return None
-        return self.layout.rank_of(*self.coords[:2], *at, br=self.branch)
+        return self.global_rank(self.layout.rank_of(*self.coords[:2], *at, br=self.branch))
 
     def neighbours(self) -> Neighbours:
         """The ranks of this tile's face neighbours, for the halo exchange."""
@@ -221,10 +239,17 @@ def _one_process_of_a_job(layout: Layout) -> None:
 
 
 def init_parallel(
-    layout: Layout, *, backend: str | None = None, timeout_s: float = 60.0
+    layout: Layout,
+    *,
+    schedule: str | None = None,
+    backend: str | None = None,
+    timeout_s: float = 60.0,
 ) -> ParallelContext:
     """Start (or join) the process group for ``layout`` and build its mesh.
 
+    ``schedule`` says where ranks are placed where the schedule decides it: ``bidirectional``
+    on per-stage grids places two mirrored replicas (:class:`~.junction.MirroredPlacement`,
+    more ranks than ``layout``); other schedules place ``layout``'s ranks as they are.
     The layout is checked against the world size before any group exists.
     glibc's mmap threshold is fixed first (see :func:`.memory.fix_malloc_threshold`)
     so that freed tile buffers go back to the kernel and per-rank peaks do not
@@ -259,7 +284,13 @@ def init_parallel(
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(local_size),
         )
-    layout.check_world(world)
+    from hyfi_imaging.parallel.junction import mirrored
+
+    placement = mirrored(layout, schedule)
+    if placement is not None:
+        placement.check_world(world)
+    else:
+        layout.check_world(world)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     # SLURM's --gpus-per-task or --gpu-bind can leave each rank a single visible device.
@@ -298,13 +329,59 @@ def init_parallel(
                         "export MASTER_PORT=<a free port> in the job script and relaunch",
                     ) from err
                 raise
-    mesh, groups, shard_mesh = build_meshes(layout, device, rank)
     table: list[Any] = [None] * world
+
+    def context(
+        mesh: DeviceMesh, groups: dict[str, Any], shard: DeviceMesh | None
+    ) -> ParallelContext:
+        return ParallelContext(
+            layout, rank, world, local_rank, launcher, backend, device, mesh, groups, shard
+        )
+
+    if placement is not None:
+        pc = _mirrored_context(context, placement, device)
+    else:
+        pc = context(*build_meshes(layout, device, rank))
     dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
     _PEERS[:] = table
-    return ParallelContext(
-        layout, rank, world, local_rank, launcher, backend, device, mesh, groups, shard_mesh
-    )
+    return pc
+
+
+def _mirrored_context(
+    context: Callable[[DeviceMesh, dict[str, Any], DeviceMesh | None], ParallelContext],
+    placement: Any,
+    device: torch.device,
+) -> ParallelContext:
+    """A rank's context under two mirrored replicas on per-stage grids: its view of each
+    replica it holds a stage of (that replica's layout ranks mapped to the placement's global
+    ranks, its meshes and groups), and the groups of the pair (``mirror``) and of the data
+    replica (``placement``). Every rank builds every group in one order (collective)."""
+    from hyfi_imaging.parallel.junction import junction_meshes
+
+    layout, rank = placement.layout, dist.get_rank()
+    views: dict[int, ParallelContext] = {}
+    for replica in (0, 1):
+        ranks = placement.replica_ranks(replica)
+        mine = ranks.index(rank) if rank in ranks else None
+        view = context(*junction_meshes(layout, device, mine, ranks))
+        if mine is not None:
+            views[replica] = dataclasses.replace(view, ranks=ranks)
+    extra: dict[str, Any] = {}
+    for pair in placement.mirror_pairs():
+        group = dist.new_group(ranks=sorted(pair))
+        if rank in pair:
+            extra["mirror"] = group
+    size = placement.replica_size
+    for dp in range(layout.dp):
+        members = list(range(dp * size, (dp + 1) * size))
+        group = dist.new_group(ranks=members)
+        if rank in members:
+            extra["placement"] = group
+    for view in views.values():
+        view.groups.update(extra)
+    # The view holding the input (a first stage), else A's, speaks for the rank.
+    primary = next((v for v in views.values() if v.coords[1] == 0), next(iter(views.values())))
+    return dataclasses.replace(primary, slots=views)
 
 
 def build_meshes(

@@ -35,6 +35,7 @@ the engine, the runtime and the printed plan read, plus the runtime and the stat
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
@@ -57,7 +58,7 @@ from hyfi_imaging.parallel.branches import (
     check_branch_tiles,
     check_branches,
 )
-from hyfi_imaging.parallel.junction import check_junction_model
+from hyfi_imaging.parallel.junction import MirroredPlacement, check_junction_model, mirrored
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import (
@@ -70,7 +71,7 @@ from hyfi_imaging.parallel.pipeline import (
 from hyfi_imaging.parallel.rank_model import BalanceInfo, PlannedShapes, RankModel
 from hyfi_imaging.parallel.rank_plan import RankPlan, model_facts, rank_plan
 from hyfi_imaging.parallel.running_stats import ReplicaRunningStats, apply_running_stats
-from hyfi_imaging.parallel.runtimes import PipelineRuntime, runtime_for
+from hyfi_imaging.parallel.runtimes import MirroredJunctionRuntime, PipelineRuntime, runtime_for
 from hyfi_imaging.parallel.schedules import LocalStage
 from hyfi_imaging.parallel.sharding import apply_fsdp, called_modules
 from hyfi_imaging.parallel.spatial import SpatialContext, tile_shaped
@@ -106,7 +107,30 @@ def parallelize(
     check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_same_weights(model, pc.device)
     image = tuple(int(v) for v in image_hw)
+    if mirrored(layout, plan.schedule) is not None:
+        return _parallelize_mirrored(model, pc, plan, image, loss_fn)
+    part = _build_part(model, pc, plan, image, None)
     runtime_cls = runtime_for(plan.schedule, layout)
+    runtime = runtime_cls(part, pc, layout, plan.schedule, loss_fn)
+    running_stats = apply_running_stats(
+        part.stage_module,
+        list(zip(part.local, part.submods, strict=True)),
+        pc,
+        copies=runtime_cls.copies,
+        copy_groups=runtime.copy_groups,
+    )
+    return part, runtime, running_stats
+
+
+def _build_part(
+    model: nn.Module,
+    pc: ParallelContext,
+    plan: ParallelPlan,
+    image: tuple[int, ...],
+    cut: BalanceInfo | None,
+) -> RankModel:
+    """Steps 2-8 for one rank (``cut``: the cut already chosen, else step 6 chooses it)."""
+    layout = plan.layout
     in_chans = input_channels(model)
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     set_checkpointing(model, plan.checkpointing)
@@ -118,7 +142,9 @@ def parallelize(
             output_shape(meta_model, (1, in_chans, h, w)) or (),
             output_shape(meta_model, (1, in_chans, max(1, h // 2), max(1, w // 2))) or (),
         )
-    plain = copy.deepcopy(model) if plan.balance is None and plan.stages > 1 else None
+    plain = (
+        copy.deepcopy(model) if cut is None and plan.balance is None and plan.stages > 1 else None
+    )
     ctx = apply_spatial(
         model,
         pc,
@@ -139,7 +165,7 @@ def parallelize(
         in_chans,
         ctx=ctx,
     )
-    rank = rank_plan(facts, plan, pc.rank)
+    rank = rank_plan(facts, plan, pc.layout_rank)
     local = rank.local
     streamed = stream_stem(model, ctx) if plan.streaming == "stem" else []
     if layout.br > 1:
@@ -151,14 +177,14 @@ def parallelize(
         tile_model = tile_shaped(copy.deepcopy(meta_model), ctx)
         plain = None if plain is None else tile_shaped(plain, ctx)
     out_map = output_map(tile_model, in_chans, image, rank.tile)
-    info = choose_balance(rank, plain, dtype, pc.device)
+    info = cut if cut is not None else choose_balance(rank, plain, dtype, pc.device)
     del plain
     planned = PlannedShapes()
     submods, stage_module = apply_stages(
         model, local, info.balance, dtype=dtype, schedule=plan.schedule, planned=planned
     )
     fsdp_units = apply_sharding(submods, rank, pc, ctx, meta_model, (1, in_chans, *image), streamed)
-    part = RankModel(
+    return RankModel(
         plan=rank,
         dtype=dtype,
         meta_model=meta_model,
@@ -172,12 +198,73 @@ def parallelize(
         planned=planned,
         branch_sync=BranchSync(stage_module, pc.group("br")) if layout.br > 1 else None,
     )
-    runtime = runtime_cls(part, pc, layout, plan.schedule, loss_fn)
+
+
+def _parallelize_mirrored(
+    model: nn.Module,
+    pc: ParallelContext,
+    plan: ParallelPlan,
+    image: tuple[int, ...],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[RankModel, PipelineRuntime, ReplicaRunningStats]:
+    """Two mirrored replicas on per-stage grids (:class:`~.junction.MirroredPlacement`).
+
+    Each replica this rank holds a stage of is built by steps 2-8 on the rank's view of that
+    replica (its own grid, tiles and groups: ``pc.slots``), exactly as a plain junction rank
+    of it, from its own copy of ``model`` (each copy is spatialized for its own grid). The cut
+    is chosen once, by the first build (every rank's first build measures, so the world's
+    maximum is taken once), and given to the second: both copies of a stage are the same
+    layers. The rank's part joins the two: its stage modules, under the model's names.
+    """
+    slots = sorted(pc.slots.items())
+    models = [model, *(copy.deepcopy(model) for _ in slots[1:])]
+    one = dataclasses.replace(plan, schedule="gpipe")  # each replica alone: a junction pipeline
+    built: dict[int, tuple[ParallelContext, RankModel]] = {}
+    cut: BalanceInfo | None = None
+    for (replica, view), copy_of in zip(slots, models, strict=True):
+        slot_part = _build_part(copy_of, view, one, image, cut)
+        cut = slot_part.balance_info
+        built[replica] = (view, slot_part)
+    assert cut is not None
+    first = next((p for _, p in built.values() if p.is_first), built[slots[0][0]][1])
+    local = tuple(
+        LocalStage(index=p.stage_index, replica=replica) for replica, (_, p) in built.items()
+    )
+    submods = [p.submods[0] for _, p in built.values()]
+    in_order = sorted(built.values(), key=lambda held: held[1].stage_index)
+    layers = [nl for _, p in in_order for nl in cast(StageModule, p.submods[0]).named_layers()]
+    stage_module = (
+        submods[0]
+        if len(submods) == 1
+        else StageModule(layers, index=min(ls.index for ls in local))
+    )
+    place = MirroredPlacement(plan.layout)
+    rank = dataclasses.replace(
+        first.plan,
+        local=local,
+        copies=2,
+        actions=tuple(place.orders(plan.microbatches)[pc.rank % place.replica_size]),
+        parallel=plan,
+    )
+    part = RankModel(
+        plan=rank,
+        dtype=first.dtype,
+        meta_model=first.meta_model,
+        tile_model=first.tile_model,
+        ctx=first.ctx,
+        out_map=first.out_map,
+        balance_info=cut,
+        submods=submods,
+        stage_module=stage_module,
+        fsdp_units=[u for _, p in built.values() for u in p.fsdp_units],
+        planned=first.planned,
+    )
+    runtime = MirroredJunctionRuntime(part, pc, plan.layout, plan.schedule, loss_fn, built)
     running_stats = apply_running_stats(
         stage_module,
         list(zip(local, submods, strict=True)),
         pc,
-        copies=runtime_cls.copies,
+        copies=2,
         copy_groups=runtime.copy_groups,
     )
     return part, runtime, running_stats

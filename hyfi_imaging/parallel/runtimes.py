@@ -44,7 +44,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 
 from hyfi_imaging.errors import HyfiError
 from hyfi_imaging.parallel.apply import TiledLoss, reduce_loss
-from hyfi_imaging.parallel.junction import JunctionSchedule
+from hyfi_imaging.parallel.junction import (
+    JunctionSchedule,
+    MirroredJunctionSchedule,
+    MirroredPlacement,
+    MirrorSlot,
+)
 from hyfi_imaging.parallel.launch import ParallelContext, error_chain
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.pipeline import stage_boundaries
@@ -62,6 +67,7 @@ from hyfi_imaging.parallel.schedules import (
 __all__ = [
     "BidirectionalRuntime",
     "JunctionRuntime",
+    "MirroredJunctionRuntime",
     "OnePipelineRuntime",
     "Pipe",
     "PipelineRuntime",
@@ -72,7 +78,12 @@ __all__ = [
 
 Loss = Callable[[Tensor, Tensor], Tensor]
 AnySchedule = (
-    ScheduleGPipe | Schedule1F1B | PipelineScheduleMulti | BidirectionalSchedule | JunctionSchedule
+    ScheduleGPipe
+    | Schedule1F1B
+    | PipelineScheduleMulti
+    | BidirectionalSchedule
+    | JunctionSchedule
+    | MirroredJunctionSchedule
 )
 
 
@@ -291,33 +302,52 @@ class BidirectionalRuntime(_TorchStages):
         return Pipe(stages, bidirectional, logits)
 
 
+def _junction_schedule(
+    r: RankModel,
+    pc: ParallelContext,
+    schedule: str,
+    microbatch: int,
+    microbatches: int,
+    loss: Loss | None,
+) -> JunctionSchedule:
+    """The junction schedule of one rank's stage ``r`` of one replica (``pc``: that replica's
+    view of the job), its planned output shapes recorded."""
+    layout = r.plan.parallel.layout
+    out = JunctionSchedule(
+        r.submods[0],
+        layout=layout,
+        coords=pc.coords,
+        image_hw=r.image_hw,
+        tiles=r.stage_tiles,
+        meta_model=r.meta_model,
+        balance=r.balance_info.balance,
+        microbatch=microbatch,
+        in_chans=r.in_chans,
+        microbatches=microbatches,
+        schedule=schedule,
+        loss_fn=loss,
+        group=pc.group("replica"),
+        device=pc.device,
+        dtype=r.dtype,
+        peer_of=pc.global_rank,
+    )
+    r.planned.record(microbatch, r.stage_index, out.out_shapes)  # on its own grid
+    return out
+
+
+def _junction_logits(r: RankModel, microbatch: int) -> tuple[int, ...]:
+    """The model's output shape for one micro-batch (on the last stage's grid)."""
+    shape = (microbatch, r.in_chans, *r.stage_tiles[-1])
+    return tuple(stage_boundaries(r.meta_model, r.balance_info.balance, shape)[-1][0].shape)
+
+
 class JunctionRuntime(PipelineRuntime):
     """Per-stage grids: this stage's part of the schedule, the junction's pieces in between."""
 
     def build(self, microbatch: int, microbatches: int, loss: Loss | None) -> Pipe:
         r = self.part
-        schedule = JunctionSchedule(
-            r.submods[0],
-            layout=self.layout,
-            coords=self.pc.coords,
-            image_hw=r.image_hw,
-            tiles=r.stage_tiles,
-            meta_model=r.meta_model,
-            balance=r.balance_info.balance,
-            microbatch=microbatch,
-            in_chans=r.in_chans,
-            microbatches=microbatches,
-            schedule=self.schedule,
-            loss_fn=loss,
-            group=self.pc.group("replica"),
-            device=self.pc.device,
-            dtype=r.dtype,
-        )
-        r.planned.record(microbatch, r.stage_index, schedule.out_shapes)  # on its own grid
-        logits = stage_boundaries(
-            r.meta_model, r.balance_info.balance, (microbatch, r.in_chans, *r.stage_tiles[-1])
-        )[-1][0]
-        return Pipe([], schedule, tuple(logits.shape))
+        schedule = _junction_schedule(r, self.pc, self.schedule, microbatch, microbatches, loss)
+        return Pipe([], schedule, _junction_logits(r, microbatch))
 
     def eval_group(self) -> ProcessGroup:
         # The whole replica: its last stage's tile 0 sends to every rank of every grid.
@@ -327,10 +357,73 @@ class JunctionRuntime(PipelineRuntime):
         return self.layout.replica_size - self.layout.stage_size(self.layout.pp - 1)
 
 
+class MirroredJunctionRuntime(PipelineRuntime):
+    """Two mirrored replicas on per-stage grids (GEMS + the junction): the stage of each
+    replica this rank holds runs as a :class:`~.junction.JunctionSchedule` over that replica's
+    view of the job (``slots``: replica -> (view, its part)), the two interleaved in the
+    position's GEMS order; evaluation runs replica A alone."""
+
+    copies: ClassVar[int] = 2
+
+    def __init__(
+        self,
+        part: RankModel,
+        pc: ParallelContext,
+        layout: Layout,
+        schedule: str,
+        loss_fn: Loss,
+        slots: dict[int, tuple[ParallelContext, RankModel]],
+    ) -> None:
+        super().__init__(part, pc, layout, schedule, loss_fn)
+        self.slots = slots
+        self.placement = MirroredPlacement(layout)
+
+    @property
+    def copy_groups(self) -> list[ProcessGroup]:
+        return [self.pc.group("mirror")]
+
+    def build(self, microbatch: int, microbatches: int, loss: Loss | None) -> Pipe:
+        r = next(iter(self.slots.values()))[1]
+        logits = _junction_logits(r, microbatch)
+        if loss is None:  # replica A alone, every micro-batch, forward only
+            schedules = {
+                rep: _junction_schedule(part, view, "gpipe", microbatch, microbatches, None)
+                for rep, (view, part) in self.slots.items()
+                if rep == 0
+            }
+            actions = []
+        else:
+            schedules = {
+                rep: _junction_schedule(part, view, "gpipe", microbatch, microbatches // 2, loss)
+                for rep, (view, part) in self.slots.items()
+            }
+            actions = self.placement.orders(microbatches)[
+                self.pc.rank % self.placement.replica_size
+            ]
+        mirrored = MirroredJunctionSchedule(schedules, actions, microbatches, self.copy_groups[0])
+        return Pipe([], mirrored, logits)
+
+    def eval_group(self) -> ProcessGroup:
+        # Every rank of the data replica (both mirrored replicas' ranks).
+        return self.pc.group("placement")
+
+    def eval_source(self) -> int:
+        return self.placement.rank_of(0, MirrorSlot(0, self.layout.pp - 1, 0))
+
+    def eval_logits(self, out: Any, batch: int, pipe: Pipe) -> Tensor:
+        if isinstance(out, Tensor):  # replica A's last stage, tile 0 (its other tiles alike)
+            logits = out.contiguous()
+        else:
+            shape = (batch, *pipe.logits_shape[1:])
+            logits = torch.empty(shape, dtype=self.part.dtype, device=self.pc.device)
+        dist.broadcast(logits, group=self.eval_group(), group_src=self.eval_source())
+        return logits
+
+
 def runtime_for(schedule: str, layout: Layout) -> type[PipelineRuntime]:
     """The runtime family of a schedule on a layout (the engine's one choice of mode)."""
     if layout.junction:
-        return JunctionRuntime
+        return MirroredJunctionRuntime if schedule == "bidirectional" else JunctionRuntime
     if schedule == "bidirectional":
         return BidirectionalRuntime
     if schedule in TORCH_MULTI:

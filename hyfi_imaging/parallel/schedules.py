@@ -71,6 +71,7 @@ __all__ = [
     "LocalStage",
     "MirrorGroups",
     "ScheduleAction",
+    "add_mirror_grads",
     "bidirectional_order",
     "check_schedule",
     "eval_last_rank",
@@ -78,6 +79,8 @@ __all__ = [
     "local_stages",
     "model_stages",
     "mirror_groups",
+    "mirror_input_grad",
+    "mirror_outputs",
     "peak_in_flight",
     "schedule_actions",
     "gems_queues",
@@ -550,41 +553,14 @@ class BidirectionalSchedule:
         if train:
             for stage in self.stages:
                 stage.perform_reduce_grad(1)  # FSDP2's reduce-scatter over dp x sp
-            self._add_mirror_grads(a_copy, b_copy)
+            indices = (self.stages[0].stage_index, self.stages[1].stage_index)
+            add_mirror_grads(list(zip(indices, (a_copy, b_copy), strict=True)), self.mirror)
         if losses is not None:
             losses.clear()
             losses.extend([*terms[0], *terms[1]])
-        if x is not None and x.grad is not None and train:
-            # This rank computed the input gradient of one half; its mirror, the other.
-            grad = x.grad.detach()
-            inc = grad if before is None else grad - before
-            dist.all_reduce(inc, group=self.mirror)
-            with torch.no_grad():
-                grad.copy_(inc if before is None else before + inc)
+        if x is not None and train:
+            mirror_input_grad(x, before, self.mirror)
         return self._outputs()
-
-    def _add_mirror_grads(self, a_copy: nn.Module, b_copy: nn.Module) -> None:
-        """Sum each stage's gradient over its two copies (this rank and its mirror), in place.
-
-        Both ranks list their two stages by stage index, so element ``k`` of the flat vector is
-        the same parameter element (the same FSDP shard: mirror ranks share tile and data
-        coordinates) on both."""
-        a_index, b_index = self.stages[0].stage_index, self.stages[1].stage_index
-        ordered = [a_copy, b_copy] if a_index < b_index else [b_copy, a_copy]
-        params = [p for mod in ordered for p in mod.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.detach().reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mirror)
-        offset = 0
-        with torch.no_grad():
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
 
     def _outputs(self) -> Tensor | None:
         """The whole per-replica batch's outputs on a rank that holds a last stage, else None."""
@@ -592,14 +568,55 @@ class BidirectionalSchedule:
         if not lasts:
             return None
         stage = lasts[0]
-        rep = self.stages.index(stage)
         mine = torch.cat([_as_tensor(o) for o in stage.output_chunks])
-        whole = torch.zeros(
-            (2 * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=mine.device
-        )
-        whole[rep * mine.shape[0] : (rep + 1) * mine.shape[0]] = mine.detach()
-        dist.all_reduce(whole, group=self.mirror)
-        return whole
+        return mirror_outputs(mine, self.stages.index(stage), self.mirror)
+
+
+# ----------------------------------------------------------------------------- the mirror pair
+
+
+def add_mirror_grads(copies: Sequence[tuple[int, nn.Module]], mirror: ProcessGroup) -> None:
+    """Sum each stage's gradient over its two copies (this rank and its mirror), in place.
+
+    ``copies``: the ``(model stage, module)`` this rank holds. Both ranks of a pair list their
+    stages by stage index, so element ``k`` of the flat vector is the same parameter element
+    (the same FSDP shard: mirror ranks share tile and data coordinates) on both."""
+    ordered = [mod for _, mod in sorted(copies, key=lambda c: c[0])]
+    params = [p for mod in ordered for p in mod.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.detach().reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mirror)
+    offset = 0
+    with torch.no_grad():
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def mirror_input_grad(x: Tensor, before: Tensor | None, mirror: ProcessGroup) -> None:
+    """Complete the input's gradient: this rank computed one half's, its mirror the other's
+    (``before``: what ``x.grad`` held before the step, kept once)."""
+    if x.grad is None:
+        return
+    grad = x.grad.detach()
+    inc = grad if before is None else grad - before
+    dist.all_reduce(inc, group=mirror)
+    with torch.no_grad():
+        grad.copy_(inc if before is None else before + inc)
+
+
+def mirror_outputs(mine: Tensor, replica: int, mirror: ProcessGroup) -> Tensor:
+    """The whole per-replica batch's outputs from this rank's half (``replica`` 0: the first
+    half) and its mirror's."""
+    whole = torch.zeros((2 * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+    whole[replica * mine.shape[0] : (replica + 1) * mine.shape[0]] = mine.detach()
+    dist.all_reduce(whole, group=mirror)
+    return whole
 
 
 def _as_tensor(out: Any) -> Tensor:
