@@ -124,7 +124,7 @@ def _worker(cfg: dict[str, Any]) -> None:
         schedule=cfg.get("schedule", "gpipe"),
         balance=tuple(cfg["balance"]) if cfg.get("balance") else None,
     )
-    pc = init_parallel(layout)
+    pc = init_parallel(layout, schedule=plan.schedule)
     counters = _count_messages()
     torch.manual_seed(0)
     model = _create(cfg["model"], cfg["width"])

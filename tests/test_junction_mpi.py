@@ -46,6 +46,11 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-1x2-1x1-amoeba-ck2-clip": (6, {**AMOEBA, "dp": 2, "grids": ((1, 2), (1, 1)), "m": 2, "schedule": "1f1b", "balance": (5, 4), "ck": "every:2", "hw": (45, 193), "clip": 0.5}),
     # three stages, 2x2 -> 1x2 -> 1x1, every block checkpointed
     "2x2-1x2-1x1-resnet-ckfull": (7, {**RESNET, "dp": 1, "grids": ((2, 2), (1, 2), (1, 1)), "m": 3, "schedule": "1f1b", "balance": (4, 3, 4), "ck": "full", "hw": (71, 101)}),
+    # two mirrored replicas (GEMS) on per-stage grids: 2 positions of 2 ranks, one rank
+    # holding A's first stage and B's last, its mirror the other two copies
+    "gems-1x2-1x1-resnet": (4, {**RESNET, "dp": 1, "grids": ((1, 2), (1, 1)), "m": 2, "schedule": "bidirectional", "balance": (5, 6), "ck": "none", "hw": (45, 101)}),
+    # ... with two data replicas, AmoebaNet's pair crossing, checkpointing and clipping
+    "gems-dp2-2x1-1x1-amoeba-ck2-clip": (8, {**AMOEBA, "dp": 2, "grids": ((2, 1), (1, 1)), "m": 4, "schedule": "bidirectional", "balance": (3, 6), "ck": "every:2", "hw": (193, 45), "clip": 0.5}),
 }  # fmt: skip
 
 
@@ -73,7 +78,7 @@ def _run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_classes": 3}
     if "width" in cfg:
         kwargs["width"] = cfg["width"]
-    pc = init_parallel(layout)
+    pc = init_parallel(layout, schedule=cfg["schedule"])
     began = time.perf_counter()
     report = run_verify(
         lambda: create_model(cfg["model"], **kwargs),
@@ -123,7 +128,11 @@ def launches(request: pytest.FixtureRequest) -> dict[int, dict[str, Any]]:
 #: parts the default cases hold (dp x spatial and checkpointing in the pipeline and schedule
 #: tests; every rank's derived facts of a junction in tests/test_rank_facts.py), run by
 #: ``pytest -m slow``: a world of 6 or 7 ranks on CI's 2 cores is most of this file's time.
-SLOW = {"dp2-1x2-1x1-amoeba-ck2-clip", "2x2-1x2-1x1-resnet-ckfull"}
+SLOW = {
+    "dp2-1x2-1x1-amoeba-ck2-clip",
+    "2x2-1x2-1x1-resnet-ckfull",
+    "gems-dp2-2x1-1x1-amoeba-ck2-clip",
+}
 
 
 @pytest.mark.parametrize(
@@ -139,6 +148,10 @@ def test_junction_trains_like_one_process(launches: dict[int, dict[str, Any]], n
     # The first stage's ranks shard over their own dp x tiles.
     gy, gx = cfg["grids"][0]
     assert f"FSDP2 over {cfg['dp'] * gy * gx} ranks" in verdict["plan"], verdict["plan"]
+    if cfg["schedule"] == "bidirectional":  # rank 0 holds A's first stage and B's last
+        assert "two mirrored replicas on per-stage grids" in verdict["plan"]
+        rows = [line.split() for line in verdict["plan"].splitlines()]
+        assert [r[2] for r in rows if r[:2] == ["0", "0"]] == ["A0", "B1"], verdict["plan"]
 
 
 @pytest.mark.slow
@@ -160,6 +173,18 @@ def test_hyfi_train_runs_a_junction_like_one_process(train_manifest: Path, tmp_p
     one, junction = _losses(tmp_path / "one"), _losses(tmp_path / "junction")
     assert len(one) == len(junction) == 3
     assert one[:2] == pytest.approx(junction[:2], rel=1e-4, abs=1e-5)
+    # Two mirrored replicas of the same junction (GEMS): 4 ranks, the same losses.
+    _train(
+        train_manifest,
+        tmp_path / "gems",
+        4,
+        "parallel.spatial=1x2,1x1",
+        "parallel.pipeline=2",
+        "parallel.schedule=bidirectional",
+        *sets,
+    )
+    gems = _losses(tmp_path / "gems")
+    assert len(gems) == 3 and one[:2] == pytest.approx(gems[:2], rel=1e-4, abs=1e-5)
 
 
 if __name__ == "__main__":

@@ -267,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_image_size(model, args.image_size, batch)
     del model
-    pc = init_parallel(layout)
+    pc = init_parallel(layout, schedule=plan.schedule)
     torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
     report = run_verify(
         lambda: create_model(args.model, **kwargs),

@@ -7,6 +7,7 @@ engine keeps the engine an orchestrator, and the text can change without touchin
 
 from __future__ import annotations
 
+from hyfi_imaging.parallel.junction import mirrored
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import stage_bounds
@@ -19,8 +20,10 @@ def describe_plan(part: RankModel, pc: ParallelContext, plan: ParallelPlan) -> s
     """The plan in words: layout, stages and their layers, which rank holds which tile."""
     layout, info = plan.layout, part.balance_info
     size = "x".join(map(str, part.image_hw))
+    place = mirrored(layout, plan.schedule)
+    world = layout.world_size if place is None else place.world_size
     lines = [
-        f"hyfi parallel plan: {layout.describe()} = {layout.world_size} ranks "
+        f"hyfi parallel plan: {layout.describe()} = {world} ranks "
         f"({pc.backend} on {pc.device.type})",
         f"  schedule {plan.schedule}, {plan.microbatches} micro-batch(es) per step; "
         f"checkpointing {plan.checkpointing}; each replica's batch is split into "
@@ -34,7 +37,15 @@ def describe_plan(part: RankModel, pc: ParallelContext, plan: ParallelPlan) -> s
             "one by one (give the first stage more layers with --balance)"
         )
         lines.append(f"  streaming: stem {', '.join(part.streamed)} {how}")
-    if len(part.local) > 1:
+    if place is not None:
+        widths = "+".join(map(str, place.widths))
+        lines.append(
+            "  two mirrored replicas on per-stage grids: pipeline position p holds stage p of "
+            "replica A (first half of the micro-batches) and stage P-1-p of replica B (second "
+            "half), each on its own grid, tile i on the position's rank i; the two copies of "
+            f"each stage sum their gradients (ranks per position {widths})"
+        )
+    elif len(part.local) > 1:
         held = ", ".join(
             f"{'AB'[ls.replica] if part.copies > 1 else ''}{ls.index}"
             for ls in part.plan.of_rank(0).local
@@ -89,13 +100,22 @@ def describe_plan(part: RankModel, pc: ParallelContext, plan: ParallelPlan) -> s
     nd = len(part.image_hw)  # a volume on a one-tile 2-D layout still has 3 axes
     axes = ("slabs", "rows", "cols")[-nd:]
     lines.append("  rank  dp stage  tile   " + "".join(f"{a:<12s}" for a in axes).rstrip())
-    shown = min(layout.world_size, 64)
-    for r in range(shown):
-        other = part.plan.of_rank(r)
-        held = "+".join(str(ls.index) for ls in other.local)
+    rows = []  # (global rank, its plan for one stage it holds, the stages it shows)
+    if place is None:
+        for r in range(min(layout.world_size, 64)):
+            other = part.plan.of_rank(r)
+            rows.append((r, other, "+".join(str(ls.index) for ls in other.local)))
+    else:
+        for r in range(min(world, 64)):
+            dp, _, slots = place.slots(r)
+            for slot in slots:
+                at = divmod(slot.tile, layout.grid_of(slot.stage)[1])
+                other = part.plan.of_rank(layout.rank_of(dp, slot.stage, *at))
+                rows.append((r, other, f"{'AB'[slot.replica]}{slot.stage}"))
+    for r, other, held in rows:
         spans = "".join(f"{s.start:5d}:{s.stop:<6d}" for s in other.tile_slice)
         tile = ",".join(map(str, other.tile_coords))
         lines.append(f"  {r:4d} {other.coords[0]:3d} {held:>5s}  {tile:<6s} {spans.rstrip()}")
-    if shown < layout.world_size:
-        lines.append(f"  ... ({layout.world_size - shown} more ranks)")
+    if world > 64:
+        lines.append(f"  ... ({world - 64} more ranks)")
     return "\n".join(lines)

@@ -89,7 +89,7 @@ class Trainer:
         r = self.recipe
         p = r.parallel
         layout = p.layout()
-        self.pc = init_parallel(layout, timeout_s=p.timeout_s)
+        self.pc = init_parallel(layout, schedule=p.schedule, timeout_s=p.timeout_s)
         self.rank0 = self.pc.rank == 0
         torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
         self.cohort = load_cohort(r, r.data.manifest)
