@@ -53,9 +53,14 @@ def test_plan_refuses_sizes_and_counts_that_mean_nothing(
 def test_candidates_multiply_to_the_devices() -> None:
     model = create_model("resnet18", num_classes=2, width=0.25)
     cands = list(candidates(model, (512, 512), 4, 2))
-    assert cands and all(c.layout.world_size == 4 for c in cands)
+    assert cands and all(c.world_size == 4 for c in cands)
     assert {c.checkpointing for c in cands} == {"none", "selective", "full"}
     assert any(c.layout.pp == 2 and c.schedule == "1f1b" for c in cands)
+    # Two mirrored replicas of a 3-rank junction (1x2 -> 1x1) take 4 ranks: offered only so.
+    mirrored = [c for c in cands if c.layout.junction and c.schedule == "bidirectional"]
+    assert {c.layout.grids for c in mirrored} == {((1, 2), (1, 1)), ((2, 1), (1, 1))}
+    assert all(c.layout.world_size == 3 for c in mirrored)
+    assert all(c.layout.world_size == 4 for c in cands if c.schedule != "bidirectional")
 
 
 def test_more_tiles_and_checkpointing_need_less_memory() -> None:
@@ -331,8 +336,14 @@ def test_per_stage_grid_prediction_holds_each_stage_on_its_own_grid() -> None:
     assert sum(auto.balance[:1]) >= sum(
         predict(model, hw, 2, Candidate(Layout(pp=2), 2)).balance[:1]
     )
-    with pytest.raises(ConfigError, match="gpipe and 1f1b"):
+    with pytest.raises(ConfigError, match="gpipe, 1f1b and bidirectional"):
         predict(model, hw, 2, Candidate(lay, 2, schedule="zbv"))
+    # Two mirrored replicas: 4 ranks; every position holds a tiled first stage and an untiled
+    # last one (the same two stages, mirrored), so both positions peak alike (measured: 94.4
+    # predicted / 94.8 MiB, tests/test_plan_mpi.py), and the copies sum their gradients.
+    gems = predict(model, hw, 2, Candidate(lay, 2, schedule="bidirectional", balance=bal))
+    assert gems.candidate.world_size == 4 and len(set(gems.rank_peaks)) == 1
+    assert gems.parts["mirror"] > 0
     ranked = rank([plain, mixed], memory=2**40)
     assert {p.candidate.layout for p in ranked} == {Layout(pp=2), lay}
     lines = recipe_lines(mixed.candidate, mixed.balance)

@@ -40,6 +40,7 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
     "pp2-bidirectional": (2, "1,2,1,1", "none", 2, "bidirectional"),
     "pp2-zbv": (2, "1,2,1,1", "none", 2, "zbv"),
     "pp2-junction-1x2,1x1": (3, "1,2,1,2", "none", 2, "1f1b", "1x2,1x1"),
+    "pp2-junction-1x2,1x1-bidirectional": (4, "1,2,1,2", "none", 2, "bidirectional", "1x2,1x1"),
 }
 
 
@@ -82,6 +83,7 @@ XFAIL = {
 SLOW = {
     "pp2-sp1x2-full", "pp2-zbv", "sp2x2-full+stem",
     "dp2-sp1x2", "sp2x2-full", "sp1x2-selective", "pp2-bidirectional",
+    "pp2-junction-1x2,1x1-bidirectional",
 }  # fmt: skip
 
 

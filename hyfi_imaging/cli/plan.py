@@ -240,7 +240,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
             p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None, p.streaming,
             p.backward_bands,
         )  # fmt: skip
-        devices = args.devices or own.layout.world_size
+        devices = args.devices or own.world_size
         return (
             model,
             hw,
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         lay = f"dp{c.layout.dp} pp{c.layout.pp} sp{grids_text(c.layout)}"
         mark = " <- recipe" if c == own else ""
         step = f"{p.step_s:>9.3g}" if timed else f"{'-':>9}"
-        speed = f"{p.images_per_s / c.layout.world_size:>10.3g}" if timed else f"{'-':>10}"
+        speed = f"{p.images_per_s / c.world_size:>10.3g}" if timed else f"{'-':>10}"
         print(
             f"{i:>3} {lay:28} {c.microbatches:>2} {c.schedule:15} "
             f"{_ckpt_text(c):14} "

@@ -125,7 +125,10 @@ def candidates(
                 sp = ranks // pp
                 layouts += [Layout(dp=dp, pp=pp, sp=(gy, sp // gy)) for gy in _divisors(sp)]
             if pooled and pp <= JUNCTION_STAGES:  # per-stage grids: splits of the replica's ranks
-                for grids in junction_grids(ranks, pp):
+                # (and, for two mirrored replicas, of fewer ranks that the placement widens
+                # to these: each position as wide as the larger of its two stages' grids)
+                splits = (g for k in range(ranks, pp - 1, -1) for g in junction_grids(k, pp))
+                for grids in dict.fromkeys(splits):
                     try:
                         layouts.append(Layout(dp=dp, pp=pp, grids=grids))
                     except ConfigError:
@@ -149,6 +152,8 @@ def candidates(
                                     lay, m, ck, schedule, streaming=streaming,
                                     backward_bands=bands,
                                 )  # fmt: skip
+                                if cand.world_size != devices:
+                                    continue  # per-stage grids: mirrored replicas widen them
                                 try:
                                     candidate_plan(cand).validate(model, batch)
                                 except ConfigError:
@@ -160,7 +165,7 @@ def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:
     """Fitting layouts first (fastest per device, then smallest), then the rest by peak."""
     fit = [p for p in predictions if p.peak <= memory]
     rest = [p for p in predictions if p.peak > memory]
-    per_device = lambda p: p.images_per_s / p.candidate.layout.world_size  # noqa: E731
+    per_device = lambda p: p.images_per_s / p.candidate.world_size  # noqa: E731
     fit.sort(key=lambda p: (-per_device(p), p.peak))
     rest.sort(key=lambda p: p.peak)
     return fit + rest

@@ -64,7 +64,7 @@ from hyfi_imaging.parallel.branches import rank_model, sync_bytes
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom
-from hyfi_imaging.parallel.junction import check_junction_model
+from hyfi_imaging.parallel.junction import check_junction_model, mirrored
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes
 from hyfi_imaging.parallel.model_trace import (
@@ -77,6 +77,7 @@ from hyfi_imaging.parallel.model_trace import (
 )
 from hyfi_imaging.parallel.pipeline import StageModule, stage_bounds
 from hyfi_imaging.parallel.schedules import (
+    LocalStage,
     local_stages,
     peak_in_flight,
     schedule_actions,
@@ -136,6 +137,13 @@ class Candidate:
     balance: tuple[int, ...] | None = None
     streaming: str = "none"
     backward_bands: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks it runs on: the layout's, or more where two mirrored replicas of per-stage
+        grids are placed (:class:`~.junction.MirroredPlacement`)."""
+        place = mirrored(self.layout, self.schedule)
+        return self.layout.world_size if place is None else place.world_size
 
     def describe(self) -> str:
         return (
@@ -401,8 +409,8 @@ def predict(
     peaks: list[int] = []
     for r in range(lay.pp):
         # FSDP2 shards a stage over the ranks that share it: its grid's tiles in every replica
-        # (with per-stage grids, each stage its own; every stage of a rank has the same grid).
-        n_shard = lay.dp * lay.stage_size(r)
+        # (with per-stage grids, each stage its own: two mirrored replicas hold two grids on
+        # one rank). A position's rank 0 holds every stage of the position: the busiest.
         mine = local_stages(schedule, lay.pp, r)
         act = peak_in_flight(
             orders[r], lambda _c, s: costs[s].act, lambda _c, s: costs[s].weight_grads
@@ -420,6 +428,7 @@ def predict(
         state = buffers = 0
         for ls in mine:
             c = costs[ls.index]
+            n_shard = lay.dp * lay.stage_size(ls.index)
             if n_shard > 1:
                 gathered = c.params  # kept gathered from forward to backward (engine)
                 state += (1 + k_opt) * c.params // n_shard + gathered + max(c.units, default=0)
@@ -448,7 +457,7 @@ def predict(
                 # flight are the saved inputs the activations count) and, 1F1B-like, holds an
                 # input gradient until its send completes (measured on CPU, pp 2, m 2 and 4).
                 buffers += c.in_bytes * (runs - flight + int(backward_first))
-        held = sum(costs[ls.index].params for ls in mine) // n_shard
+        held = sum(costs[ls.index].params // (lay.dp * lay.stage_size(ls.index)) for ls in mine)
         if schedule == "bidirectional":
             # The mirror sum concatenates both copies' gradient shards once the backward is done.
             transient = max(transient, held - act)
@@ -531,10 +540,8 @@ def step_time(
     n_stages = len(costs)
     comm_s, parts = -1.0, {}
     for r in range(lay.pp):
-        # FSDP2 shards a stage over the ranks that share it: its grid's tiles in every replica.
-        n_shard = lay.dp * lay.stage_size(r)
         mine = local_stages(schedule, lay.pp, r)
-        rank_parts = _rank_time(orders[r], costs, mine, n_shard, m, schedule, dev, optimizer, lay)
+        rank_parts = _rank_time(orders[r], costs, mine, m, schedule, dev, optimizer, lay)
         if rank_parts["exposed"] > comm_s:
             comm_s, parts = rank_parts["exposed"], rank_parts
     # Chain A's placement (GEMS's chain B is its mirror: the same neighbours).
@@ -544,7 +551,8 @@ def step_time(
         for ls in local_stages(schedule, lay.pp, r)
         if ls.replica == 0
     }
-    replica = dev.link(lay.world_size // lay.dp)  # a replica's ranks are consecutive
+    world = Candidate(lay, m, schedule=schedule).world_size
+    replica = dev.link(world // lay.dp)  # a replica's ranks are consecutive
     p2p = [
         message_s(costs[s].in_bytes, replica) if s > 0 and owner[s] != owner[s - 1] else 0.0
         for s in range(n_stages)
@@ -585,8 +593,7 @@ def nominal_device(flops_per_s: float, bandwidth: float) -> Device:
 def _rank_time(
     order: Sequence[tuple[int, int, str, int]],
     costs: Sequence[StageCost],
-    mine: Sequence[object],
-    n_shard: int,
+    mine: Sequence[LocalStage],
     microbatches: int,
     schedule: str,
     dev: Device,
@@ -605,7 +612,15 @@ def _rank_time(
     (the gather's copy-in and split, the reduction's concatenation and shard) and the
     optimizer step are memory-bound work on the device.
     """
-    stages = [costs[ls.index] for ls in mine]  # type: ignore[attr-defined]
+    stages = [costs[ls.index] for ls in mine]
+    # FSDP2 shards a stage over the ranks that share it: its grid's tiles in every replica.
+    # (Two mirrored replicas on per-stage grids: a rank's two stages on two grids.)
+    by_shard: dict[int, int] = {}
+    for ls, c in zip(mine, stages, strict=True):
+        n = lay.dp * lay.stage_size(ls.index)
+        by_shard[n] = by_shard.get(n, 0) + c.params
+    n_shard = max(by_shard)
+    sharded = sum(held / n for n, held in by_shard.items())
     total = Counts()
     halo = norms = 0.0
     for _c, s, kind, _i in order:
@@ -620,10 +635,11 @@ def _rank_time(
     params = sum(c.params for c in stages)
     gathers = 1  # parameters stay gathered from forward to backward (engine._shard)
     fsdp = 0.0
+    world = Candidate(lay, microbatches, schedule=schedule).world_size
     if n_shard > 1:
-        link = dev.link(lay.world_size)
-        total = total + Counts(bytes=2.0 * (gathers + 1) * (params + params / n_shard))
-        moved = (gathers + 1) * reduce_scatter_s(params, n_shard, link)
+        link = dev.link(world)
+        total = total + Counts(bytes=2.0 * (gathers + 1) * (params + sharded))
+        moved = (gathers + 1) * sum(reduce_scatter_s(held, n, link) for n, held in by_shard.items())
         compute = compute_s(total, dev)
         if microbatches == 1:
             units = [u for c in stages for u in c.units] or [params]
@@ -633,10 +649,10 @@ def _rank_time(
             fsdp = edge + max(0.0, moved - compute)
         else:
             fsdp = moved
-    total = total + Counts(bytes=float(OPT_BYTES.get(optimizer, 5) * params / n_shard))
+    total = total + Counts(bytes=float(OPT_BYTES.get(optimizer, 5) * sharded))
     mirror = 0.0
     if schedule == "bidirectional":
-        mirror = allreduce_s(params / n_shard, 2, dev.link(lay.world_size // lay.dp))
+        mirror = allreduce_s(sharded, 2, dev.link(world // lay.dp))
     # The branch gradients (on FSDP2's shards) and op buffers, summed once per step (BranchSync).
     grads, bufs = (sum(c.branch_sync[k] for c in stages) for k in (0, 1))
     branch = allreduce_s(grads / n_shard + bufs, lay.br, dev.link(lay.br * math.prod(lay.sp)))

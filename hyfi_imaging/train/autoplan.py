@@ -150,7 +150,7 @@ def fit_warning(recipe: Recipe, memory: int | None = None) -> str | None:
     )  # fmt: skip
     model, hw, rate, optimizer = _setting(recipe)
     pred = predict(model, hw, recipe.train.batch_size, cand, optimizer=optimizer, flops_per_s=rate)
-    memory = memory or device_memory(cand.layout.world_size)
+    memory = memory or device_memory(cand.world_size)
     if pred.peak <= memory:
         return None
     return (

@@ -56,7 +56,7 @@ def main() -> None:
         return create_model(args.model, num_classes=2, width=args.width)
 
     pred = predict(build(), hw, args.batch, cand)
-    pc = init_parallel(layout)
+    pc = init_parallel(layout, schedule=args.schedule)
     plan = ParallelPlan(
         layout,
         microbatches=args.m,
