@@ -276,6 +276,10 @@ def test_recipe_takes_a_grid_per_stage(tmp_path: Path) -> None:
     assert r.world_size == 14 and r.parallel.layout().world_size == 14
     r = load_recipe(path, ["parallel.spatial=2x2,1x1", "parallel.pipeline=2", "parallel.data=1"])
     assert r.parallel.stage_grids == ((2, 2), (1, 1)) and r.world_size == 5
+    # Two mirrored replicas of it: each position as wide as its larger grid, 4 + 4 ranks.
+    r = load_recipe(path, ["parallel.spatial=2x2,1x1", "parallel.pipeline=2", "parallel.data=1",
+                           "parallel.schedule=bidirectional", "parallel.microbatches=2"])  # fmt: skip
+    assert r.world_size == 8 and r.parallel.layout().world_size == 5
 
 
 @pytest.mark.parametrize(
@@ -283,6 +287,19 @@ def test_recipe_takes_a_grid_per_stage(tmp_path: Path) -> None:
     [
         (["--pipeline", "3", "--spatial", "2x2,1x1"], "2 stage grids for 3 pipeline stages"),
         (["--pipeline", "2", "--spatial", "2x2,1x1"], "needs 5 ranks but the job has 1"),
+        (
+            [
+                "--pipeline",
+                "2",
+                "--spatial",
+                "2x2,1x1",
+                "--schedule",
+                "bidirectional",
+                "--microbatches",
+                "2",
+            ],
+            "with two mirrored replicas needs 8 ranks",
+        ),
     ],
 )
 def test_hyfi_verify_refuses_bad_junction_layouts_in_one_line(args: list[str], words: str) -> None:

@@ -12,7 +12,6 @@ closest valid spelling.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 from pathlib import Path
@@ -278,10 +277,14 @@ class Recipe(_Strict):
 
     @property
     def world_size(self) -> int:
+        """Ranks the run needs: its layout's, or more where the bidirectional schedule places
+        two mirrored replicas of per-stage grids (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`)."""
+        from hyfi_imaging.parallel.junction import mirrored
+
         p = self.parallel
-        if p.stage_grids is not None:
-            return int(p.data * p.branches * sum(gy * gx for gy, gx in p.stage_grids))
-        return p.data * p.pipeline * p.branches * math.prod(p.spatial)
+        layout = p.layout()
+        place = mirrored(layout, p.schedule)
+        return int(layout.world_size if place is None else place.world_size)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
