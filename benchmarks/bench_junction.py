@@ -10,11 +10,12 @@ Same ranks, same model, image and per-replica batch, one run after the other:
   (``--hybrid 1x3,1x1``: 3 + 1 ranks), ``m`` micro-batches;
 * **hybrid + bi-directional**: spatial and bi-directional pipeline together -- two
   mirrored replicas of a ``pp = 2`` model whose stages are tiled alike
-  (``--bidir-grid 1x2``: 2 x 2 ranks). Per-stage grids (the junction) do not yet run
-  with mirrored replicas (refused in one line): their placement is worked out
-  (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`, 2x1,1x1 on 4 ranks) but
-  a rank would hold two stages on different grids, which the engine does not build yet,
-  so this is the hybrid that runs bi-directionally.
+  (``--bidir-grid 1x2``: 2 x 2 ranks);
+* **junction + bi-directional**: two mirrored replicas of a junction (MPI4DL's GEMS + SP):
+  replica A's tiled front stage and replica B's tiled front stage on the two pipeline
+  positions, each position as wide as its larger grid
+  (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`; ``--junction-bidir 1x2,1x1``:
+  2 + 2 ranks, a 3-rank junction mirrored);
 * **sub-graph** (data sub-graph parallelism, :mod:`~hyfi_imaging.parallel.branches`):
   ``br = B`` branch ranks per stage of ``pp = P / B`` stages (``--branches 2``, models with
   branched cells only: AmoebaNet). Beside it, the planner's prediction of the same layouts
@@ -65,7 +66,16 @@ from typing import Any
 HERE = Path(__file__).resolve()
 MARKER = "HYFI-BENCH-JUNCTION "
 #: Row keys, in table order (``--rows``).
-ROWS = ("layer", "pipeline", "bidir", "spatial", "hybrid", "hybrid-bidir", "subgraph")
+ROWS = (
+    "layer",
+    "pipeline",
+    "bidir",
+    "spatial",
+    "hybrid",
+    "hybrid-bidir",
+    "junction-bidir",
+    "subgraph",
+)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -253,12 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         "--bidir-grid", default="1x2", help="grid of both stages of hybrid + bi-directional"
     )
     p.add_argument(
+        "--junction-bidir",
+        default="1x2,1x1",
+        help="stage grids of junction + bi-directional (mirrored: each position as wide as "
+        "its larger grid)",
+    )
+    p.add_argument(
         "--pipeline-balance", default="4,1,2,4", help="layers per stage of layer and pipeline"
     )
     p.add_argument("--branches", type=int, default=2, help="branch ranks of the sub-graph row")
     p.add_argument(
         "--rows",
-        default=",".join(ROWS[:6]),
+        default=",".join(ROWS[:7]),
         help=f"rows to run, of {','.join(ROWS)} (default: all but subgraph)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run (64x96, 1 step)")
@@ -280,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     n, m = args.ranks, args.microbatches
     hybrid = Layout.parse_grids(args.hybrid)
+    mirrored_grids = Layout.parse_grids(args.junction_bidir)
     cut = [int(v) for v in args.pipeline_balance.split(",")]
     pipeline = {"pp": n, "grids": [[1, 1]], "m": m, "balance": cut}
     bidir_grid = list(Layout.parse_grid(args.bidir_grid))
@@ -321,11 +338,30 @@ def main(argv: list[str] | None = None) -> int:
             },
         ),
         (
+            f"junction + bi-directional ({args.junction_bidir} mirrored, {m} micro-batches)",
+            {
+                "pp": len(mirrored_grids),
+                "grids": [list(g) for g in mirrored_grids],
+                "m": m,
+                "schedule": "bidirectional",
+                "balance": [int(v) for v in args.hybrid_balance.split(",")],
+            },
+        ),
+        (
             f"sub-graph (br {br} x pp {n // br}, {m if n > br else 1} micro-batches)",
             {"pp": n // br, "br": br, "grids": [[1, 1]], "m": m if n > br else 1},
         ),
     ]
     picked = [c for key, c in zip(ROWS, cases, strict=True) if key in chosen]
+    if "junction-bidir" in chosen:
+        from hyfi_imaging.parallel.junction import MirroredPlacement
+
+        need = MirroredPlacement(Layout(pp=len(mirrored_grids), grids=mirrored_grids)).world_size
+        if need != n:
+            sys.exit(
+                f"bench_junction: --junction-bidir {args.junction_bidir} mirrored takes {need} "
+                f"ranks, not --ranks {n}; give grids whose placement fills {n} ranks"
+            )
     if "pipeline" in chosen and len(cut) != n:
         pipeline.pop("balance")  # the default cut is for ResNet-18 on 4 ranks: let the engine cut
     load = os.getloadavg()[0]
@@ -352,12 +388,17 @@ def main(argv: list[str] | None = None) -> int:
     if "subgraph" in chosen:  # the planner beside it: the pipeline row's layout, and its own
         keys = [k for k in ("pipeline", "subgraph") if k in chosen]
         _predicted(args, base, [picked[[k for k in ROWS if k in chosen].index(k)] for k in keys])
-    if not {"layer", "pipeline", "hybrid", "hybrid-bidir"} <= set(chosen):
+    if not {"layer", "pipeline"} <= set(chosen):
         return 0
     got = dict(zip([k for k in ROWS if k in chosen], results, strict=True))
-    layer, pipe, hyb, hyb_bd = (got[k] for k in ("layer", "pipeline", "hybrid", "hybrid-bidir"))
+    layer, pipe = got["layer"], got["pipeline"]
     print()
-    for name, r in (("hybrid", hyb), ("hybrid + bi-directional", hyb_bd)):
+    hybrids = (
+        ("hybrid", "hybrid"),
+        ("hybrid-bidir", "hybrid + bi-directional"),
+        ("junction-bidir", "junction + bi-directional"),
+    )
+    for name, r in ((label, got[key]) for key, label in hybrids if key in got):
         for base, goal in ((pipe, 1.5), (layer, 2.0)):
             ratio = base["step"] / r["step"]
             verdict = "PASS" if ratio >= goal else "MISS"
