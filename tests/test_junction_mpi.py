@@ -90,7 +90,22 @@ def _run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         plan=plan,
         clip_grad=cfg.get("clip"),
     )
+    refused = ""
+    if cfg["schedule"] == "bidirectional":  # the job's placement and the plan's must agree
+        from hyfi_imaging.errors import ConfigError
+        from hyfi_imaging.parallel.engine import ParallelModel
+
+        try:
+            ParallelModel(
+                create_model(cfg["model"], **kwargs),
+                pc,
+                ParallelPlan(layout, microbatches=cfg["m"], balance=cfg["balance"]),
+                image_hw=cfg["hw"],
+            )
+        except ConfigError as err:
+            refused = str(err)
     return {
+        "refused": refused,
         "ok": report.ok,
         "max_rel": report.max_rel_error,
         "failed": [c.name for c in report.comparisons if not c.ok][:5],
@@ -149,6 +164,7 @@ def test_junction_trains_like_one_process(launches: dict[int, dict[str, Any]], n
     gy, gx = cfg["grids"][0]
     assert f"FSDP2 over {cfg['dp'] * gy * gx} ranks" in verdict["plan"], verdict["plan"]
     if cfg["schedule"] == "bidirectional":  # rank 0 holds A's first stage and B's last
+        assert "init_parallel(layout, schedule=plan.schedule)" in verdict["refused"]
         assert "two mirrored replicas on per-stage grids" in verdict["plan"]
         rows = [line.split() for line in verdict["plan"].splitlines()]
         assert [r[2] for r in rows if r[:2] == ["0", "0"]] == ["A0", "B1"], verdict["plan"]

@@ -103,11 +103,19 @@ def parallelize(
             f"the plan's layout {layout.describe()} is not the job's {pc.layout.describe()}",
             "build the ParallelContext and the plan from the same Layout",
         )
+    if (mirrored(layout, plan.schedule) is not None) != bool(pc.slots):
+        started = "two mirrored replicas" if pc.slots else f"{layout.world_size} ranks"
+        raise ConfigError(
+            "ParallelModel",
+            f"the plan's schedule {plan.schedule} on {layout.describe()} places its ranks "
+            f"otherwise than the job, started for {started}",
+            "start the job with init_parallel(layout, schedule=plan.schedule)",
+        )
     plan.check_model(model)
     check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_same_weights(model, pc.device)
     image = tuple(int(v) for v in image_hw)
-    if mirrored(layout, plan.schedule) is not None:
+    if pc.slots:
         return _parallelize_mirrored(model, pc, plan, image, loss_fn)
     part = _build_part(model, pc, plan, image, None)
     runtime_cls = runtime_for(plan.schedule, layout)
