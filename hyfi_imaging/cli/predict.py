@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"data.manifest={args.manifest}",
                 "data.val_manifest=null",
                 f"parallel.spatial={args.spatial[0]}x{args.spatial[1]}",
+                "parallel.stage_grids=null",  # a run's per-stage grids (the junction): not here
                 f"parallel.pipeline={args.pipeline}",
                 "parallel.data=1",
                 "parallel.microbatches=1",
