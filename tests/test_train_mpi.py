@@ -65,20 +65,30 @@ def _losses(out: Path) -> list[float]:
         return [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
 
 
-def test_layouts_train_and_spatial_equals_one_process(manifest: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def grid_runs(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process and a 2x2 grid trained alike (``one``, ``grid``): compared below, and the
+    grid's checkpoint is the one the layouts load (one 4-rank launch for both tests)."""
     # SGD: Adam turns rounding-level differences of near-zero gradients into full-size
     # steps, so only a linear optimiser keeps float32 layouts comparable step after step.
     sgd = ("optim.name=sgd", "optim.lr=0.01")
-    _train(manifest, tmp_path / "one", 1, "parallel.spatial=1x1", *sgd)
-    _train(manifest, tmp_path / "grid", 4, "parallel.spatial=2x2", *sgd)
-    one, grid = _losses(tmp_path / "one"), _losses(tmp_path / "grid")
+    root = tmp_path_factory.mktemp("grid_runs")
+    _train(manifest, root / "one", 1, "parallel.spatial=1x1", *sgd)
+    _train(manifest, root / "grid", 4, "parallel.spatial=2x2", *sgd)
+    return root
+
+
+def test_layouts_train_and_spatial_equals_one_process(
+    manifest: Path, grid_runs: Path, tmp_path: Path
+) -> None:
+    one, grid = _losses(grid_runs / "one"), _losses(grid_runs / "grid")
     # Same weights, same tiles: the first losses agree to float32 rounding. Later steps
     # drift by rounding amplified through training (hyfi-verify proves exactness in float64).
     assert len(one) == 6 and one[:2] == pytest.approx(grid[:2], rel=1e-4, abs=1e-5)
     assert all(math.isfinite(v) for v in grid)
     for run in ("one", "grid"):
         for name in ("summary.json", "training_curves.png", "confusion_matrix.png", "recipe.yaml"):
-            assert (tmp_path / run / name).exists(), (run, name)
+            assert (grid_runs / run / name).exists(), (run, name)
     dp = _train(
         manifest,
         tmp_path / "dp",
@@ -147,8 +157,8 @@ def test_resume_after_a_kill_continues_exactly(manifest: Path, tmp_path: Path) -
     assert _losses(cut) == _losses(tmp_path / "full")  # bitwise on CPU
 
 
-def test_checkpoint_moves_between_layouts(manifest: Path, tmp_path: Path) -> None:
-    _train(manifest, tmp_path / "run", 4, "parallel.spatial=2x2")
+def test_checkpoint_moves_between_layouts(manifest: Path, grid_runs: Path, tmp_path: Path) -> None:
+    """The 2x2 run's checkpoint predicts alike in one process, on 1x2 tiles and on 2 stages."""
     outs = []
     for ranks, extra in ((1, []), (2, ["--spatial", "1x2"]), (2, ["--pipeline", "2"])):
         out = tmp_path / f"pred{len(outs)}.csv"
@@ -156,7 +166,7 @@ def test_checkpoint_moves_between_layouts(manifest: Path, tmp_path: Path) -> Non
             sys.executable,
             "-m",
             "hyfi_imaging.cli.predict",
-            str(tmp_path / "run"),
+            str(grid_runs / "grid"),
             "--manifest",
             str(manifest),
             "--out",
