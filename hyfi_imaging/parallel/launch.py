@@ -39,7 +39,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from hyfi_imaging.parallel.launcher_env import (
 )
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import fix_malloc_threshold
+
+if TYPE_CHECKING:
+    from hyfi_imaging.parallel.junction import MirroredPlacement
 
 __all__ = [
     "ParallelContext",
@@ -349,7 +352,7 @@ def init_parallel(
 
 def _mirrored_context(
     context: Callable[[DeviceMesh, dict[str, Any], DeviceMesh | None], ParallelContext],
-    placement: Any,
+    placement: MirroredPlacement,
     device: torch.device,
 ) -> ParallelContext:
     """A rank's context under two mirrored replicas on per-stage grids: its view of each

@@ -30,6 +30,10 @@ Model code is single-device; parallelism is applied to it here, as torchtitan's
 
 The result is one :class:`~.rank_model.RankModel` of facts (tiles, cut, stages, units) that
 the engine, the runtime and the printed plan read, plus the runtime and the statistics merge.
+
+Two mirrored replicas on per-stage grids (``bidirectional`` with a junction) run steps 2-8
+once per replica the rank holds a stage of, each on the rank's view of that replica, then
+join the two parts (:func:`_parallelize_mirrored`; why views: :mod:`.junction`).
 """
 
 from __future__ import annotations
