@@ -68,7 +68,9 @@ checkpointing and the streamed stem, where the runtime's own memory (not counted
 oneDNN, Gloo; on a GPU the CUDA context and NCCL) is a fifth of a small peak; dualpipev -20 %
 in the case measured. Leave a margin. Per-stage
 grids (sp2x2,1x2,1x1, the junction): each stage on its own grid; the busiest (front) rank
-within 1 %, later stages up to 14 % lower. "recommended" lists every pipeline rank's peak.
+within 1 %, later stages up to 14 % lower. With bidirectional, two mirrored replicas of the
+junction take more ranks than its grids (sp1x2,1x1: 4): such rows appear where they fill
+--devices (their peak within 1 % on 1x2,1x1). "recommended" lists every pipeline rank's peak.
 ckpt full+stem: every block checkpointed and the stem streamed in row bands (parallel.streaming);
 +bands: each convolution's backward in bands of rows (parallel.backward_bands: less memory,
 more kernel calls; offered with full checkpointing on tiles, chosen only where it is needed to fit).
