@@ -14,7 +14,7 @@ Same ranks, same model, image and per-replica batch, one run after the other:
 * **junction + bi-directional**: two mirrored replicas of a junction (MPI4DL's GEMS + SP):
   replica A's tiled front stage and replica B's tiled front stage on the two pipeline
   positions, each position as wide as its larger grid
-  (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`; ``--junction-bidir 1x2,1x1``:
+  (:class:`~hyfi_imaging.parallel.mirrored.MirroredPlacement`; ``--junction-bidir 1x2,1x1``:
   2 + 2 ranks, a 3-rank junction mirrored);
 * **sub-graph** (data sub-graph parallelism, :mod:`~hyfi_imaging.parallel.branches`):
   ``br = B`` branch ranks per stage of ``pp = P / B`` stages (``--branches 2``, models with
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     picked = [c for key, c in zip(ROWS, cases, strict=True) if key in chosen]
     if "junction-bidir" in chosen:
-        from hyfi_imaging.parallel.junction import MirroredPlacement
+        from hyfi_imaging.parallel.mirrored import MirroredPlacement
 
         need = MirroredPlacement(Layout(pp=len(mirrored_grids), grids=mirrored_grids)).world_size
         if need != n:

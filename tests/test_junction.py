@@ -14,13 +14,9 @@ import pytest
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.engine import ParallelPlan
-from hyfi_imaging.parallel.junction import (
-    MirroredPlacement,
-    MirrorSlot,
-    check_junction_model,
-    pieces,
-)
+from hyfi_imaging.parallel.junction import check_junction_model, pieces
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.mirrored import MirroredPlacement, MirrorSlot
 from hyfi_imaging.parallel.schedules import ScheduleAction, schedule_actions
 from hyfi_imaging.train.config import load_recipe
 

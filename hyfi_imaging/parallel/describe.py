@@ -7,8 +7,8 @@ engine keeps the engine an orchestrator, and the text can change without touchin
 
 from __future__ import annotations
 
-from hyfi_imaging.parallel.junction import mirrored
 from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.mirrored import mirrored
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import stage_bounds
 from hyfi_imaging.parallel.rank_model import RankModel

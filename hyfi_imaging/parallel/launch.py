@@ -25,7 +25,6 @@ from __future__ import annotations
 import _thread
 import contextlib
 import ctypes
-import dataclasses
 import datetime
 import errno
 import os
@@ -38,8 +37,9 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,6 @@ from hyfi_imaging.parallel.launcher_env import (
 )
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import fix_malloc_threshold
-
-if TYPE_CHECKING:
-    from hyfi_imaging.parallel.junction import MirroredPlacement
 
 __all__ = [
     "ParallelContext",
@@ -117,7 +114,7 @@ class ParallelContext:
     #: at its ``pp`` coordinate): FSDP2 shards over it. None when it has one rank.
     shard_mesh: DeviceMesh | None = None
     #: The global rank of every rank of :attr:`layout` (None: the same numbers). Two mirrored
-    #: replicas on per-stage grids (:class:`~.junction.MirroredPlacement`) place each replica's
+    #: replicas on per-stage grids (:class:`~.mirrored.MirroredPlacement`) place each replica's
     #: layout on other global ranks; a rank's view of one replica maps through this.
     ranks: tuple[int, ...] | None = None
     #: This rank's view of each replica it holds a stage of (0: A, 1: B), when two mirrored
@@ -251,7 +248,7 @@ def init_parallel(
     """Start (or join) the process group for ``layout`` and build its mesh.
 
     ``schedule`` says where ranks are placed where the schedule decides it: ``bidirectional``
-    on per-stage grids places two mirrored replicas (:class:`~.junction.MirroredPlacement`,
+    on per-stage grids places two mirrored replicas (:class:`~.mirrored.MirroredPlacement`,
     more ranks than ``layout``); other schedules place ``layout``'s ranks as they are.
     The layout is checked against the world size before any group exists.
     glibc's mmap threshold is fixed first (see :func:`.memory.fix_malloc_threshold`)
@@ -287,7 +284,7 @@ def init_parallel(
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(local_size),
         )
-    from hyfi_imaging.parallel.junction import mirrored
+    from hyfi_imaging.parallel.mirrored import mirrored, mirrored_context
 
     placement = mirrored(layout, schedule)
     if placement is not None:
@@ -334,57 +331,14 @@ def init_parallel(
                 raise
     table: list[Any] = [None] * world
 
-    def context(
-        mesh: DeviceMesh, groups: dict[str, Any], shard: DeviceMesh | None
-    ) -> ParallelContext:
-        return ParallelContext(
-            layout, rank, world, local_rank, launcher, backend, device, mesh, groups, shard
-        )
-
+    context = partial(ParallelContext, layout, rank, world, local_rank, launcher, backend, device)
     if placement is not None:
-        pc = _mirrored_context(context, placement, device)
+        pc = mirrored_context(context, placement, device)
     else:
         pc = context(*build_meshes(layout, device, rank))
     dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
     _PEERS[:] = table
     return pc
-
-
-def _mirrored_context(
-    context: Callable[[DeviceMesh, dict[str, Any], DeviceMesh | None], ParallelContext],
-    placement: MirroredPlacement,
-    device: torch.device,
-) -> ParallelContext:
-    """A rank's context under two mirrored replicas on per-stage grids: its view of each
-    replica it holds a stage of (that replica's layout ranks mapped to the placement's global
-    ranks, its meshes and groups), and the groups of the pair (``mirror``) and of the data
-    replica (``placement``). Every rank builds every group in one order (collective)."""
-    from hyfi_imaging.parallel.junction import junction_meshes
-
-    layout, rank = placement.layout, dist.get_rank()
-    views: dict[int, ParallelContext] = {}
-    for replica in (0, 1):
-        ranks = placement.replica_ranks(replica)
-        mine = ranks.index(rank) if rank in ranks else None
-        view = context(*junction_meshes(layout, device, mine, ranks))
-        if mine is not None:
-            views[replica] = dataclasses.replace(view, ranks=ranks)
-    extra: dict[str, Any] = {}
-    for pair in placement.mirror_pairs():
-        group = dist.new_group(ranks=sorted(pair))
-        if rank in pair:
-            extra["mirror"] = group
-    size = placement.replica_size
-    for dp in range(layout.dp):
-        members = list(range(dp * size, (dp + 1) * size))
-        group = dist.new_group(ranks=members)
-        if rank in members:
-            extra["placement"] = group
-    for view in views.values():
-        view.groups.update(extra)
-    # The view holding the input (a first stage), else A's, speaks for the rank.
-    primary = next((v for v in views.values() if v.coords[1] == 0), next(iter(views.values())))
-    return dataclasses.replace(primary, slots=views)
 
 
 def build_meshes(

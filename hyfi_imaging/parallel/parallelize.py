@@ -62,8 +62,9 @@ from hyfi_imaging.parallel.branches import (
     check_branch_tiles,
     check_branches,
 )
-from hyfi_imaging.parallel.junction import MirroredPlacement, check_junction_model, mirrored
+from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.mirrored import MirroredPlacement, mirrored
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
@@ -219,7 +220,7 @@ def _parallelize_mirrored(
     image: tuple[int, ...],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
 ) -> tuple[RankModel, PipelineRuntime, ReplicaRunningStats]:
-    """Two mirrored replicas on per-stage grids (:class:`~.junction.MirroredPlacement`).
+    """Two mirrored replicas on per-stage grids (:class:`~.mirrored.MirroredPlacement`).
 
     Each replica this rank holds a stage of is built by steps 2-8 on the rank's view of that
     replica (its own grid, tiles and groups: ``pc.slots``), exactly as a plain junction rank

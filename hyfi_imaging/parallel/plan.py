@@ -64,9 +64,10 @@ from hyfi_imaging.parallel.branches import rank_model, sync_bytes
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom
-from hyfi_imaging.parallel.junction import check_junction_model, mirrored
+from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes
+from hyfi_imaging.parallel.mirrored import mirrored
 from hyfi_imaging.parallel.model_trace import (
     ModelTrace,
     layer_of,
@@ -141,7 +142,7 @@ class Candidate:
     @property
     def world_size(self) -> int:
         """Ranks it runs on: the layout's, or more where two mirrored replicas of per-stage
-        grids are placed (:class:`~.junction.MirroredPlacement`)."""
+        grids are placed (:class:`~.mirrored.MirroredPlacement`)."""
         place = mirrored(self.layout, self.schedule)
         return self.layout.world_size if place is None else place.world_size
 

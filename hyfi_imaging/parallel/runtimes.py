@@ -44,14 +44,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 
 from hyfi_imaging.errors import HyfiError
 from hyfi_imaging.parallel.apply import TiledLoss, reduce_loss
-from hyfi_imaging.parallel.junction import (
-    JunctionSchedule,
-    MirroredJunctionSchedule,
-    MirroredPlacement,
-    MirrorSlot,
-)
+from hyfi_imaging.parallel.junction import JunctionSchedule
 from hyfi_imaging.parallel.launch import ParallelContext, error_chain
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.mirrored import MirroredJunctionSchedule, MirroredPlacement, MirrorSlot
 from hyfi_imaging.parallel.pipeline import stage_boundaries
 from hyfi_imaging.parallel.rank_model import RankModel
 from hyfi_imaging.parallel.schedules import (

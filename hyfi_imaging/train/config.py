@@ -278,8 +278,8 @@ class Recipe(_Strict):
     @property
     def world_size(self) -> int:
         """Ranks the run needs: its layout's, or more where the bidirectional schedule places
-        two mirrored replicas of per-stage grids (:class:`~hyfi_imaging.parallel.junction.MirroredPlacement`)."""
-        from hyfi_imaging.parallel.junction import mirrored
+        two mirrored replicas of per-stage grids (:class:`~hyfi_imaging.parallel.mirrored.MirroredPlacement`)."""
+        from hyfi_imaging.parallel.mirrored import mirrored
 
         p = self.parallel
         layout = p.layout()
