@@ -51,6 +51,8 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     # two mirrored replicas (GEMS) on per-stage grids: 2 positions of 2 ranks, one rank
     # holding A's first stage and B's last, its mirror the other two copies
     "gems-1x2-1x1-resnet": (4, {**RESNET, "dp": 1, "grids": ((1, 2), (1, 1)), "m": 2, "schedule": "bidirectional", "balance": (5, 6), "ck": "none", "hw": (45, 101)}),
+    # ... and AmoebaNet's pair crossing the junction of both replicas
+    "gems-2x1-1x1-amoeba-two-tensors": (4, {**AMOEBA, "dp": 1, "grids": ((2, 1), (1, 1)), "m": 2, "schedule": "bidirectional", "balance": (3, 6), "ck": "none", "hw": (193, 45)}),
     # ... with two data replicas, AmoebaNet's pair crossing, checkpointing and clipping
     "gems-dp2-2x1-1x1-amoeba-ck2-clip": (8, {**AMOEBA, "dp": 2, "grids": ((2, 1), (1, 1)), "m": 4, "schedule": "bidirectional", "balance": (3, 6), "ck": "every:2", "hw": (193, 45), "clip": 0.5}),
 }  # fmt: skip
@@ -145,7 +147,12 @@ def launches(request: pytest.FixtureRequest) -> dict[int, dict[str, Any]]:
 #: parts the default cases hold (dp x spatial and checkpointing in the pipeline and schedule
 #: tests; every rank's derived facts of a junction in tests/test_rank_facts.py), run by
 #: ``pytest -m slow``: a world of 6 or 7 ranks on CI's 2 cores is most of this file's time.
+#: The 3-rank world too (since 2026-11-28, the suite's time): its junction and AmoebaNet's
+#: pair run by default in the 4-rank world's mirrored cases (the same pieces, both replicas)
+#: and in the 5-rank 1F1B case.
 SLOW = {
+    "1x2-1x1-resnet-gpipe",
+    "2x1-1x1-amoeba-two-tensors",
     "dp2-1x2-1x1-amoeba-ck2-clip",
     "2x2-1x2-1x1-resnet-ckfull",
     "gems-dp2-2x1-1x1-amoeba-ck2-clip",
