@@ -51,6 +51,10 @@ examples:
   mpirun -np 7 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --pipeline 3 \\
       --spatial 2x2,1x2,1x1 --microbatches 2
 
+  # two mirrored replicas of a junction (GEMS + SP): positions of max(grid) ranks, 2 + 2
+  mpirun -np 4 hyfi-verify --model resnet18 --width 0.25 --image-size 45x101 --pipeline 2 \\
+      --spatial 1x2,1x1 --balance 5,6 --microbatches 2 --schedule bidirectional
+
   # all three: 2 replicas x 2 stages (cut 5,6) x 1x2 tiles = 8 ranks, gradient clipping
   mpirun -np 8 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --data 2 \\
       --pipeline 2 --spatial 1x2 --microbatches 2 --balance 5,6 --clip-grad 0.5
@@ -126,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEDULES,
         default="gpipe",
         help="pipeline schedule (default gpipe): bidirectional = two mirrored replicas "
-        "(GEMS); interleaved1f1b, zbv, dualpipev = torch's schedules with two stages per rank",
+        "(GEMS; with per-stage grids each position as wide as its larger grid); "
+        "interleaved1f1b, zbv, dualpipev = torch's schedules with two stages per rank",
     )
     p.add_argument(
         "--balance",
