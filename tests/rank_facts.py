@@ -64,6 +64,39 @@ def fake_rank(layout: Layout, rank: int) -> Iterator[ParallelContext]:
         dist.destroy_process_group()
 
 
+def mirrored_facts(case: Case, rank: int) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
+    """Global ``rank`` of two mirrored replicas of ``case``'s per-stage grids (its schedule
+    ``bidirectional``), built on the fake backend as :func:`~hyfi_imaging.parallel.launch.init_parallel`
+    builds it: the joined part's local stages, and each replica's stage's facts on its view."""
+    from functools import partial
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyfi_imaging.models.registry import create_model
+    from hyfi_imaging.parallel.engine import ParallelModel
+    from hyfi_imaging.parallel.mirrored import mirrored, mirrored_context
+
+    plan = case.plan
+    placement = mirrored(plan.layout, plan.schedule)
+    assert placement is not None, f"{case.name}: not two mirrored replicas"
+    world = placement.world_size
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        device = torch.device("cpu")
+        context = partial(ParallelContext, plan.layout, rank, world, rank, "single", "gloo", device)
+        pc = mirrored_context(context, placement, device)
+        torch.manual_seed(0)
+        model = create_model(case.model, **case.model_kwargs)
+        pm = ParallelModel(model, pc, plan, image_hw=case.image)
+        slots = pm.runtime.slots  # type: ignore[attr-defined]
+        local = [[ls.replica, ls.index] for ls in pm.part.local]
+        return local, {
+            rep: part_facts(part, view, case.image) for rep, (view, part) in slots.items()
+        }
+    finally:
+        dist.destroy_process_group()
+
+
 def _halos(module: nn.Module, sizes: dict[str, tuple[int, ...]]) -> dict[str, list[list[int]]]:
     """Every windowed layer's halo (before, after per spatial dim) at its traced input size."""
     out: dict[str, list[list[int]]] = {}
@@ -85,46 +118,52 @@ def rank_facts(case: Case, rank: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = create_model(case.model, **case.model_kwargs)
         pm = ParallelModel(model, pc, plan, image_hw=case.image)
-        part = pm.part
-        ctx = part.ctx
-        facts: dict[str, Any] = {
-            "coords": list(pc.coords),
-            "padded": list(part.padded_hw),
-            "tile": list(part.tile_hw),
-            "stage_tiles": [list(t) for t in part.stage_tiles],
-            "balance": list(part.balance_info.balance),
-            "local": [[ls.replica, ls.index] for ls in part.local],
-            "num_stages": part.num_stages,
-            "copies": part.copies,
-            "checkpointed": list(part.checkpointed),
-            "streamed": list(part.streamed),
-            "stem_whole": part.stem_whole,
-            "fsdp_units": list(part.fsdp_units),
-            "out_map": None if part.out_map is None else repr(part.out_map),
-        }
-        if ctx is not None:
-            sizes = {k: list(v) for k, v in sorted(ctx.sizes.items())}
-            facts |= {
-                "grid": list(ctx.grid),
-                "tile_index": list(ctx.tile),
-                "align": ctx.align,
-                "tile_slice": [[s.start, s.stop] for s in ctx.tile_slice(case.image)],
-                "halo_depth": ctx.halo_depth,
-                "deep_runs": [list(r) for r in ctx.deep_runs],
-                "sizes": sizes,
-                "halos": _halos(part.stage_module, dict(ctx.sizes)),
-                "rejoined_pools": sorted(ctx.rejoined_pools),
-                "flatten_paths": sorted(ctx.flatten_paths),
-                "functional_sites": sorted(ctx.functional_sites),
-            }
+        facts = part_facts(pm.part, pc, case.image)
         if plan.layout.pp > 1:
             facts["actions"] = [
                 list(a)
                 for a in schedule_actions(plan.schedule, plan.layout.pp, plan.microbatches)[
-                    part.pp_rank
+                    pm.part.pp_rank
                 ]
             ]
         return facts
+
+
+def part_facts(part: Any, pc: ParallelContext, image: tuple[int, ...]) -> dict[str, Any]:
+    """What :func:`~hyfi_imaging.parallel.parallelize.parallelize` built for one rank (or for
+    one replica's stage of it, on that replica's view ``pc``), JSON-ready."""
+    ctx = part.ctx
+    facts: dict[str, Any] = {
+        "coords": list(pc.coords),
+        "padded": list(part.padded_hw),
+        "tile": list(part.tile_hw),
+        "stage_tiles": [list(t) for t in part.stage_tiles],
+        "balance": list(part.balance_info.balance),
+        "local": [[ls.replica, ls.index] for ls in part.local],
+        "num_stages": part.num_stages,
+        "copies": part.copies,
+        "checkpointed": list(part.checkpointed),
+        "streamed": list(part.streamed),
+        "stem_whole": part.stem_whole,
+        "fsdp_units": list(part.fsdp_units),
+        "out_map": None if part.out_map is None else repr(part.out_map),
+    }
+    if ctx is not None:
+        sizes = {k: list(v) for k, v in sorted(ctx.sizes.items())}
+        facts |= {
+            "grid": list(ctx.grid),
+            "tile_index": list(ctx.tile),
+            "align": ctx.align,
+            "tile_slice": [[s.start, s.stop] for s in ctx.tile_slice(image)],
+            "halo_depth": ctx.halo_depth,
+            "deep_runs": [list(r) for r in ctx.deep_runs],
+            "sizes": sizes,
+            "halos": _halos(part.stage_module, dict(ctx.sizes)),
+            "rejoined_pools": sorted(ctx.rejoined_pools),
+            "flatten_paths": sorted(ctx.flatten_paths),
+            "functional_sites": sorted(ctx.functional_sites),
+        }
+    return facts
 
 
 def planned_facts(case: Case) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rank_facts import CASES, Case, case_facts, planned_facts
+from rank_facts import CASES, SMALL, Case, case_facts, mirrored_facts, planned_facts, rank_facts
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "rank_facts.json"
 
@@ -92,3 +92,31 @@ def test_the_snapshot_holds_every_case_and_the_ranks_differ() -> None:
     assert facts["resnet-2x2-stream-full"][0]["streamed"][:2] == ["conv1", "bn1"]
     junction = facts["resnet-junction-2x2-1x1"]
     assert [r["local"] for r in junction] == [[[0, 0]]] * 4 + [[[0, 1]]]
+
+
+def test_each_mirrored_replica_derives_what_the_plain_junction_rank_does() -> None:
+    """Two mirrored replicas of a junction: every global rank holds the stages its placement
+    gives it, and each of them is built exactly as the plain junction's rank of that stage
+    and tile (tiles, cut, sizes, halos, FSDP2 units), on the fake backend in one process."""
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.mirrored import MirroredPlacement
+    from hyfi_imaging.parallel.parallel_plan import ParallelPlan
+
+    layout = Layout(pp=2, grids=((2, 1), (1, 1)))
+    kw = {"microbatches": 2, "balance": (5, 6)}
+    gems = Case(
+        "gems", "resnet18", (61, 45), ParallelPlan(layout, schedule="bidirectional", **kw), SMALL
+    )
+    plain = Case("plain", "resnet18", (61, 45), ParallelPlan(layout, schedule="gpipe", **kw), SMALL)
+    place = MirroredPlacement(layout)
+    for rank in range(place.world_size):
+        local, slots = mirrored_facts(gems, rank)
+        dp, _, held = place.slots(rank)
+        assert sorted(map(tuple, local)) == sorted((s.replica, s.stage) for s in held)
+        for slot in held:
+            gx = layout.grid_of(slot.stage)[1]
+            same = layout.rank_of(dp, slot.stage, *divmod(slot.tile, gx))
+            want = rank_facts(plain, same)
+            want.pop("actions")
+            problem = _first_difference(slots[slot.replica], want)
+            assert problem is None, f"rank {rank}, {slot}: {problem}"
