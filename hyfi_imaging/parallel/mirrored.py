@@ -54,6 +54,7 @@ __all__ = [
     "MirroredPlacement",
     "mirrored",
     "mirrored_context",
+    "placed_world_size",
 ]
 
 
@@ -61,6 +62,13 @@ def mirrored(layout: Layout, schedule: str | None) -> MirroredPlacement | None:
     """The placement of two mirrored replicas where ``schedule`` asks for them on per-stage
     grids (None elsewhere: every layout rank is its global rank)."""
     return MirroredPlacement(layout) if layout.junction and schedule == "bidirectional" else None
+
+
+def placed_world_size(layout: Layout, schedule: str | None) -> int:
+    """Ranks a run of ``layout`` under ``schedule`` takes: the layout's, or the mirrored
+    placement's (two replicas of per-stage grids widen each position to its larger grid)."""
+    place = mirrored(layout, schedule)
+    return layout.world_size if place is None else place.world_size
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from hyfi_imaging.parallel.geometry import layer_geom
 from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import SavedActivations, cpu_unfold_bytes
-from hyfi_imaging.parallel.mirrored import mirrored
+from hyfi_imaging.parallel.mirrored import placed_world_size
 from hyfi_imaging.parallel.model_trace import (
     ModelTrace,
     layer_of,
@@ -143,8 +143,7 @@ class Candidate:
     def world_size(self) -> int:
         """Ranks it runs on: the layout's, or more where two mirrored replicas of per-stage
         grids are placed (:class:`~.mirrored.MirroredPlacement`)."""
-        place = mirrored(self.layout, self.schedule)
-        return self.layout.world_size if place is None else place.world_size
+        return placed_world_size(self.layout, self.schedule)
 
     def describe(self) -> str:
         return (
@@ -552,7 +551,7 @@ def step_time(
         for ls in local_stages(schedule, lay.pp, r)
         if ls.replica == 0
     }
-    world = Candidate(lay, m, schedule=schedule).world_size
+    world = placed_world_size(lay, schedule)
     replica = dev.link(world // lay.dp)  # a replica's ranks are consecutive
     p2p = [
         message_s(costs[s].in_bytes, replica) if s > 0 and owner[s] != owner[s - 1] else 0.0
@@ -636,7 +635,7 @@ def _rank_time(
     params = sum(c.params for c in stages)
     gathers = 1  # parameters stay gathered from forward to backward (engine._shard)
     fsdp = 0.0
-    world = Candidate(lay, microbatches, schedule=schedule).world_size
+    world = placed_world_size(lay, schedule)
     if n_shard > 1:
         link = dev.link(world)
         total = total + Counts(bytes=2.0 * (gathers + 1) * (params + sharded))

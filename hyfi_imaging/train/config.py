@@ -279,12 +279,9 @@ class Recipe(_Strict):
     def world_size(self) -> int:
         """Ranks the run needs: its layout's, or more where the bidirectional schedule places
         two mirrored replicas of per-stage grids (:class:`~hyfi_imaging.parallel.mirrored.MirroredPlacement`)."""
-        from hyfi_imaging.parallel.mirrored import mirrored
+        from hyfi_imaging.parallel.mirrored import placed_world_size
 
-        p = self.parallel
-        layout = p.layout()
-        place = mirrored(layout, p.schedule)
-        return int(layout.world_size if place is None else place.world_size)
+        return placed_world_size(self.parallel.layout(), self.parallel.schedule)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
