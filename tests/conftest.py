@@ -9,6 +9,7 @@ for a slide does not pay for it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ import pytest
 
 from hyfi_imaging.data.synthetic import SlideInfo, render_synthetic, write_synthetic_slide
 from hyfi_imaging.io.zarr_store import downsample_2x
+
+# The launcher (``tests/mpi/_launch.py``) for every test module, in whatever order they run.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 
 SLIDE_SIZE = (1536, 2048)
 SLIDE_SEED = 11

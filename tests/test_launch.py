@@ -11,6 +11,7 @@ measured under ``mpiexec`` and under ``torchrun``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -24,11 +25,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 
-from _launch import have_mpiexec, json_line, mpiexec, plain, torchrun, torchrun_nodes
+import _launch
+from _launch import have_mpiexec, json_line, torchrun, torchrun_nodes
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.launch import detect_launcher
 from hyfi_imaging.parallel.layout import MESH_DIMS, SPATIAL_AXES, Layout
+
+# What this file checks is how ranks start, fail and die: each is a new interpreter, never a
+# process forked by the test house's fork server (``_launch.python``).
+mpiexec = functools.partial(_launch.mpiexec, fork=False)
+plain = functools.partial(_launch.plain, fork=False)
 
 needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="mpiexec is not installed")
 VERIFY = ("-m", "hyfi_imaging.cli.verify")

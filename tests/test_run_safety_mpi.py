@@ -96,7 +96,7 @@ def test_a_full_disk_ends_with_one_line_and_an_intact_checkpoint(
     small_disk: Path,
 ) -> None:
     out = small_disk / "run"
-    cmd = [MPIEXEC, "-n", "2", *_train_cmd(manifest, out, SP, "train.epochs=200")]
+    cmd = [MPIEXEC, "-n", "2", *_train_cmd(manifest, out, SP, "train.epochs=200", fork=False)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -343,7 +343,7 @@ def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
     _train(manifest, reference, 2, *sets)
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, *sets)],
+        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, *sets, fork=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -379,7 +379,7 @@ def test_a_hung_rank_is_named_in_one_line_per_surviving_rank(
     run = tmp_path / "run"
     sets = (SP, "train.epochs=50", "parallel.timeout_s=5", "train.checkpoint_every_steps=0")
     proc = subprocess.Popen(
-        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, *sets)],
+        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, *sets, fork=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -406,7 +406,7 @@ def test_ctrl_c_is_said_once(manifest: Path, tmp_path: Path) -> None:  # noqa: F
 
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, SP, "train.epochs=50")],
+        [MPIEXEC, "-n", "2", *_train_cmd(manifest, run, SP, "train.epochs=50", fork=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _launch import python
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
@@ -24,8 +25,13 @@ def manifest(train_manifest: Path) -> Path:
     return train_manifest
 
 
-def _train_cmd(manifest: Path, out: Path, *sets: str, args: tuple[str, ...] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "synthetic.yaml")]
+def _train_cmd(
+    manifest: Path, out: Path, *sets: str, args: tuple[str, ...] = (), fork: bool = True
+) -> list[str]:
+    """``hyfi-train`` on the cohort; ``fork=False`` for a run the test signals or kills, or that
+    is meant to fail (see ``_launch.python``)."""
+    recipe = str(ROOT / "recipes" / "synthetic.yaml")
+    cmd = [*python(fork=fork), "-m", "hyfi_imaging.cli.train", recipe]
     cmd += args
     base = [
         f"data.manifest={manifest}",
@@ -50,7 +56,8 @@ def _train(
     check: bool = True,
     args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    cmd = _train_cmd(manifest, out, *sets, args=args)
+    """Train (must succeed unless ``check`` is False: such a run starts new interpreters)."""
+    cmd = _train_cmd(manifest, out, *sets, args=args, fork=check)
     if ranks > 1:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -140,7 +147,7 @@ def test_bf16_trains_on_tiles_like_one_process_to_bfloat16_rounding(
 def test_resume_after_a_kill_continues_exactly(manifest: Path, tmp_path: Path) -> None:
     _train(manifest, tmp_path / "full", 2, "parallel.spatial=1x2")
     cut = tmp_path / "cut"
-    cmd = [MPIEXEC, "-n", "2", *_train_cmd(manifest, cut, "parallel.spatial=1x2")]
+    cmd = [MPIEXEC, "-n", "2", *_train_cmd(manifest, cut, "parallel.spatial=1x2", fork=False)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.DEVNULL,
@@ -163,7 +170,7 @@ def test_checkpoint_moves_between_layouts(manifest: Path, grid_runs: Path, tmp_p
     for ranks, extra in ((1, []), (2, ["--spatial", "1x2"]), (2, ["--pipeline", "2"])):
         out = tmp_path / f"pred{len(outs)}.csv"
         cmd = [
-            sys.executable,
+            *python(),
             "-m",
             "hyfi_imaging.cli.predict",
             str(grid_runs / "grid"),

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
@@ -38,6 +39,7 @@ __all__ = [
     "mpiexec",
     "results_per_world",
     "plain",
+    "python",
     "run",
     "selected_cases",
     "torchrun",
@@ -85,6 +87,65 @@ def have_mpiexec() -> bool:
     return shutil.which("mpiexec") is not None
 
 
+#: The fork servers' sockets (``_forkserver.py``), started on first use; empty when off.
+_SERVERS: list[str] = []
+_SERVER_PROCS: list[subprocess.Popen[str]] = []
+
+
+def _start_servers() -> list[str]:
+    """Two fork servers (ranks alternate between them; each hashes strings with its own
+    seed), started once per test session and ended with it. ``HYFI_TEST_FORK=0`` turns
+    them off: every launch then starts a new interpreter."""
+    if _SERVERS or os.environ.get("HYFI_TEST_FORK", "1") == "0":
+        return _SERVERS
+    import atexit
+    import random
+
+    where = Path(tempfile.mkdtemp(prefix="hyfi-fork-"))
+    seeds = random.sample(range(1, 2**31), 2)
+    for i, seed in enumerate(seeds):
+        path = str(where / f"server{i}.sock")
+        proc = subprocess.Popen(
+            [sys.executable, str(MPI_DIR / "_forkserver.py"), path],
+            cwd=REPO, env={**_env(), "PYTHONHASHSEED": str(seed)}, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        _SERVER_PROCS.append(proc)
+        _SERVERS.append(path)
+    for proc in _SERVER_PROCS:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", (
+            "a fork server did not start (HYFI_TEST_FORK=0 runs the tests without them)"
+        )
+
+    def stop() -> None:
+        for proc in _SERVER_PROCS:
+            assert proc.stdin is not None
+            proc.stdin.close()  # the server leaves when its stdin closes
+        for proc in _SERVER_PROCS:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        shutil.rmtree(where, ignore_errors=True)
+
+    atexit.register(stop)
+    os.environ.update(HYFI_FORK_SERVER=os.pathsep.join(_SERVERS), HYFI_FORK_PYTHON=sys.executable)
+    return _SERVERS
+
+
+def python(*, fork: bool = True) -> list[str]:
+    """The command that stands for ``python`` in a test launch: the fork server's client
+    (``_forkserver.py``: torch is imported once per session, not once per rank), or this
+    interpreter where the servers are off or ``fork`` is False.
+
+    ``fork=False`` where the test is about the processes themselves: a job meant to fail
+    (a rank that exits without MPI's finalize makes MPICH's proxy kill the ranks still
+    running; a new interpreter's exit status is final the moment it calls exit, while a
+    client still waits for its child's teardown, so a kill could turn an exit 2 into
+    "Killed"), or a test that signals, stops or names a rank's process."""
+    if not fork or not _start_servers():
+        return [sys.executable]
+    return [sys.executable, "-I", "-S", str(MPI_DIR / "_forkclient.py")]
+
+
 def _env() -> dict[str, str]:
     # SLURM_*: a suite run inside a SLURM job must not make its launches part of that job.
     env = {
@@ -100,12 +161,14 @@ def run(cmd: list[str], *, timeout: float) -> Job:
     The job is reaped with ``os.wait4`` (its output read by two threads meanwhile), whose
     resource usage gives :attr:`Job.peak_rss`: Linux reports the largest resident set of
     the process and of every descendant it waited for, so the launcher's figure is its
-    largest rank's.
+    largest rank's. A process forked by a fork server (:func:`python`) is no descendant of
+    the job; its client writes the process's peak to ``HYFI_TEST_RANK_PEAKS``, read here.
     """
     began = time.perf_counter()
+    peaks = tempfile.NamedTemporaryFile("r", prefix="hyfi-peaks-", suffix=".txt")  # noqa: SIM115
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        cmd, cwd=REPO, env={**_env(), "HYFI_TEST_RANK_PEAKS": peaks.name}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     chunks: dict[str, list[str]] = {"out": [], "err": []}
     readers = [
@@ -130,9 +193,11 @@ def run(cmd: list[str], *, timeout: float) -> Job:
         t.join()
     ended = time.time()
     out, err = "".join(chunks["out"]), "".join(chunks["err"])
+    with peaks:  # what forked processes reported (their parent is a fork server, not the job)
+        forked = [int(line) for line in peaks.read().split()]
     return Job(
         cmd, proc.returncode, out, err, time.perf_counter() - began, timed_out, ended,
-        peak_rss=usage.ru_maxrss * 1024,
+        peak_rss=max([usage.ru_maxrss, *forked]) * 1024,
     )  # fmt: skip
 
 
@@ -176,6 +241,7 @@ def mpiexec(
     timeout: float = 240.0,
     options: tuple[str, ...] = (),
     memory_gib: float = RANK_MEMORY_GIB,
+    fork: bool = True,
 ) -> Job:
     """``mpiexec [OPTIONS] -n N python ARGS`` (a script path or ``-m module``), once.
 
@@ -185,7 +251,7 @@ def mpiexec(
     whose largest process held more than ``memory_gib`` fails here (AssertionError): a
     memory regression is a failure, not a kill waiting to happen on a smaller machine.
     """
-    cmd = ["mpiexec", *options, "-n", str(n), sys.executable, *args]
+    cmd = ["mpiexec", *options, "-n", str(n), *python(fork=fork), *args]
     began = time.time()
     job = run(cmd, timeout=timeout)
     if job.returncode != 0 and rank_killed(job.stdout + job.stderr):
@@ -245,9 +311,9 @@ def torchrun_nodes(nodes: int, per_node: int, *args: str, timeout: float = 240.0
     return jobs
 
 
-def plain(*args: str, timeout: float = 240.0) -> Job:
-    """``python ARGS`` in one process."""
-    return run([sys.executable, *args], timeout=timeout)
+def plain(*args: str, timeout: float = 240.0, fork: bool = True) -> Job:
+    """``python ARGS`` in one process (see :func:`python` for ``fork``)."""
+    return run([*python(fork=fork), *args], timeout=timeout)
 
 
 def json_line(job: Job) -> dict[str, Any]:
