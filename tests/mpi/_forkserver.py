@@ -192,14 +192,19 @@ def _supervise(conn: socket.socket) -> NoReturn:
         _child(request, received)
     for fd in received:
         os.close(fd)
-    ended = os.pidfd_open(pid)
+    try:  # readable when the child ends (Linux 5.3); else look every 20 ms
+        watch, every = [conn, os.pidfd_open(pid)], None
+    except (AttributeError, OSError):
+        watch, every = [conn], 0.02
     while True:
-        ready, _, _ = select.select([conn, ended], [], [])
-        if ended in ready:
-            _, status, usage = os.wait4(pid, 0)
+        ready, _, _ = select.select(watch, [], [], every)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
             with contextlib.suppress(OSError):
                 conn.sendall(f"end {status} {usage.ru_maxrss}\n".encode())
             os._exit(0)
+        if conn not in ready:
+            continue
         data = conn.recv(64)
         if not data:  # the client is gone (killed): its process goes with it
             with contextlib.suppress(ProcessLookupError):
