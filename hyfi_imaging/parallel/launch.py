@@ -681,13 +681,9 @@ def _await_rank0_line() -> None:
     """A rank that leaves a collective error to rank 0 waits (up to 5 s on one host, 1 s
     across hosts) until rank 0 has said it (its note) or is gone. Why: this rank's exit
     without MPI's finalize can make MPICH's proxy kill rank 0 before it prints the one line
-    (see :func:`exit_now`): the job would end with exit status 9 and no message.
-
-    It looks every 2 ms: rank 0 leaves right after its note, and the proxy kills the ranks
-    still running as soon as it sees rank 0 gone, which is its teardown later (measured
-    here: 12-25 ms). A rank that looked every 20 ms was still waiting in about one job in
-    three where that teardown was short, and the job ended "Killed (signal 9)" although every
-    rank exited 2."""
+    (see :func:`exit_now`): the job would end with exit status 9 and no message. It looks
+    every 2 ms: the proxy kills the ranks still waiting once rank 0's teardown (12-25 ms) ends,
+    and the job then ends "Killed (signal 9)" although every rank exited 2."""
     if not _PEERS:
         return
     same_host = _PEERS[0][0] == socket.gethostname()
