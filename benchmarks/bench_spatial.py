@@ -452,27 +452,44 @@ def _report_time(
 
 
 def _report_scaling(
-    runs: dict[int, tuple[dict[str, Any], dict[str, Any]]],
+    runs: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
 ) -> tuple[str, dict[str, Any]]:
     """Efficiency of the 1x2 grid against one process at each size, side by side (issue 19,
-    item 4): the best step of each, and the CPU summed over the two ranks."""
+    item 4): the best step of each, and the CPU summed over the two ranks. One process runs
+    twice: as plain PyTorch does (the verdict's baseline), and with the ranks' allocator set-up
+    (``--allocator library``: the mmap threshold and huge pages), which isolates what the
+    parallelism itself costs."""
     rows, info = [], {}
-    for side, (one_run, two_run) in sorted(runs.items()):
-        one = min(_timed_steps([one_run]), key=lambda p: p["wall_s"])
-        two = min(_timed_steps([two_run]), key=lambda p: p["wall_s"])
+    for side, (one_run, lib_run, two_run) in sorted(runs.items()):
+        one, lib, two = (
+            min(_timed_steps([r]), key=lambda p: p["wall_s"]) for r in (one_run, lib_run, two_run)
+        )
         eff = one["wall_s"] / (2 * two["wall_s"])
+        eff_lib = lib["wall_s"] / (2 * two["wall_s"])
         cpu = two["cpu_sum_s"] / one["cpu_s"]
         info[side] = {
             "one_s": one["wall_s"],
+            "one_library_s": lib["wall_s"],
             "grid_s": two["wall_s"],
             "efficiency": eff,
+            "efficiency_same_allocator": eff_lib,
             "cpu_sum": cpu,
         }
-        rows.append([f"{side}", f"{one['wall_s']:.2f}", f"{two['wall_s']:.2f}", f"{eff:.3f}", f"{cpu:.2f}",
-                     f"{max(one['foreign_cores'], two['foreign_cores']):.2f}"])  # fmt: skip
+        foreign = max(one["foreign_cores"], lib["foreign_cores"], two["foreign_cores"])
+        rows.append([f"{side}", f"{one['wall_s']:.2f}", f"{lib['wall_s']:.2f}", f"{two['wall_s']:.2f}",
+                     f"{eff:.3f}", f"{eff_lib:.3f}", f"{cpu:.2f}", f"{foreign:.2f}"])  # fmt: skip
     _table(
         "2b. Efficiency by image size, ResNet-50, batch 1, 1 thread per rank (best of 2 steps)",
-        ["size", "1 process s", "1x2 s", "T1/(2 T2)", "CPU 1x2 / 1", "foreign cores"],
+        [
+            "size",
+            "1 process s",
+            "same allocator s",
+            "1x2 s",
+            "T1/(2 T2)",
+            "same allocator",
+            "CPU 1x2 / 1",
+            "foreign cores",
+        ],
         rows,
     )
     largest = max(runs)
@@ -642,10 +659,11 @@ def main(argv: list[str] | None = None) -> int:
             prof = ["--profile", str(cfg.time_image)] if args.profile and k == 0 else []
             t_single.append(run(1, "1x1", [*timing, "--mem-steps", "0", *prof]))
             t_grid.append(run(2, "1x2", [*timing, "--mem-steps", "0", "--count-halo", *prof]))
-    scaling: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    scaling: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     for side in [int(v) for v in args.time_sizes.split(",") if v.strip()]:
         sized = ["--time-image", str(side), "--warmup", "1", "--time-steps", "2", "--mem-steps", "0"]  # fmt: skip
-        scaling[side] = (run(1, "1x1", sized), run(2, "1x2", sized))
+        lib = [*sized, "--allocator", "library"]
+        scaling[side] = (run(1, "1x1", sized), run(1, "1x1", lib), run(2, "1x2", sized))
     load_after = _loadavg()
 
     print(f"\nbench_spatial ({'quick' if args.quick else 'full'}): ratios against one process, "

@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.memory import (
         AnonymousPeak,
-        fix_malloc_threshold,
+        configure_allocator,
         saved_activations,
     )
     from hyfi_imaging.parallel.verify import pad_image, spatial_context_for
@@ -93,10 +93,11 @@ def worker(args: argparse.Namespace) -> None:
             upsampling="transpose",
         ).train()  # fmt: skip
 
+    if grid == (1, 1, 1):
+        configure_allocator()  # as init_parallel does on the ranks, before the first tensor
     torch.manual_seed(1)
     volume = torch.randn(1, 1, *size)
     if grid == (1, 1, 1):
-        fix_malloc_threshold()  # as init_parallel does on the ranks: freed buffers go back
         model = build()
         saved = saved_activations(model, lambda: model(volume).sum()).activations
         model(volume).sum().backward()  # warm-up

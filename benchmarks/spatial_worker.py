@@ -5,6 +5,9 @@ measurement runs in fresh processes, and the grid runs must be real ranks under
 ``mpiexec`` -- the code path training takes. The driver starts this script,
 reads the one ``RESULT {json}`` line that rank 0 prints, and does all the
 arithmetic and printing. Every rank uses one thread (``torch.set_num_threads(1)``).
+Grid runs set the allocator up first, as ``hyfi-train`` does
+(:func:`hyfi_imaging.parallel.memory.configure_allocator`); a 1x1 run keeps glibc's and
+PyTorch's defaults, as plain PyTorch runs, unless ``--allocator library``.
 
 What one run does:
 
@@ -161,11 +164,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "gradients and momentum on every rank with one all-reduce per gradient (the baseline)",
     )
     p.add_argument("--profile", type=int, default=0, help="profile one step at this size (0: no)")
+    p.add_argument(
+        "--allocator",
+        choices=("default", "library"),
+        default="default",
+        help="1x1 runs: 'library' sets the allocator up as the ranks do (grids always do)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.memory import configure_allocator
+
+    grid = Layout.parse_grid(args.grid)
+    spatial = grid != (1, 1)
+    if spatial or args.allocator == "library":
+        configure_allocator()  # before the first tensor, as the commands do
     import torch
 
     torch.set_num_threads(1)
@@ -175,15 +191,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.launch import exit_now, init_parallel
-    from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.memory import PARAMETERS, saved_activations
     from hyfi_imaging.parallel.pipeline import set_checkpointing
     from hyfi_imaging.parallel.sharding import apply_fsdp
     from hyfi_imaging.parallel.streaming import stream_stem
     from hyfi_imaging.parallel.verify import pad_image, spatial_context_for
 
-    grid = Layout.parse_grid(args.grid)
-    spatial = grid != (1, 1)
     torch.manual_seed(0)
     kwargs = {} if args.width is None else {"width": args.width}
     model = create_model(args.model, num_classes=2, **kwargs)

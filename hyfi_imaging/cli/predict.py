@@ -128,6 +128,9 @@ def _predict_dense(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-predict``."""
+    from hyfi_imaging.parallel.memory import configure_allocator
+
+    configure_allocator()  # first: PyTorch decides on huge pages at its first tensor
     from hyfi_imaging.data.dataset import left_out_line, manifest_rows
     from hyfi_imaging.errors import ConfigError, HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown

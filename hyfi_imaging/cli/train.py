@@ -189,6 +189,9 @@ def _print_sbatch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
+    from hyfi_imaging.parallel.memory import configure_allocator
+
+    configure_allocator()  # first: PyTorch decides on huge pages at its first tensor
     from hyfi_imaging.data.dataset import left_out_line
     from hyfi_imaging.errors import HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown

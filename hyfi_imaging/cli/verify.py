@@ -306,6 +306,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-verify``."""
+    from hyfi_imaging.parallel.memory import configure_allocator
+
+    configure_allocator()  # first: PyTorch decides on huge pages at its first tensor
     from hyfi_imaging.errors import HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank
 

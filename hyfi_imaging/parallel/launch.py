@@ -54,7 +54,7 @@ from hyfi_imaging.parallel.launcher_env import (
     threads_per_rank,
 )
 from hyfi_imaging.parallel.layout import Layout
-from hyfi_imaging.parallel.memory import fix_malloc_threshold
+from hyfi_imaging.parallel.memory import configure_allocator
 
 __all__ = [
     "ParallelContext",
@@ -251,11 +251,10 @@ def init_parallel(
     on per-stage grids places two mirrored replicas (:class:`~.mirrored.MirroredPlacement`,
     more ranks than ``layout``); other schedules place ``layout``'s ranks as they are.
     The layout is checked against the world size before any group exists.
-    glibc's mmap threshold is fixed first (see :func:`.memory.fix_malloc_threshold`)
-    so that freed tile buffers go back to the kernel and per-rank peaks do not
-    depend on allocation order.
+    The allocator is set first (:func:`.memory.configure_allocator`): per-rank peaks that do
+    not depend on allocation order, and large buffers in huge pages.
     """
-    fix_malloc_threshold()
+    configure_allocator()
     env = launch_env()
     launcher = env.launcher
     rank, world, local_rank, local_size = (
