@@ -56,6 +56,9 @@ TOLERANCE = 0.20
 
 def _worker(cfg: dict[str, Any]) -> None:
     """One rank: build, time ``steps`` training steps after ``warmup``, count one more."""
+    from hyfi_imaging.parallel.memory import configure_allocator
+
+    configure_allocator()  # before the first tensor, as hyfi-train does (one process too)
     import torch
 
     torch.set_num_threads(1)
