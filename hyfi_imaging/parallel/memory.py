@@ -73,7 +73,7 @@ PARAMETERS = "(parameters)"
 BETWEEN = "(between modules)"
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 _THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's switch (c10's CPU allocator), read once per process
-_THP_PROBE_BYTES = 4 << 20  # above the allocator's 2 MiB huge-page threshold
+_THP_PROBE_BYTES = 64 << 20  # above PyTorch's 2 MiB huge-page size and glibc's 32 MiB cap
 _PAGE = 4096
 
 
@@ -383,16 +383,20 @@ def enable_huge_pages() -> bool:
     """Back PyTorch's CPU buffers of 2 MiB and more with transparent huge pages; True if on.
 
     PyTorch's CPU allocator page-aligns those buffers and marks them ``MADV_HUGEPAGE`` when
-    ``THP_MEM_ALLOC_ENABLE=1``. It reads the variable once, at the
-    process's first CPU allocation, so this takes effect only before the first tensor;
-    afterwards it returns False and changes nothing. The user's own setting (``1`` or ``0``)
-    and another preloaded allocator are left alone. Whether the kernel then grants huge pages
-    is its own setting (``/sys/kernel/mm/transparent_hugepage/enabled``: ``always`` or
-    ``madvise``); with ``never`` nothing changes either way.
+    ``THP_MEM_ALLOC_ENABLE=1``. It reads the variable once, at the process's first CPU
+    allocation, so this takes effect only before the first tensor; afterwards it returns
+    False and changes nothing. The user's own setting (``1`` or ``0``) and another preloaded
+    allocator are left alone. Whether the kernel then grants huge pages is its own setting
+    (``/sys/kernel/mm/transparent_hugepage/enabled``: ``always`` or ``madvise``); with
+    ``never`` nothing changes either way.
     """
     if not _other_allocator():
         os.environ.setdefault(_THP_ENV, "1")
-    # The allocator's alignment says what it decided: a page with huge pages on, 64 bytes off.
+    if os.environ.get(_THP_ENV) != "1":
+        return False
+    # The allocator's alignment says what it decided: a page with huge pages on, 64 bytes
+    # off. The probe is above glibc's largest mmap threshold, so it is always a fresh mapping
+    # (never the heap, where 64-byte alignment could fall on a page); it is never touched.
     probe = torch.empty(_THP_PROBE_BYTES, dtype=torch.uint8)
     return probe.data_ptr() % _PAGE == 0
 
