@@ -93,8 +93,7 @@ def worker(args: argparse.Namespace) -> None:
             upsampling="transpose",
         ).train()  # fmt: skip
 
-    if grid == (1, 1, 1):
-        configure_allocator()  # as init_parallel does on the ranks, before the first tensor
+    configure_allocator()  # before the first tensor, as the commands do (one process too)
     torch.manual_seed(1)
     volume = torch.randn(1, 1, *size)
     if grid == (1, 1, 1):
