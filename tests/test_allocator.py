@@ -2,8 +2,8 @@
 
 Every rank fixes glibc's mmap threshold (per-rank peaks that do not depend on allocation
 order) and asks PyTorch's CPU allocator for transparent huge pages, without which each
-fresh tile buffer is faulted in 4 KiB at a time (a fifth of a 1x2 ResNet-50 step at 768²,
-``docs/benchmarks.md``). PyTorch reads its switch once, at a process's first CPU tensor, so
+fresh tile buffer is faulted in 4 KiB at a time (with them a 1x2 ResNet-50 step at 768² is
+18 % shorter, ``docs/benchmarks.md``). PyTorch reads its switch once, at a process's first CPU tensor, so
 each case runs in a new interpreter, and the commands must set it up before anything they
 import makes a tensor (``torch.distributed.pipelining`` does, at import).
 

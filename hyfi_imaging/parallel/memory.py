@@ -15,10 +15,10 @@ returns every larger buffer to the kernel at once, like
 ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment, without needing it set
 before the process starts. It is a no-op off glibc. That makes every buffer above
 64 KiB fresh memory from the kernel, faulted in 4 KiB at a time: on a 1x2 ResNet-50 768²
-rank, 3 million page faults and 5 s of system time over a warm-up and three steps, about a
-fifth of the time. :func:`enable_huge_pages` has PyTorch's CPU allocator ask for transparent
-huge pages for its buffers of 2 MiB and more (one fault per 2 MiB): that step is 18 %
-shorter, the peak the same (``docs/benchmarks.md``).
+rank, 3 million page faults and 5.4 s of system time in a 15 s run (a warm-up and three
+steps). :func:`enable_huge_pages` has PyTorch's CPU allocator ask for transparent huge pages
+for its buffers of 2 MiB and more (one fault per 2 MiB): that step is 18 % shorter, the
+peak the same (``docs/benchmarks.md``).
 
 :func:`cpu_unfold_bytes` is the one kernel workspace too large to leave out: PyTorch's own
 CPU convolutions (every dtype oneDNN does not take, float64 among them) unfold their whole
