@@ -35,6 +35,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -103,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.quick:
         args.model, args.width, args.size, args.steps = "resnet18", 0.25, 128, 1
-    ranks = 1
-    for g in args.grid.split("x"):
-        ranks *= int(g)
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.parallel.layout import Layout
+
+    try:
+        ranks = math.prod(Layout.parse_grid(args.grid))
+    except ConfigError as err:
+        print(f"bench_tradeoffs: error: {err}", file=sys.stderr)
+        return 2
     model = ["--model", args.model] + ([] if args.width is None else ["--width", str(args.width)])
     side = str(args.size)
     common = [*model, "--images", side, "--mem-steps", "2", "--time-image", side]
