@@ -146,7 +146,13 @@ def _worker(cfg: dict[str, Any]) -> None:
         "process_s": process,
         "wall_s": wall,
         "tile": list(x.shape[-2:]),
-        "counted": {"flops": c.flops, "bytes": c.bytes, "copy_bytes": c.copy_bytes, "ops": c.ops},
+        "counted": {
+            "flops": c.flops,
+            "bytes": c.bytes,
+            "copy_bytes": c.copy_bytes,
+            "ops": c.ops,
+            "fresh_bytes": sum(c.fresh),
+        },
         # Main-thread seconds of one more step by where they went: convolutions and matrix
         # products, other aten ops (collectives' waits included, which cost no CPU), the rest
         # (Python: layers, hooks, the autograd engine, the optimizer's loop).
@@ -214,10 +220,12 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
     import torch
 
     torch.set_num_threads(1)
+    from hyfi_imaging.io.budget import format_bytes
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.devices import Device, Link
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.plan import Candidate, predict
+    from hyfi_imaging.parallel.speed import FRESH_CLASSES
 
     print(f"\n== CPU validation: {args.model} {args.image}^2, main-thread CPU seconds per step")
     kwargs = {} if args.width is None else {"width": args.width}
@@ -243,12 +251,24 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
             ranks = _launch(cfg, lay.world_size)
         r0 = next(r for r in ranks if r["rank"] == 0)
         fig = r0["device"]
-        device = Device(**{**fig, "intra": Link(**fig["intra"]), "inter": Link(**fig["inter"])})
+        device = Device(
+            **{
+                **fig,
+                "intra": Link(**fig["intra"]),
+                "inter": Link(**fig["inter"]),
+                "fresh_s": tuple(fig["fresh_s"]),
+            }
+        )
         print(
             f"{'':8} calibrated by rank 0 before its steps: {device.flops / 1e9:.0f} GFLOP/s "
             f"(conv 3x3 fwd+bwd), {device.px_half:.0f} px per call's fixed cost, "
             f"{device.mem_bw / 1e9:.1f} GB/s (BatchNorm+add+ReLU), "
-            f"{device.op_overhead * 1e6:.1f} us per kernel"
+            f"{device.op_overhead * 1e6:.1f} us per kernel, new buffers "
+            + ", ".join(
+                f"{format_bytes(2 ** (i + 12.5))} {device.fresh_s[i] * 1e9:.2f}"
+                for i in range(4, FRESH_CLASSES, 3)
+            )
+            + " ns per byte"
         )
         pred = predict(model, (args.image, args.image), 1, Candidate(lay), device=device)
         busy = pred.parts["busy"]
@@ -269,7 +289,9 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
             f"(predicted {pred.parts['flops'] / device.flops:.3f}), other ops "
             f"{sp['other_ops_s']:.3f} s (predicted {pred.parts['bytes'] / device.mem_bw:.3f}), "
             f"outside aten ops {sp['outside_ops_s']:.3f} s (predicted "
-            f"{pred.parts['ops'] * device.op_overhead:.3f}); top: "
+            f"{pred.parts['ops'] * device.op_overhead:.3f}); new buffers predicted "
+            f"{pred.parts['fresh_s']:.3f} s ({pred.parts['fresh_bytes'] / 1e9:.2f}/"
+            f"{c['fresh_bytes'] / 1e9:.2f} GB pred/count; their faults are in the ops' times); top: "
             + ", ".join(f"{k} {v:.3f}" for k, v in sp["top"])
         )
         ok = abs(err) <= TOLERANCE

@@ -71,3 +71,24 @@ def test_too_late_after_the_first_tensor_is_reported_not_hidden() -> None:
 @pytest.mark.parametrize("name", ["train", "verify", "predict"])
 def test_each_command_sets_the_allocator_up_before_its_first_tensor(name: str) -> None:
     assert in_fresh_process("test_allocator", "command_help", name) is True
+
+
+def described(set_up: bool) -> str:
+    """In a new interpreter: :func:`allocator`'s line, with or without the set-up first."""
+    os.environ.pop(_SWITCH, None)
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    from hyfi_imaging.parallel.memory import allocator, configure_allocator
+
+    if set_up:
+        configure_allocator()
+    return allocator()
+
+
+def test_the_allocator_is_described_as_set_up() -> None:
+    """The speed model keeps this CPU's calibration per allocator (its page faults differ)."""
+    assert in_fresh_process("test_allocator", "described", True) == (
+        "mmap threshold 65536, huge pages on"
+    )
+    assert in_fresh_process("test_allocator", "described", False) == (
+        "mmap threshold adaptive, huge pages off"
+    )

@@ -16,12 +16,15 @@ from hyfi_imaging.parallel.devices import DEVICES, Device, Link, calibrate_cpu, 
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.plan import Candidate, StageCost, predict, step_time
 from hyfi_imaging.parallel.speed import (
+    FRESH_CLASSES,
     Counts,
     OpCounter,
     Window,
     allreduce_s,
     compute_s,
     count_chain,
+    fresh_class,
+    fresh_s,
     halo_copy_bytes,
     halo_s,
     ideal_bubble,
@@ -88,6 +91,35 @@ def test_memory_bound_ops_count_their_bytes_and_views_nothing() -> None:
         y.zero_()  # writes 1 KiB
     assert counter.counts.bytes == 3 * 1024 and counter.counts.ops == 2
     assert counter.counts.copy_bytes == 1024
+
+
+def test_new_buffers_are_counted_by_size_and_cost_what_the_device_says() -> None:
+    """A convolution's output and an allocation are new buffers; an in-place op and a view are
+    not. Each lands in its size class (``[2^(i+12), 2^(i+13))`` bytes)."""
+    x = torch.empty(1, 4, 64, 64, device="meta")  # 64 KiB
+    w = torch.empty(8, 4, 3, 3, device="meta")
+    counter = OpCounter()
+    with counter:
+        y = nn.functional.conv2d(x, w, padding=1)  # 128 KiB: class 5
+        y.relu_()  # in place: nothing new
+        y.view(-1)  # a view: nothing
+        torch.empty(3 << 20, dtype=torch.uint8, device="meta")  # 3 MiB: class 9
+        torch.relu(x)  # 64 KiB: class 4
+    fresh = counter.counts.fresh
+    assert len(fresh) == FRESH_CLASSES and sum(fresh) == 128 * 1024 + (3 << 20) + 64 * 1024
+    assert (fresh_class(128 * 1024), fresh_class(3 << 20), fresh_class(64 * 1024)) == (5, 9, 4)
+    assert fresh[5] == 128 * 1024 and fresh[9] == 3 << 20 and fresh[4] == 64 * 1024
+    assert fresh_class(100) == 0 and fresh_class(2**40) == FRESH_CLASSES - 1
+    # 1 ns per byte in class 9 only: 3 MiB cost 3 ms, added to the rest of the work.
+    costs = tuple(1e-9 if i == 9 else 0.0 for i in range(FRESH_CLASSES))
+    cpu = _device(flops=1e12, fresh_s=costs)
+    c = Counts.allocation(3 << 20, 2) + Counts(flops=1e9)
+    assert fresh_s(c, cpu) == pytest.approx(2 * 3 * 2**20 * 1e-9)
+    assert compute_s(c, cpu) == pytest.approx(1e-3 + 2 * 3 * 2**20 * 1e-9)
+    assert compute_s(c, _device(flops=1e12)) == pytest.approx(1e-3)  # a GPU's: free
+    # Four times the pixels: each buffer four times larger, two classes up.
+    assert c.scaled(4).fresh[11] == 4 * 2 * (3 << 20) and sum(c.scaled(4).fresh) == 24 << 20
+    assert c.times(3).fresh[9] == 3 * 2 * (3 << 20)
 
 
 def test_halo_messages_and_copies() -> None:
@@ -195,6 +227,8 @@ def test_cpu_calibration_is_measured_once_and_cached(
     figures = (first.flops, first.mem_bw, first.op_overhead, first.px_half)
     assert 1e9 < first.flops < 1e14 and 1e8 < first.mem_bw < 1e12, figures
     assert 0 < first.op_overhead < 1e-2 and first.px_half >= 0, figures
+    assert len(first.fresh_s) == FRESH_CLASSES and min(first.fresh_s) >= 0, first.fresh_s
+    assert all(s < 1e-7 for s in first.fresh_s), first.fresh_s  # < 0.4 ms per 4 KiB page
     assert not first.asynchronous
 
 

@@ -422,6 +422,9 @@ def _waiting(pred: Any) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-plan``."""
     args = build_parser().parse_args(argv)
+    from hyfi_imaging.parallel.memory import configure_allocator
+
+    configure_allocator()  # as hyfi-train's ranks: this CPU's calibration runs under it
     try:
         return run(args)
     except HyfiError as err:

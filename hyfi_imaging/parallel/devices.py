@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.speed import Counts, OpCounter
+from hyfi_imaging.parallel.memory import allocator
+from hyfi_imaging.parallel.speed import FRESH_CLASSES, Counts, OpCounter, fresh_s
 
 __all__ = [
     "CPU_NAMES",
@@ -64,6 +65,9 @@ class Device:
     maps; ``px_half``: output pixels (x batch) of one convolution call at which it runs at
     half that rate (small tiles do not fill the device: a GPU's SMs, a CPU core's blocking);
     ``mem_bw``: sustained bytes/s read plus written by memory-bound ops;
+    ``fresh_s``: seconds per byte of a new buffer's first touch, by size class
+    (:data:`~.speed.FRESH_CLASSES`: a CPU's page faults under the process's allocator;
+    empty: free, as a GPU's caching allocator makes it);
     ``op_overhead``: seconds per kernel (launch or dispatch); ``asynchronous``: the
     host launches ahead of the device (GPU), so a layer takes the larger of its kernel
     time and its launches, not their sum. ``intra``: the link to a rank of the same
@@ -83,6 +87,7 @@ class Device:
     px_half: float = 0.0
     dtype: str = "bf16"
     note: str = ""
+    fresh_s: tuple[float, ...] = ()
 
     def link(self, span: int) -> Link:
         """The slowest link inside a group of ranks ``span`` consecutive ranks wide."""
@@ -166,7 +171,9 @@ CPU_NAMES = ("cpu", "this-cpu")
 
 
 #: Version of :func:`_measure_cpu`'s method: cached figures of another are measured again.
-_CALIBRATION = 8
+_CALIBRATION = 9
+#: What :func:`_measure_cpu` returns.
+_FIGURES = ("flops", "mem_bw", "op_overhead", "px_half", "fresh_s")
 
 
 def _cache_path() -> Path:
@@ -181,7 +188,8 @@ def _cpu_key() -> str:
             model = next((ln.split(":", 1)[1].strip() for ln in f if "model name" in ln), model)
     except OSError:
         pass
-    return f"{model}|torch {torch.__version__}|threads {torch.get_num_threads()}|v{_CALIBRATION}"
+    threads = torch.get_num_threads()
+    return f"{model}|torch {torch.__version__}|threads {threads}|{allocator()}|v{_CALIBRATION}"
 
 
 def _typical_s(fn: Callable[[], object], repeat: int) -> float:
@@ -217,8 +225,52 @@ def _conv_step(channels: int, side: int) -> Callable[[], None]:
     return step
 
 
-def _measure_cpu(repeat: int = 9) -> dict[str, float]:
+#: The largest fresh buffer measured (larger classes cost what it costs per byte).
+_FRESH_MEASURED = 192 << 20
+
+
+def _measure_fresh(repeat: int) -> list[float]:
+    """Seconds per byte of a new buffer's first touch, by size class: a buffer of the class's
+    geometric middle allocated, written once and freed, less the same write to a buffer
+    already touched (with an empty allocation, so that only the memory differs); the median
+    of ``repeat`` such pairs. What the process's allocator does decides it (glibc's mmap
+    threshold, huge pages; :func:`~.memory.configure_allocator`), which is why the
+    calibration runs in the process it predicts for."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    out: list[float] = []
+    for i in range(FRESH_CLASSES):
+        n = int(2 ** (i + 12.5)) // 64 * 64
+        if n > _FRESH_MEASURED:
+            out.append(out[-1])
+            continue
+        warm = torch.empty(n, dtype=torch.uint8)
+        warm.fill_(0)
+        pairs = []
+        for _ in range(repeat + 1):
+            began = clock()
+            torch.empty(0, dtype=torch.uint8)
+            warm.fill_(1)
+            middle = clock()
+            torch.empty(n, dtype=torch.uint8).fill_(1)
+            pairs.append((clock() - middle) - (middle - began))
+        out.append(max(0.0, statistics.median(pairs[1:])) / n)  # the first: a warm-up
+        del warm
+    return out
+
+
+def _net(spent: float, known: float) -> float:
+    """``spent`` less ``known`` (launches, page faults) of it; never below half of it, so that
+    noise in ``known`` on a busy machine cannot make a rate negative or infinite."""
+    return max(spent - known, spent / 2)
+
+
+def _measure_cpu(repeat: int = 9) -> dict[str, Any]:
     """Figures of :func:`calibrate_cpu`, each with the same counting as the model uses."""
+    fresh = _measure_fresh(repeat)
+    probe = Device(
+        "probe", flops=1.0, mem_bw=1.0, memory=0, op_overhead=0.0, asynchronous=False,
+        intra=Link(1.0, 0.0), inter=Link(1.0, 0.0), per_node=1, fresh_s=tuple(fresh),
+    )  # fmt: skip
     # Host cost per kernel of a training step (module calls, autograd's graph and engine):
     # a network of the same layers on an 8^2 map, where the arithmetic is negligible.
     tiny = nn.Sequential(
@@ -233,12 +285,15 @@ def _measure_cpu(repeat: int = 9) -> dict[str, float]:
     def step() -> None:
         tiny(small).sum().backward()
 
-    overhead = _typical_s(step, repeat) / max(1, _counted(step).ops)
+    c = _counted(step)
+    overhead = _net(_typical_s(step, repeat), fresh_s(c, probe)) / max(1, c.ops)
     # Memory-bound ops as a network runs them: BatchNorm, a residual add and a ReLU, forward
-    # and backward, on maps of 0.5 and 2.25 MiB (a plain 64 MiB copy runs about twice as fast
-    # per byte on this project's CPU): their bytes over their time.
+    # and backward, on maps of 4 and 8 MiB (a plain 64 MiB copy runs about twice as fast per
+    # byte on this project's CPU): their bytes over their time less their new buffers' (maps
+    # this large, so that the buffers' share is small: at 0.5 MiB it was most of the time
+    # under the fixed mmap threshold, and the rate a small difference of two large numbers).
     moved = spent = 0.0
-    for channels, side in ((32, 64), (64, 96)):
+    for channels, side in ((64, 128), (128, 128)):
         norm = nn.BatchNorm2d(channels)
         a = torch.randn(1, channels, side, side, requires_grad=True)
         b = torch.randn(1, channels, side, side)
@@ -247,8 +302,9 @@ def _measure_cpu(repeat: int = 9) -> dict[str, float]:
             y = torch.relu(norm(a) + b)
             y.backward(torch.ones_like(y))
 
-        moved += _counted(block).bytes
-        spent += _typical_s(block, repeat)
+        c = _counted(block)
+        moved += c.bytes
+        spent += _net(_typical_s(block, repeat), fresh_s(c, probe) + c.ops * overhead)
     mem_bw = moved / spent
     # Convolutions from a large map to a small one: time (less launches) = (flops + pixel_flops
     # x px_half) / rate, fitted by least squares (two unknowns, four sizes).
@@ -256,7 +312,8 @@ def _measure_cpu(repeat: int = 9) -> dict[str, float]:
     for channels, side in ((64, 96), (128, 32), (256, 16), (256, 8)):
         fn = _conv_step(channels, side)
         c = _counted(fn)
-        rows.append((c.flops, c.pixel_flops, _typical_s(fn, repeat) - c.ops * overhead))
+        spent_s = _net(_typical_s(fn, repeat), c.ops * overhead + fresh_s(c, probe))
+        rows.append((c.flops, c.pixel_flops, spent_s))
     sff = sum(f * f for f, _, _ in rows)
     spp = sum(p * p for _, p, _ in rows)
     sfp = sum(f * p for f, p, _ in rows)
@@ -273,6 +330,7 @@ def _measure_cpu(repeat: int = 9) -> dict[str, float]:
         "mem_bw": mem_bw,
         "op_overhead": overhead,
         "px_half": per_pixel / per_flop,
+        "fresh_s": fresh,
     }
 
 
@@ -281,14 +339,16 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
 
     Figures: 3x3 convolutions' forward and backward (64 channels on 96^2 to 256 on 8^2,
     fitted by least squares) for :attr:`~Device.flops` and :attr:`~Device.px_half`;
-    BatchNorm + add + ReLU forward and backward on 32x64^2 and 64x96^2 maps for
+    BatchNorm + add + ReLU forward and backward on 64x128^2 and 128x128^2 maps for
     :attr:`~Device.mem_bw` (bytes read + written as :class:`OpCounter` counts them); a
     training step of 10 x (3x3 convolution, BatchNorm, ReLU) on 4 channels of 8^2 for
-    :attr:`~Device.op_overhead` (seconds per kernel counted; module calls and autograd); all
+    :attr:`~Device.op_overhead` (seconds per kernel counted; module calls and autograd); a
+    new buffer of each size class allocated, written and freed, less the write alone, for
+    :attr:`~Device.fresh_s` (page faults: the other figures are measured net of them); all
     at torch's current thread count, median of 9. Cached in
-    ``$XDG_CACHE_HOME/hyfi-imaging/speed.json`` by CPU model, torch version and thread
-    count (``refresh`` measures again). Links: Gloo over loopback, nominal (2 GB/s,
-    50 µs), not measured.
+    ``$XDG_CACHE_HOME/hyfi-imaging/speed.json`` by CPU model, torch version, thread count
+    and allocator (:func:`~.memory.allocator`; ``refresh`` measures again). Links: Gloo
+    over loopback, nominal (2 GB/s, 50 µs), not measured.
     """
     path = cache or _cache_path()
     key = _cpu_key()
@@ -298,7 +358,7 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
     except (OSError, ValueError):
         table = {}
     fig = table.get(key) if not refresh else None
-    if not isinstance(fig, dict) or not {"flops", "mem_bw", "op_overhead", "px_half"} <= set(fig):
+    if not isinstance(fig, dict) or not set(_FIGURES) <= set(fig):
         fig = _measure_cpu()
         table[key] = fig
         try:
@@ -322,7 +382,9 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
         per_node=os.cpu_count() or 1,
         px_half=float(fig["px_half"]),
         dtype="fp32",
-        note="calibrated: conv 3x3 and BatchNorm+add+ReLU forward+backward, a tiny network",
+        note="calibrated: conv 3x3 and BatchNorm+add+ReLU forward+backward, a tiny network, "
+        "fresh buffers by size",
+        fresh_s=tuple(float(v) for v in fig["fresh_s"]),
     )
 
 

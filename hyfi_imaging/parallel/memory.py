@@ -57,6 +57,7 @@ from hyfi_imaging.parallel.balance import flat_tensors
 
 __all__ = [
     "SavedActivations",
+    "allocator",
     "available_bytes",
     "configure_allocator",
     "cpu_unfold_bytes",
@@ -75,6 +76,8 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 _THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's switch (c10's CPU allocator), read once per process
 _THP_PROBE_BYTES = 64 << 20  # above PyTorch's 2 MiB huge-page size and glibc's 32 MiB cap
 _PAGE = 4096
+#: What this process's :func:`fix_malloc_threshold` and :func:`enable_huge_pages` decided.
+_SET: dict[str, str] = {}
 
 
 @dataclass
@@ -372,7 +375,10 @@ def fix_malloc_threshold(threshold: int = 64 * 1024) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    done = bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    if done:
+        _SET["threshold"] = str(int(threshold))
+    return done
 
 
 def _other_allocator() -> bool:
@@ -398,7 +404,21 @@ def enable_huge_pages() -> bool:
     # off. The probe is above glibc's largest mmap threshold, so it is always a fresh mapping
     # (never the heap, where 64-byte alignment could fall on a page); it is never touched.
     probe = torch.empty(_THP_PROBE_BYTES, dtype=torch.uint8)
-    return probe.data_ptr() % _PAGE == 0
+    on = probe.data_ptr() % _PAGE == 0
+    _SET["huge pages"] = "on" if on else "off"
+    return on
+
+
+def allocator() -> str:
+    """The process's CPU allocator in one line, as far as it decides what a new buffer costs
+    (the speed model's calibration is kept per allocator): the mmap threshold (fixed here,
+    the user's ``MALLOC_MMAP_THRESHOLD_``, or glibc's adaptive one), huge pages, or the
+    allocator preloaded instead of glibc's."""
+    if _other_allocator():
+        return "preloaded " + os.environ.get("LD_PRELOAD", "")
+    threshold = _SET.get("threshold") or os.environ.get("MALLOC_MMAP_THRESHOLD_", "adaptive")
+    huge = _SET.get("huge pages") or ("on" if os.environ.get(_THP_ENV) == "1" else "off")
+    return f"mmap threshold {threshold}, huge pages {huge}"
 
 
 def configure_allocator() -> tuple[bool, bool]:

@@ -92,6 +92,7 @@ from hyfi_imaging.parallel.speed import (
     allreduce_s,
     branch_allreduce_s,
     compute_s,
+    fresh_s,
     halo_copy_bytes,
     halo_s,
     message_s,
@@ -173,7 +174,8 @@ class Prediction:
     #: The step time by part (seconds) and what was counted, for the busiest rank: ``busy``
     #: (what its device computes and copies, waits excluded: what CPU time measures),
     #: ``compute``, ``halo``, ``collectives`` (BatchNorm statistics), ``p2p``, ``fsdp``
-    #: (exposed), ``mirror``; ``flops``, ``bytes``, ``ops`` of its step.
+    #: (exposed), ``mirror``; ``flops``, ``bytes``, ``ops`` of its step, and its new buffers
+    #: (``fresh_bytes``) with what they cost (``fresh_s``, part of ``busy``).
     parts: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -638,11 +640,14 @@ def _rank_time(
     world = placed_world_size(lay, schedule)
     if n_shard > 1:
         link = dev.link(world)
+        units = [u for c in stages for u in c.units] or [params]
         total = total + Counts(bytes=2.0 * (gathers + 1) * (params + sharded))
+        for u in units:  # new buffers: each gather's output and the unsharded parameters,
+            # the reduce-scatter's input and its shard
+            total = total + Counts.allocation(u, 2 * gathers + 1) + Counts.allocation(u / n_shard)
         moved = (gathers + 1) * sum(reduce_scatter_s(held, n, link) for n, held in by_shard.items())
         compute = compute_s(total, dev)
         if microbatches == 1:
-            units = [u for c in stages for u in c.units] or [params]
             edge = reduce_scatter_s(units[0], n_shard, link) + reduce_scatter_s(
                 units[-1], n_shard, link
             )
@@ -669,6 +674,8 @@ def _rank_time(
         "flops": total.flops,
         "bytes": total.bytes,
         "ops": float(total.ops),
+        "fresh_bytes": float(sum(total.fresh)),
+        "fresh_s": fresh_s(total, dev),
     }
 
 

@@ -15,8 +15,9 @@ What a step costs (per rank, per micro-batch and pass):
   (``torch.utils.flop_counter``'s registry) at :attr:`Device.flops`, plus the bytes
   every other op reads and writes (elementwise, normalisation, pooling, copies:
   memory-bound on every device here) at :attr:`Device.mem_bw`, plus
-  :attr:`Device.op_overhead` per kernel. Counted by :class:`OpCounter`, one layer at a
-  time in forward and backward (:func:`count_chain`). On a GPU the host launches
+  :attr:`Device.op_overhead` per kernel, plus the new buffers' first touch by size
+  (:func:`fresh_s`: a CPU's page faults, measured; none on a GPU). Counted by
+  :class:`OpCounter`, one layer at a time in forward and backward (:func:`count_chain`). On a GPU the host launches
   kernels ahead of the device, so a layer costs the larger of its device time and
   its launches; on a CPU they add up.
 * **messages** (:func:`message_s`): each message's latency plus its bytes over the
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COPY_OPS",
+    "FRESH_CLASSES",
     "Counts",
     "OpCounter",
     "SpatialOps",
@@ -73,6 +75,8 @@ __all__ = [
     "branch_allreduce_s",
     "compute_s",
     "count_chain",
+    "fresh_class",
+    "fresh_s",
     "halo_copy_bytes",
     "halo_s",
     "ideal_bubble",
@@ -85,12 +89,37 @@ __all__ = [
 # ----------------------------------------------------------------------------- counting
 
 
+#: Fresh buffers by size class: class ``i`` holds buffers of ``[2^(i+12), 2^(i+13))`` bytes (the
+#: first also every smaller one, the last every larger one). On a CPU a buffer's first touch
+#: costs page faults that depend on its size (the heap's reused memory below glibc's mmap
+#: threshold, 4 KiB pages above it, huge pages from 2 MiB with ``THP_MEM_ALLOC_ENABLE``):
+#: :attr:`Device.fresh_s` is what one byte of each class costs, measured.
+FRESH_CLASSES = 20
+
+
+def fresh_class(nbytes: float) -> int:
+    """The size class of a fresh buffer of ``nbytes`` (see :data:`FRESH_CLASSES`)."""
+    if nbytes < 2**13:
+        return 0
+    return min(FRESH_CLASSES - 1, int(math.log2(nbytes)) - 12)
+
+
+def _fresh_add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    if not b:
+        return a
+    if not a:
+        return b
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
 @dataclass(frozen=True)
 class Counts:
     """Work of some ops: ``flops`` of convolutions and matrix products, ``bytes`` read plus
-    written by every other op (``copy_bytes`` of which by copy-like ops), ``ops`` kernels, and
+    written by every other op (``copy_bytes`` of which by copy-like ops), ``ops`` kernels,
     ``pixel_flops``: the FLOPs of *one output pixel* of each convolution or matrix-product
-    call, summed over the calls (a call's fixed cost is :attr:`Device.px_half` pixels' worth).
+    call, summed over the calls (a call's fixed cost is :attr:`Device.px_half` pixels' worth),
+    and ``fresh``: bytes of the new buffers the ops allocated, by size class
+    (:data:`FRESH_CLASSES`; empty: none).
     """
 
     flops: float = 0.0
@@ -98,6 +127,7 @@ class Counts:
     copy_bytes: float = 0.0
     ops: int = 0
     pixel_flops: float = 0.0
+    fresh: tuple[float, ...] = ()
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(
@@ -106,12 +136,32 @@ class Counts:
             self.copy_bytes + other.copy_bytes,
             self.ops + other.ops,
             self.pixel_flops + other.pixel_flops,
+            _fresh_add(self.fresh, other.fresh),
         )
 
+    @classmethod
+    def allocation(cls, nbytes: float, count: float = 1.0) -> Counts:
+        """``count`` fresh buffers of ``nbytes`` each (nothing else)."""
+        if nbytes <= 0 or count <= 0:
+            return cls()
+        fresh = [0.0] * FRESH_CLASSES
+        fresh[fresh_class(nbytes)] = nbytes * count
+        return cls(fresh=tuple(fresh))
+
     def scaled(self, k: float) -> Counts:
-        """The same calls on ``k`` times the pixels: FLOPs and bytes scale, calls do not."""
+        """The same calls on ``k`` times the pixels: FLOPs and bytes scale, calls do not (each
+        fresh buffer is ``k`` times larger: its size class moves by ``log2 k``)."""
+        fresh = [0.0] * FRESH_CLASSES if self.fresh else []
+        shift = round(math.log2(k)) if k > 0 else 0
+        for i, b in enumerate(self.fresh):
+            fresh[min(FRESH_CLASSES - 1, max(0, i + shift))] += b * k
         return Counts(
-            self.flops * k, self.bytes * k, self.copy_bytes * k, self.ops, self.pixel_flops
+            self.flops * k,
+            self.bytes * k,
+            self.copy_bytes * k,
+            self.ops,
+            self.pixel_flops,
+            tuple(fresh),
         )
 
     def times(self, n: float) -> Counts:
@@ -122,6 +172,7 @@ class Counts:
             self.copy_bytes * n,
             round(self.ops * n),
             self.pixel_flops * n,
+            tuple(b * n for b in self.fresh),
         )
 
 
@@ -142,6 +193,8 @@ _FREE = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
      "_local_scalar_dense", "is_nonzero", "lift_fresh", "set_", "resize_", "_has_compatible_shallow_copy_type"}
 )  # fmt: skip
+#: Of those, the ones that allocate (their buffer's pages are paid when first written).
+_ALLOCATING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -185,12 +238,14 @@ def _pixels(out: Any) -> int:
 class OpCounter(TorchDispatchMode):
     """Adds up :class:`Counts` of every aten op run inside it (works on the meta device).
 
-    A view (an op whose outputs alias its inputs without writing) and an allocation
-    cost nothing. A convolution or matrix product (``flop_registry``) counts its FLOPs and
-    its FLOPs per output pixel (its weights' traffic, constant per call, is in the
-    call's fixed cost, :attr:`Device.px_half`); any other op the bytes of its distinct
-    input and output tensors (an in-place op's tensor read and written, a fill's only
-    written).
+    A view (an op whose outputs alias its inputs without writing) costs nothing; an
+    allocation only its buffer (:attr:`Counts.fresh`). A convolution or matrix product
+    (``flop_registry``) counts its FLOPs and its FLOPs per output pixel (its weights'
+    traffic, constant per call, is in the call's fixed cost, :attr:`Device.px_half`); any
+    other op the bytes of its distinct input and output tensors (an in-place op's tensor read
+    and written, a fill's only written). Every op whose schema returns new tensors (no alias)
+    adds their buffers to :attr:`Counts.fresh`; kernels' internal workspaces are not seen
+    (they are part of the calibrated rates).
     """
 
     def __init__(self) -> None:
@@ -201,9 +256,15 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name in _FREE:
-            return out
         rets = func._schema.returns
+        fresh = Counts()
+        if rets and all(r.alias_info is None for r in rets):
+            for t in _tensors(out):
+                fresh = fresh + Counts.allocation(_nbytes(t))
+        if name in _FREE:
+            if name in _ALLOCATING:
+                self.counts = self.counts + fresh
+            return out
         if rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets):
             return out  # a view
         packet = func.overloadpacket
@@ -215,7 +276,8 @@ class OpCounter(TorchDispatchMode):
                 flops = flop_registry[packet](*args, **kwargs, out_val=out)
                 pixels = _pixels(out)
             per_pixel = float(flops) / max(1, pixels)
-            self.counts = self.counts + Counts(flops=float(flops), ops=1, pixel_flops=per_pixel)
+            work = Counts(flops=float(flops), ops=1, pixel_flops=per_pixel)
+            self.counts = self.counts + work + fresh
             return out
         seen: set[int] = set()
         total = 0
@@ -226,7 +288,8 @@ class OpCounter(TorchDispatchMode):
                 seen.add(key)
                 total += _nbytes(t)
         copy = total if name in COPY_OPS else 0
-        self.counts = self.counts + Counts(bytes=float(total), copy_bytes=float(copy), ops=1)
+        work = Counts(bytes=float(total), copy_bytes=float(copy), ops=1)
+        self.counts = self.counts + work + fresh
         return out
 
 
@@ -282,13 +345,20 @@ def count_chain(
     return out, x
 
 
+def fresh_s(counts: Counts, device: Device) -> float:
+    """Seconds ``device`` spends making the fresh buffers of ``counts`` usable (a CPU's page
+    faults, :attr:`Device.fresh_s` per byte of each size class; a GPU's caching allocator
+    reuses its memory: none)."""
+    return sum(b * s for b, s in zip(counts.fresh, device.fresh_s, strict=False))
+
+
 def compute_s(counts: Counts, device: Device) -> float:
     """Seconds ``device`` spends on ``counts``: FLOPs at its rate, each convolution call slowed
     by the saturation ``pixels / (pixels + px_half)`` (so a call costs ``px_half`` pixels'
-    FLOPs more), bytes at its bandwidth, and its launches (added on a CPU; on a GPU the larger
-    of launches and work)."""
+    FLOPs more), bytes at its bandwidth, fresh buffers (:func:`fresh_s`), and its launches
+    (added on a CPU; on a GPU the larger of launches and work)."""
     work = counts.flops + counts.pixel_flops * device.px_half
-    busy = work / device.flops + counts.bytes / device.mem_bw
+    busy = work / device.flops + counts.bytes / device.mem_bw + fresh_s(counts, device)
     launches = counts.ops * device.op_overhead
     return max(busy, launches) if device.asynchronous else busy + launches
 
