@@ -151,6 +151,8 @@ def _worker(cfg: dict[str, Any]) -> None:
             "bytes": c.bytes,
             "copy_bytes": c.copy_bytes,
             "ops": c.ops,
+            "pixel_flops": c.pixel_flops,
+            "fresh": list(c.fresh),
             "fresh_bytes": sum(c.fresh),
         },
         # Main-thread seconds of one more step by where they went: convolutions and matrix
@@ -225,7 +227,7 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
     from hyfi_imaging.parallel.devices import Device, Link
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.plan import Candidate, predict
-    from hyfi_imaging.parallel.speed import FRESH_CLASSES
+    from hyfi_imaging.parallel.speed import FRESH_CLASSES, Counts, compute_s
 
     print(f"\n== CPU validation: {args.model} {args.image}^2, main-thread CPU seconds per step")
     kwargs = {} if args.width is None else {"width": args.width}
@@ -276,6 +278,17 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
         err = busy / meas - 1
         name = "x".join(map(str, grid))
         c = r0["counted"]
+        # The model's rates on the work the real step did (the counter's counts): says whether
+        # a miss is in what the planner counts or in the device's figures.
+        real = Counts(
+            flops=c["flops"],
+            bytes=c["bytes"],
+            ops=c["ops"],
+            pixel_flops=c["pixel_flops"],
+            fresh=tuple(c["fresh"]),
+        )
+        on_counted = compute_s(real, device)
+        counted_err = on_counted / meas - 1
         print(
             f"{name:8} {busy:>8.3f} {meas:>9.3f} {err:>+7.1%} "
             f"{statistics.median(r0['process_s']):>8.3f} {statistics.median(r0['wall_s']):>8.3f} "
@@ -293,6 +306,10 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
             f"{pred.parts['fresh_s']:.3f} s ({pred.parts['fresh_bytes'] / 1e9:.2f}/"
             f"{c['fresh_bytes'] / 1e9:.2f} GB pred/count; their faults are in the ops' times); top: "
             + ", ".join(f"{k} {v:.3f}" for k, v in sp["top"])
+        )
+        print(
+            f"{'':8} the device's figures on the work the real step counted (not the "
+            f"planner's): {on_counted:.3f} s ({counted_err:+.1%})"
         )
         ok = abs(err) <= TOLERANCE
         verdicts.append(
