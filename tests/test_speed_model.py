@@ -122,6 +122,23 @@ def test_new_buffers_are_counted_by_size_and_cost_what_the_device_says() -> None
     assert c.times(3).fresh[9] == 3 * 2 * (3 << 20)
 
 
+def test_a_collective_fills_the_buffer_it_is_given_not_a_new_one() -> None:
+    """c10d's ops return their output buffer without an alias annotation: not new memory."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        out, mine = torch.empty(2 << 20), torch.ones(1 << 20)
+        counter = OpCounter()
+        with counter:
+            dist.all_gather_single(out, mine)
+            dist.reduce_scatter_single(mine, out)
+        assert counter.counts.ops == 2 and sum(counter.counts.fresh) == 0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_halo_messages_and_copies() -> None:
     """A 3x3/p1 layer's input (1, 16, 64, 32). Rows are extended first (with the image's zero
     padding where no neighbour is), then columns of the row-extended tile go out (corners):

@@ -642,9 +642,13 @@ def _rank_time(
         link = dev.link(world)
         units = [u for c in stages for u in c.units] or [params]
         total = total + Counts(bytes=2.0 * (gathers + 1) * (params + sharded))
-        for u in units:  # new buffers: each gather's output and the unsharded parameters,
-            # the reduce-scatter's input and its shard
-            total = total + Counts.allocation(u, 2 * gathers + 1) + Counts.allocation(u / n_shard)
+        for u in units:  # new buffers: each gather's copy-in (its output and this rank's
+            # shard), the unsharded parameters, the reduce-scatter's input and its shard
+            total = (
+                total
+                + Counts.allocation(u, 2 * gathers + 1)
+                + Counts.allocation(u / n_shard, gathers + 1)
+            )
         moved = (gathers + 1) * sum(reduce_scatter_s(held, n, link) for n, held in by_shard.items())
         compute = compute_s(total, dev)
         if microbatches == 1:

@@ -258,7 +258,8 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         rets = func._schema.returns
         fresh = Counts()
-        if rets and all(r.alias_info is None for r in rets):
+        # c10d's collectives return the buffers they were given, without an alias annotation.
+        if rets and all(r.alias_info is None for r in rets) and func.namespace != "c10d":
             for t in _tensors(out):
                 fresh = fresh + Counts.allocation(_nbytes(t))
         if name in _FREE:
