@@ -17,9 +17,9 @@ What a step costs (per rank, per micro-batch and pass):
   memory-bound on every device here) at :attr:`Device.mem_bw`, plus
   :attr:`Device.op_overhead` per kernel, plus the new buffers' first touch by size
   (:func:`fresh_s`: a CPU's page faults, measured; none on a GPU). Counted by
-  :class:`OpCounter`, one layer at a time in forward and backward (:func:`count_chain`). On a GPU the host launches
-  kernels ahead of the device, so a layer costs the larger of its device time and
-  its launches; on a CPU they add up.
+  :class:`OpCounter`, one layer at a time in forward and backward
+  (:func:`count_chain`). On a GPU the host launches kernels ahead of the device, so a
+  layer costs the larger of its device time and its launches; on a CPU they add up.
 * **messages** (:func:`message_s`): each message's latency plus its bytes over the
   link's bandwidth; a link within a node (NVLink) or across nodes (InfiniBand),
   :meth:`.devices.Device.link`. Collectives as their standard algorithms:
