@@ -92,3 +92,20 @@ def test_the_allocator_is_described_as_set_up() -> None:
     assert in_fresh_process("test_allocator", "described", False) == (
         "mmap threshold adaptive, huge pages off"
     )
+
+
+def planned() -> str:
+    """In a new interpreter: ``hyfi-plan`` once, then :func:`allocator`'s line."""
+    os.environ.pop(_SWITCH, None)
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    from hyfi_imaging.cli.plan import main
+    from hyfi_imaging.parallel.memory import allocator
+
+    args = ["--model", "resnet18", "--width", "0.25", "--image-size", "256", "--devices", "1"]
+    assert main([*args, "--top", "1", "--device", "h100"]) == 0
+    return allocator()
+
+
+def test_hyfi_plan_calibrates_under_the_ranks_allocator() -> None:
+    """What a new buffer costs the ranks is what this CPU's calibration must measure."""
+    assert in_fresh_process("test_allocator", "planned") == "mmap threshold 65536, huge pages on"
