@@ -18,7 +18,9 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
   step's FLOPs are counted with ``FlopCounterMode`` (the model's: recomputation not counted)
   and divided by the median step time (CUDA events, after warm-up steps), as a share of the
   device's dense bf16 peak (``PEAK_BF16_TFLOPS``). Targets: >= 40 % of peak; hyfi's overhead
-  over plain PyTorch <= 5 %.
+  over plain PyTorch <= 5 %. Beside it, ``hyfi-plan``'s speed model predicts hyfi's step on the
+  device table's row for this GPU (:func:`speed_model`; the speed model's only check against a
+  GPU): target within 20 % of the measured step, as on the CPU.
 * **(d)** The largest square image that trains (two SGD steps, bf16) on the one GPU, found by
   running, as ``bench_scale.py --part largest`` does on CPU: doubling, then bisection on
   multiples of 32 (to 1/64 of the side), every probe a fresh process so that an out-of-memory
@@ -83,6 +85,8 @@ ITEMS = {
 TARGET_PEAK_SHARE = 0.40
 TARGET_OVERHEAD = 0.05
 TARGET_PIXELS = 4.0
+#: hyfi-plan's predicted step time against the measured one (issue 19, item 6; as on CPU).
+TARGET_SPEED_MODEL = 0.20
 #: Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched in order against
 #: ``torch.cuda.get_device_name`` (the first key it contains wins).
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -587,8 +591,35 @@ def step_rows(
     return rows
 
 
-def item_c(s: Setup, peak: float | None, deadline: float) -> dict[str, Any]:
-    """Step time per side and contender, each side in its own process."""
+def speed_model(s: Setup, info: dict[str, Any]) -> dict[str, Any]:
+    """``hyfi-plan``'s predicted step of hyfi 1x1 at each side of (c) (issue 19, item 6: the
+    speed model checked on a GPU), on the device table's row for this GPU (this CPU,
+    calibrated, in a dry run): the model in bfloat16 (the bytes autocast moves), batch 1,
+    SGD. Counted on the meta device in this process, which touches no GPU."""
+    import torch
+
+    from hyfi_imaging.models import create_model
+    from hyfi_imaging.parallel.devices import get_device, table_key
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.parallel.plan import Candidate, predict
+
+    memory = int((info.get("memory_gib") or 0) * GIB)
+    row = "cpu" if s.device == "cpu" else table_key(str(info.get("name")), memory)
+    if row is None:
+        return {"row": None, "error": f"the device table has no row for {info.get('name')}"}
+    kwargs: dict[str, Any] = {"num_classes": 2} | ({"width": s.width} if s.width else {})
+    with torch.device("meta"):
+        model = create_model(s.model, **kwargs).to(torch.bfloat16)
+    device, sides = get_device(row), {}
+    for side in s.step_sides:
+        pred = predict(model, (side, side), 1, Candidate(Layout()), device=device)
+        sides[str(side)] = pred.step_s
+    return {"row": row, "device": device.name, "sides": sides}
+
+
+def item_c(s: Setup, peak: float | None, info: dict[str, Any], deadline: float) -> dict[str, Any]:
+    """Step time per side and contender, each side in its own process; the speed model's
+    prediction of hyfi's beside it (:func:`speed_model`)."""
     rows: list[dict[str, Any]] = []
     errors = []
     for i, side in enumerate(s.step_sides):
@@ -603,7 +634,12 @@ def item_c(s: Setup, peak: float | None, deadline: float) -> dict[str, Any]:
             errors.append(f"{side}^2: {run.error()}")
     status = "ok" if any(r["status"] == "ok" for r in rows) else "failed"
     error = "; ".join(errors) or None
-    return {"status": status, "model": s.model, "rows": rows, "error": error}
+    try:
+        predicted = speed_model(s, info)
+    except Exception as err:  # the measurements stand without it: the failure is recorded
+        predicted = {"row": None, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
+    return {"status": status, "model": s.model, "rows": rows, "error": error,
+            "predicted": predicted}  # fmt: skip
 
 
 def largest_side(
@@ -801,6 +837,21 @@ def verdicts(items: dict[str, dict[str, Any]], peak: float | None, device: str) 
                 f"{1e3 * best['step_s']:.1f} ms vs " + (f"{1e3 * best['step_s'] / (1 + over):.1f}"
                 f" ms, {100 * over:+.1f} %" if over is not None else "plain did not run")
                 + f" ({fmt}; target <= {100 * TARGET_OVERHEAD:.0f} %)")  # fmt: skip
+    if items.get("c", {}).get("status") == "ok":
+        rows = {(r["contender"], r["side"]): r for r in items["c"]["rows"]}
+        pred = items["c"].get("predicted") or {}
+        if pred.get("row") is None:
+            say(False, "(c) hyfi-plan's speed model", str(pred.get("error")))
+        for side, p in (pred.get("sides") or {}).items():
+            what = f"(c) hyfi-plan's speed model at {side}^2 (row {pred['row']})"
+            r = rows.get(("hyfi", int(side)), {})
+            if r.get("status") != "ok":
+                say(False, what, f"predicted {1e3 * p:.1f} ms; hyfi 1x1 (NCHW) did not run")
+                continue
+            err = p / r["step_s"] - 1
+            say(abs(err) <= TARGET_SPEED_MODEL, what,
+                f"predicted {1e3 * p:.1f} ms, measured {1e3 * r['step_s']:.1f} ms (hyfi 1x1, "
+                f"NCHW): {100 * err:+.1f} % (target within +-{100 * TARGET_SPEED_MODEL:.0f} %)")  # fmt: skip
     if not failed("d", "(d) largest image, hyfi ckpt + streamed stem / plain"):
         d = items["d"]
         p, h = d["plain"], d["hyfi_ckpt"]
@@ -992,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs: dict[str, Callable[[float], dict[str, Any]]] = {
             "a": lambda until: item_a(s, work / "train", until),
             "b": lambda until: item_b(s, info, until),
-            "c": lambda until: item_c(s, peak, until),
+            "c": lambda until: item_c(s, peak, info, until),
             "d": lambda until: item_d(s, items.get("c", {}), until),
             "e": lambda until: item_e(s, until),
         }

@@ -47,6 +47,9 @@ def test_dry_run_records_every_item(tmp_path: Path) -> None:
     assert items["b"]["ok"] and items["b"]["1x2"]["status"] == "skipped"
     assert {r["contender"] for r in items["c"]["rows"]} >= {"plain", "hyfi", "hyfi_ckpt"}
     assert all(r["flops"] > 0 for r in items["c"]["rows"])
+    predicted = items["c"]["predicted"]  # the speed model, on this CPU's calibrated row
+    assert predicted["row"] == "cpu" and sorted(predicted["sides"]) == ["64", "96"]
+    assert all(v > 0 for v in predicted["sides"].values()), predicted
     # the simulated caps (64 and 128): found exactly, 4x the pixels
     assert (items["d"]["plain"]["side"], items["d"]["hyfi_ckpt"]["side"]) == (64, 128)
     assert items["e"]["hyfi"]["status"] == "ok" and items["e"]["hyfi"]["compile_s"] > 0
@@ -54,6 +57,7 @@ def test_dry_run_records_every_item(tmp_path: Path) -> None:
     verdicts = report["verdicts"]
     assert verdicts and all(v.startswith(("PASS: ", "MISS: ")) for v in verdicts)
     assert all(v in proc.stdout for v in verdicts)
+    assert sum("(c) hyfi-plan's speed model at" in v for v in verdicts) == 2
     assert "need several GPUs" in report["multi_gpu"]
 
     text = md.read_text()
@@ -151,7 +155,8 @@ def _gpu_like_items(gc: ModuleType) -> dict[str, dict[str, Any]]:
               "losses": [0.7] * 24, "resumed_losses": [0.7] * 24, "seconds": 48.0},
         "b": {"status": "ok", "ok": True, "max_rel_error": 3e-12, "compared": 800, "failed": [],
               "backend": "nccl", "1x2": {"status": "skipped"}, "seconds": 14.0},
-        "c": {"status": "ok", "model": "resnet50", "rows": rows, "error": None, "seconds": 70.0},
+        "c": {"status": "ok", "model": "resnet50", "rows": rows, "error": None, "seconds": 70.0,
+              "predicted": {"row": "h100", "sides": {"4096": 0.0226, "8192": 0.09}}},
         "d": {"status": "ok", "pixel_ratio": (20480 / 9216) ** 2, "error": None, "seconds": 128.0,
               "plain": {"side": 9216, "upper": 9344, "converged": True, "known": 8192,
                         "probes": probes},
@@ -180,6 +185,12 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
     assert "PASS: (c) hyfi 1x1 at 4096^2, share of peak: 416.4 TFLOP/s = 42.1 %" in text
     assert "PASS: (c) hyfi 1x1 at 4096^2, overhead over plain PyTorch" in text
     assert "MISS: (c) hyfi 1x1 at 8192^2: did not run (OutOfMemoryError" in text
+    by_hyfi = by["hyfi", 4096]["step_s"]
+    assert (
+        f"PASS: (c) hyfi-plan's speed model at 4096^2 (row h100): predicted 22.6 ms, measured "
+        f"{1e3 * by_hyfi:.1f} ms (hyfi 1x1, NCHW): {100 * (0.0226 / by_hyfi - 1):+.1f} %"
+    ) in text
+    assert "MISS: (c) hyfi-plan's speed model at 8192^2 (row h100): predicted 90.0 ms; hyfi" in text
     assert "PASS: (d)" in text and "4.94x" in text and "time cap" in text
     assert "PASS: (e) torch.compile of hyfi 1x1: works (inductor)" in text
     assert "MISS: (e) torch.compile of hyfi 1x1 + ckpt + streamed stem: fails" in text

@@ -138,18 +138,12 @@ def choose_device(args: argparse.Namespace) -> Any:
     """
     import torch
 
-    from hyfi_imaging.parallel.devices import Link, get_device
+    from hyfi_imaging.parallel.devices import Link, get_device, table_key
 
     name = args.device_name
     if name is None and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0).lower()
-        big = torch.cuda.get_device_properties(0).total_memory > 50 * 2**30
-        name = next(
-            (k for k, key in (("h200", "h200"), ("h100", "h100"), ("mi300a", "mi300a"),
-                              ("a100-80gb" if big else "a100-40gb", "a100"), ("v100", "v100"))
-             if key in gpu),
-            None,
-        )  # fmt: skip
+        gpu = torch.cuda.get_device_properties(0)
+        name = table_key(gpu.name, gpu.total_memory)
     if name is None and args.device_memory is not None:
         return None  # devices of some memory, elsewhere: no figures to time them with
     dev = get_device(name or "cpu")

@@ -39,6 +39,7 @@ __all__ = [
     "Link",
     "calibrate_cpu",
     "get_device",
+    "table_key",
 ]
 
 GB = 1e9
@@ -386,6 +387,16 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
         "fresh buffers by size",
         fresh_s=tuple(float(v) for v in fig["fresh_s"]),
     )
+
+
+def table_key(gpu_name: str, memory: int) -> str | None:
+    """The row of :data:`DEVICES` for a GPU by the name CUDA gives it and its memory in bytes
+    (an A100 of more than 50 GiB is the 80 GB one); None if the table has no such GPU."""
+    name = gpu_name.lower()
+    a100 = "a100-80gb" if memory > 50 * 2**30 else "a100-40gb"
+    found = (("h200", "h200"), ("h100", "h100"), ("mi300a", "mi300a"), ("a100", a100),
+             ("v100", "v100"))  # fmt: skip
+    return next((key for part, key in found if part in name), None)
 
 
 def get_device(name: str) -> Device:
