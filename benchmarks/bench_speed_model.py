@@ -297,9 +297,10 @@ def cpu_part(args: argparse.Namespace) -> list[str]:
             f"{pred.parts['ops']:>7.0f}/{c['ops']:<7}"
         )
         sp = r0["split"]
+        conv_s = (pred.parts["flops"] + pred.parts["pixel_flops"] * device.px_half) / device.flops
         print(
             f"{'':8} where the measured step went: convolutions {sp['flop_ops_s']:.3f} s "
-            f"(predicted {pred.parts['flops'] / device.flops:.3f}), other ops "
+            f"(predicted {conv_s:.3f}), other ops "
             f"{sp['other_ops_s']:.3f} s (predicted {pred.parts['bytes'] / device.mem_bw:.3f}), "
             f"outside aten ops {sp['outside_ops_s']:.3f} s (predicted "
             f"{pred.parts['ops'] * device.op_overhead:.3f}); new buffers predicted "

@@ -174,7 +174,7 @@ class Prediction:
     #: The step time by part (seconds) and what was counted, for the busiest rank: ``busy``
     #: (what its device computes and copies, waits excluded: what CPU time measures),
     #: ``compute``, ``halo``, ``collectives`` (BatchNorm statistics), ``p2p``, ``fsdp``
-    #: (exposed), ``mirror``; ``flops``, ``bytes``, ``ops`` of its step, and its new buffers
+    #: (exposed), ``mirror``; ``flops``, ``pixel_flops``, ``bytes``, ``ops`` of its step, and its new buffers
     #: (``fresh_bytes``) with what they cost (``fresh_s``, part of ``busy``).
     parts: dict[str, float] = field(default_factory=dict)
 
@@ -676,6 +676,7 @@ def _rank_time(
         "branch": branch,
         "exposed": fsdp + mirror + branch,
         "flops": total.flops,
+        "pixel_flops": total.pixel_flops,
         "bytes": total.bytes,
         "ops": float(total.ops),
         "fresh_bytes": float(sum(total.fresh)),
