@@ -9,6 +9,7 @@ the broken halo exchange proves the check can fail.
 
 from __future__ import annotations
 
+import copy
 import csv
 import math
 import os
@@ -39,6 +40,7 @@ MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 EXACT = [
     ("classify", (1, 2), 1, 1),
     ("classify", (2, 2), 1, 1),
+    ("classify-cl", (1, 2), 1, 1),  # channels-last weights (FSDP2 used to refuse them)
     ("dense", (1, 2), 1, 1),
     ("dense", (2, 2), 1, 1),
     ("dense-mse", (2, 1), 1, 1),
@@ -114,6 +116,36 @@ def test_verify_model_in_one_process() -> None:
         shutdown()
     assert report.ok and report.max_rel_error == 0.0
     assert report.format("ResidualNet").startswith("hyfi-verify: OK: ResidualNet, ")
+
+
+def test_a_channels_last_batch_trains_under_torchs_stage_checks() -> None:
+    """torch's ``PipelineStage`` checks a stage's input strides against its contiguous meta
+    trace (torch 2.11 always; 2.13 at debug level DETAIL): a channels-last batch and model
+    were refused on an H200. The loss is the contiguous batch's, in float64."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hyfi_imaging.parallel.engine import ParallelModel
+    from hyfi_imaging.parallel.launch import init_parallel, shutdown
+
+    torch.manual_seed(0)
+    model = _user_model().ResidualNet().to(torch.float64)
+    x = torch.randn(2, 3, 30, 26, dtype=torch.float64)
+    y = torch.tensor([0, 2])
+    with torch.no_grad():
+        expected = F.cross_entropy(copy.deepcopy(model)(x), y).item()
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        pc = init_parallel(Layout())
+        cl = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        pm = ParallelModel(cl, pc, ParallelPlan(Layout()), image_hw=(30, 26))
+        batch = x.contiguous(memory_format=torch.channels_last)
+        loss = pm.train_step(pm.tile_of(batch), y)
+    finally:
+        dist.set_debug_level(level)
+        shutdown()
+    assert loss == pytest.approx(expected, rel=1e-12)
 
 
 def test_apply_spatial_leaves_a_1x1_grid_alone_and_refuses_a_spatial_model() -> None:

@@ -147,7 +147,10 @@ class ParallelModel:
             )
         if tiles.is_floating_point() and tiles.dtype != self.dtype:
             tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
-        return tiles.to(self.pc.device)
+        # Contiguous: torch's PipelineStage (2.11, measured on a GPU) checks a stage's input
+        # strides against its contiguous meta trace, so a channels-last batch was refused.
+        # The convolutions stay channels-last where the model's weights are.
+        return tiles.to(self.pc.device).contiguous()
 
     # ------------------------------------------------------------------ training
 

@@ -186,7 +186,9 @@ def apply_fsdp(
     factor of head units; ``called`` as for :func:`shard_units`. ``units``: the
     ``(path, kind)`` pairs the per-rank plan chose (:mod:`.rank_plan`, by
     :func:`stage_units` on a meta copy), sharded as given; else chosen here by that
-    function. Call once, before creating the optimizer (its parameters become sharded
+    function. Channels-last parameters are made contiguous first (FSDP2 shards only
+    contiguous ones; a channels-last batch still runs its convolutions channels-last).
+    Call once, before creating the optimizer (its parameters become sharded
     DTensors).
     """
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
@@ -195,6 +197,9 @@ def apply_fsdp(
         if units is None
         else [(p, stage if p == "(stage)" else stage.get_submodule(p), k) for p, k in units]
     )
+    for param in stage.parameters():
+        if not param.is_contiguous():  # channels-last weights: FSDP2 shards contiguous ones only
+            param.data = param.data.contiguous()
     for _, module, kind in chosen:
         sharded: FSDPModule = fully_shard(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward

@@ -7,6 +7,7 @@ the cases run in one launch, a JSON line each on rank 0), MODE one of
 * ``classify``: :class:`ResidualNet`, whose ``forward`` is not its children in
   order (a residual, a squeeze-excite block with its own global pool, a
   functional ``torch.flatten`` before the classifier), cross-entropy;
+* ``classify-cl``: the same in channels-last (weights; FSDP2 shards contiguous ones);
 * ``dense``: :class:`DenseNet`, per-pixel logits at half resolution (no global
   pool), the default per-pixel cross-entropy averaged over the image's pixels;
 * ``dense-mse``: the same model with a regression loss and float targets;
@@ -96,6 +97,11 @@ def _case(case: str) -> dict[str, Any]:
     build: Any = ResidualNet
     if mode.startswith("dense"):
         build = DenseNet
+    if mode == "classify-cl":
+
+        def build() -> nn.Module:
+            return ResidualNet().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+
     if mode == "dense-mse":
         options = {"loss": _per_pixel_mse, "target": _float_target}
     if mode == "dense-scalar-loss":  # one number per tile: refused, not silently wrong
