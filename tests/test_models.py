@@ -243,6 +243,17 @@ def test_grad_checkpointing_changes_nothing(name: str) -> None:
         assert torch.equal(a, b), n
 
 
+def test_a_checkpointed_block_under_torch_compile_is_refused_in_one_line() -> None:
+    """The refusal is raised outside the compiled graph (torch 2.11's dynamo turned the raise
+    inside it into an AssertionError on an H200)."""
+    model = build("resnet18", num_classes=2, width=0.25)
+    model.set_grad_checkpointing(True)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(ConfigError, match=r"^checkpointed block BasicBlock: .*torch.compile"):
+        compiled(torch.randn(1, 3, 64, 64))
+    torch.compiler.reset()
+
+
 def non_container_path(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for path, m in model.named_modules():
         if not any(True for _ in m.children()):

@@ -223,6 +223,19 @@ def check_positive(where: str, **values: float) -> None:
             raise ConfigError(where, f"{key}={value!r} must be positive", f"pass {key} > 0")
 
 
+@torch.compiler.disable
+def _refuse_compiled_checkpoint(block: str) -> None:
+    """Refuse a checkpointed block under torch.compile, raised outside the compiled graph:
+    torch 2.11's dynamo, tracing the raise itself, failed with an AssertionError instead
+    (measured on an H200; ``docs/benchmarks.md``)."""
+    raise ConfigError(
+        f"checkpointed block {block}",
+        "activation checkpointing cannot run under torch.compile (it keeps BatchNorm "
+        "statistics from being updated twice with a context torch.compile refuses)",
+        "compile without checkpointing (parallel.checkpointing: none) or run eagerly",
+    )
+
+
 class _RestoreBatchNormStats(contextlib.AbstractContextManager[None]):
     """Snapshot BatchNorm buffers on entry, put them back on exit.
 
@@ -313,12 +326,7 @@ class CheckpointedBlock(nn.Module):
         """Run :meth:`forward_block`, checkpointed when enabled."""
         if self.grad_checkpointing and torch.is_grad_enabled():
             if torch.compiler.is_compiling():
-                raise ConfigError(
-                    f"checkpointed block {type(self).__name__}",
-                    "activation checkpointing cannot run under torch.compile (it keeps BatchNorm "
-                    "statistics from being updated twice with a context torch.compile refuses)",
-                    "compile without checkpointing (parallel.checkpointing: none) or run eagerly",
-                )
+                _refuse_compiled_checkpoint(type(self).__name__)
             return checkpoint(
                 self.forward_block,
                 x,
