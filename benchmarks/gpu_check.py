@@ -19,8 +19,9 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
   and divided by the median step time (CUDA events, after warm-up steps), as a share of the
   device's dense bf16 peak (``PEAK_BF16_TFLOPS``). Targets: >= 40 % of peak; hyfi's overhead
   over plain PyTorch <= 5 %. Beside it, ``hyfi-plan``'s speed model predicts hyfi's step on the
-  device table's row for this GPU (:func:`speed_model`; the speed model's only check against a
-  GPU): target within 20 % of the measured step, as on the CPU.
+  device table's row for this GPU, and on that row with the compute figures measured first on
+  this GPU as ``hyfi-plan --device cuda`` measures them (:func:`_calibrate`, NCHW and
+  channels-last; :func:`speed_model`): target within 20 % of the measured step, as on the CPU.
 * **(d)** The largest square image that trains (two SGD steps, bf16) on the one GPU, found by
   running, as ``bench_scale.py --part largest`` does on CPU: doubling, then bisection on
   multiples of 32 (to 1/64 of the side), every probe a fresh process so that an out-of-memory
@@ -351,6 +352,28 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
     return out
 
 
+def _calibrate(device: str) -> dict[str, Any]:
+    """The speed model's compute figures measured on ``device`` as ``hyfi-plan --device cuda``
+    measures them (:func:`~hyfi_imaging.parallel.devices.measure_figures`), in NCHW and in
+    channels-last: bfloat16 on a GPU; on the CPU (a dry run), the CPU's own probe."""
+    from dataclasses import replace as copy_with
+
+    import torch
+
+    from hyfi_imaging.parallel import devices
+
+    out: dict[str, Any] = {}
+    for fmt, cl in (("nchw", False), ("channels_last", True)):
+        if device == "cuda":
+            where = devices.gpu_probe(torch.device("cuda", 0), torch.bfloat16, cl)
+        else:
+            where = copy_with(devices._CPU_PROBE, channels_last=cl)
+        t0 = time.perf_counter()
+        out[fmt] = devices.measure_figures(where)
+        out[fmt]["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
 def _worker(argv: list[str]) -> int:
     """``gpu_check.py --worker KIND ...``: one measurement in a fresh process."""
     kind, rest = argv[0], argv[1:]
@@ -369,6 +392,9 @@ def _worker(argv: list[str]) -> int:
     import torch
 
     torch.backends.cudnn.benchmark = bool(spec.get("benchmark"))
+    if kind == "calibrate":
+        print("RESULT " + json.dumps(_calibrate(spec["device"])), flush=True)
+        return 0
     if spec.get("flops"):
         flops = _count_flops(spec["model"], spec.get("width"), int(spec["side"]))
         print("RESULT " + json.dumps({"flops": flops}), flush=True)
@@ -591,15 +617,19 @@ def step_rows(
     return rows
 
 
-def speed_model(s: Setup, info: dict[str, Any]) -> dict[str, Any]:
+def speed_model(
+    s: Setup, info: dict[str, Any], figures: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``hyfi-plan``'s predicted step of hyfi 1x1 at each side of (c) (issue 19, item 6: the
     speed model checked on a GPU), on the device table's row for this GPU (this CPU,
-    calibrated, in a dry run): the model in bfloat16 (the bytes autocast moves), batch 1,
-    SGD. Counted on the meta device in this process, which touches no GPU."""
+    calibrated, in a dry run) and, where ``figures`` were measured on the GPU
+    (:func:`_calibrate`), on that row with them, per memory format: the model in bfloat16
+    (the bytes autocast moves), batch 1, SGD. Counted on the meta device in this process,
+    which touches no GPU."""
     import torch
 
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel.devices import get_device, table_key
+    from hyfi_imaging.parallel.devices import calibrated, get_device, table_key
     from hyfi_imaging.parallel.layout import Layout
     from hyfi_imaging.parallel.plan import Candidate, predict
 
@@ -610,11 +640,23 @@ def speed_model(s: Setup, info: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_classes": 2} | ({"width": s.width} if s.width else {})
     with torch.device("meta"):
         model = create_model(s.model, **kwargs).to(torch.bfloat16)
-    device, sides = get_device(row), {}
-    for side in s.step_sides:
-        pred = predict(model, (side, side), 1, Candidate(Layout()), device=device)
-        sides[str(side)] = pred.step_s
-    return {"row": row, "device": device.name, "sides": sides}
+    device = get_device(row)
+
+    def sides(on: Any) -> dict[str, float]:
+        return {
+            str(side): predict(model, (side, side), 1, Candidate(Layout()), device=on).step_s
+            for side in s.step_sides
+        }
+
+    out: dict[str, Any] = {"row": row, "device": device.name, "sides": sides(device)}
+    measured = {}
+    for fmt, fig in (figures or {}).items():
+        if isinstance(fig, dict) and "flops" in fig:
+            on = calibrated(device, fig, f"{info.get('name')}, {fmt}")
+            measured[fmt] = {"sides": sides(on), "figures": fig}
+    if measured:
+        out["measured"] = measured
+    return out
 
 
 def item_c(s: Setup, peak: float | None, info: dict[str, Any], deadline: float) -> dict[str, Any]:
@@ -622,6 +664,14 @@ def item_c(s: Setup, peak: float | None, info: dict[str, Any], deadline: float) 
     prediction of hyfi's beside it (:func:`speed_model`)."""
     rows: list[dict[str, Any]] = []
     errors = []
+    # The speed model's figures measured on this device first (seconds): what the
+    # prediction from measured figures is checked with, beside the table's row.
+    spec = json.dumps({"device": s.device, "benchmark": True})
+    until = time.monotonic() + 0.2 * (deadline - time.monotonic())
+    calibration = _spawn(_python(__file__, "--worker", "calibrate", spec), until)
+    figures = next(iter(calibration.results()), None)
+    if figures is None:
+        errors.append(f"calibration: {calibration.error()}")
     for i, side in enumerate(s.step_sides):
         share = 1.0 / (len(s.step_sides) - i)  # what is left, split over the sides left
         until = time.monotonic() + share * (deadline - time.monotonic())
@@ -635,7 +685,7 @@ def item_c(s: Setup, peak: float | None, info: dict[str, Any], deadline: float) 
     status = "ok" if any(r["status"] == "ok" for r in rows) else "failed"
     error = "; ".join(errors) or None
     try:
-        predicted = speed_model(s, info)
+        predicted = speed_model(s, info, figures)
     except Exception as err:  # the measurements stand without it: the failure is recorded
         predicted = {"row": None, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
     return {"status": status, "model": s.model, "rows": rows, "error": error,
@@ -842,16 +892,23 @@ def verdicts(items: dict[str, dict[str, Any]], peak: float | None, device: str) 
         pred = items["c"].get("predicted") or {}
         if pred.get("row") is None:
             say(False, "(c) hyfi-plan's speed model", str(pred.get("error")))
-        for side, p in (pred.get("sides") or {}).items():
-            what = f"(c) hyfi-plan's speed model at {side}^2 (row {pred['row']})"
-            r = rows.get(("hyfi", int(side)), {})
-            if r.get("status") != "ok":
-                say(False, what, f"predicted {1e3 * p:.1f} ms; hyfi 1x1 (NCHW) did not run")
-                continue
-            err = p / r["step_s"] - 1
-            say(abs(err) <= TARGET_SPEED_MODEL, what,
-                f"predicted {1e3 * p:.1f} ms, measured {1e3 * r['step_s']:.1f} ms (hyfi 1x1, "
-                f"NCHW): {100 * err:+.1f} % (target within +-{100 * TARGET_SPEED_MODEL:.0f} %)")  # fmt: skip
+        # (the table's row; its compute figures measured on this device, per memory format)
+        checks = [(f"row {pred.get('row')}", "hyfi", "NCHW", pred.get("sides") or {})]
+        for key, name, fmt in (("nchw", "hyfi", "NCHW"), ("channels_last", "hyfi_cl", "channels-last")):  # fmt: skip
+            if key in (pred.get("measured") or {}):
+                label = f"row {pred.get('row')} with figures measured here, {fmt}"
+                checks.append((label, name, fmt, pred["measured"][key]["sides"]))
+        for label, name, fmt, sides in checks:
+            for side, p in sides.items():
+                what = f"(c) hyfi-plan's speed model at {side}^2 ({label})"
+                r = rows.get((name, int(side)), {})
+                if r.get("status") != "ok":
+                    say(False, what, f"predicted {1e3 * p:.1f} ms; hyfi 1x1 ({fmt}) did not run")
+                    continue
+                err = p / r["step_s"] - 1
+                say(abs(err) <= TARGET_SPEED_MODEL, what,
+                    f"predicted {1e3 * p:.1f} ms, measured {1e3 * r['step_s']:.1f} ms (hyfi 1x1, "
+                    f"{fmt}): {100 * err:+.1f} % (target within +-{100 * TARGET_SPEED_MODEL:.0f} %)")  # fmt: skip
     if not failed("d", "(d) largest image, hyfi ckpt + streamed stem / plain"):
         d = items["d"]
         p, h = d["plain"], d["hyfi_ckpt"]
@@ -913,6 +970,14 @@ def _markdown(report: dict[str, Any], out_json: Path) -> str:
             lines.append(f"| {r['contender']} | {r['side']} | {1e3 * r['step_s']:.1f} | "
                          f"{r.get('tflops_per_s', 0):.1f} | {_pct(r.get('peak_share'))} | "
                          f"{over} | {gib} |")  # fmt: skip
+    measured = (items["c"].get("predicted") or {}).get("measured") or {}
+    if measured:  # what a row of the device table would take (hyfi_imaging/parallel/devices.py)
+        lines += ["", "| speed model's figures, measured here | conv TFLOP/s | memory GB/s "
+                  "| µs per kernel | px_half |", "|---|---|---|---|---|"]  # fmt: skip
+        for fmt, m in measured.items():
+            f = m["figures"]
+            lines.append(f"| {fmt} | {f['flops'] / 1e12:.1f} | {f['mem_bw'] / 1e9:.0f} | "
+                         f"{1e6 * f['op_overhead']:.1f} | {f['px_half']:.0f} |")  # fmt: skip
     d = items["d"]
     if "plain" in d:
         lines += ["", "| largest image | side | megapixels | probes |", "|---|---|---|---|"]

@@ -57,7 +57,12 @@ def test_dry_run_records_every_item(tmp_path: Path) -> None:
     verdicts = report["verdicts"]
     assert verdicts and all(v.startswith(("PASS: ", "MISS: ")) for v in verdicts)
     assert all(v in proc.stdout for v in verdicts)
-    assert sum("(c) hyfi-plan's speed model at" in v for v in verdicts) == 2
+    # the table's row, and its compute figures measured here in each memory format
+    assert sum("(c) hyfi-plan's speed model at" in v for v in verdicts) == 6
+    for fmt in ("nchw", "channels_last"):
+        figures = predicted["measured"][fmt]["figures"]
+        assert figures["flops"] > 0 and figures["mem_bw"] > 0 and figures["op_overhead"] > 0
+        assert sorted(predicted["measured"][fmt]["sides"]) == ["64", "96"]
     assert "need several GPUs" in report["multi_gpu"]
 
     text = md.read_text()
@@ -156,7 +161,11 @@ def _gpu_like_items(gc: ModuleType) -> dict[str, dict[str, Any]]:
         "b": {"status": "ok", "ok": True, "max_rel_error": 3e-12, "compared": 800, "failed": [],
               "backend": "nccl", "1x2": {"status": "skipped"}, "seconds": 14.0},
         "c": {"status": "ok", "model": "resnet50", "rows": rows, "error": None, "seconds": 70.0,
-              "predicted": {"row": "h100", "sides": {"4096": 0.0226, "8192": 0.09}}},
+              "predicted": {"row": "h100", "sides": {"4096": 0.0226, "8192": 0.09},
+                            "measured": {"channels_last": {"sides": {"4096": 0.0300, "8192": 0.12},
+                                         "figures": {"flops": 1.8e14, "mem_bw": 3.1e12,
+                                                     "op_overhead": 6e-6, "px_half": 5000.0,
+                                                     "fresh_s": []}}}}},
         "d": {"status": "ok", "pixel_ratio": (20480 / 9216) ** 2, "error": None, "seconds": 128.0,
               "plain": {"side": 9216, "upper": 9344, "converged": True, "known": 8192,
                         "probes": probes},
@@ -191,6 +200,13 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
         f"{1e3 * by_hyfi:.1f} ms (hyfi 1x1, NCHW): {100 * (0.0226 / by_hyfi - 1):+.1f} %"
     ) in text
     assert "MISS: (c) hyfi-plan's speed model at 8192^2 (row h100): predicted 90.0 ms; hyfi" in text
+    by_cl = by["hyfi_cl", 4096]["step_s"]
+    assert (
+        f"MISS: (c) hyfi-plan's speed model at 4096^2 (row h100 with figures measured here, "
+        f"channels-last): predicted 30.0 ms, measured {1e3 * by_cl:.1f} ms (hyfi 1x1, "
+        f"channels-last): {100 * (0.0300 / by_cl - 1):+.1f} %"
+    ) in text
+    assert "(row h100 with figures measured here, NCHW)" not in text  # not measured
     assert "PASS: (d)" in text and "4.94x" in text and "time cap" in text
     assert "PASS: (e) torch.compile of hyfi 1x1: works (inductor)" in text
     assert "MISS: (e) torch.compile of hyfi 1x1 + ckpt + streamed stem: fails" in text
@@ -206,3 +222,4 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
     assert "| resnet50 bf16, batch 1 |" in md
     assert "| hyfi_cl | 4096 | 19.5 | 416.4 | 42.1 % | +2.6 % |" in md
     assert "| hyfi_ckpt | 20480 | 419.4 | 16384: oom, 12288: ok |" in md
+    assert "| channels_last | 180.0 | 3100 | 6.0 | 5000 |" in md

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hyfi_imaging.cli.plan import main
+from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
 from hyfi_imaging.parallel import devices as devices_module
 from hyfi_imaging.parallel.devices import DEVICES, Device, Link, calibrate_cpu, get_device
@@ -247,6 +248,34 @@ def test_cpu_calibration_is_measured_once_and_cached(
     assert len(first.fresh_s) == FRESH_CLASSES and min(first.fresh_s) >= 0, first.fresh_s
     assert all(s < 1e-7 for s in first.fresh_s), first.fresh_s  # < 0.4 ms per 4 KiB page
     assert not first.asynchronous
+
+
+def test_the_gpu_calibration_measures_in_its_dtype_and_format_and_keeps_the_rows_links() -> None:
+    """``hyfi-plan --device cuda`` measures a GPU as the CPU is measured (bfloat16,
+    channels-last there); the same code on the CPU in bfloat16 channels-last, tiny sizes."""
+    where = devices_module._Probe(
+        torch.device("cpu"), torch.bfloat16, True, maps=((8, 32),), convs=((8, 24), (16, 8))
+    )
+    fig = devices_module.measure_figures(where, repeat=1)
+    assert fig["flops"] > 0 and fig["mem_bw"] > 0 and fig["op_overhead"] > 0, fig
+    row = DEVICES["h200"]
+    dev = devices_module.calibrated(row, fig, "a test")
+    assert (dev.flops, dev.mem_bw, dev.px_half) == (fig["flops"], fig["mem_bw"], fig["px_half"])
+    assert (dev.intra, dev.inter, dev.memory, dev.per_node) == (
+        row.intra, row.inter, row.memory, row.per_node
+    )  # fmt: skip
+    assert dev.asynchronous and "measured: a test" in dev.name
+    gpu = devices_module.gpu_probe(torch.device("cuda", 0), torch.bfloat16, True)
+    assert gpu.asynchronous and not where.asynchronous
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"^--device cuda: found no CUDA device; run it on"):
+        get_device("cuda")
+    args = ["--model", "resnet18", "--width", "0.25", "--image-size", "256", "--devices", "1"]
+    assert main([*args, "--device", "cuda"]) == 2
+    assert "found no CUDA device" in capsys.readouterr().err
 
 
 def test_cli_takes_a_device_of_the_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: this machine's GPU, else its RAM over the ranks)")  # fmt: skip
     p.add_argument("--device", dest="device_name", metavar="NAME",
                    help="a row of the device table: " + ", ".join((*DEVICE_NAMES, "cpu"))
-                   + " (default: this machine's GPU if the table has it, else this CPU)")  # fmt: skip
+                   + "; cuda: this machine's GPU, its figures measured (a few seconds, cached)"
+                   + " (default: this machine's GPU's table row if the table has it, else this "
+                   "CPU)")  # fmt: skip
     p.add_argument("--rate", "--flops", dest="rate", type=float,
                    help="sustained FLOP/s per device (default: the device's)")  # fmt: skip
     p.add_argument("--mem-bw", type=memory_size, help="bytes/s of memory-bound ops")

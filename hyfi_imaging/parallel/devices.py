@@ -38,7 +38,11 @@ __all__ = [
     "Device",
     "Link",
     "calibrate_cpu",
+    "calibrate_gpu",
+    "calibrated",
     "get_device",
+    "gpu_probe",
+    "measure_figures",
     "table_key",
 ]
 
@@ -193,18 +197,68 @@ def _cpu_key() -> str:
     return f"{model}|torch {torch.__version__}|threads {threads}|{allocator()}|v{_CALIBRATION}"
 
 
-def _typical_s(fn: Callable[[], object], repeat: int) -> float:
-    """Median of ``repeat`` runs after a warm-up (the fastest caught turbo moments that a
-    training step does not sustain). With one torch thread, the main thread's CPU time (what
-    another process on a shared machine does not inflate), else wall time."""
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    fn()  # warm-up: first-call allocations and kernel selection
-    spent = []
-    for _ in range(repeat):
-        began = clock()
-        fn()
-        spent.append(clock() - began)
-    return statistics.median(spent)
+@dataclass(frozen=True)
+class _Probe:
+    """Where the calibration measures and on what: the device, the element type and memory
+    format of its tensors, the memory-bound blocks' maps and the convolutions' sizes, each
+    ``(channels, side)``."""
+
+    device: torch.device
+    dtype: torch.dtype
+    channels_last: bool
+    maps: tuple[tuple[int, int], ...]
+    convs: tuple[tuple[int, int], ...]
+
+    @property
+    def asynchronous(self) -> bool:
+        """The host launches ahead of the device (CUDA): a launch's cost hides behind work."""
+        return self.device.type == "cuda"
+
+    def tensor(self, *shape: int, grad: bool = False) -> torch.Tensor:
+        t = torch.randn(shape, device=self.device, dtype=self.dtype)
+        if self.channels_last and t.dim() == 4:
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t.requires_grad_(grad)
+
+    def module(self, m: nn.Module) -> nn.Module:
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return m.to(device=self.device, dtype=self.dtype, memory_format=fmt)  # type: ignore[call-overload]
+
+    def typical_s(self, fn: Callable[[], object], repeat: int) -> float:
+        """Median of ``repeat`` runs after a warm-up (the fastest caught turbo moments that a
+        training step does not sustain). On the CPU with one torch thread, the main thread's
+        CPU time (what another process on a shared machine does not inflate), else wall time;
+        on CUDA, wall time from a synchronised start to a synchronised end."""
+        cuda = self.device.type == "cuda"
+        clock = time.thread_time if torch.get_num_threads() == 1 and not cuda else time.perf_counter
+        fn()  # warm-up: first-call allocations and kernel selection
+        spent = []
+        for _ in range(repeat):
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            began = clock()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            spent.append(clock() - began)
+        return statistics.median(spent)
+
+
+#: This CPU, in float32: maps of 4 and 8 MiB, convolutions from 64 channels on 96^2 to 256 on 8^2.
+_CPU_PROBE = _Probe(
+    torch.device("cpu"), torch.float32, False,
+    maps=((64, 128), (128, 128)), convs=((64, 96), (128, 32), (256, 16), (256, 8)),
+)  # fmt: skip
+
+
+def gpu_probe(device: torch.device, dtype: torch.dtype, channels_last: bool) -> _Probe:
+    """A GPU's probe: maps of 128 and 256 MiB in bfloat16 (several times an H100's 50 MB L2),
+    convolutions from 64 channels on 1024^2 to 512 on 32^2 (either side of the size where a
+    call fills the device)."""
+    return _Probe(
+        device, dtype, channels_last,
+        maps=((64, 1024), (128, 1024)), convs=((64, 1024), (128, 512), (256, 128), (512, 32)),
+    )  # fmt: skip
 
 
 def _counted(fn: Callable[[], object]) -> Counts:
@@ -214,10 +268,10 @@ def _counted(fn: Callable[[], object]) -> Counts:
     return counter.counts
 
 
-def _conv_step(channels: int, side: int) -> Callable[[], None]:
+def _conv_step(probe: _Probe, channels: int, side: int) -> Callable[[], None]:
     """A 3x3 convolution's forward and backward (input and weight gradients) on ``side^2``."""
-    x = torch.randn(1, channels, side + 2, side + 2, requires_grad=True)
-    w = torch.randn(channels, channels, 3, 3, requires_grad=True)
+    x = probe.tensor(1, channels, side + 2, side + 2, grad=True)
+    w = probe.tensor(channels, channels, 3, 3, grad=True)
 
     def step() -> None:
         y = torch.nn.functional.conv2d(x, w)
@@ -267,37 +321,48 @@ def _net(spent: float, known: float) -> float:
 
 def _measure_cpu(repeat: int = 9) -> dict[str, Any]:
     """Figures of :func:`calibrate_cpu`, each with the same counting as the model uses."""
-    fresh = _measure_fresh(repeat)
+    return measure_figures(_CPU_PROBE, repeat)
+
+
+def measure_figures(where: _Probe, repeat: int = 9) -> dict[str, Any]:
+    """A device's figures (:data:`_FIGURES`) measured on ``where`` (:data:`_CPU_PROBE`,
+    :func:`gpu_probe`), each with the same counting (:class:`OpCounter`) the model uses. On
+    CUDA the new buffers cost nothing (the caching allocator reuses memory) and the launches
+    overlap the kernels, so neither is taken off the kernels' time."""
+    fresh = _measure_fresh(repeat) if where.device.type == "cpu" else []
     probe = Device(
         "probe", flops=1.0, mem_bw=1.0, memory=0, op_overhead=0.0, asynchronous=False,
         intra=Link(1.0, 0.0), inter=Link(1.0, 0.0), per_node=1, fresh_s=tuple(fresh),
     )  # fmt: skip
+    launch = 0.0 if where.asynchronous else 1.0  # the share of launches kernels wait for
     # Host cost per kernel of a training step (module calls, autograd's graph and engine):
     # a network of the same layers on an 8^2 map, where the arithmetic is negligible.
-    tiny = nn.Sequential(
-        *(
-            m
-            for _ in range(10)
-            for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    tiny = where.module(
+        nn.Sequential(
+            *(
+                m
+                for _ in range(10)
+                for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            )
         )
     )
-    small = torch.randn(1, 4, 8, 8)
+    small = where.tensor(1, 4, 8, 8)
 
     def step() -> None:
         tiny(small).sum().backward()
 
     c = _counted(step)
-    overhead = _net(_typical_s(step, repeat), fresh_s(c, probe)) / max(1, c.ops)
+    overhead = _net(where.typical_s(step, repeat), fresh_s(c, probe)) / max(1, c.ops)
     # Memory-bound ops as a network runs them: BatchNorm, a residual add and a ReLU, forward
     # and backward, on maps of 4 and 8 MiB (a plain 64 MiB copy runs about twice as fast per
     # byte on this project's CPU): their bytes over their time less their new buffers' (maps
     # this large, so that the buffers' share is small: at 0.5 MiB it was most of the time
     # under the fixed mmap threshold, and the rate a small difference of two large numbers).
     moved = spent = 0.0
-    for channels, side in ((64, 128), (128, 128)):
-        norm = nn.BatchNorm2d(channels)
-        a = torch.randn(1, channels, side, side, requires_grad=True)
-        b = torch.randn(1, channels, side, side)
+    for channels, side in where.maps:
+        norm = where.module(nn.BatchNorm2d(channels))
+        a = where.tensor(1, channels, side, side, grad=True)
+        b = where.tensor(1, channels, side, side)
 
         def block(norm: nn.Module = norm, a: torch.Tensor = a, b: torch.Tensor = b) -> None:
             y = torch.relu(norm(a) + b)
@@ -305,15 +370,15 @@ def _measure_cpu(repeat: int = 9) -> dict[str, Any]:
 
         c = _counted(block)
         moved += c.bytes
-        spent += _net(_typical_s(block, repeat), fresh_s(c, probe) + c.ops * overhead)
+        spent += _net(where.typical_s(block, repeat), fresh_s(c, probe) + launch * c.ops * overhead)
     mem_bw = moved / spent
     # Convolutions from a large map to a small one: time (less launches) = (flops + pixel_flops
     # x px_half) / rate, fitted by least squares (two unknowns, four sizes).
     rows = []
-    for channels, side in ((64, 96), (128, 32), (256, 16), (256, 8)):
-        fn = _conv_step(channels, side)
+    for channels, side in where.convs:
+        fn = _conv_step(where, channels, side)
         c = _counted(fn)
-        spent_s = _net(_typical_s(fn, repeat), c.ops * overhead + fresh_s(c, probe))
+        spent_s = _net(where.typical_s(fn, repeat), launch * c.ops * overhead + fresh_s(c, probe))
         rows.append((c.flops, c.pixel_flops, spent_s))
     sff = sum(f * f for f, _, _ in rows)
     spp = sum(p * p for _, p, _ in rows)
@@ -351,24 +416,8 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
     and allocator (:func:`~.memory.allocator`; ``refresh`` measures again). Links: Gloo
     over loopback, nominal (2 GB/s, 50 µs), not measured.
     """
-    path = cache or _cache_path()
     key = _cpu_key()
-    table: dict[str, Any] = {}
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    fig = table.get(key) if not refresh else None
-    if not isinstance(fig, dict) or not set(_FIGURES) <= set(fig):
-        fig = _measure_cpu()
-        table[key] = fig
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home: measure again next time
+    fig = _cached_figures(key, lambda: _measure_cpu(), refresh=refresh, cache=cache)
     loopback = Link(2 * GB, 50e-6)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Device(
@@ -389,6 +438,74 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
     )
 
 
+def _cached_figures(
+    key: str, measure: Callable[[], dict[str, Any]], *, refresh: bool, cache: Path | None
+) -> dict[str, Any]:
+    """The figures cached under ``key`` in ``cache`` (default :func:`_cache_path`), else
+    ``measure()``'s, cached (``refresh``: measure again)."""
+    path = cache or _cache_path()
+    table: dict[str, Any] = {}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    fig = table.get(key) if not refresh else None
+    if not isinstance(fig, dict) or not set(_FIGURES) <= set(fig):
+        fig = measure()
+        table[key] = fig
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: measure again next time
+    return fig
+
+
+def calibrated(row: Device, figures: dict[str, Any], what: str) -> Device:
+    """``row`` (its memory, links and nodes) with its compute figures replaced by measured
+    ones (:func:`measure_figures`); ``what`` says where they were measured."""
+    return row.with_(
+        name=f"{row.name} (measured: {what})",
+        flops=float(figures["flops"]),
+        mem_bw=float(figures["mem_bw"]),
+        op_overhead=float(figures["op_overhead"]),
+        px_half=float(figures["px_half"]),
+        fresh_s=tuple(float(v) for v in figures["fresh_s"]) if figures["fresh_s"] else (),
+        note=f"calibrated on {what}; links and memory from the table",
+    )
+
+
+def calibrate_gpu(
+    *, channels_last: bool = True, refresh: bool = False, cache: Path | None = None
+) -> Device:
+    """This machine's first CUDA device as a :class:`Device`, in bfloat16: its compute figures
+    measured as :func:`calibrate_cpu` measures the CPU's (:func:`gpu_probe`, a few seconds,
+    cached by GPU, torch, cuDNN and memory format), its memory and links from the table's row
+    for it (:func:`table_key`; a GPU the table lacks gets nominal PCIe links: give
+    ``--link-bw`` and ``--inter-bw``). ``hyfi-plan --device cuda``."""
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--device cuda", "found no CUDA device", "run it on a GPU machine, or name a table row"
+        )
+    gpu = torch.cuda.get_device_properties(0)
+    fmt = "channels-last" if channels_last else "NCHW"
+    key = (
+        f"{gpu.name}|torch {torch.__version__}|cudnn {torch.backends.cudnn.version()}|bf16 {fmt}"
+        f"|v{_CALIBRATION}"
+    )
+    where = gpu_probe(torch.device("cuda", 0), torch.bfloat16, channels_last)
+    fig = _cached_figures(key, lambda: measure_figures(where), refresh=refresh, cache=cache)
+    row_key = table_key(gpu.name, gpu.total_memory)
+    row = DEVICES[row_key] if row_key else _gpu(
+        gpu.name, peak=float(fig["flops"]), hbm=float(fig["mem_bw"]),
+        memory_gb=gpu.total_memory / 2**30, nvlink=25 * GB, ib=12.5 * GB, per_node=8,
+        px_half=0.0, note="not in the table: links nominal (PCIe 4 x16, 100 Gb/s)",
+    )  # fmt: skip
+    return calibrated(row, fig, f"{gpu.name}, bf16 {fmt}")
+
+
 def table_key(gpu_name: str, memory: int) -> str | None:
     """The row of :data:`DEVICES` for a GPU by the name CUDA gives it and its memory in bytes
     (an A100 of more than 50 GiB is the 80 GB one); None if the table has no such GPU."""
@@ -400,14 +517,17 @@ def table_key(gpu_name: str, memory: int) -> str | None:
 
 
 def get_device(name: str) -> Device:
-    """A device of :data:`DEVICES` by name (case-insensitive), or ``cpu`` (:func:`calibrate_cpu`)."""
+    """A device of :data:`DEVICES` by name (case-insensitive), ``cpu`` (:func:`calibrate_cpu`)
+    or ``cuda`` (this machine's GPU, :func:`calibrate_gpu`)."""
     key = name.strip().lower()
     if key in CPU_NAMES:
         return calibrate_cpu()
+    if key == "cuda":
+        return calibrate_gpu()
     if key in DEVICES:
         return DEVICES[key]
     raise ConfigError(
         f"--device {name}",
         "is not in the device table",
-        f"use one of {', '.join((*DEVICES, 'cpu'))}, or give --flops/--mem-bw yourself",
+        f"use one of {', '.join((*DEVICES, 'cpu', 'cuda'))}, or give --flops/--mem-bw yourself",
     )
