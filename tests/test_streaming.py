@@ -64,6 +64,22 @@ def test_resnet_stem_in_bands_trains_like_the_whole_map(
     assert chain_run(streamed.conv1).runs == 2  # both steps ran in bands
 
 
+def test_bands_are_planned_by_the_stems_maps_not_a_fixed_height() -> None:
+    """A ResNet stem's maps per output pixel (conv, BatchNorm, ReLU: 64 channels at 4 pixels;
+    the max-pool's 64) are 13 times its output's: 13 bands a tile at any size past 13 x 16
+    output rows, not one band per 16 rows (64 at 4096^2, each a fixed number of kernels)."""
+    from hyfi_imaging.parallel.streaming import _Frame, _Plan
+
+    model = create_model("resnet50", num_classes=2)
+    stream_stem(model)
+    layers = chain_run(model.conv1).layers
+    for side, bands in ((4096, 13), (16384, 13), (512, 8), (64, 1)):
+        frame = _Frame((side, side), (0, 0), (side, side), (True, True), False)
+        assert len(_Plan(layers, frame, None).bands) == bands, side
+    frame = _Frame((4096, 4096), (0, 0), (4096, 4096), (True, True), False)
+    assert len(_Plan(layers, frame, 16).bands) == 64  # an explicit height is kept
+
+
 def test_a_stem_of_two_batchnorms_and_a_trailing_convolution() -> None:
     """conv/2 > BN > ReLU6 > conv (dilated, grouped, biased) > BN (no affine, cumulative
     running average) > SiLU > max-pool > 1x1 conv: one BatchNorm pass each, in order."""

@@ -67,9 +67,10 @@ _ACTIVATIONS = (
     nn.Identity,
 )  # fmt: skip
 
-#: Rows of the stem's output per band: enough that the bands' overlap (a few rows of
-#: each map) costs little, few enough that a band is a small share of the tile.
-_BAND_ROWS = 16
+#: The fewest rows of the stem's output per band: enough that the bands' overlap (a few
+#: rows of each map) costs little. How many bands a tile has is planned
+#: (:meth:`_Plan.band_rows`): as few as keep a band's maps no larger than the stem's output.
+_MIN_BAND_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class _Frame:
 class _Plan:
     """Levels, owned ranges and band boxes of one stem for one tile (pure geometry)."""
 
-    def __init__(self, layers: list[_Layer], frame: _Frame, band_rows: int) -> None:
+    def __init__(self, layers: list[_Layer], frame: _Frame, band_rows: int | None) -> None:
         self.layers, self.frame = layers, frame
         n = len(layers)
         # Per axis: image length and cumulative jump at every level 0..n.
@@ -191,6 +192,7 @@ class _Plan:
             self.owned.append(per)
             self.out_len.append(frame.tile[a] // self.jump[a][n] if frame.spatial else per[n].stop)
         top = self.owned[0][n]
+        band_rows = band_rows or self.band_rows(top.stop - top.start)
         cuts = list(range(top.start, top.stop, band_rows))[1:]
         self.bands = list(zip([top.start, *cuts], [*cuts, top.stop], strict=True))
         self.cols = self._boxes(1, self.owned[1])
@@ -198,6 +200,28 @@ class _Plan:
             self._boxes(0, [self._own_rows(lvl, b0, b1, i) for lvl in range(n + 1)])
             for i, (b0, b1) in enumerate(self.bands)
         ]
+
+    def band_rows(self, rows: int) -> int:
+        """Output rows per band of a tile with ``rows`` output rows: as many bands as make one
+        band's maps (every layer's output, over the band's rows) about as large as the stem's
+        whole output, which exists anyway (it is the next layer's input); at least
+        :data:`_MIN_BAND_ROWS` rows. A ResNet's stem (64 channels at 4 pixels per output pixel
+        through the convolution, BatchNorm and ReLU, then the max-pool's 64) gets 13 bands,
+        whatever the tile's size: every band costs a fixed number of kernels (146 for
+        ResNet-50's stem, counted), which a GPU pays in launches (16 rows a band, as before,
+        was 64 bands at 4096^2; ``docs/benchmarks.md``)."""
+        n = len(self.layers)
+        chans = int(self.layers[0].module.in_channels)  # type: ignore[arg-type]
+        maps = 0.0
+        for lvl, ly in enumerate(self.layers, start=1):
+            if ly.kind == "conv":
+                chans = int(ly.module.out_channels)  # type: ignore[arg-type]
+            per_output = (self.jump[0][n] / self.jump[0][lvl]) * (
+                self.jump[1][n] / self.jump[1][lvl]
+            )
+            maps += chans * per_output
+        bands = max(1, math.ceil(maps / chans))  # chans: the output's
+        return max(_MIN_BAND_ROWS, -(-rows // bands))
 
     def _own_rows(self, lvl: int, b0: int, b1: int, band: int) -> Span:
         """Rows of level ``lvl`` band ``band`` owns (the rank's, cut at the band bounds)."""
@@ -290,7 +314,7 @@ class Stem:
     of its layers.
     """
 
-    def __init__(self, layers: list[_Layer], ctx: Any, band_rows: int = _BAND_ROWS) -> None:
+    def __init__(self, layers: list[_Layer], ctx: Any, band_rows: int | None = None) -> None:
         self.layers, self.ctx, self.band_rows = layers, ctx, band_rows
         self.modules = [ly.module for ly in layers]
         #: Forward passes run in bands (tests and the verify report read it).
@@ -712,9 +736,11 @@ def _stream_layers(model: nn.Module) -> list[_Layer]:
     return layers
 
 
-def stream_stem(model: nn.Module, ctx: Any = None, *, band_rows: int = _BAND_ROWS) -> list[str]:
+def stream_stem(model: nn.Module, ctx: Any = None, *, band_rows: int | None = None) -> list[str]:
     """Stream the stem of chain ``model`` (its leading convolutions, max-pools, BatchNorms
     and activations) in bands; returns the streamed layers' names.
+
+    ``band_rows``: output rows per band (None: planned per tile, :meth:`_Plan.band_rows`).
 
     ``ctx``: the :class:`~hyfi_imaging.parallel.spatial.SpatialContext` of a spatialized
     model, or None for one process. Raises ConfigError when the model is not a chain or
