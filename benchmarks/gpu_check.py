@@ -356,20 +356,16 @@ def _calibrate(device: str) -> dict[str, Any]:
     """The speed model's compute figures measured on ``device`` as ``hyfi-plan --device cuda``
     measures them (:func:`~hyfi_imaging.parallel.devices.measure_figures`), in NCHW and in
     channels-last: bfloat16 on a GPU; on the CPU (a dry run), the CPU's own probe."""
-    from dataclasses import replace as copy_with
-
     import torch
 
-    from hyfi_imaging.parallel import devices
+    from hyfi_imaging.parallel.devices import measure_figures, probe
 
     out: dict[str, Any] = {}
     for fmt, cl in (("nchw", False), ("channels_last", True)):
-        if device == "cuda":
-            where = devices.gpu_probe(torch.device("cuda", 0), torch.bfloat16, cl)
-        else:
-            where = copy_with(devices._CPU_PROBE, channels_last=cl)
+        where = probe(torch.device(device, 0) if device == "cuda" else torch.device(device),
+                      channels_last=cl)  # fmt: skip
         t0 = time.perf_counter()
-        out[fmt] = devices.measure_figures(where)
+        out[fmt] = measure_figures(where)
         out[fmt]["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 

@@ -265,8 +265,9 @@ def test_the_gpu_calibration_measures_in_its_dtype_and_format_and_keeps_the_rows
         row.intra, row.inter, row.memory, row.per_node
     )  # fmt: skip
     assert dev.asynchronous and "measured: a test" in dev.name
-    gpu = devices_module.gpu_probe(torch.device("cuda", 0), torch.bfloat16, True)
-    assert gpu.asynchronous and not where.asynchronous
+    gpu = devices_module.probe(torch.device("cuda", 0))
+    assert gpu.asynchronous and gpu.dtype == torch.bfloat16 and not where.asynchronous
+    assert devices_module.probe(torch.device("cpu")).dtype == torch.float32
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

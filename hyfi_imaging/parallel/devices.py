@@ -41,8 +41,8 @@ __all__ = [
     "calibrate_gpu",
     "calibrated",
     "get_device",
-    "gpu_probe",
     "measure_figures",
+    "probe",
     "table_key",
 ]
 
@@ -244,19 +244,20 @@ class _Probe:
         return statistics.median(spent)
 
 
-#: This CPU, in float32: maps of 4 and 8 MiB, convolutions from 64 channels on 96^2 to 256 on 8^2.
-_CPU_PROBE = _Probe(
-    torch.device("cpu"), torch.float32, False,
-    maps=((64, 128), (128, 128)), convs=((64, 96), (128, 32), (256, 16), (256, 8)),
-)  # fmt: skip
-
-
-def gpu_probe(device: torch.device, dtype: torch.dtype, channels_last: bool) -> _Probe:
-    """A GPU's probe: maps of 128 and 256 MiB in bfloat16 (several times an H100's 50 MB L2),
-    convolutions from 64 channels on 1024^2 to 512 on 32^2 (either side of the size where a
-    call fills the device)."""
+def probe(
+    device: torch.device, *, dtype: torch.dtype | None = None, channels_last: bool = False
+) -> _Probe:
+    """What the calibration measures on ``device``. A CPU (float32 unless ``dtype``): maps of
+    4 and 8 MiB, convolutions from 64 channels on 96^2 to 256 on 8^2. A GPU (bfloat16 unless
+    ``dtype``): maps of 128 and 256 MiB (several times an H100's 50 MB L2), convolutions from
+    64 channels on 1024^2 to 512 on 32^2 (either side of the size where a call fills it)."""
+    if device.type == "cpu":
+        return _Probe(
+            device, dtype or torch.float32, channels_last,
+            maps=((64, 128), (128, 128)), convs=((64, 96), (128, 32), (256, 16), (256, 8)),
+        )  # fmt: skip
     return _Probe(
-        device, dtype, channels_last,
+        device, dtype or torch.bfloat16, channels_last,
         maps=((64, 1024), (128, 1024)), convs=((64, 1024), (128, 512), (256, 128), (512, 32)),
     )  # fmt: skip
 
@@ -321,17 +322,16 @@ def _net(spent: float, known: float) -> float:
 
 def _measure_cpu(repeat: int = 9) -> dict[str, Any]:
     """Figures of :func:`calibrate_cpu`, each with the same counting as the model uses."""
-    return measure_figures(_CPU_PROBE, repeat)
+    return measure_figures(probe(torch.device("cpu")), repeat)
 
 
 def measure_figures(where: _Probe, repeat: int = 9) -> dict[str, Any]:
-    """A device's figures (:data:`_FIGURES`) measured on ``where`` (:data:`_CPU_PROBE`,
-    :func:`gpu_probe`), each with the same counting (:class:`OpCounter`) the model uses. On
+    """A device's figures (:data:`_FIGURES`) measured on ``where`` (:func:`probe`), each with the same counting (:class:`OpCounter`) the model uses. On
     CUDA the new buffers cost nothing (the caching allocator reuses memory) and the launches
     overlap the kernels, so neither is taken off the kernels' time."""
     fresh = _measure_fresh(repeat) if where.device.type == "cpu" else []
-    probe = Device(
-        "probe", flops=1.0, mem_bw=1.0, memory=0, op_overhead=0.0, asynchronous=False,
+    unit = Device(
+        "unit", flops=1.0, mem_bw=1.0, memory=0, op_overhead=0.0, asynchronous=False,
         intra=Link(1.0, 0.0), inter=Link(1.0, 0.0), per_node=1, fresh_s=tuple(fresh),
     )  # fmt: skip
     launch = 0.0 if where.asynchronous else 1.0  # the share of launches kernels wait for
@@ -352,7 +352,7 @@ def measure_figures(where: _Probe, repeat: int = 9) -> dict[str, Any]:
         tiny(small).sum().backward()
 
     c = _counted(step)
-    overhead = _net(where.typical_s(step, repeat), fresh_s(c, probe)) / max(1, c.ops)
+    overhead = _net(where.typical_s(step, repeat), fresh_s(c, unit)) / max(1, c.ops)
     # Memory-bound ops as a network runs them: BatchNorm, a residual add and a ReLU, forward
     # and backward, on maps of 4 and 8 MiB (a plain 64 MiB copy runs about twice as fast per
     # byte on this project's CPU): their bytes over their time less their new buffers' (maps
@@ -370,7 +370,7 @@ def measure_figures(where: _Probe, repeat: int = 9) -> dict[str, Any]:
 
         c = _counted(block)
         moved += c.bytes
-        spent += _net(where.typical_s(block, repeat), fresh_s(c, probe) + launch * c.ops * overhead)
+        spent += _net(where.typical_s(block, repeat), fresh_s(c, unit) + launch * c.ops * overhead)
     mem_bw = moved / spent
     # Convolutions from a large map to a small one: time (less launches) = (flops + pixel_flops
     # x px_half) / rate, fitted by least squares (two unknowns, four sizes).
@@ -378,7 +378,7 @@ def measure_figures(where: _Probe, repeat: int = 9) -> dict[str, Any]:
     for channels, side in where.convs:
         fn = _conv_step(where, channels, side)
         c = _counted(fn)
-        spent_s = _net(where.typical_s(fn, repeat), launch * c.ops * overhead + fresh_s(c, probe))
+        spent_s = _net(where.typical_s(fn, repeat), launch * c.ops * overhead + fresh_s(c, unit))
         rows.append((c.flops, c.pixel_flops, spent_s))
     sff = sum(f * f for f, _, _ in rows)
     spp = sum(p * p for _, p, _ in rows)
@@ -478,11 +478,12 @@ def calibrated(row: Device, figures: dict[str, Any], what: str) -> Device:
 
 
 def calibrate_gpu(
-    *, channels_last: bool = True, refresh: bool = False, cache: Path | None = None
+    *, channels_last: bool = False, refresh: bool = False, cache: Path | None = None
 ) -> Device:
-    """This machine's first CUDA device as a :class:`Device`, in bfloat16: its compute figures
-    measured as :func:`calibrate_cpu` measures the CPU's (:func:`gpu_probe`, a few seconds,
-    cached by GPU, torch, cuDNN and memory format), its memory and links from the table's row
+    """This machine's first CUDA device as a :class:`Device`, in bfloat16 and NCHW (as
+    ``hyfi-train`` runs; ``channels_last`` for that layout): its compute figures measured as
+    :func:`calibrate_cpu` measures the CPU's (:func:`probe`, a few seconds, cached by GPU,
+    torch, cuDNN and memory format), its memory and links from the table's row
     for it (:func:`table_key`; a GPU the table lacks gets nominal PCIe links: give
     ``--link-bw`` and ``--inter-bw``). ``hyfi-plan --device cuda``."""
     if not torch.cuda.is_available():
@@ -495,7 +496,7 @@ def calibrate_gpu(
         f"{gpu.name}|torch {torch.__version__}|cudnn {torch.backends.cudnn.version()}|bf16 {fmt}"
         f"|v{_CALIBRATION}"
     )
-    where = gpu_probe(torch.device("cuda", 0), torch.bfloat16, channels_last)
+    where = probe(torch.device("cuda", 0), channels_last=channels_last)
     fig = _cached_figures(key, lambda: measure_figures(where), refresh=refresh, cache=cache)
     row_key = table_key(gpu.name, gpu.total_memory)
     row = DEVICES[row_key] if row_key else _gpu(

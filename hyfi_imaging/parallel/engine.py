@@ -149,7 +149,7 @@ class ParallelModel:
             tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
         # Contiguous: torch's PipelineStage (2.11, measured on a GPU) checks a stage's input
         # strides against its contiguous meta trace, so a channels-last batch was refused.
-        # The convolutions stay channels-last where the model's weights are.
+        # The convolutions stay channels-last where the model's weights are (unsharded).
         return tiles.to(self.pc.device).contiguous()
 
     # ------------------------------------------------------------------ training

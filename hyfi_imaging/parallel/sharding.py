@@ -187,8 +187,7 @@ def apply_fsdp(
     ``(path, kind)`` pairs the per-rank plan chose (:mod:`.rank_plan`, by
     :func:`stage_units` on a meta copy), sharded as given; else chosen here by that
     function. Channels-last parameters are made contiguous first (FSDP2 shards only
-    contiguous ones; a channels-last batch still runs its convolutions channels-last).
-    Call once, before creating the optimizer (its parameters become sharded
+    contiguous ones). Call once, before creating the optimizer (its parameters become sharded
     DTensors).
     """
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
