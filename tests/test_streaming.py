@@ -209,10 +209,16 @@ def test_under_autocast_the_stem_is_as_close_to_float32_as_the_plain_one() -> No
     stream_stem(streamed, band_rows=4)
     x, y = torch.randn(2, 3, 160, 144), torch.tensor([1, 2])
     F.cross_entropy(ref(x), y).backward()
+    stem_out: list[torch.dtype] = []
     for m in (plain, streamed):
+        hook = m.layer1.register_forward_pre_hook(lambda _, a: stem_out.append(a[0].dtype))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = m(x)
+        hook.remove()
         F.cross_entropy(out.float(), y).backward()
+    # The stem's output in autocast's dtype, as the plain stem's (it was float32: twice the
+    # bytes of the map that exists whole, and of its gradient).
+    assert stem_out == [torch.bfloat16, torch.bfloat16], stem_out
     for name in ("conv1.weight", "bn1.weight", "layer1.0.conv1.weight"):
         want = dict(ref.named_parameters())[name].grad
         errs = [_rel(dict(m.named_parameters())[name].grad, want) for m in (plain, streamed)]

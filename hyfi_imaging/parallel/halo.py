@@ -125,8 +125,14 @@ def _buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
-def new_like(x: torch.Tensor, shape: Sequence[int], *, zero: bool = False) -> torch.Tensor:
-    """A new tensor of ``shape`` in ``x``'s dtype, device and memory layout.
+def new_like(
+    x: torch.Tensor,
+    shape: Sequence[int],
+    *,
+    zero: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A new tensor of ``shape`` in ``x``'s dtype (or ``dtype``), device and memory layout.
 
     A channels-last activation (a model that converts its input, cuDNN's
     preferred layout for bf16) keeps its layout through the extended tiles,
@@ -140,7 +146,7 @@ def new_like(x: torch.Tensor, shape: Sequence[int], *, zero: bool = False) -> to
                 memory_format=cl
             ):
                 fmt = cl
-    out = torch.empty(tuple(shape), dtype=x.dtype, device=x.device, memory_format=fmt)
+    out = torch.empty(tuple(shape), dtype=dtype or x.dtype, device=x.device, memory_format=fmt)
     return out.zero_() if zero else out
 
 

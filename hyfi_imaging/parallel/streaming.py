@@ -410,12 +410,15 @@ class Stem:
             mean, rstd = m.running_mean, torch.rsqrt(m.running_var + m.eps)
         else:
             mean, rstd = stats[lvl].mean, stats[lvl].rstd
-        y = (x - _shape(mean).to(x.dtype)) * _shape(rstd).to(x.dtype)
+        # In the statistics' precision, rounded once to the map's dtype at the end, as
+        # torch's BatchNorm does for a half-precision map under autocast (the plain stem's
+        # maps stay bfloat16 there; multiplying by a float32 weight made these float32).
+        y = (x.to(mean.dtype) - _shape(mean)) * _shape(rstd)
         if weight is not None:
             y = y * _shape(weight)
         if bias is not None:
             y = y + _shape(bias)
-        return y
+        return y.to(x.dtype)
 
     def owned_view(self, plan: _Plan, i: int, lvl: int, t: torch.Tensor) -> torch.Tensor:
         """The positions of ``t`` (band ``i``'s map at ``lvl``) that the band owns."""
@@ -493,9 +496,11 @@ class _Streamed(torch.autograd.Function):
             _update_running(stem, stats)
             lead = x.shape[0]
             chans = _out_channels(stem, x)
-            out = new_like(x, (lead, chans, *plan.out_len), zero=True)
+            out: torch.Tensor | None = None
             for i in range(len(plan.bands)):
                 y = stem.band(plan, src, i, stats, n, bound)[-1]
+                if out is None:  # in the bands' dtype: autocast's, as the plain stem gives
+                    out = new_like(x, (lead, chans, *plan.out_len), zero=True, dtype=y.dtype)
                 rows, cols = plan.rows[i][n], plan.cols[n]
                 base = [frame.start[a] // plan.jump[a][n] if frame.spatial else 0 for a in range(2)]
                 out[
@@ -503,6 +508,7 @@ class _Streamed(torch.autograd.Function):
                     rows.start - base[0] : rows.stop - base[0],
                     cols.start - base[1] : cols.stop - base[1],
                 ] = y
+        assert out is not None  # a tile has at least one band
         ctx.stem, ctx.plan, ctx.stats, ctx.halo = stem, plan, stats, halo
         ctx.has = tuple(s is not None for s in strips)
         ctx.save_for_backward(x, *params, *(s for s in strips if s is not None))
