@@ -23,11 +23,15 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
   this GPU as ``hyfi-plan --device cuda`` measures them (:func:`_calibrate`, NCHW and
   channels-last; :func:`speed_model`): target within 20 % of the measured step, as on the CPU.
 * **(d)** The largest square image that trains (two SGD steps, bf16) on the one GPU, found by
-  running, as ``bench_scale.py --part largest`` does on CPU: doubling, then bisection on
-  multiples of 32 (to 1/64 of the side), every probe a fresh process so that an out-of-memory
-  cannot poison the next; an error other than out-of-memory ends the search upwards with its
-  line. Plain PyTorch vs hyfi with full checkpointing and the streamed stem. Target >= 4x the
-  pixels.
+  running, as ``bench_scale.py --part largest`` does on CPU, every probe a fresh process so that
+  an out-of-memory cannot poison the next (an error other than out-of-memory counts as a miss,
+  with its line). Where (c) measured a contender's peak at two sides, the search starts at the
+  side that line projects to fill 97 % of the device and moves in steps of 3 %; otherwise it
+  doubles; then bisection on multiples of 32 (to 1/64 of the side). The probes run with
+  PyTorch's expandable segments (unless ``PYTORCH_CUDA_ALLOC_CONF`` is set), as training at the
+  memory limit should. Plain PyTorch vs hyfi with full checkpointing and the streamed stem.
+  Target >= 4x the pixels, checked on the sides found and on the bytes per pixel (the slopes of
+  (c)'s peaks), which a search cut short by its time cap cannot blur.
 * **(e)** ``torch.compile`` (inductor) of hyfi's 1x1 training path, and of the path of (d)
   (checkpointed + streamed): it works (compile time, step time against eager) or it fails (the
   first line of the innermost error). A one-line refusal of hyfi's own (a ConfigError) passes.
@@ -56,6 +60,7 @@ import datetime
 import functools
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -86,6 +91,16 @@ ITEMS = {
 TARGET_PEAK_SHARE = 0.40
 TARGET_OVERHEAD = 0.05
 TARGET_PIXELS = 4.0
+#: (d)'s probes: the share of the device's memory a projected side fills, and the factor a
+#: side grows or shrinks by from there (3 %: the projection from two sides measured in (c)
+#: was within 3 % of the measured peak at 16896^2 on an H200).
+PROBE_SHARE = 0.97
+PROBE_GROW = 1.03
+#: (d)'s probes run as a user at the memory limit would: PyTorch's expandable segments keep
+#: the caching allocator from failing on fragmentation (the H200's first run ran out of
+#: memory at 25600^2 with 24 GiB reserved and unallocated) and from freeing and retrying
+#: near the limit. The same for both contenders; a user's own ``PYTORCH_CUDA_ALLOC_CONF`` wins.
+PROBE_ALLOC_CONF = "expandable_segments:True"
 #: hyfi-plan's predicted step time against the measured one (issue 19, item 6; as on CPU).
 TARGET_SPEED_MODEL = 0.20
 #: Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched in order against
@@ -466,9 +481,9 @@ def _spawn(cmd: list[str], deadline: float, env: dict[str, str] | None = None) -
     return Child(cmd, env).finish(deadline)
 
 
-def _step_worker(s: Setup, deadline: float, **spec: Any) -> Run:
+def _step_worker(s: Setup, deadline: float, env: dict[str, str] | None = None, **spec: Any) -> Run:
     spec = {"device": s.device, "model": s.model, "width": s.width} | spec
-    return _spawn(_python(__file__, "--worker", "step", json.dumps(spec)), deadline)
+    return _spawn(_python(__file__, "--worker", "step", json.dumps(spec)), deadline, env)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -695,24 +710,37 @@ def largest_side(
     known: int = 0,
     step: int = 32,
     resolution: int = 64,
+    grow: float = 2.0,
     deadline: float,
 ) -> tuple[int, int | None, bool]:
-    """The largest side (a multiple of ``step``) for which ``fits`` holds: doubling from
-    ``start``, then bisection until the bracket is within 1/``resolution`` of the side.
+    """The largest side (a multiple of ``step``) for which ``fits`` holds: from ``start``,
+    times ``grow`` while sides fit and divided by it while they do not, then bisection until
+    the bracket is within 1/``resolution`` of the side.
 
-    ``known`` is a side known to fit (not probed again); ``fits`` returns None when it ran out
-    of time. Returns ``(largest found, smallest that did not fit or None, converged)``.
+    ``known`` is a side known to fit (not probed again, nor anything at or below it); ``fits``
+    returns None when it ran out of time. ``grow`` 2 searches blind (doubling); a ``start``
+    projected from measured peaks searches with a ``grow`` near 1, so that a few probes near
+    the limit bracket it. Returns ``(largest found, smallest that did not fit or None,
+    converged)``.
     """
+
+    def on_step(v: float) -> int:
+        return int(v) // step * step
+
     lo, hi = known, None
-    side = max(start, 2 * known) // step * step
-    while hi is None and time.monotonic() < deadline:
+    side = max(on_step(start), on_step(known * grow))
+    while time.monotonic() < deadline:  # grow or shrink until a fit and a miss bracket it
         ok = fits(side)
         if ok is None:
             return lo, hi, False
         if ok:
-            lo, side = side, 2 * side
+            lo, side = side, max(on_step(side * grow), side + step)
+            if hi is not None:
+                break
         else:
-            hi = side
+            hi, side = side, on_step(side / grow)
+            if side <= lo:
+                break
     while hi is not None and time.monotonic() < deadline:
         if hi - lo <= max(step, lo // resolution):
             return lo, hi, True
@@ -726,7 +754,39 @@ def largest_side(
     return lo, hi, False
 
 
-def _search(s: Setup, name: str, start: int, known: int, until: float) -> dict[str, Any]:
+def peak_fit(rows: list[dict[str, Any]], name: str) -> tuple[float, float] | None:
+    """``(bytes, bytes per pixel)``: the least-squares line through ``name``'s measured peaks
+    (``peak_gib`` of (c)'s rows) against the image's pixels; None without two sides (pure)."""
+    points = [
+        (r["side"] ** 2, r["peak_gib"] * GIB)
+        for r in rows
+        if r.get("contender") == name and r.get("status") == "ok" and r.get("peak_gib")
+    ]
+    if len({px for px, _ in points}) < 2:
+        return None
+    mx = statistics.fmean(px for px, _ in points)
+    my = statistics.fmean(b for _, b in points)
+    slope = sum((px - mx) * (b - my) for px, b in points) / sum((px - mx) ** 2 for px, _ in points)
+    return my - slope * mx, slope
+
+
+def projected_side(fit: tuple[float, float], capacity: float, step: int = 32) -> int:
+    """The largest side (a multiple of ``step``) whose projected peak ``fit`` stays within
+    ``capacity`` bytes (0 when none does; pure)."""
+    fixed, per_pixel = fit
+    if per_pixel <= 0 or capacity <= fixed:
+        return 0
+    return int(math.sqrt((capacity - fixed) / per_pixel)) // step * step
+
+
+def _probe_env() -> dict[str, str]:
+    """The environment of (d)'s probes: this one, with expandable segments unless set."""
+    return {"PYTORCH_CUDA_ALLOC_CONF": PROBE_ALLOC_CONF} | dict(os.environ)
+
+
+def _search(
+    s: Setup, name: str, start: int, known: int, until: float, grow: float = 2.0
+) -> dict[str, Any]:
     """One contender's largest side, every probe two SGD steps in a fresh process."""
     probes: list[dict[str, Any]] = []
     cap = (s.search_caps or {}).get(name, s.max_side)
@@ -736,7 +796,8 @@ def _search(s: Setup, name: str, start: int, known: int, until: float) -> dict[s
             why = "simulated memory cap" if s.search_caps else "--max-side"
             probes.append({"side": side, "outcome": f"over the {why} ({cap})"})
             return False
-        run = _step_worker(s, until, side=side, warmup=1, steps=1, contenders=[name])
+        run = _step_worker(s, until, env=_probe_env(), side=side, warmup=1, steps=1,
+                           contenders=[name])  # fmt: skip
         r = next((r for r in run.results() if "contender" in r), None)
         if r is None:
             outcome = "timeout" if run.rc is None else "error"
@@ -746,7 +807,7 @@ def _search(s: Setup, name: str, start: int, known: int, until: float) -> dict[s
         probes.append({"side": side, "outcome": r["status"], **kept})
         return r["status"] == "ok"
 
-    lo, hi, converged = largest_side(fits, start=start, known=known, deadline=until)
+    lo, hi, converged = largest_side(fits, start=start, known=known, grow=grow, deadline=until)
     return {"side": lo, "upper": hi, "converged": converged, "known": known, "probes": probes}
 
 
@@ -754,23 +815,37 @@ def _probes_text(probes: list[dict[str, Any]]) -> str:
     return ", ".join(f"{p['side']}: {p['outcome']}" for p in probes)
 
 
-def item_d(s: Setup, c: dict[str, Any], deadline: float) -> dict[str, Any]:
+def item_d(s: Setup, c: dict[str, Any], info: dict[str, Any], deadline: float) -> dict[str, Any]:
     """The largest image of plain PyTorch, then of hyfi with checkpointing + streamed stem.
 
-    Sides that trained in (c) are known to fit (not probed again); hyfi's search starts at
-    twice plain's side (the target's 4x the pixels).
+    Sides that trained in (c) are known to fit (not probed again). Where (c) measured a
+    contender's peak at two sides, the line through them projects the side that fills the
+    device's memory (:func:`peak_fit`, :func:`projected_side`) and the search starts there in
+    steps of 3 % (a blind doubling search spends its time on probes far past the limit, each
+    slow); otherwise it doubles, hyfi's from twice plain's side (the target's 4x the pixels).
+    The projected ratio of the pixels (plain's bytes per pixel over hyfi's) is recorded too.
     """
-    fitted = [(r["contender"], r["side"]) for r in c.get("rows", []) if r.get("status") == "ok"]
+    rows = c.get("rows", [])
+    fitted = [(r["contender"], r["side"]) for r in rows if r.get("status") == "ok"]
+    capacity = PROBE_SHARE * (info.get("memory_gib") or 0) * GIB
     found: dict[str, Any] = {}
     for name, share in (("plain", 0.45), ("hyfi_ckpt", 1.0)):
         until = time.monotonic() + share * (deadline - time.monotonic())
         known = 0 if s.search_caps else max((v for n, v in fitted if n == name), default=0)
-        start = (
-            s.search_start if name == "plain" else max(s.search_start, 2 * found["plain"]["side"])
-        )
-        found[name] = _search(s, name, start, known, until)
+        fit = None if s.search_caps else peak_fit(rows, name)
+        projected = projected_side(fit, capacity) if fit and capacity else 0
+        if projected > known:
+            found[name] = _search(s, name, projected, known, until, grow=PROBE_GROW)
+        else:
+            start = s.search_start
+            if name != "plain":
+                start = max(start, 2 * found["plain"]["side"])
+            found[name] = _search(s, name, start, known, until)
+        found[name]["projected_side"] = projected or None
+        found[name]["bytes_per_pixel"] = fit[1] if fit else None
     base = found["plain"]["side"] ** 2
     ratio = found["hyfi_ckpt"]["side"] ** 2 / base if base else None
+    per_px = [found[n]["bytes_per_pixel"] for n in ("plain", "hyfi_ckpt")]
     ok = all(v["side"] > 0 for v in found.values())
     error = "; ".join(
         f"{name}: no side trained ({_probes_text(v['probes'])})"
@@ -780,6 +855,8 @@ def item_d(s: Setup, c: dict[str, Any], deadline: float) -> dict[str, Any]:
     return {
         "status": "ok" if ok else "failed",
         "pixel_ratio": ratio,
+        "projected_ratio": per_px[0] / per_px[1] if all(per_px) else None,  # type: ignore[operator]
+        "alloc_conf": _probe_env()["PYTORCH_CUDA_ALLOC_CONF"],
         **found,
         "error": error or None,
     }
@@ -913,6 +990,12 @@ def verdicts(items: dict[str, dict[str, Any]], peak: float | None, device: str) 
             "(d) largest image, hyfi ckpt + streamed stem / plain",
             f"{h['side']}^2 vs {p['side']}^2 = {d['pixel_ratio'] or 0:.2f}x the pixels"
             f"{bound} (target >= {TARGET_PIXELS:g}x)")  # fmt: skip
+        if d.get("projected_ratio"):
+            say(d["projected_ratio"] >= TARGET_PIXELS,
+                "(d) memory per pixel, hyfi ckpt + streamed stem / plain",
+                f"{h['bytes_per_pixel']:.0f} vs {p['bytes_per_pixel']:.0f} bytes (the slopes of "
+                f"(c)'s peaks) = {d['projected_ratio']:.2f}x the pixels in the same memory "
+                f"(target >= {TARGET_PIXELS:g}x)")  # fmt: skip
     e = items.get("e", {})
     if e.get("status") != "skipped":
         for name, what in (("hyfi", "hyfi 1x1"), ("hyfi_ckpt", "hyfi 1x1 + ckpt + streamed stem")):
@@ -976,11 +1059,14 @@ def _markdown(report: dict[str, Any], out_json: Path) -> str:
                          f"{1e6 * f['op_overhead']:.1f} | {f['px_half']:.0f} |")  # fmt: skip
     d = items["d"]
     if "plain" in d:
-        lines += ["", "| largest image | side | megapixels | probes |", "|---|---|---|---|"]
+        lines += ["", "| largest image | side | megapixels | projected side | bytes per pixel "
+                  "| probes |", "|---|---|---|---|---|---|"]  # fmt: skip
         for name in ("plain", "hyfi_ckpt"):
             v = d[name]
-            probes = _probes_text(v["probes"])
-            lines.append(f"| {name} | {v['side']} | {v['side'] ** 2 / 1e6:.1f} | {probes} |")
+            per_px = f"{v['bytes_per_pixel']:.0f}" if v.get("bytes_per_pixel") else ""
+            lines.append(f"| {name} | {v['side']} | {v['side'] ** 2 / 1e6:.1f} | "
+                         f"{v.get('projected_side') or ''} | {per_px} | "
+                         f"{_probes_text(v['probes'])} |")  # fmt: skip
     lines += ["", *[f"- {v}" for v in report["verdicts"]], f"- {report['multi_gpu']}", ""]
     return "\n".join(lines)
 
@@ -1105,7 +1191,7 @@ def main(argv: list[str] | None = None) -> int:
             "a": lambda until: item_a(s, work / "train", until),
             "b": lambda until: item_b(s, info, until),
             "c": lambda until: item_c(s, peak, info, until),
-            "d": lambda until: item_d(s, items.get("c", {}), until),
+            "d": lambda until: item_d(s, items.get("c", {}), info, until),
             "e": lambda until: item_e(s, until),
         }
         for key in ITEMS:

@@ -9,10 +9,12 @@ finds the simulated caps), and that the report names the device and the date.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -132,6 +134,70 @@ def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, f
     assert known not in probed and len(probed) == len(set(probed))
 
 
+@pytest.mark.parametrize(("limit", "start"), [(22_300, 22_272), (22_300, 23_040), (21_800, 23_040)])
+def test_largest_side_from_a_projection_steps_a_few_percent(limit: int, start: int) -> None:
+    """Started at a projected side, the search brackets the limit with probes near it."""
+    gc = _script()
+    probed: list[int] = []
+
+    def fits(side: int) -> bool:
+        probed.append(side)
+        return side <= limit
+
+    lo, hi, converged = gc.largest_side(
+        fits, start=start, known=8192, grow=1.03, deadline=time.monotonic() + 60
+    )
+    assert converged and lo <= limit < hi and hi - lo <= max(32, lo // 64)
+    assert probed[0] == start and len(probed) <= 5 and len(probed) == len(set(probed))
+    assert all(abs(side / limit - 1) < 0.1 for side in probed)
+
+
+def test_peak_line_projects_the_side_that_fills_the_memory() -> None:
+    """The H200's (c) peaks of 2026-11-28 project the side its (d) probes found."""
+    gc = _script()
+    rows = [
+        {"contender": "plain", "side": 4096, "status": "ok", "peak_gib": 14.2492},
+        {"contender": "plain", "side": 8192, "status": "ok", "peak_gib": 56.0392},
+        {"contender": "hyfi", "side": 8192, "status": "ok", "peak_gib": 56.0384},
+        {"contender": "hyfi_ckpt", "side": 4096, "status": "ok", "peak_gib": 4.8999},
+        {"contender": "hyfi_ckpt", "side": 8192, "status": "ok", "peak_gib": 18.5864},
+        {"contender": "hyfi_cl", "side": 8192, "status": "oom"},
+    ]
+    fixed, per_px = gc.peak_fit(rows, "plain")
+    assert per_px == pytest.approx((56.0392 - 14.2492) * 2**30 / (8192**2 - 4096**2))
+    assert fixed == pytest.approx(14.2492 * 2**30 - per_px * 4096**2)
+    assert gc.peak_fit(rows, "hyfi") is None and gc.peak_fit(rows, "hyfi_cl") is None
+    capacity = 0.97 * 139.8 * 2**30
+    plain = gc.projected_side((fixed, per_px), capacity)
+    assert plain % 32 == 0 and 12_704 <= plain <= 12_800  # measured: 12800 fits, 13312 not
+    ckpt = gc.peak_fit(rows, "hyfi_ckpt")
+    assert ckpt is not None and 290 < ckpt[1] < 295  # bytes per pixel
+    assert 16_896 < gc.projected_side(ckpt, capacity) < 25_600  # measured: fits, does not
+    assert gc.projected_side(ckpt, ckpt[0]) == 0
+
+
+def test_search_starts_at_the_side_the_measured_peaks_project() -> None:
+    """(d) on the CPU with made-up (c) peaks that project 128^2 and --max-side 128: each
+    search probes 128 (a real two-step run), then 160 (over the cap), and converges."""
+    gc = _script()
+    s = dataclasses.replace(gc.DRY, search_caps=None, max_side=128)
+    gib = 2**30
+    rows = [  # 1 KiB per pixel + 1 GiB: 128^2 fills 1.0160 GiB; 0.97 of 1.05 GiB = 1.0185
+        {"contender": name, "side": side, "status": "ok", "peak_gib": 1 + side**2 * 1024 / gib}
+        for name in ("plain", "hyfi_ckpt")
+        for side in (32, 64)
+    ]
+    d = gc.item_d(s, {"rows": rows}, {"memory_gib": 1.05}, time.monotonic() + 240)
+    assert d["status"] == "ok", d
+    for name in ("plain", "hyfi_ckpt"):
+        v = d[name]
+        assert v["projected_side"] == 128 and v["bytes_per_pixel"] == pytest.approx(1024)
+        assert [p["side"] for p in v["probes"]] == [128, 160], v["probes"]
+        assert v["probes"][0]["outcome"] == "ok" and (v["side"], v["converged"]) == (128, True)
+    assert d["pixel_ratio"] == 1.0 and d["projected_ratio"] == pytest.approx(1.0)
+    assert d["alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", gc.PROBE_ALLOC_CONF)
+
+
 def test_largest_side_stops_when_a_probe_runs_out_of_time() -> None:
     gc = _script()
     answers = iter([True, None])
@@ -167,10 +233,11 @@ def _gpu_like_items(gc: ModuleType) -> dict[str, dict[str, Any]]:
                                                      "op_overhead": 6e-6, "px_half": 5000.0,
                                                      "fresh_s": []}}}}},
         "d": {"status": "ok", "pixel_ratio": (20480 / 9216) ** 2, "error": None, "seconds": 128.0,
+              "projected_ratio": 891.5 / 291.9,
               "plain": {"side": 9216, "upper": 9344, "converged": True, "known": 8192,
-                        "probes": probes},
+                        "probes": probes, "projected_side": 9184, "bytes_per_pixel": 891.5},
               "hyfi_ckpt": {"side": 20480, "upper": None, "converged": False, "known": 8192,
-                            "probes": probes}},
+                            "probes": probes, "projected_side": None, "bytes_per_pixel": 291.9}},
         "e": {"status": "ok", "backend": "inductor", "side": 4096, "error": None, "seconds": 80.0,
               "hyfi": {"contender": "hyfi", "status": "ok", "compile_s": 55.0, "step_s": 0.018,
                        "eager_step_s": 0.026, "speedup": 0.026 / 0.018},
@@ -208,6 +275,10 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
     ) in text
     assert "(row h100 with figures measured here, NCHW)" not in text  # not measured
     assert "PASS: (d)" in text and "4.94x" in text and "time cap" in text
+    assert (
+        "MISS: (d) memory per pixel, hyfi ckpt + streamed stem / plain: 292 vs 892 bytes "
+        "(the slopes of (c)'s peaks) = 3.05x the pixels in the same memory (target >= 4x)"
+    ) in text
     assert "PASS: (e) torch.compile of hyfi 1x1: works (inductor)" in text
     assert "MISS: (e) torch.compile of hyfi 1x1 + ckpt + streamed stem: fails" in text
     report = {
@@ -221,5 +292,6 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
     assert "## GPU check, 2026-11-27 10:00 UTC: NVIDIA H100 80GB HBM3\n" in md
     assert "| resnet50 bf16, batch 1 |" in md
     assert "| hyfi_cl | 4096 | 19.5 | 416.4 | 42.1 % | +2.6 % |" in md
-    assert "| hyfi_ckpt | 20480 | 419.4 | 16384: oom, 12288: ok |" in md
+    assert "| hyfi_ckpt | 20480 | 419.4 |  | 292 | 16384: oom, 12288: ok |" in md
+    assert "| plain | 9216 | 84.9 | 9184 | 892 | 16384: oom, 12288: ok |" in md
     assert "| channels_last | 180.0 | 3100 | 6.0 | 5000 |" in md
