@@ -24,6 +24,7 @@ What one run does:
 * ``--count-halo``: wraps :func:`hyfi_imaging.parallel.halo._exchange` (the one
   function every halo message goes through) to count the bytes and messages
   this rank sends, per image size and per phase (forward/backward);
+* ``--channels-last``: the model and its input in channels-last;
 * ``--profile N``: one warm-up and one profiled step at N (``torch.profiler``),
   self CPU time per operator;
 * ``--shard fsdp|replicate``: grid runs shard parameters, gradients and
@@ -165,6 +166,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--profile", type=int, default=0, help="profile one step at this size (0: no)")
     p.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="the model and its input in channels-last (cuDNN's fast layout for bf16)",
+    )
+    p.add_argument(
         "--allocator",
         choices=("default", "library"),
         default="default",
@@ -202,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     model = create_model(args.model, num_classes=2, **kwargs)
     set_checkpointing(model, args.checkpointing)
     model.train()
+    layout = torch.channels_last if args.channels_last else torch.contiguous_format
+    model.to(memory_format=layout)  # type: ignore[call-overload]
     rank, world, ctx = 0, 1, None
     if not spatial and args.streaming == "stem":
         stream_stem(model)
@@ -230,10 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         image = torch.randn(args.batch, 3, *hw, generator=gen)
         labels = torch.randint(0, 2, (args.batch,), generator=gen)
         if ctx is None:
-            return image, labels
+            return image.contiguous(memory_format=layout), labels
         ctx.set_image_size(hw)
         rows, cols = ctx.tile_slice(hw)
-        return pad_image(image, ctx.padded_size(hw))[..., rows, cols].clone(), labels
+        tile = pad_image(image, ctx.padded_size(hw))[..., rows, cols]
+        return tile.contiguous(memory_format=layout).clone(), labels
 
     def barrier() -> None:
         if spatial:

@@ -41,6 +41,7 @@ EXACT = [
     ("classify", (1, 2), 1, 1),
     ("classify", (2, 2), 1, 1),
     ("classify-cl", (1, 2), 1, 1),  # channels-last weights (FSDP2 used to refuse them)
+    ("classify-cl1", (2, 2), 1, 1),  # the same, one image per step
     ("dense", (1, 2), 1, 1),
     ("dense", (2, 2), 1, 1),
     ("dense-mse", (2, 1), 1, 1),
@@ -80,6 +81,9 @@ def test_user_model_matches_one_process(
     assert result["returncode"] == 0, result
     assert result["ok"] and result["max_rel_error"] < 1e-9, result
     assert result["compared"] > 30
+    if mode.startswith("classify-cl"):  # every convolution on the tiles ran channels-last
+        assert result["spatial_convs"] > 0, result
+        assert result["channels_last_convs"] == result["spatial_convs"], result
 
 
 @pytest.mark.mpi

@@ -149,7 +149,8 @@ class ParallelModel:
             tiles = tiles.to(self.dtype)  # integer pixels: normalising is the data path's job
         # Contiguous: torch's PipelineStage (2.11, measured on a GPU) checks a stage's input
         # strides against its contiguous meta trace, so a channels-last batch was refused.
-        # The convolutions stay channels-last where the model's weights are (unsharded).
+        # A channels-last model gets its layout back inside: from its weights where they are
+        # whole, from its FSDP2 units' input hook where they are sharded (sharding.py).
         return tiles.to(self.pc.device).contiguous()
 
     # ------------------------------------------------------------------ training

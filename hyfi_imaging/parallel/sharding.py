@@ -32,6 +32,16 @@ module's children without the module (timm's MetaFormer head:
 its children are judged instead (:func:`called_modules`).
 On Gloo the reductions are forced to plain sums with separate scaling (Gloo
 has no ``PREMUL_SUM``).
+
+A channels-last model (cuDNN's fast layout for bf16) keeps its layout: FSDP2 shards only
+contiguous parameters, so its weights become contiguous, and a convolution then runs in
+the layout of its input. Two things would lose it: the first stage's input, which the
+engine hands torch's ``PipelineStage`` contiguous, and FSDP2's view of a unit's inputs,
+which gives a size-1 batch dimension a stride that the kernels' layout test
+(``suggest_memory_format``) no longer reads as channels-last (every convolution of a 1x2
+ResNet-50 rank with one image ran NCHW: counted). So every unit of such a model takes its
+floating-point inputs in the model's layout with the standard strides (:func:`in_layout`:
+a view where the elements already are in that order, one copy of the stage's input).
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ __all__ = [
     "called_modules",
     "divide_factor",
     "full_tensor",
+    "in_layout",
+    "model_layout",
     "shard_units",
     "stage_units",
 ]
@@ -196,6 +208,7 @@ def apply_fsdp(
         if units is None
         else [(p, stage if p == "(stage)" else stage.get_submodule(p), k) for p, k in units]
     )
+    layout = model_layout(stage)
     for param in stage.parameters():
         if not param.is_contiguous():  # channels-last weights: FSDP2 shards contiguous ones only
             param.data = param.data.contiguous()
@@ -206,7 +219,43 @@ def apply_fsdp(
         sharded.set_gradient_divide_factor(divide_factor(kind, tiles))
         if gloo:
             sharded.set_force_sum_reduction_for_comms(True)
+        if layout is not None:  # after FSDP2's own pre-hook (prepended), on what it hands on
+            module.register_forward_pre_hook(
+                lambda _m, args, fmt=layout: tuple(in_layout(a, fmt) for a in args)
+            )
     return [path for path, _, _ in chosen]
+
+
+#: The channels-last layout of each number of dims of a map.
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def model_layout(model: nn.Module) -> torch.memory_format | None:
+    """The channels-last layout of ``model``'s convolution weights, else None (NCHW)."""
+    for p in model.parameters():
+        fmt = _CHANNELS_LAST.get(p.dim())
+        if fmt is not None and not p.is_contiguous() and p.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
+
+
+def in_layout(t: object, fmt: torch.memory_format) -> object:
+    """``t`` in the channels-last layout ``fmt`` with its standard strides, when ``t`` is a
+    floating-point map of that layout's dims; anything else as it is.
+
+    Already in that order with another stride on a size-1 dimension (the batch of one image,
+    as FSDP2's view of a unit's input leaves it): the same elements through views, no copy.
+    """
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return t
+    if _CHANNELS_LAST.get(t.dim()) is not fmt:
+        return t
+    if not t.is_contiguous(memory_format=fmt):
+        return t.contiguous(memory_format=fmt)
+    last = (0, *range(2, t.dim()), 1)  # (N, *spatial, C): there, the standard order
+    flat = t.permute(last)
+    restrided = flat.view(flat.shape)  # a view's strides: the standard ones of its order
+    return restrided.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
 
 
 def stage_units(

@@ -7,7 +7,10 @@ the cases run in one launch, a JSON line each on rank 0), MODE one of
 * ``classify``: :class:`ResidualNet`, whose ``forward`` is not its children in
   order (a residual, a squeeze-excite block with its own global pool, a
   functional ``torch.flatten`` before the classifier), cross-entropy;
-* ``classify-cl``: the same in channels-last (weights; FSDP2 shards contiguous ones);
+* ``classify-cl``: the same in channels-last (weights; FSDP2 shards contiguous ones), with
+  the number of spatial convolutions that ran on a channels-last input of the standard
+  strides (the kernels' layout test); ``classify-cl1``: the same with one image per step
+  (FSDP2's view of a unit's input gives a batch of one another stride);
 * ``dense``: :class:`DenseNet`, per-pixel logits at half resolution (no global
   pool), the default per-pixel cross-entropy averaged over the image's pixels;
 * ``dense-mse``: the same model with a regression loss and float targets;
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +101,7 @@ def _case(case: str) -> dict[str, Any]:
     build: Any = ResidualNet
     if mode.startswith("dense"):
         build = DenseNet
-    if mode == "classify-cl":
+    if mode.startswith("classify-cl"):
 
         def build() -> nn.Module:
             return ResidualNet().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -111,17 +115,40 @@ def _case(case: str) -> dict[str, Any]:
         from broken_halo import dropped_halo_gradients
 
         broken = dropped_halo_gradients()
+    layouts: list[bool] = []
+    counting = nullcontext() if not mode.startswith("classify-cl") else _conv_layouts(layouts)
     try:
-        with broken:
+        with broken, counting:
             layout = Layout(dp=dp, sp=(gy, gx))
-            report = verify_model(build, (h, w), layout, batch=2 * m, microbatches=m, **options)
+            batch = m if mode == "classify-cl1" else 2 * m
+            report = verify_model(build, (h, w), layout, batch=batch, microbatches=m, **options)
     except HyfiError as err:
         return {"case": case, "error": str(err)}
     if torch.distributed.get_rank() == 0:
         print(report.format(f"{mode} {h}x{w} on dp={dp} x {gy}x{gx}, m={m}"), file=sys.stderr)
     failed = [c.name for c in report.comparisons if not c.ok]
     return {"case": case, "ok": report.ok, "max_rel_error": report.max_rel_error,
-            "compared": len(report.comparisons), "failed": failed}  # fmt: skip
+            "compared": len(report.comparisons), "failed": failed,
+            "spatial_convs": len(layouts), "channels_last_convs": sum(layouts)}  # fmt: skip
+
+
+@contextmanager
+def _conv_layouts(found: list[bool]) -> Iterator[None]:
+    """Per call of a spatial convolution: was its input channels-last with the standard
+    strides (what ``suggest_memory_format`` reads as channels-last, so the kernel runs so)?"""
+    from hyfi_imaging.parallel.spatial.convolutions import SpatialConv2d
+
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if isinstance(module, SpatialConv2d):
+            x = args[0]
+            standard = torch.empty(x.shape, memory_format=torch.channels_last).stride()
+            found.append(x.stride() == standard)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def main(argv: list[str]) -> int:
