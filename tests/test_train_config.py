@@ -72,6 +72,7 @@ def test_shipped_recipes_are_valid(recipe: Path) -> None:
         (["parallel.streaming=rows"], "parallel.streaming: Input should be 'none' or 'stem'"),
         (["task.name=detection"], "task.name: Input should be 'classification', 'segmentation'"),
         (["task.lost=mse"], "did you mean task.loss?"),
+        (["model.memory_format=nhwc"], "model.memory_format: Input should be 'nchw' or"),
     ],
 )
 def test_recipe_errors_are_one_line(tmp_path: Path, overrides: list[str], message: str) -> None:

@@ -144,10 +144,22 @@ def test_bf16_trains_on_tiles_like_one_process_to_bfloat16_rounding(
     assert one[0] != pytest.approx(fp32[0], rel=1e-6, abs=0.0)
 
 
-def test_resume_after_a_kill_continues_exactly(manifest: Path, tmp_path: Path) -> None:
-    _train(manifest, tmp_path / "full", 2, "parallel.spatial=1x2")
+@pytest.mark.parametrize(
+    ("grid", "layout"),
+    [
+        ("1x2", "nchw"),
+        # channels-last weights unsharded in one process: saved and loaded as they are laid out
+        ("1x1", "channels_last"),
+    ],
+)
+def test_resume_after_a_kill_continues_exactly(
+    manifest: Path, tmp_path: Path, grid: str, layout: str
+) -> None:
+    ranks = 2 if grid == "1x2" else 1
+    sets = (f"parallel.spatial={grid}", f"model.memory_format={layout}")
+    _train(manifest, tmp_path / "full", ranks, *sets)
     cut = tmp_path / "cut"
-    cmd = [MPIEXEC, "-n", "2", *_train_cmd(manifest, cut, "parallel.spatial=1x2", fork=False)]
+    cmd = [MPIEXEC, "-n", str(ranks), *_train_cmd(manifest, cut, *sets, fork=False)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.DEVNULL,
@@ -159,7 +171,7 @@ def test_resume_after_a_kill_continues_exactly(manifest: Path, tmp_path: Path) -
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # mpiexec takes its ranks down with it
     proc.wait(timeout=60)
-    resumed = _train(manifest, cut, 2, "parallel.spatial=1x2")
+    resumed = _train(manifest, cut, ranks, *sets)
     assert "resuming run" in resumed.stderr
     assert _losses(cut) == _losses(tmp_path / "full")  # bitwise on CPU
 

@@ -21,7 +21,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import ResNetV2, create_model
 from hyfi_imaging.models.weights import adapt_input_conv, load_weights, read_state_dict
 from hyfi_imaging.train.config import load_recipe
-from hyfi_imaging.train.inputs import build_model
+from hyfi_imaging.train.inputs import build_model, to_channels_last
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -223,6 +223,26 @@ def _user_builder(num_classes: int = 2, **_: object) -> nn.Module:
     model.load_state_dict(_USER_WEIGHTS)
     model.fc = nn.Linear(512, num_classes)
     return model
+
+
+def test_a_channels_last_recipe_lays_out_each_weight_by_its_dims() -> None:
+    """``model.memory_format: channels_last``: 2-D convolutions' weights channels-last,
+    3-D ones channels-last-3d (one model may hold both), the rest as built; same values."""
+    sets = ["data.manifest=m.csv", "train.out_dir=o", "model.memory_format=channels_last"]
+    recipe = load_recipe(Path("synthetic"), sets)
+    torch.manual_seed(0)
+    model = build_model(recipe, 3)
+    torch.manual_seed(0)
+    plain = build_model(load_recipe(Path("synthetic"), sets[:2]), 3)
+    _tensors_equal(model, plain.state_dict())
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model.conv1.weight.is_contiguous() and plain.conv1.weight.is_contiguous()
+    assert model.fc.weight.is_contiguous()
+    both = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv3d(4, 4, 3), nn.Linear(4, 2))
+    to_channels_last(both)
+    assert both[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert both[1].weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert not both[1].weight.is_contiguous() and both[2].weight.is_contiguous()
 
 
 def test_the_recipe_loads_weights_where_the_model_is_built(

@@ -128,11 +128,18 @@ class ModelConfig(_Strict):
     ``.safetensors`` file; :mod:`hyfi_imaging.models.weights`), relative to
     where the command runs. A head of another class count and a first
     convolution of another channel count are handled and reported in one line.
+
+    ``memory_format``: ``channels_last`` lays the convolution weights, and so the maps,
+    out as (N, H, W, C) (volumes (N, D, H, W, C)): cuDNN's fast layout for bfloat16
+    convolutions (plain PyTorch's ResNet-50 step was 1.8x faster so on an H200,
+    ``docs/benchmarks.md``). The numbers are the same to rounding; checkpoints hold the same
+    values either way.
     """
 
     name: str
     kwargs: dict[str, Any] = {}
     weights: Path | None = None
+    memory_format: Literal["nchw", "channels_last"] = "nchw"
 
 
 def _read_grid(v: Any) -> Any:
