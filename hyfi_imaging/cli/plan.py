@@ -130,17 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def choose_device(args: argparse.Namespace) -> Any:
+def choose_device(args: argparse.Namespace, model: Any = None) -> Any:
     """The speed model's device, with the figures given on the command line replacing its own.
 
     ``--device`` names a row of the table (or ``cpu``); without it, this machine's GPU if the
     table has it, else this CPU -- unless ``--device-memory`` says the plan is for devices that
     are not here: then there is no device (None), and CPU-calibrated step times would only
     pass for a GPU plan's (the README's example printed "step s 2.6e+04" for 80 GiB devices).
+    ``model``: the model planned; ``--device cuda`` measures the GPU in its layout.
     """
     import torch
 
     from hyfi_imaging.parallel.devices import Link, get_device, table_key
+    from hyfi_imaging.parallel.sharding import model_layout
 
     name = args.device_name
     if name is None and torch.cuda.is_available():
@@ -148,7 +150,10 @@ def choose_device(args: argparse.Namespace) -> Any:
         name = table_key(gpu.name, gpu.total_memory)
     if name is None and args.device_memory is not None:
         return None  # devices of some memory, elsewhere: no figures to time them with
-    dev = get_device(name or "cpu")
+    # --device cuda measures the GPU in the model's layout (a recipe's model.memory_format)
+    dev = get_device(
+        name or "cpu", channels_last=model is not None and model_layout(model) is not None
+    )
     intra = Link(args.link_bw or dev.intra.bandwidth, args.link_latency or dev.intra.latency)
     inter = Link(args.inter_bw or dev.inter.bandwidth, args.inter_latency or dev.inter.latency)
     return dev.with_(
@@ -311,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
 
     model, hw, devices, batch, optimizer, own, cohort_check = _inputs(args)
-    dev = choose_device(args)
+    dev = choose_device(args, model)
     timed = dev is not None or args.rate is not None  # step times from figures, not invented
     if dev is None:
         dev = _unnamed_device(args)

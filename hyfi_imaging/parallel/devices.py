@@ -480,8 +480,8 @@ def calibrated(row: Device, figures: dict[str, Any], what: str) -> Device:
 def calibrate_gpu(
     *, channels_last: bool = False, refresh: bool = False, cache: Path | None = None
 ) -> Device:
-    """This machine's first CUDA device as a :class:`Device`, in bfloat16 and NCHW (as
-    ``hyfi-train`` runs; ``channels_last`` for that layout): its compute figures measured as
+    """This machine's first CUDA device as a :class:`Device`, in bfloat16 and NCHW
+    (``channels_last``: that layout, ``model.memory_format``'s): its compute figures measured as
     :func:`calibrate_cpu` measures the CPU's (:func:`probe`, a few seconds, cached by GPU,
     torch, cuDNN and memory format), its memory and links from the table's row
     for it (:func:`table_key`; a GPU the table lacks gets nominal PCIe links: give
@@ -517,14 +517,15 @@ def table_key(gpu_name: str, memory: int) -> str | None:
     return next((key for part, key in found if part in name), None)
 
 
-def get_device(name: str) -> Device:
+def get_device(name: str, *, channels_last: bool = False) -> Device:
     """A device of :data:`DEVICES` by name (case-insensitive), ``cpu`` (:func:`calibrate_cpu`)
-    or ``cuda`` (this machine's GPU, :func:`calibrate_gpu`)."""
+    or ``cuda`` (this machine's GPU, :func:`calibrate_gpu`, measured in the model's layout:
+    ``channels_last``)."""
     key = name.strip().lower()
     if key in CPU_NAMES:
         return calibrate_cpu()
     if key == "cuda":
-        return calibrate_gpu()
+        return calibrate_gpu(channels_last=channels_last)
     if key in DEVICES:
         return DEVICES[key]
     raise ConfigError(
