@@ -41,7 +41,7 @@ which gives a size-1 batch dimension a stride that the kernels' layout test
 (``suggest_memory_format``) no longer reads as channels-last (every convolution of a 1x2
 ResNet-50 rank with one image ran NCHW: counted). So every unit of such a model takes its
 floating-point inputs in the model's layout with the standard strides (:func:`in_layout`:
-a view where the elements already are in that order, one copy of the stage's input).
+a view where the elements already are in that order; the stage's input is copied into it).
 """
 
 from __future__ import annotations
@@ -220,8 +220,11 @@ def apply_fsdp(
         if gloo:
             sharded.set_force_sum_reduction_for_comms(True)
         if layout is not None:  # after FSDP2's own pre-hook (prepended), on what it hands on
+            root = module is stage  # the stage's input is the one laid out anew
             module.register_forward_pre_hook(
-                lambda _m, args, fmt=layout: tuple(in_layout(a, fmt) for a in args)
+                lambda _m, args, fmt=layout, copy=root: tuple(
+                    in_layout(a, fmt, copy=copy) for a in args
+                )
             )
     return [path for path, _, _ in chosen]
 
@@ -239,23 +242,37 @@ def model_layout(model: nn.Module) -> torch.memory_format | None:
     return None
 
 
-def in_layout(t: object, fmt: torch.memory_format) -> object:
+def in_layout(t: object, fmt: torch.memory_format, *, copy: bool) -> object:
     """``t`` in the channels-last layout ``fmt`` with its standard strides, when ``t`` is a
     floating-point map of that layout's dims; anything else as it is.
 
     Already in that order with another stride on a size-1 dimension (the batch of one image,
     as FSDP2's view of a unit's input leaves it): the same elements through views, no copy.
+    In another order: copied into ``fmt`` if ``copy`` (a stage's input, which the engine
+    hands torch contiguous), else left as it is (inside the model, a map the model's own
+    code laid out otherwise, as a ``reshape``'s output, and may ``view`` so).
     """
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return t
     if _CHANNELS_LAST.get(t.dim()) is not fmt:
         return t
     if not t.is_contiguous(memory_format=fmt):
-        return t.contiguous(memory_format=fmt)
+        return t.contiguous(memory_format=fmt) if copy else t
     last = (0, *range(2, t.dim()), 1)  # (N, *spatial, C): there, the standard order
     flat = t.permute(last)
+    if flat.stride() == _standard_strides(flat.shape):
+        return t
     restrided = flat.view(flat.shape)  # a view's strides: the standard ones of its order
     return restrided.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+
+
+def _standard_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def stage_units(

@@ -73,7 +73,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
             return _GlobalBatchNorm.forward_whole(ctx, x, weight, bias, n, eps, group)
         # This tile's statistics over its ``count`` own pixels inside the image (two passes:
         # its mean, then the squares centred on it), merged with the other tiles' (Chan).
-        xm = x if outside is None else x.masked_fill(outside, 0.0)
+        xm = x if outside is None else _zeroed(x, outside)
         mean_l, var_l = _tile_moments(xm, outside, dims, count, x.shape, own=own)
         mean, var = merged_statistics(mean_l.flatten(), var_l.flatten(), count, n, group)
         # Centred on the image's mean in one rounding (a half-type input keeps its precision).
@@ -160,7 +160,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
             return _GlobalBatchNorm.backward_whole(ctx, gy)
         xhat, rstd, weight, outside = ctx.saved_tensors
         shape, dims = _channel_shape(gy)
-        g = gy if outside is None else gy.masked_fill(outside, 0.0)
+        g = gy if outside is None else _zeroed(gy, outside)
         local = torch.stack(
             [
                 g.sum(dim=dims, dtype=_acc(g)),
@@ -247,6 +247,14 @@ def _affine(
         return xhat
     shape, _ = _channel_shape(xhat)
     return torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
+
+
+def _zeroed(x: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with the positions ``outside`` (a broadcast mask) zero, in ``x``'s
+    memory layout: an out-of-place ``masked_fill`` takes the layout of the mask, and a
+    channels-last map came out NCHW, and so did every layer after it."""
+    out = x.clone()
+    return out.masked_fill_(outside, 0.0)
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -463,7 +471,7 @@ class _GlobalSampleNorm(torch.autograd.Function):
         ones = (1,) * (len(tile) + 1)
         dims = tuple(range(2, 3 + len(tile)))
         outside = _outside_mask(inside, x)
-        xm = x if outside is None else x.masked_fill(outside, 0.0)
+        xm = x if outside is None else _zeroed(x, outside)
         xg = xm.view(n, groups, c // groups, *tile)
         mean_l, var_l = _tile_moments(xg, outside, dims, local, x.shape)
         mean, var = merged_statistics(mean_l.flatten(), var_l.flatten(), local, count, group)
@@ -489,7 +497,7 @@ class _GlobalSampleNorm(torch.autograd.Function):
         groups, ones = ctx.groups, (1,) * (len(tile) + 1)
         dims = tuple(range(2, 3 + len(tile)))
         shape, channel_dims = _channel_shape(gy)
-        g = gy if outside is None else gy.masked_fill(outside, 0.0)
+        g = gy if outside is None else _zeroed(gy, outside)
         gw = g if weight is None else g * weight.to(g.dtype).view(shape)
         gwg, xg = gw.view(n, groups, c // groups, *tile), xhat.view(n, groups, c // groups, *tile)
         acc = _acc(g)
