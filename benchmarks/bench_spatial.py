@@ -451,6 +451,37 @@ def _report_time(
     return line, info
 
 
+def _report_layouts(runs: dict[tuple[str, str], Any], side: int) -> tuple[str, dict[str, Any]]:
+    """NCHW against channels-last, one process and 1x2, side by side: the best step of each
+    (the slowest rank), and how many convolutions ran channels-last (all, in a channels-last
+    run: a layout lost on the tiles runs every later layer NCHW)."""
+    rows, info, lost = [], {}, []
+    for (grid, fmt), run in runs.items():
+        best = min(_timed_steps([run]), key=lambda p: p["wall_s"])
+        counts = [r["time"]["channels_last_convs"] for r in run["ranks"]]
+        cl, total = (sum(c[i] for c in counts) for i in (0, 1))
+        info[f"{grid} {fmt}"] = {"step_s": best["wall_s"], "channels_last_convs": [cl, total]}
+        if fmt == "channels_last" and cl != total:
+            lost.append(f"{grid}: {cl} of {total}")
+        shown = f"{cl} of {total}" if fmt == "channels_last" else "-"
+        rows.append([grid, fmt, f"{best['wall_s']:.2f}", shown])
+    _table(
+        f"2c. NCHW against channels-last, ResNet-50 {side}^2, batch 1, 1 thread per rank (best step)",
+        ["grid", "layout", "s per step", "convolutions run channels-last (all ranks)"],
+        rows,
+    )
+    ratios = ", ".join(
+        f"{g} {info[f'{g} nchw']['step_s'] / info[f'{g} channels_last']['step_s']:.2f}x"
+        for g in ("1x1", "1x2")
+    )
+    line = (
+        f"{'FAIL' if lost else 'PASS'}  channels-last kept on the tiles: "
+        + (f"lost ({'; '.join(lost)})" if lost else "every convolution ran channels-last")
+        + f"; NCHW step / channels-last step: {ratios} (no target on CPU; cuDNN's layout)"
+    )
+    return line, info
+
+
 def _report_scaling(
     runs: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
 ) -> tuple[str, dict[str, Any]]:
@@ -573,6 +604,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             "  python benchmarks/bench_spatial.py --profile     # where the CPU time goes\n"
             "  python benchmarks/bench_spatial.py --parts none --time-sizes 768,1536,2048\n"
             "                                   # efficiency by image size (~4 min)\n"
+            "  python benchmarks/bench_spatial.py --parts none --layouts   # NCHW vs channels-last\n"
         ),
     )
     p.add_argument("--quick", action="store_true", help="small images, fewer steps (indicative)")
@@ -602,6 +634,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="also time one process and the 1x2 grid at each of these square sizes "
         "(comma-separated, e.g. 768,1536,2048: ~4 min here) and print the efficiency per size",
+    )
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="also time one process and the 1x2 grid in NCHW and in channels-last at the timed "
+        "size, side by side, and count the convolutions that ran channels-last (~1 min)",
     )
     p.add_argument(
         "--compare-replicated",
@@ -664,6 +702,13 @@ def main(argv: list[str] | None = None) -> int:
         sized = ["--time-image", str(side), "--warmup", "1", "--time-steps", "2", "--mem-steps", "0"]  # fmt: skip
         lib = [*sized, "--allocator", "library"]
         scaling[side] = (run(1, "1x1", sized), run(1, "1x1", lib), run(2, "1x2", sized))
+    layouts: dict[tuple[str, str], Any] = {}
+    if args.layouts:
+        for grid, n in (("1x1", 1), ("1x2", 2)):
+            for fmt in ("nchw", "channels_last"):
+                cl = ["--channels-last"] if fmt == "channels_last" else []
+                lib = ["--allocator", "library"] if grid == "1x1" else []
+                layouts[grid, fmt] = run(n, grid, [*timing, "--mem-steps", "0", *cl, *lib])
     load_after = _loadavg()
 
     print(f"\nbench_spatial ({'quick' if args.quick else 'full'}): ratios against one process, "
@@ -682,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
             _report_profile(t_single[0], t_grid[0], cfg)
     if scaling:
         line, raw["scaling"] = _report_scaling(scaling)
+        verdicts.append(line)
+    if layouts:
+        line, raw["layouts"] = _report_layouts(layouts, cfg.time_image)
         verdicts.append(line)
     halo_runs = [("2x2", grid22[side], "mem", side) for side in sizes if side in grid22]
     halo_runs += [("1x2", t_grid[0], "time", cfg.time_image)] if t_grid else []

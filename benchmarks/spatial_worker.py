@@ -24,7 +24,8 @@ What one run does:
 * ``--count-halo``: wraps :func:`hyfi_imaging.parallel.halo._exchange` (the one
   function every halo message goes through) to count the bytes and messages
   this rank sends, per image size and per phase (forward/backward);
-* ``--channels-last``: the model and its input in channels-last;
+* ``--channels-last``: the model and its input in channels-last; the timed steps count the
+  2-D convolutions that ran on a channels-last input (and all of them);
 * ``--profile N``: one warm-up and one profiled step at N (``torch.profiler``),
   self CPU time per operator;
 * ``--shard fsdp|replicate``: grid runs shard parameters, gradients and
@@ -46,7 +47,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 __all__ = ["main"]
@@ -111,6 +112,29 @@ def _phase(name: str) -> Iterator[None]:
         yield
     finally:
         _PHASE["name"] = old
+
+
+@contextmanager
+def _count_layouts() -> Iterator[list[int]]:
+    """``[channels-last, all]``: the 2-D convolutions called, and how many of them on a
+    channels-last input of the standard strides (what the kernels run channels-last)."""
+    import torch
+
+    counted = [0, 0]
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        if isinstance(module, torch.nn.Conv2d) and args and args[0].dim() == 4:
+            x = args[0]
+            counted[1] += 1
+            counted[0] += (
+                x.stride() == torch.empty(x.shape, memory_format=torch.channels_last).stride()
+            )
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield counted
+    finally:
+        handle.remove()
 
 
 def _profile_step(
@@ -313,13 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_image:
         x, labels = make_input(args.time_image)
         times = []
-        for i in range(args.warmup + args.time_steps):
-            barrier()
-            parts = step(x, labels)
-            barrier()
-            if i >= args.warmup:
-                times.append(parts)
+        layouts = _count_layouts() if args.channels_last else nullcontext([0, 0])
+        with layouts as counted:
+            for i in range(args.warmup + args.time_steps):
+                barrier()
+                parts = step(x, labels)
+                barrier()
+                if i >= args.warmup:
+                    times.append(parts)
         result["time"] = {
+            "channels_last_convs": counted,
             "image": args.time_image,
             "tile": list(x.shape[-2:]),
             "steps": times,
