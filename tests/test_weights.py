@@ -19,9 +19,10 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import ResNetV2, create_model
+from hyfi_imaging.models.memory_format import to_channels_last
 from hyfi_imaging.models.weights import adapt_input_conv, load_weights, read_state_dict
 from hyfi_imaging.train.config import load_recipe
-from hyfi_imaging.train.inputs import build_model, to_channels_last
+from hyfi_imaging.train.inputs import build_model
 
 torchvision = pytest.importorskip("torchvision")
 

@@ -141,8 +141,8 @@ def choose_device(args: argparse.Namespace, model: Any = None) -> Any:
     """
     import torch
 
+    from hyfi_imaging.models.memory_format import model_layout
     from hyfi_imaging.parallel.devices import Link, get_device, table_key
-    from hyfi_imaging.parallel.sharding import model_layout
 
     name = args.device_name
     if name is None and torch.cuda.is_available():

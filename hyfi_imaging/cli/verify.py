@@ -33,6 +33,10 @@ examples:
   # your own model (any nn.Module; spatial and data parallelism; pipeline if torch.fx traces it)
   mpirun -np 4 hyfi-verify --model torchvision.models:resnet18 --image-size 256x224 --spatial 2x2
 
+  # a channels-last model (hyfi-train's model.memory_format: channels_last)
+  mpirun -np 4 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --spatial 2x2 \\
+      --memory-format channels_last
+
   # 2 pipeline stages, 1F1B over 4 micro-batches, every block checkpointed
   mpirun -np 2 hyfi-verify --model resnet50 --width 0.25 --image-size 96x80 --pipeline 2 \\
       --microbatches 4 --schedule 1f1b --checkpointing full
@@ -191,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--memory-format",
+        choices=("nchw", "channels_last"),
+        default="nchw",
+        help="the model's layout, as hyfi-train's model.memory_format (default: %(default)s)",
+    )
+    p.add_argument(
         "--no-memory-check",
         dest="memory_check",
         action="store_false",
@@ -239,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from hyfi_imaging.errors import ConfigError
     from hyfi_imaging.models import create_model
+    from hyfi_imaging.models.memory_format import to_channels_last
     from hyfi_imaging.parallel.branches import check_branches
     from hyfi_imaging.parallel.launch import init_parallel, shutdown, threads_per_rank
     from hyfi_imaging.parallel.layout import Layout
@@ -266,8 +277,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.width is not None:
         kwargs["width"] = args.width
     batch = args.batch if args.batch is not None else max(2, args.microbatches)
+
+    def build() -> torch.nn.Module:
+        model = create_model(args.model, **kwargs)
+        if args.memory_format == "channels_last":
+            to_channels_last(model)
+        return model
+
     # Fail on a bad name, option, cut, batch or image size before any process group exists.
-    model = create_model(args.model, **kwargs)
+    model = build()
     plan.validate(model, batch)
     check_branches(model, layout.br, checkpointing=plan.checkpointing)
     check_image_size(model, args.image_size, batch)
@@ -275,7 +293,7 @@ def _run(args: argparse.Namespace) -> int:
     pc = init_parallel(layout, schedule=plan.schedule)
     torch.set_num_threads(threads_per_rank())  # this node's CPUs over this node's ranks
     report = run_verify(
-        lambda: create_model(args.model, **kwargs),
+        build,
         pc,
         image_hw=args.image_size,
         batch=batch,

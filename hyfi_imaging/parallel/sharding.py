@@ -40,7 +40,7 @@ engine hands torch's ``PipelineStage`` contiguous, and FSDP2's view of a unit's 
 which gives a size-1 batch dimension a stride that the kernels' layout test
 (``suggest_memory_format``) no longer reads as channels-last (every convolution of a 1x2
 ResNet-50 rank with one image ran NCHW: counted). So every unit of such a model takes its
-floating-point inputs in the model's layout with the standard strides (:func:`in_layout`:
+floating-point inputs in the model's layout with the standard strides (:func:`~hyfi_imaging.models.memory_format.in_layout`:
 a view where the elements already are in that order; the stage's input is copied into it).
 """
 
@@ -57,14 +57,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.models.memory_format import in_layout, model_layout
 
 __all__ = [
     "apply_fsdp",
     "called_modules",
     "divide_factor",
     "full_tensor",
-    "in_layout",
-    "model_layout",
     "shard_units",
     "stage_units",
 ]
@@ -227,52 +226,6 @@ def apply_fsdp(
                 )
             )
     return [path for path, _, _ in chosen]
-
-
-#: The channels-last layout of each number of dims of a map.
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
-def model_layout(model: nn.Module) -> torch.memory_format | None:
-    """The channels-last layout of ``model``'s convolution weights, else None (NCHW)."""
-    for p in model.parameters():
-        fmt = _CHANNELS_LAST.get(p.dim())
-        if fmt is not None and not p.is_contiguous() and p.is_contiguous(memory_format=fmt):
-            return fmt
-    return None
-
-
-def in_layout(t: object, fmt: torch.memory_format, *, copy: bool) -> object:
-    """``t`` in the channels-last layout ``fmt`` with its standard strides, when ``t`` is a
-    floating-point map of that layout's dims; anything else as it is.
-
-    Already in that order with another stride on a size-1 dimension (the batch of one image,
-    as FSDP2's view of a unit's input leaves it): the same elements through views, no copy.
-    In another order: copied into ``fmt`` if ``copy`` (a stage's input, which the engine
-    hands torch contiguous), else left as it is (inside the model, a map the model's own
-    code laid out otherwise, as a ``reshape``'s output, and may ``view`` so).
-    """
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        return t
-    if _CHANNELS_LAST.get(t.dim()) is not fmt:
-        return t
-    if not t.is_contiguous(memory_format=fmt):
-        return t.contiguous(memory_format=fmt) if copy else t
-    last = (0, *range(2, t.dim()), 1)  # (N, *spatial, C): there, the standard order
-    flat = t.permute(last)
-    if flat.stride() == _standard_strides(flat.shape):
-        return t
-    restrided = flat.view(flat.shape)  # a view's strides: the standard ones of its order
-    return restrided.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
-
-
-def _standard_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 def stage_units(

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from hyfi_imaging.data.normalize import Normalization
     from hyfi_imaging.train.config import Recipe
 
-__all__ = ["build_model", "check_data", "data_pixels", "normalization", "to_channels_last"]
+__all__ = ["build_model", "check_data", "data_pixels", "normalization"]
 
 
 def data_pixels(recipe: Recipe) -> StorePixels:
@@ -158,18 +158,7 @@ def build_model(
         if report.copied and launch_rank() in (None, 0):
             logging.getLogger("hyfi_imaging.train").warning("%s", report.line)
     if r.model.memory_format == "channels_last":
+        from hyfi_imaging.models.memory_format import to_channels_last
+
         to_channels_last(model)
     return model
-
-
-def to_channels_last(model: nn.Module) -> None:
-    """Lay ``model``'s 2-D and 3-D convolution weights out channels-last, in place (a
-    convolution then runs, and gives its map, in that layout; the engine keeps it on tiles
-    and shards, :mod:`hyfi_imaging.parallel.sharding`). Per weight, by its dims: a model may
-    hold both (``Module.to`` takes one layout for all)."""
-    import torch
-
-    layouts = {4: torch.channels_last, 5: torch.channels_last_3d}
-    for p in model.parameters():
-        if p.dim() in layouts:
-            p.data = p.data.contiguous(memory_format=layouts[p.dim()])
