@@ -40,8 +40,9 @@ engine hands torch's ``PipelineStage`` contiguous, and FSDP2's view of a unit's 
 which gives a size-1 batch dimension a stride that the kernels' layout test
 (``suggest_memory_format``) no longer reads as channels-last (every convolution of a 1x2
 ResNet-50 rank with one image ran NCHW: counted). So every unit of such a model takes its
-floating-point inputs in the model's layout with the standard strides (:func:`~hyfi_imaging.models.memory_format.in_layout`:
-a view where the elements already are in that order; the stage's input is copied into it).
+floating-point inputs in the model's layout with the standard strides
+(:func:`~hyfi_imaging.models.memory_format.in_layout`: a view where the elements already
+are in that order; the stage's input is copied into it).
 """
 
 from __future__ import annotations
