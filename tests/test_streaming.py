@@ -199,6 +199,27 @@ def test_a_window_of_the_tile_and_its_strips_is_the_extended_tile_s(
             assert torch.equal(got, whole[..., r0:r1, c0:c1])
 
 
+def test_a_channels_last_model_streams_into_a_channels_last_map() -> None:
+    """Weights channels-last, the input not (the engine hands a stage its input contiguous):
+    the plain stem's convolution gives a channels-last map and the streamed stem's output
+    is laid out so too (it took the input's NCHW, and every convolution after it read NCHW),
+    with the same numbers."""
+    torch.manual_seed(0)
+    plain = create_model("resnet18", num_classes=3, width=0.25).double().train()
+    plain.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    streamed = copy.deepcopy(plain)
+    stream_stem(streamed, band_rows=4)
+    x = torch.randn(1, 3, 67, 45, dtype=torch.float64)
+    stem_out: list[torch.Tensor] = []
+    for m in (plain, streamed):
+        hook = m.layer1.register_forward_pre_hook(lambda _, a: stem_out.append(a[0]))
+        m(x)
+        hook.remove()
+    assert all(t.is_contiguous(memory_format=torch.channels_last) for t in stem_out)
+    assert not stem_out[1].is_contiguous()
+    assert _compare(plain, streamed, x, torch.tensor([1])) < 1e-11
+
+
 def test_under_autocast_the_stem_is_as_close_to_float32_as_the_plain_one() -> None:
     """bf16 autocast (CPU here, CUDA on a cluster): bands recompute under the same autocast
     in backward; their gradients are as far from float32 as the plain model's (bf16 noise on

@@ -499,8 +499,9 @@ class _Streamed(torch.autograd.Function):
             out: torch.Tensor | None = None
             for i in range(len(plan.bands)):
                 y = stem.band(plan, src, i, stats, n, bound)[-1]
-                if out is None:  # in the bands' dtype: autocast's, as the plain stem gives
-                    out = new_like(x, (lead, chans, *plan.out_len), zero=True, dtype=y.dtype)
+                if out is None:  # in the bands' dtype (autocast's, as the plain stem gives)
+                    # and layout (channels-last from the weights too, where the input is not)
+                    out = new_like(y, (lead, chans, *plan.out_len), zero=True, dtype=y.dtype)
                 rows, cols = plan.rows[i][n], plan.cols[n]
                 base = [frame.start[a] // plan.jump[a][n] if frame.spatial else 0 for a in range(2)]
                 out[
