@@ -252,9 +252,9 @@ def _affine(
 def _zeroed(x: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` with the positions ``outside`` (a broadcast mask) zero, in ``x``'s
     memory layout: an out-of-place ``masked_fill`` takes the layout of the mask, and a
-    channels-last map came out NCHW, and so did every layer after it."""
-    out = x.clone()
-    return out.masked_fill_(outside, 0.0)
+    channels-last map came out NCHW, and so did every layer after it. One pass into a
+    buffer of ``x``'s layout (inside the Functions' forward and backward: no autograd)."""
+    return torch.where(outside, x.new_zeros(()), x, out=torch.empty_like(x))
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
