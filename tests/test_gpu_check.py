@@ -113,22 +113,29 @@ def test_peak_table_by_device_name() -> None:
     assert {n: gc.peak_tflops(n) for n in names} == names
 
 
-@pytest.mark.parametrize(
-    ("limit", "start", "known", "found"),
-    [(1000, 64, 0, 992), (20000, 2048, 8192, None), (100, 256, 0, 96), (31, 32, 0, 0)],
-)
-def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, found: int) -> None:
-    gc = _script()
+def _search_below(
+    limit: int, start: int, known: int, grow: float = 2.0
+) -> tuple[int, int | None, bool, list[int]]:
+    """``largest_side`` against a memory that holds sides up to ``limit``; and the probes."""
     probed: list[int] = []
 
     def fits(side: int) -> bool:
         probed.append(side)
         return side <= limit
 
-    lo, hi, converged = gc.largest_side(
-        fits, start=start, known=known, deadline=time.monotonic() + 60
+    found = _script().largest_side(
+        fits, start=start, known=known, grow=grow, deadline=time.monotonic() + 60
     )
-    assert converged and lo <= limit < hi and lo % 32 == 0 and hi % 32 == 0
+    return (*found, probed)
+
+
+@pytest.mark.parametrize(
+    ("limit", "start", "known", "found"),
+    [(1000, 64, 0, 992), (20000, 2048, 8192, None), (100, 256, 0, 96), (31, 32, 0, 0)],
+)
+def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, found: int) -> None:
+    lo, hi, converged, probed = _search_below(limit, start, known)
+    assert converged and hi is not None and lo <= limit < hi and lo % 32 == 0 and hi % 32 == 0
     assert hi - lo <= max(32, lo // 64)
     assert found is None or lo == found
     assert known not in probed and len(probed) == len(set(probed))
@@ -137,17 +144,8 @@ def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, f
 @pytest.mark.parametrize(("limit", "start"), [(22_300, 22_272), (22_300, 23_040), (21_800, 23_040)])
 def test_largest_side_from_a_projection_steps_a_few_percent(limit: int, start: int) -> None:
     """Started at a projected side, the search brackets the limit with probes near it."""
-    gc = _script()
-    probed: list[int] = []
-
-    def fits(side: int) -> bool:
-        probed.append(side)
-        return side <= limit
-
-    lo, hi, converged = gc.largest_side(
-        fits, start=start, known=8192, grow=1.03, deadline=time.monotonic() + 60
-    )
-    assert converged and lo <= limit < hi and hi - lo <= max(32, lo // 64)
+    lo, hi, converged, probed = _search_below(limit, start, 8192, grow=1.03)
+    assert converged and hi is not None and lo <= limit < hi and hi - lo <= max(32, lo // 64)
     assert probed[0] == start and len(probed) <= 5 and len(probed) == len(set(probed))
     assert all(abs(side / limit - 1) < 0.1 for side in probed)
 
