@@ -40,6 +40,7 @@ from hyfi_imaging.models import (
     register_model,
     registry,
 )
+from hyfi_imaging.parallel.pipeline import deep_layer, set_checkpointing
 
 torch.set_num_threads(1)
 
@@ -201,11 +202,19 @@ def test_total_stride(name: str) -> None:
     assert feats.shape[-2:] == (2, 3)
 
 
+@pytest.mark.parametrize("mode", ["full", "deep"])
 @pytest.mark.parametrize("name", ALL)
-def test_grad_checkpointing_changes_nothing(name: str) -> None:
+def test_grad_checkpointing_changes_nothing(name: str, mode: str) -> None:
     plain = build(name, num_classes=4)
     ckpt = copy.deepcopy(plain)
-    ckpt.set_grad_checkpointing(True)
+    if mode == "full":
+        ckpt.set_grad_checkpointing(True)
+    elif not isinstance(ckpt, ChainModel):
+        with pytest.raises(ConfigError, match=r"deep on .*this model is not a chain"):
+            set_checkpointing(ckpt, mode)
+        return
+    else:
+        set_checkpointing(ckpt, mode)
     assert all(b.grad_checkpointing for b in ckpt.blocks())
     assert any(True for _ in ckpt.blocks())
     h, w = sizes(name)[0]
@@ -218,7 +227,7 @@ def test_grad_checkpointing_changes_nothing(name: str) -> None:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal saved
-            saved += 1
+            saved += t.numel()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -230,6 +239,10 @@ def test_grad_checkpointing_changes_nothing(name: str) -> None:
     out_p, gx_p, saved_p = step(plain)
     out_c, gx_c, saved_c = step(ckpt)
     assert saved_c < saved_p  # checkpointing really stores fewer activations
+    if mode == "deep" and deep_layer(ckpt, mode) is not None:
+        full = copy.deepcopy(plain)
+        full.set_grad_checkpointing(True)
+        assert saved_c < step(full)[2]  # and deep fewer than full
     assert torch.equal(out_p, out_c)
     torch.testing.assert_close(gx_c, gx_p, rtol=1e-6, atol=1e-7)
     for (n, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):

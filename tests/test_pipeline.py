@@ -20,6 +20,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
+from hyfi_imaging.models.registry import recomputed_whole
 from hyfi_imaging.parallel.balance import (
     balance_by_size,
     balance_by_time,
@@ -37,6 +38,7 @@ from hyfi_imaging.parallel.pipeline import (
     StageModule,
     check_balance,
     cut_stages,
+    deep_layer,
     draw_plan,
     even_balance,
     model_layers,
@@ -181,6 +183,23 @@ def test_checkpointing_modes() -> None:
     ]
     assert len(set_checkpointing(model, "full")) == 8
     assert set_checkpointing(model, "none") == []
+    # deep: every block, and the first layer of several blocks recomputed as a whole, its
+    # blocks in units; switching modes takes it back
+    assert parse_checkpointing("deep") == 1
+    assert deep_layer(model, "deep") == "layer1" and deep_layer(model, "full") is None
+    assert len(set_checkpointing(model, "deep")) == 8
+    policies = {n: b.checkpoint_policy for n, b in model.named_modules() if n.count(".") == 1}
+    assert policies == {"layer1.0": "units", "layer1.1": "units"} | {
+        f"layer{i}.{j}": "full" for i in (2, 3, 4) for j in (0, 1)
+    }
+    assert [n for n, m in model.named_children() if recomputed_whole(m)] == ["layer1"]
+    set_checkpointing(model, "full")
+    assert not any(recomputed_whole(m) for m in model.children())
+    assert {b.checkpoint_policy for b in model.modules() if hasattr(b, "grad_checkpointing")} == {
+        "full"
+    }
+    with pytest.raises(ConfigError, match=r"deep on UNet: .* not a chain"):
+        set_checkpointing(create_model("unet2d", num_classes=2, width=4, depth=2), "deep")
     with pytest.raises(ConfigError, match="no checkpointable blocks"):
         set_checkpointing(nn.Sequential(nn.Conv2d(1, 1, 1)), "full")
 

@@ -54,7 +54,9 @@ def test_candidates_multiply_to_the_devices() -> None:
     model = create_model("resnet18", num_classes=2, width=0.25)
     cands = list(candidates(model, (512, 512), 4, 2))
     assert cands and all(c.world_size == 4 for c in cands)
-    assert {c.checkpointing for c in cands} == {"none", "selective", "full"}
+    assert {c.checkpointing for c in cands} == {"none", "selective", "full", "deep"}
+    # deep: one stage, with the streamed stem
+    assert {(c.layout.pp, c.streaming) for c in cands if c.checkpointing == "deep"} == {(1, "stem")}
     assert any(c.layout.pp == 2 and c.schedule == "1f1b" for c in cands)
     # Two mirrored replicas of a 3-rank junction (1x2 -> 1x1) take 4 ranks: offered only so.
     mirrored = [c for c in cands if c.layout.junction and c.schedule == "bidirectional"]
@@ -76,6 +78,13 @@ def test_more_tiles_and_checkpointing_need_less_memory() -> None:
     )
     assert stem.activations + stem.transient < 0.7 * (ck.activations + ck.transient)
     assert stem.step_s > ck.step_s  # its layers run once more per BatchNorm, both ways
+    # deep: layer1 recomputed as a whole keeps one input of its two blocks' (an upper bound:
+    # its units are counted as whole blocks), for two more forwards of layer1
+    deep = predict(
+        model, (512, 512), 1, Candidate(Layout(sp=(2, 2)), checkpointing="deep", streaming="stem")
+    )
+    assert deep.activations < stem.activations
+    assert deep.step_s > stem.step_s
     # FSDP2 shards gradients and momentum: less state per rank once the model is not tiny
     # (for a 0.7 M-parameter model the gathered units cost more than sharding saves).
     big = create_model("resnet50", num_classes=2)

@@ -67,7 +67,7 @@ def test_shipped_recipes_are_valid(recipe: Path) -> None:
         (["trian.epochs=3"], "did you mean train?"),
         (["parallel.spatial=2by2"], "parallel.spatial"),
         (["optim.lr=-1"], "optim.lr: Input should be greater than 0"),
-        (["parallel.checkpointing=sometimes"], "use none, full, selective or every:N"),
+        (["parallel.checkpointing=sometimes"], "use none, full, selective, deep or every:N"),
         (["optim.name=lamb"], "optim.name"),
         (["parallel.streaming=rows"], "parallel.streaming: Input should be 'none' or 'stem'"),
         (["task.name=detection"], "task.name: Input should be 'classification', 'segmentation'"),

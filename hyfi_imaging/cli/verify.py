@@ -147,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpointing",
         default="none",
-        metavar="none|full|every:N|selective",
-        help="activation checkpointing: no block, every block, every N-th block, or every block "
-        "keeping convolution outputs (default none)",
+        metavar="none|full|every:N|selective|deep",
+        help="activation checkpointing: no block, every block, every N-th block, every block "
+        "keeping convolution outputs, or every block with the first layer of several blocks "
+        "recomputed as a whole, its blocks in units (default none)",
     )
     p.add_argument(
         "--overlap",

@@ -42,7 +42,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -66,7 +66,9 @@ __all__ = [
     "import_builder",
     "list_models",
     "register_model",
+    "recomputed_whole",
     "set_chain_run",
+    "set_recomputed_whole",
     "whole_number",
 ]
 
@@ -237,15 +239,20 @@ def _refuse_compiled_checkpoint(block: str) -> None:
 
 
 class _RestoreBatchNormStats(contextlib.AbstractContextManager[None]):
-    """Snapshot BatchNorm buffers on entry, put them back on exit.
+    """Snapshot the BatchNorm buffers of ``modules`` on entry, put them back on exit.
 
     Used as the *recompute* context of activation checkpointing: the second
     forward of a block during backward would otherwise update running_mean,
     running_var and num_batches_tracked a second time.
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        self.norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+    def __init__(self, *modules: nn.Module) -> None:
+        self.norms = [
+            m
+            for module in modules
+            for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase)
+        ]
         self.saved: list[list[torch.Tensor | None]] = []
 
     def __enter__(self) -> None:
@@ -305,11 +312,30 @@ class CheckpointedBlock(nn.Module):
     convolution's output (PyTorch's selective activation checkpointing) and
     recomputes only the cheap layers between them (BatchNorm, ReLU, additions,
     and the halo exchanges that rebuild each convolution's input), trading a
-    little memory for not running the convolutions twice.
+    little memory for not running the convolutions twice; ``"units"`` is
+    ``"full"`` and, in a block that has units (``recomputes_in_units``), each
+    unit is checkpointed again inside the block (:meth:`unit`), so that the
+    block's recomputation keeps only the units' outputs and one unit's internals
+    at a time (``checkpointing: deep``).
     """
 
     grad_checkpointing: bool = False
     checkpoint_policy: str = "full"
+    #: Whether :meth:`forward_block` runs its units through :meth:`unit` (policy ``"units"``).
+    recomputes_in_units: ClassVar[bool] = False
+
+    def unit(self, fn: Callable[..., Any], *args: Any, modules: Sequence[nn.Module]) -> Any:
+        """``fn(*args)``: a unit of the block of ``modules``, checkpointed again under the
+        ``"units"`` policy while autograd records (its BatchNorm statistics restored after
+        its recomputation), else run plainly."""
+        if self.checkpoint_policy != "units" or not torch.is_grad_enabled():
+            return fn(*args)
+        return checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), _RestoreBatchNormStats(*modules)),
+        )
 
     def _checkpoint_contexts(self) -> tuple[Any, Any]:
         restore = _RestoreBatchNormStats(self)
@@ -340,6 +366,37 @@ class CheckpointedBlock(nn.Module):
 #: side table: nothing is written onto the model's modules). A run is callable and has
 #: ``modules``, the layers it replaces in order.
 _CHAIN_RUNS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+#: Layers of a chain recomputed as a whole in backward, around their own checkpointed
+#: blocks (``checkpointing: deep``); a side table like ``_CHAIN_RUNS``.
+_WHOLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def set_recomputed_whole(layer: nn.Module, whole: bool) -> None:
+    """Let :func:`run_chain` checkpoint ``layer`` as a whole (``whole``), or not."""
+    if whole:
+        _WHOLE.add(layer)
+    else:
+        _WHOLE.discard(layer)
+
+
+def recomputed_whole(layer: nn.Module) -> bool:
+    """Whether :func:`run_chain` checkpoints ``layer`` as a whole."""
+    return layer in _WHOLE
+
+
+def _run_layer(layer: nn.Module, x: Any) -> Any:
+    """``layer(x)``; checkpointed as a whole (BatchNorm statistics restored after its
+    recomputation) where :func:`set_recomputed_whole` asked and autograd records."""
+    if layer not in _WHOLE or not torch.is_grad_enabled():
+        return layer(x)
+    if torch.compiler.is_compiling():
+        _refuse_compiled_checkpoint(type(layer).__name__)
+    return checkpoint(
+        layer,
+        x,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _RestoreBatchNormStats(layer)),
+    )
 
 
 def set_chain_run(first: nn.Module, run: Any) -> None:
@@ -357,7 +414,8 @@ def run_chain(modules: Sequence[nn.Module], x: Any) -> Any:
 
     A run registered with :func:`set_chain_run` (a streamed stem runs its layers in row
     bands) stands in for its layers when all of them follow, in order; a pipeline cut
-    inside it runs them one by one.
+    inside it runs them one by one. A layer :func:`set_recomputed_whole` names is
+    checkpointed as a whole.
     """
     i = 0
     while i < len(modules):
@@ -366,7 +424,7 @@ def run_chain(modules: Sequence[nn.Module], x: Any) -> Any:
             x = run(x)
             i += len(run.modules)
         else:
-            x = modules[i](x)
+            x = _run_layer(modules[i], x)
             i += 1
     return x
 

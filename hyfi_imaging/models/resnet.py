@@ -44,6 +44,7 @@ class _ResidualBlock(CheckpointedBlock):
 
     kernels: ClassVar[tuple[int, ...]]
     expansion: ClassVar[int]
+    recomputes_in_units = True
 
     def __init__(
         self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None
@@ -72,16 +73,27 @@ class _ResidualBlock(CheckpointedBlock):
         bn: nn.BatchNorm2d = getattr(self, f"bn{len(self.kernels)}")
         return bn
 
-    def forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        """Residual unit: units, then ``relu(out + shortcut)``."""
-        out = x
-        n = len(self.kernels)
-        for i in range(1, n + 1):
-            out = getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(out))
-            if i < n:
-                out = self.relu(out)
+    def _unit(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """conv ``i``, its BatchNorm and the ReLU (not after the last conv)."""
+        out = getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(x))
+        return self.relu(out) if i < len(self.kernels) else out
+
+    def _last(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The last conv-bn, the shortcut, ``relu(out + shortcut)``."""
+        out = self._unit(len(self.kernels), out)
         identity = x if self.downsample is None else self.downsample(x)
         return self.relu(out + identity)
+
+    def forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual unit: units, then ``relu(out + shortcut)``; each a checkpointed unit
+        under the ``"units"`` policy (:meth:`~.registry.CheckpointedBlock.unit`)."""
+        out = x
+        n = len(self.kernels)
+        for i in range(1, n):
+            parts = (getattr(self, f"conv{i}"), getattr(self, f"bn{i}"))
+            out = self.unit(self._unit, i, out, modules=parts)
+        last = [getattr(self, f"conv{n}"), getattr(self, f"bn{n}")]
+        return self.unit(self._last, out, x, modules=[*last, *filter(None, [self.downsample])])
 
 
 class BasicBlock(_ResidualBlock):

@@ -21,6 +21,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.geometry.grid import TileGrid
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.model_trace import meta_model
+from hyfi_imaging.parallel.pipeline import deep_layer
 from hyfi_imaging.parallel.plan import (
     CHECKPOINTING,
     Candidate,
@@ -113,6 +114,10 @@ def candidates(
     except ConfigError:
         streams = False
     try:
+        deep = deep_layer(model, "deep") is not None
+    except ConfigError:  # not a chain
+        deep = False
+    try:
         check_pooled(model, image_hw, Layout(pp=2, grids=((1, 2), (1, 1))))
         pooled = True
     except ConfigError:
@@ -139,14 +144,19 @@ def candidates(
             for m in _divisors(batch):
                 for schedule in SCHEDULES if lay.pp > 1 else ("gpipe",):
                     for ck in CHECKPOINTING:
+                        # Deep checkpointing, the most memory for the most compute: one
+                        # stage, with the streamed stem where there is one.
+                        if ck == "deep" and not (deep and lay.pp == 1):
+                            continue
                         # The streamed stem where memory matters most: every block
                         # checkpointed, tiles and replicas only (bounds the search).
-                        both = ck == "full" and lay.pp == 1 and streams
+                        both = ck in ("full", "deep") and lay.pp == 1 and streams
                         # The banded convolution backward likewise, on tiles with every
                         # block checkpointed: ranked by speed, it wins only where the
                         # layout does not fit without it.
-                        banded = ck == "full" and any(g > 1 for g in lay.grid_of(0))
-                        for streaming in ("none", "stem") if both else ("none",):
+                        banded = ck in ("full", "deep") and any(g > 1 for g in lay.grid_of(0))
+                        stems = ("stem",) if ck == "deep" else ("none", "stem")
+                        for streaming in stems if both else ("none",):
                             for bands in (False, True) if banded else (False,):
                                 cand = Candidate(
                                     lay, m, ck, schedule, streaming=streaming,

@@ -47,7 +47,12 @@ import torch
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock, run_chain
+from hyfi_imaging.models.registry import (
+    ChainModel,
+    CheckpointedBlock,
+    run_chain,
+    set_recomputed_whole,
+)
 from hyfi_imaging.parallel.chain_form import ChainLayer, chain_layers, mount
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "as_tuple",
     "check_balance",
     "cut_stages",
+    "deep_layer",
     "draw_plan",
     "even_balance",
     "is_chain",
@@ -263,15 +269,15 @@ _EVERY = re.compile(r"\s*every\s*:\s*(\d+)\s*")
 
 
 def parse_checkpointing(text: str) -> int:
-    """Which blocks are checkpointed: ``"none"`` -> 0, ``"full"`` and ``"selective"`` -> 1
-    (every block), ``"every:N"`` -> N (every N-th block).
+    """Which blocks are checkpointed: ``"none"`` -> 0, ``"full"``, ``"selective"`` and
+    ``"deep"`` -> 1 (every block), ``"every:N"`` -> N (every N-th block).
 
     Error: ``parse_checkpointing("some")`` raises ConfigError listing the forms.
     """
     t = text.strip().lower()
     if t == "none":
         return 0
-    if t in ("full", "selective"):
+    if t in ("full", "selective", "deep"):
         return 1
     m = _EVERY.fullmatch(t)
     if m and int(m.group(1)) >= 1:
@@ -279,8 +285,9 @@ def parse_checkpointing(text: str) -> int:
     raise ConfigError(
         f"--checkpointing {text}",
         "is not a checkpointing mode",
-        "use none, full (every block), every:N (every N-th block, N >= 1) or selective "
-        "(every block, convolution outputs kept)",
+        "use none, full (every block), every:N (every N-th block, N >= 1), selective "
+        "(every block, convolution outputs kept) or deep (every block, and the first layer "
+        "of several blocks recomputed as a whole)",
     )
 
 
@@ -305,15 +312,45 @@ def checkpoint_blocks(model: nn.Module, mode: str) -> list[str]:
     return [name for i, name in enumerate(blocks, start=1) if every and i % every == 0]
 
 
+def deep_layer(model: nn.Module, mode: str) -> str | None:
+    """The top-level layer ``checkpointing: deep`` recomputes as a whole (pure), or None.
+
+    It is the chain's first layer holding two or more checkpointable blocks: in a CNN
+    that downsamples, the one at the highest resolution, whose blocks' kept inputs are
+    most of what full checkpointing holds at the end of forward (ResNet-50's ``layer1``:
+    96 of 216 bytes per input pixel in bfloat16). Its blocks recompute in units where
+    they have them. None for the other modes, and for a chain with no such layer (deep is
+    then full). Raises ConfigError for ``deep`` on a model that is not a chain (only a
+    chain runs its layers one by one, where a layer can be recomputed as a whole).
+    """
+    if mode.strip().lower() != "deep":
+        return None
+    if not isinstance(model, ChainModel):
+        raise ConfigError(
+            f"--checkpointing {mode} on {type(model).__name__}",
+            "recomputes a layer of a chain model as a whole; this model is not a chain",
+            "use --checkpointing full",
+        )
+    for name, layer in model.named_children():
+        if sum(isinstance(m, CheckpointedBlock) for m in layer.modules()) >= 2:
+            return name
+    return None
+
+
 def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
     """Enable activation checkpointing on the blocks ``mode`` selects
-    (:func:`checkpoint_blocks`); returns their names."""
+    (:func:`checkpoint_blocks`), and on the layer :func:`deep_layer` names as a whole;
+    returns the blocks' names."""
     chosen = set(checkpoint_blocks(model, mode))
-    policy = "selective" if mode.strip().lower() == "selective" else "full"
+    whole = deep_layer(model, mode)
+    selective = mode.strip().lower() == "selective"
     for name, block in model.named_modules():
         if isinstance(block, CheckpointedBlock):
             block.grad_checkpointing = name in chosen
-            block.checkpoint_policy = policy
+            in_whole = whole is not None and name.startswith(whole + ".")
+            block.checkpoint_policy = "selective" if selective else "units" if in_whole else "full"
+    for name, layer in model.named_children():
+        set_recomputed_whole(layer, name == whole)
     return [n for n, m in model.named_modules() if n in chosen]
 
 

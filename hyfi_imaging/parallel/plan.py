@@ -76,7 +76,7 @@ from hyfi_imaging.parallel.model_trace import (
     stem_splits,
     trace_model,
 )
-from hyfi_imaging.parallel.pipeline import StageModule, stage_bounds
+from hyfi_imaging.parallel.pipeline import StageModule, deep_layer, stage_bounds
 from hyfi_imaging.parallel.schedules import (
     LocalStage,
     local_stages,
@@ -125,7 +125,7 @@ OPT_STATE = {"sgd": 1, "adamw": 2}
 #: Parameter-sized tensors an optimizer step reads plus writes (SGD with momentum: parameter,
 #: gradient and momentum read, parameter and momentum written; AdamW: two moments more).
 OPT_BYTES = {"sgd": 5, "adamw": 7}
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "deep")
 
 
 @dataclass(frozen=True)
@@ -216,11 +216,15 @@ def _stage_memory(
     spatial: bool,
     bands: bool = False,
     workspaces: Sequence[int] = (),
+    whole: Sequence[str] = (),
 ) -> tuple[int, int]:
     """(kept activations, backward transient above them) of one micro-batch of a stage.
 
     ``workspaces``: per call of ``trace.calls``, what its kernel allocates besides tensors
-    (a CPU convolution's unfolded input), held while it runs."""
+    (a CPU convolution's unfolded input), held while it runs. ``whole``: the blocks of the
+    layer ``checkpointing: deep`` recomputes as a whole, in order; only the first one's
+    input is kept, the others' exist while that layer is back-propagated. Their blocks'
+    internals are counted as full checkpointing has them (units keep less: an upper bound)."""
     kinds = trace.kinds
     first_call: dict[str, int] = {}
     for i, (path, *_rest) in enumerate(trace.calls):
@@ -238,10 +242,11 @@ def _stage_memory(
         items.append((order.get(owner, 0), nbytes, _in_block(owner, blocks)))
     kept = [(pos, n) for pos, n, b in items if b is None]
     kept_keys = {key for key, owner, _, _ in trace.storages if _in_block(owner, blocks) is None}
+    recomputed: list[tuple[int, int]] = []  # inputs of a deep layer's later blocks
     for b, i in first_call.items():
         _, key, nbytes, _, _ = trace.calls[i]
         if key not in kept_keys:
-            kept.append((i, nbytes))
+            (recomputed if b in whole[1:] else kept).append((i, nbytes))
         if policy == "selective":
             kept += [
                 (j, out)
@@ -251,6 +256,7 @@ def _stage_memory(
     total = sum(n for _, n in kept)
     # Bytes kept up to each call (positions are call indices), and each block's internals.
     kept_upto = _upto(kept, len(trace.calls))
+    again_upto = _upto(recomputed, len(trace.calls))
     inside = {b: _upto([(pos, n) for pos, n, bb in items if bb == b], len(trace.calls))
               for b in first_call}  # fmt: skip
     peak = 0
@@ -258,6 +264,8 @@ def _stage_memory(
         b = _in_block(path, blocks)
         # Inside a recomputed block: what was kept before it, and its internals up to here.
         base = kept_upto[i] if b is None else kept_upto[first_call[b]] + inside[b][i]
+        if b in whole:
+            base += again_upto[first_call[b]]
         peak = max(
             peak,
             base
@@ -724,6 +732,7 @@ def _stage_costs(
 
     blocks = meta.blocks(candidate.checkpointing)
     policy = "selective" if candidate.checkpointing == "selective" else "full"
+    deep = deep_layer(meta.module, candidate.checkpointing)
     # The cut evens out per-rank memory: with per-stage grids, a stage's layers traced on the
     # whole image over its grid's tiles.
     first = (1, 1) if lay.junction else grids[0]
@@ -745,7 +754,7 @@ def _stage_costs(
             whole = trace_model(model, shape, candidate.streaming, splits, n_stages)
             cache[stage_key] = _stage_cost(
                 whole, start, stop, cast(_StageFacts, cache[facts_key]), blocks, policy,
-                grids[s], dev, modes,
+                grids[s], dev, modes, deep,
             )  # fmt: skip
         costs.append(cast(StageCost, cache[stage_key]))
     cache[key] = (tuple(balance), costs)
@@ -792,10 +801,12 @@ def _stage_cost(
     grid: Sequence[int],
     dev: Device,
     modes: tuple[bool, bool, bool],
+    deep: str | None = None,
 ) -> StageCost:
     """Memory and time of the stage of layers ``start:stop`` on one micro-batch's tile, read
     from ``whole`` (the model traced on that tile); ``modes``: the runtime's ``(overlap,
-    backward_bands)``, and whether it runs on the CPU."""
+    backward_bands)``, and whether it runs on the CPU; ``deep``: the layer ``checkpointing:
+    deep`` recomputes as a whole (:func:`~.pipeline.deep_layer`)."""
     overlap, banded, on_cpu = modes
     layers = whole.layers
     trace, held = whole.stage_held(start, stop)  # held: boundary tensors no layer saves
@@ -807,21 +818,25 @@ def _stage_cost(
         cpu_unfold_bytes(weighted[path], shape, facts.dtype) if on_cpu and path in weighted else 0
         for path, _, _, _, shape in trace.calls
     ]
+    in_deep = [b for b in mine if deep is not None and b.startswith(deep + ".")]
     act, transient = _stage_memory(
-        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds
+        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds, whole=in_deep
     )
     strips = _strips(weighted, trace, grid)
     # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
     # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
     # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
-    # backward.
+    # backward. A deep layer runs once more as a whole, and blocks with units once more again.
     passes = facts.passes
+    units = any(type(facts.modules[b]).recomputes_in_units for b in in_deep)
     fwd = bwd = Counts()
     for i, (name, _) in enumerate(layers[start:stop], start=start):
         f, b = whole.counted[name]
         redo = any(block_layer[bl] == i for bl in mine)
         again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
+        if name == deep:
+            again += 2.0 if units else 1.0
         fwd = fwd + f.times(passes.get(name, 1))
         bwd = bwd + b + f.times(again)
     halo = norms = (0.0, 0.0)

@@ -226,8 +226,10 @@ class ParallelConfig(_Strict):
     @field_validator("checkpointing")
     @classmethod
     def _ckpt(cls, v: str) -> str:
-        if v not in ("none", "full", "selective") and not re.fullmatch(r"every:[1-9]\d*", v):
-            raise ValueError(f"use none, full, selective or every:N (got {v!r})")
+        if v not in ("none", "full", "selective", "deep") and not re.fullmatch(
+            r"every:[1-9]\d*", v
+        ):
+            raise ValueError(f"use none, full, selective, deep or every:N (got {v!r})")
         return v
 
 
