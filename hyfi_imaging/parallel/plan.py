@@ -264,7 +264,7 @@ def _stage_memory(
         b = _in_block(path, blocks)
         # Inside a recomputed block: what was kept before it, and its internals up to here.
         base = kept_upto[i] if b is None else kept_upto[first_call[b]] + inside[b][i]
-        if b in whole:
+        if b is not None and b in whole:
             base += again_upto[first_call[b]]
         peak = max(
             peak,
@@ -829,7 +829,7 @@ def _stage_cost(
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
     # backward. A deep layer runs once more as a whole, and blocks with units once more again.
     passes = facts.passes
-    units = any(type(facts.modules[b]).recomputes_in_units for b in in_deep)
+    units = any(getattr(facts.modules[b], "recomputes_in_units", False) for b in in_deep)
     fwd = bwd = Counts()
     for i, (name, _) in enumerate(layers[start:stop], start=start):
         f, b = whole.counted[name]
