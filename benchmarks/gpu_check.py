@@ -14,7 +14,7 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
   with two GPUs or more, also 1x2 over NCCL under ``torchrun``.
 * **(c)** ResNet-50 bf16 training step time at 4096^2 and 8192^2, batch 1, SGD: plain PyTorch
   (the model, autocast, a plain loop) vs ``ParallelModel.train_step`` on 1x1, in NCHW and in
-  channels-last, and hyfi with full checkpointing + the streamed stem (its time cost). One
+  channels-last, and hyfi with deep checkpointing + the streamed stem (its time cost). One
   step's FLOPs are counted with ``FlopCounterMode`` (the model's: recomputation not counted)
   and divided by the median step time (CUDA events, after warm-up steps), as a share of the
   device's dense bf16 peak (``PEAK_BF16_TFLOPS``). Targets: >= 40 % of peak; hyfi's overhead
@@ -29,7 +29,8 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
   side that line projects to fill 97 % of the device and moves in steps of 3 %; otherwise it
   doubles; then bisection on multiples of 32 (to 1/64 of the side). The probes run with
   PyTorch's expandable segments (unless ``PYTORCH_CUDA_ALLOC_CONF`` is set), as training at the
-  memory limit should. Plain PyTorch vs hyfi with full checkpointing and the streamed stem.
+  memory limit should. Plain PyTorch vs hyfi with deep checkpointing (``checkpointing: deep``:
+  every block, and layer1 recomputed as a whole, its blocks in units) and the streamed stem.
   Target >= 4x the pixels, checked on the sides found and on the bytes per pixel (the slopes of
   (c)'s peaks), which a search cut short by its time cap cannot blur.
 * **(e)** ``torch.compile`` (inductor) of hyfi's 1x1 training path, and of the path of (d)
@@ -129,7 +130,7 @@ CONTENDERS = {
     "hyfi": Contender(True),
     "plain_cl": Contender(False, channels_last=True),
     "hyfi_cl": Contender(True, channels_last=True),
-    "hyfi_ckpt": Contender(True, checkpointing="full", streaming="stem"),
+    "hyfi_ckpt": Contender(True, checkpointing="deep", streaming="stem"),
 }
 
 
@@ -982,23 +983,26 @@ def verdicts(items: dict[str, dict[str, Any]], peak: float | None, device: str) 
                 say(abs(err) <= TARGET_SPEED_MODEL, what,
                     f"predicted {1e3 * p:.1f} ms, measured {1e3 * r['step_s']:.1f} ms (hyfi 1x1, "
                     f"{fmt}): {100 * err:+.1f} % (target within +-{100 * TARGET_SPEED_MODEL:.0f} %)")  # fmt: skip
-    if not failed("d", "(d) largest image, hyfi ckpt + streamed stem / plain"):
+    if not failed("d", "(d) largest image, hyfi deep ckpt + streamed stem / plain"):
         d = items["d"]
         p, h = d["plain"], d["hyfi_ckpt"]
         bound = "" if h["converged"] and p["converged"] else " (a search stopped at its time cap)"
         say((d["pixel_ratio"] or 0) >= TARGET_PIXELS,
-            "(d) largest image, hyfi ckpt + streamed stem / plain",
+            "(d) largest image, hyfi deep ckpt + streamed stem / plain",
             f"{h['side']}^2 vs {p['side']}^2 = {d['pixel_ratio'] or 0:.2f}x the pixels"
             f"{bound} (target >= {TARGET_PIXELS:g}x)")  # fmt: skip
         if d.get("projected_ratio"):
             say(d["projected_ratio"] >= TARGET_PIXELS,
-                "(d) memory per pixel, hyfi ckpt + streamed stem / plain",
+                "(d) memory per pixel, hyfi deep ckpt + streamed stem / plain",
                 f"{h['bytes_per_pixel']:.0f} vs {p['bytes_per_pixel']:.0f} bytes (the slopes of "
                 f"(c)'s peaks) = {d['projected_ratio']:.2f}x the pixels in the same memory "
                 f"(target >= {TARGET_PIXELS:g}x)")  # fmt: skip
     e = items.get("e", {})
     if e.get("status") != "skipped":
-        for name, what in (("hyfi", "hyfi 1x1"), ("hyfi_ckpt", "hyfi 1x1 + ckpt + streamed stem")):
+        for name, what in (
+            ("hyfi", "hyfi 1x1"),
+            ("hyfi_ckpt", "hyfi 1x1 + deep ckpt + streamed stem"),
+        ):
             r = e.get(name)
             if r is None:
                 say(False, f"(e) torch.compile of {what}", f"{e.get('status')}: {e.get('error')}")

@@ -274,11 +274,11 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
     assert "(row h100 with figures measured here, NCHW)" not in text  # not measured
     assert "PASS: (d)" in text and "4.94x" in text and "time cap" in text
     assert (
-        "MISS: (d) memory per pixel, hyfi ckpt + streamed stem / plain: 292 vs 892 bytes "
+        "MISS: (d) memory per pixel, hyfi deep ckpt + streamed stem / plain: 292 vs 892 bytes "
         "(the slopes of (c)'s peaks) = 3.05x the pixels in the same memory (target >= 4x)"
     ) in text
     assert "PASS: (e) torch.compile of hyfi 1x1: works (inductor)" in text
-    assert "MISS: (e) torch.compile of hyfi 1x1 + ckpt + streamed stem: fails" in text
+    assert "MISS: (e) torch.compile of hyfi 1x1 + deep ckpt + streamed stem: fails" in text
     report = {
         "date": "2026-11-27 10:00 UTC", "dry_run": False, "seconds": 440.0,
         "device": {"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "count": 1,
