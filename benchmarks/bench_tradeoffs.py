@@ -1,6 +1,6 @@
 """Memory measures against their time: what each one saves per rank, and what it costs.
 
-Why: the planner turns on banded backward, full checkpointing and the streamed stem only
+Why: the planner turns on banded backward, full or deep checkpointing and the streamed stem only
 where a layout does not fit without them (issue 19, item 4), so a user needs both sides of
 each measure, measured side by side: how much of a rank's peak it removes and how much
 longer the step takes. One layout (default: ResNet-50 on a 1x2 grid at 768², batch 1, one
@@ -11,7 +11,10 @@ the ranks' allocator as ``hyfi-train`` sets it up):
 * ``bands``: banded backward (``parallel.backward_bands``);
 * ``full``: full activation checkpointing (every block recomputed in backward);
 * ``full + stem``: and the stem streamed in bands of rows (``parallel.streaming: stem``);
-* ``full + stem + bands``: all three.
+* ``full + stem + bands``: all three;
+* ``deep + stem``: deep checkpointing (``parallel.checkpointing: deep``: every block, and the
+  first layer of several blocks recomputed as a whole, its blocks in units) with the stem
+  streamed.
 
 Memory is the largest rank's peak resident set over a step above the RSS the step started
 with (its second step, with the optimizer's state); time is the slowest rank's wall time of
@@ -50,6 +53,7 @@ MEASURES: dict[str, tuple[str, str, bool]] = {
     "full + bands": ("full", "none", True),
     "full + stem": ("full", "stem", False),
     "full + stem + bands": ("full", "stem", True),
+    "deep + stem": ("deep", "stem", False),
 }
 PREDICTED_GAIN, UNMOVED = 0.98, 0.05
 MIB = 1024 * 1024

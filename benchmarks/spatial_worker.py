@@ -170,7 +170,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="resnet50")
     p.add_argument("--width", type=float, default=None, help="model width multiplier")
     p.add_argument(
-        "--checkpointing", default="none", help="none, full, every:N or selective (as hyfi-train)"
+        "--checkpointing",
+        default="none",
+        help="none, full, every:N, selective or deep (as hyfi-train)",
     )
     p.add_argument(
         "--streaming", choices=("none", "stem"), default="none", help="as parallel.streaming"

@@ -189,10 +189,11 @@ def test_checkpointing_modes() -> None:
     assert deep_layer(model, "deep") == "layer1" and deep_layer(model, "full") is None
     assert len(set_checkpointing(model, "deep")) == 8
     policies = {n: b.checkpoint_policy for n, b in model.named_modules() if n.count(".") == 1}
-    assert policies == {"layer1.0": "units", "layer1.1": "units"} | {
+    assert policies == {"layer1.0": "deep", "layer1.1": "deep"} | {
         f"layer{i}.{j}": "full" for i in (2, 3, 4) for j in (0, 1)
     }
     assert [n for n, m in model.named_children() if recomputed_whole(m)] == ["layer1"]
+    assert recomputed_whole(copy.deepcopy(model).layer1)  # a copy checkpoints alike
     set_checkpointing(model, "full")
     assert not any(recomputed_whole(m) for m in model.children())
     assert {b.checkpoint_policy for b in model.modules() if hasattr(b, "grad_checkpointing")} == {

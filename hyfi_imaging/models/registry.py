@@ -68,7 +68,6 @@ __all__ = [
     "register_model",
     "recomputed_whole",
     "set_chain_run",
-    "set_recomputed_whole",
     "whole_number",
 ]
 
@@ -312,23 +311,27 @@ class CheckpointedBlock(nn.Module):
     convolution's output (PyTorch's selective activation checkpointing) and
     recomputes only the cheap layers between them (BatchNorm, ReLU, additions,
     and the halo exchanges that rebuild each convolution's input), trading a
-    little memory for not running the convolutions twice; ``"units"`` is
-    ``"full"`` and, in a block that has units (``recomputes_in_units``), each
-    unit is checkpointed again inside the block (:meth:`unit`), so that the
-    block's recomputation keeps only the units' outputs and one unit's internals
-    at a time (``checkpointing: deep``).
+    little memory for not running the convolutions twice; ``"deep"`` is
+    ``"full"`` in a layer of a chain that is recomputed as a whole around its
+    blocks (:func:`recomputed_whole`; ``checkpointing: deep``), and, in a block
+    that has units (``recomputes_in_units``), each unit is checkpointed again
+    inside the block (:meth:`unit`), so that the block's recomputation keeps
+    only the units' outputs and one unit's internals at a time. The policy is
+    the blocks' own attribute, so a copy of the model checkpoints alike.
     """
 
     grad_checkpointing: bool = False
     checkpoint_policy: str = "full"
-    #: Whether :meth:`forward_block` runs its units through :meth:`unit` (policy ``"units"``).
+    #: Whether :meth:`forward_block` runs its units through :meth:`unit` (policy ``"deep"``).
     recomputes_in_units: ClassVar[bool] = False
 
     def unit(self, fn: Callable[..., Any], *args: Any, modules: Sequence[nn.Module]) -> Any:
         """``fn(*args)``: a unit of the block of ``modules``, checkpointed again under the
-        ``"units"`` policy while autograd records (its BatchNorm statistics restored after
+        ``"deep"`` policy while autograd records (its BatchNorm statistics restored after
         its recomputation), else run plainly."""
-        if self.checkpoint_policy != "units" or not torch.is_grad_enabled():
+        if not (self.grad_checkpointing and self.checkpoint_policy == "deep"):
+            return fn(*args)
+        if not torch.is_grad_enabled():
             return fn(*args)
         return checkpoint(
             fn,
@@ -366,28 +369,20 @@ class CheckpointedBlock(nn.Module):
 #: side table: nothing is written onto the model's modules). A run is callable and has
 #: ``modules``, the layers it replaces in order.
 _CHAIN_RUNS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-#: Layers of a chain recomputed as a whole in backward, around their own checkpointed
-#: blocks (``checkpointing: deep``); a side table like ``_CHAIN_RUNS``.
-_WHOLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def set_recomputed_whole(layer: nn.Module, whole: bool) -> None:
-    """Let :func:`run_chain` checkpoint ``layer`` as a whole (``whole``), or not."""
-    if whole:
-        _WHOLE.add(layer)
-    else:
-        _WHOLE.discard(layer)
 
 
 def recomputed_whole(layer: nn.Module) -> bool:
-    """Whether :func:`run_chain` checkpoints ``layer`` as a whole."""
-    return layer in _WHOLE
+    """Whether :func:`run_chain` checkpoints ``layer`` of a chain as a whole: its first
+    checkpointed block (in module order) has the ``"deep"`` policy (``checkpointing: deep``
+    sets it on every block of that one layer)."""
+    block = next((m for m in layer.modules() if isinstance(m, CheckpointedBlock)), None)
+    return block is not None and block.grad_checkpointing and block.checkpoint_policy == "deep"
 
 
 def _run_layer(layer: nn.Module, x: Any) -> Any:
     """``layer(x)``; checkpointed as a whole (BatchNorm statistics restored after its
-    recomputation) where :func:`set_recomputed_whole` asked and autograd records."""
-    if layer not in _WHOLE or not torch.is_grad_enabled():
+    recomputation) where :func:`recomputed_whole` says so and autograd records."""
+    if not torch.is_grad_enabled() or not recomputed_whole(layer):
         return layer(x)
     if torch.compiler.is_compiling():
         _refuse_compiled_checkpoint(type(layer).__name__)
@@ -414,7 +409,7 @@ def run_chain(modules: Sequence[nn.Module], x: Any) -> Any:
 
     A run registered with :func:`set_chain_run` (a streamed stem runs its layers in row
     bands) stands in for its layers when all of them follow, in order; a pipeline cut
-    inside it runs them one by one. A layer :func:`set_recomputed_whole` names is
+    inside it runs them one by one. A layer :func:`recomputed_whole` names is
     checkpointed as a whole.
     """
     i = 0

@@ -86,7 +86,7 @@ class _ResidualBlock(CheckpointedBlock):
 
     def forward_block(self, x: torch.Tensor) -> torch.Tensor:
         """Residual unit: units, then ``relu(out + shortcut)``; each a checkpointed unit
-        under the ``"units"`` policy (:meth:`~.registry.CheckpointedBlock.unit`)."""
+        under the ``"deep"`` policy (:meth:`~.registry.CheckpointedBlock.unit`)."""
         out = x
         n = len(self.kernels)
         for i in range(1, n):

@@ -38,12 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hyfi_imaging.models.registry import (
-    CheckpointedBlock,
-    chain_run,
-    run_chain,
-    set_recomputed_whole,
-)
+from hyfi_imaging.models.registry import CheckpointedBlock, chain_run, run_chain
 from hyfi_imaging.parallel.chain_form import ChainLayer
 from hyfi_imaging.parallel.memory import SavedActivations, _key, saved_activations
 from hyfi_imaging.parallel.pipeline import (
@@ -92,8 +87,6 @@ class MetaModel:
         for blk in self.module.modules():
             if isinstance(blk, CheckpointedBlock):
                 blk.grad_checkpointing = False
-        for layer in self.module.children():
-            set_recomputed_whole(layer, False)
         if not is_chain(self.module) and not self.traced:
             return [f"{self.layers[0][0]}.{name}" for name in chosen]  # one layer, the model
         return chosen

@@ -47,12 +47,7 @@ import torch
 from torch import nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.models.registry import (
-    ChainModel,
-    CheckpointedBlock,
-    run_chain,
-    set_recomputed_whole,
-)
+from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock, run_chain
 from hyfi_imaging.parallel.chain_form import ChainLayer, chain_layers, mount
 
 __all__ = [
@@ -339,7 +334,8 @@ def deep_layer(model: nn.Module, mode: str) -> str | None:
 
 def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
     """Enable activation checkpointing on the blocks ``mode`` selects
-    (:func:`checkpoint_blocks`), and on the layer :func:`deep_layer` names as a whole;
+    (:func:`checkpoint_blocks`), and on the layer :func:`deep_layer` names as a whole (its
+    blocks' ``"deep"`` policy: :func:`~hyfi_imaging.models.registry.recomputed_whole`);
     returns the blocks' names."""
     chosen = set(checkpoint_blocks(model, mode))
     whole = deep_layer(model, mode)
@@ -348,9 +344,7 @@ def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
         if isinstance(block, CheckpointedBlock):
             block.grad_checkpointing = name in chosen
             in_whole = whole is not None and name.startswith(whole + ".")
-            block.checkpoint_policy = "selective" if selective else "units" if in_whole else "full"
-    for name, layer in model.named_children():
-        set_recomputed_whole(layer, name == whole)
+            block.checkpoint_policy = "selective" if selective else "deep" if in_whole else "full"
     return [n for n, m in model.named_modules() if n in chosen]
 
 
