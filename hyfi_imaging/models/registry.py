@@ -42,7 +42,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -314,7 +314,7 @@ class CheckpointedBlock(nn.Module):
     little memory for not running the convolutions twice; ``"deep"`` is
     ``"full"`` in a layer of a chain that is recomputed as a whole around its
     blocks (:func:`recomputed_whole`; ``checkpointing: deep``), and, in a block
-    that has units (``recomputes_in_units``), each unit is checkpointed again
+    that has units (``unit_starts``), each unit is checkpointed again
     inside the block (:meth:`unit`), so that the block's recomputation keeps
     only the units' outputs and one unit's internals at a time. The policy is
     the blocks' own attribute, so a copy of the model checkpoints alike.
@@ -322,8 +322,13 @@ class CheckpointedBlock(nn.Module):
 
     grad_checkpointing: bool = False
     checkpoint_policy: str = "full"
-    #: Whether :meth:`forward_block` runs its units through :meth:`unit` (policy ``"deep"``).
-    recomputes_in_units: ClassVar[bool] = False
+
+    @property
+    def unit_starts(self) -> tuple[str, ...]:
+        """The names of the children that start each unit :meth:`forward_block` runs through
+        :meth:`unit` (policy ``"deep"``), in call order; none for a block without units (the
+        planner reads them to count a unit's internals)."""
+        return ()
 
     def unit(self, fn: Callable[..., Any], *args: Any, modules: Sequence[nn.Module]) -> Any:
         """``fn(*args)``: a unit of the block of ``modules``, checkpointed again under the

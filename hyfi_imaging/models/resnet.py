@@ -44,7 +44,6 @@ class _ResidualBlock(CheckpointedBlock):
 
     kernels: ClassVar[tuple[int, ...]]
     expansion: ClassVar[int]
-    recomputes_in_units = True
 
     def __init__(
         self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None
@@ -66,6 +65,11 @@ class _ResidualBlock(CheckpointedBlock):
             in_ch = out_ch
         self.downsample = downsample
         self.stride = stride
+
+    @property
+    def unit_starts(self) -> tuple[str, ...]:
+        """Each unit starts at its convolution (the shortcut runs in the last unit)."""
+        return tuple(f"conv{i}" for i in range(1, len(self.kernels) + 1))
 
     @property
     def last_bn(self) -> nn.BatchNorm2d:

@@ -49,7 +49,8 @@ import itertools
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -217,14 +218,16 @@ def _stage_memory(
     bands: bool = False,
     workspaces: Sequence[int] = (),
     whole: Sequence[str] = (),
+    units: Mapping[str, Collection[str]] | None = None,
 ) -> tuple[int, int]:
     """(kept activations, backward transient above them) of one micro-batch of a stage.
 
     ``workspaces``: per call of ``trace.calls``, what its kernel allocates besides tensors
     (a CPU convolution's unfolded input), held while it runs. ``whole``: the blocks of the
     layer ``checkpointing: deep`` recomputes as a whole, in order; only the first one's
-    input is kept, the others' exist while that layer is back-propagated. Their blocks'
-    internals are counted as full checkpointing has them (units keep less: an upper bound)."""
+    input is kept, the others' exist while that layer is back-propagated. ``units``: per
+    block recomputed in units, the paths of the modules starting each unit; its internals
+    are then the earlier units' outputs and the current unit's own (:func:`_unit_internals`)."""
     kinds = trace.kinds
     first_call: dict[str, int] = {}
     for i, (path, *_rest) in enumerate(trace.calls):
@@ -259,11 +262,14 @@ def _stage_memory(
     again_upto = _upto(recomputed, len(trace.calls))
     inside = {b: _upto([(pos, n) for pos, n, bb in items if bb == b], len(trace.calls))
               for b in first_call}  # fmt: skip
+    in_units = _unit_internals(trace, units or {})
     peak = 0
     for i, (path, _, in_bytes, out_bytes, in_shape) in enumerate(trace.calls):
         b = _in_block(path, blocks)
         # Inside a recomputed block: what was kept before it, and its internals up to here.
-        base = kept_upto[i] if b is None else kept_upto[first_call[b]] + inside[b][i]
+        base = (
+            kept_upto[i] if b is None else kept_upto[first_call[b]] + in_units.get(i, inside[b][i])
+        )
         if b is not None and b in whole:
             base += again_upto[first_call[b]]
         peak = max(
@@ -274,6 +280,46 @@ def _stage_memory(
             + (workspaces[i] if i < len(workspaces) else 0),
         )
     return total, max(0, peak - total)
+
+
+def _unit_internals(
+    trace: SavedActivations, units: Mapping[str, Collection[str]]
+) -> dict[int, int]:
+    """Per call of a block recomputed in units (``units``: block -> the paths of the modules
+    starting its units), what the block holds while that call's unit is back-propagated:
+    the earlier units' outputs (the later units' checkpointed inputs) and the storages the
+    unit itself saves up to that call, its input excepted (counted as the earlier output).
+
+    A storage is placed at its first saver's call, read in execution order (a block's one
+    ReLU module is called once per unit)."""
+    paths = [c[0] for c in trace.calls]
+    at, j = [], 0
+    for _, owner, _, _ in trace.storages:
+        k = next((k for k in range(j, len(paths)) if paths[k] == owner), None)
+        at.append(-1 if k is None else k)
+        j = j if k is None else k
+    out: dict[int, int] = {}
+    for block, starts in units.items():
+        calls = [i for i, p in enumerate(paths) if _in_block(p, [block])]
+        unit_of: dict[int, int] = {}
+        u = 0
+        for i in calls:
+            u += paths[i] in starts
+            unit_of[i] = u
+        first_in: dict[int, int] = {}  # unit -> the storage key of its first call's input
+        outs: dict[int, int] = {}  # unit -> its output bytes (its last call's)
+        for i in calls:
+            first_in.setdefault(unit_of[i], trace.calls[i][1])
+            outs[unit_of[i]] = trace.calls[i][3]
+        own: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for (key, _, nbytes, _), pos in zip(trace.storages, at, strict=True):
+            if pos in unit_of and key != first_in[unit_of[pos]]:
+                own[unit_of[pos]].append((pos, nbytes))
+        for i in calls:
+            u = unit_of[i]
+            held = sum(n for v, n in outs.items() if v < u)
+            out[i] = held + sum(n for pos, n in own[u] if pos <= i)
+    return out
 
 
 def _upto(items: Sequence[tuple[int, int]], n: int) -> list[int]:
@@ -819,9 +865,15 @@ def _stage_cost(
         for path, _, _, _, shape in trace.calls
     ]
     in_deep = [b for b in mine if deep is not None and b.startswith(deep + ".")]
+    units = {
+        b: {f"{b}.{name}" for name in starts}
+        for b in in_deep
+        if (starts := getattr(facts.modules[b], "unit_starts", ()))
+    }
     act, transient = _stage_memory(
-        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds, whole=in_deep
-    )
+        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds, whole=in_deep,
+        units=units,
+    )  # fmt: skip
     strips = _strips(weighted, trace, grid)
     # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
     # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
@@ -829,14 +881,14 @@ def _stage_cost(
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
     # backward. A deep layer runs once more as a whole, and blocks with units once more again.
     passes = facts.passes
-    units = any(getattr(facts.modules[b], "recomputes_in_units", False) for b in in_deep)
+    in_units = bool(units)
     fwd = bwd = Counts()
     for i, (name, _) in enumerate(layers[start:stop], start=start):
         f, b = whole.counted[name]
         redo = any(block_layer[bl] == i for bl in mine)
         again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
         if name == deep:
-            again += 2.0 if units else 1.0
+            again += 2.0 if in_units else 1.0
         fwd = fwd + f.times(passes.get(name, 1))
         bwd = bwd + b + f.times(again)
     halo = norms = (0.0, 0.0)
