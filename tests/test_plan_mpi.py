@@ -36,7 +36,7 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
     "sp1x2-selective": (2, "1,1,1,2", "selective", 1, "gpipe"),
     # deep: layer1 recomputed as a whole, its blocks in units (the planner counts each unit's
     # internals). On sp1x2 + stem (2026-11-28): full 51.9 / 60.0 MiB, deep 47.9 / 56.4
-    # (-15 %), the tensors alive at once +2.1 % and +2.6 %: the grid's runtime memory below.
+    # (-15 %), the tensors alive at once +2.1 % and +2.3 %: the grid's runtime memory below.
     "1-process-deep+stem": (1, "1,1,1,1", "deep+stem", 1, "gpipe"),
     "pp2-1f1b": (2, "1,2,1,1", "none", 2, "1f1b"),
     "dp2-sp1x2": (4, "2,1,1,2", "none", 1, "gpipe"),
