@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import functools
 import gc
@@ -352,7 +353,13 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
         if spec.get("compile"):
             out["eager_step_s"] = out.pop("step_s")
             out["status"] = "compiling"
-            module.compile(backend=spec["compile"])
+            if c.hyfi:  # the engine's own step: the plan's check, then its compile
+                from hyfi_imaging.parallel.parallelize import apply_compile
+
+                dataclasses.replace(state["pm"].plan, compile=spec["compile"])
+                apply_compile(module, spec["compile"])
+            else:
+                module.compile(backend=spec["compile"])
             out["compile_s"] = timed(1)[0]  # the first compiled step: tracing + code generation
             timed(max(0, int(spec["warmup"]) - 1))
             times = timed(int(spec["steps"]))

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
@@ -245,6 +246,17 @@ def test_plan_validation_names_the_fix() -> None:
         ParallelPlan(Layout(), microbatches=0)
     with pytest.raises(ConfigError, match="every:N"):
         ParallelPlan(Layout(), checkpointing="sometimes")
+    # torch.compile: one stage without tiles, checkpointing or streaming
+    with pytest.raises(ConfigError, match="use none, inductor or aot_eager"):
+        ParallelPlan(Layout(), compile="fast")
+    for lay in (Layout(sp=(1, 2)), Layout(pp=2)):
+        with pytest.raises(ConfigError, match="compiles one stage without tiles"):
+            ParallelPlan(lay, microbatches=2, compile="inductor")
+    with pytest.raises(ConfigError, match=r"with checkpointing full: .*use checkpointing none"):
+        ParallelPlan(Layout(), checkpointing="full", compile="inductor")
+    with pytest.raises(ConfigError, match=r"with streaming stem: .*use streaming none"):
+        ParallelPlan(Layout(), streaming="stem", compile="inductor")
+    ParallelPlan(Layout(dp=2), compile="inductor")  # data replicas: offered
     ParallelPlan(Layout(pp=2), microbatches=2, schedule="1f1b", balance=(6, 5)).validate(model, 4)
 
 
@@ -344,15 +356,29 @@ def test_draw_plan(tmp_path: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "m", "schedule", "ck"),
-    [("resnet18", 2, "gpipe", "every:2"), ("amoebanet-d-3-8", 4, "1f1b", "full")],
+    ("name", "m", "schedule", "ck", "compiled"),
+    [
+        ("resnet18", 2, "gpipe", "every:2", "none"),
+        ("amoebanet-d-3-8", 4, "1f1b", "full", "none"),
+        ("resnet18", 2, "gpipe", "deep", "none"),
+        # torch.compile's graph capture with torch's own kernels: exact; inductor's generated
+        # kernels (compiled by the C++ compiler here: ~35 s) round differently, ~1e-14
+        ("resnet18", 2, "gpipe", "none", "aot_eager"),
+        pytest.param("resnet18", 2, "gpipe", "none", "inductor", marks=pytest.mark.slow),
+    ],
 )
 def test_engine_equals_accumulated_microbatches(
-    single: object, name: str, m: int, schedule: str, ck: str
+    single: object, name: str, m: int, schedule: str, ck: str, compiled: str
 ) -> None:
     pc = single
     reference = _model(name)
-    plan = ParallelPlan(Layout(), microbatches=m, schedule=schedule, checkpointing=ck)  # type: ignore[arg-type]
+    plan = ParallelPlan(
+        Layout(),
+        microbatches=m,
+        schedule=schedule,  # type: ignore[arg-type]
+        checkpointing=ck,
+        compile=compiled,
+    )
     pm = ParallelModel(copy.deepcopy(reference), pc, plan, image_hw=(40, 36))  # type: ignore[arg-type]
     assert pm.is_first and pm.is_last and pm.stage_index == 0
     assert list(pm.state_dict()) == list(reference.state_dict())
@@ -361,7 +387,9 @@ def test_engine_equals_accumulated_microbatches(
     x = torch.randn(2 * m, 3, 40, 36, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (2 * m,), generator=gen)
     tiles = pm.tile_of(x).clone().requires_grad_(True)
+    counters.clear()
     loss = pm.train_step(tiles, y)
+    assert bool(counters["stats"]["unique_graphs"]) == (compiled != "none")  # really compiled
     norm = pm.clip_grad_norm_(0.1)
 
     xr = x.clone().requires_grad_(True)
@@ -387,6 +415,7 @@ def test_engine_equals_accumulated_microbatches(
     with torch.no_grad():
         torch.testing.assert_close(pm.predict(pm.tile_of(x[:3])), reference(x[:3]))
     assert pm.module.training
+    torch.compiler.reset()
 
 
 def test_engine_refuses_bad_inputs_before_compute(single: object) -> None:

@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         "in row bands (a chain model; default none)",
     )
     p.add_argument(
+        "--compile",
+        choices=("none", "inductor", "aot_eager"),
+        default="none",
+        help="compile the stage with torch.compile and this backend (one stage without tiles, "
+        "checkpointing or streaming; default none)",
+    )
+    p.add_argument(
         "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"
     )
     p.add_argument(
@@ -242,6 +249,7 @@ def _plan(args: argparse.Namespace, layout: Any) -> Any:
         halo_depth=args.halo_depth,
         streaming=args.streaming,
         backward_bands=args.backward_bands,
+        compile=args.compile,
     )
 
 

@@ -30,7 +30,12 @@ from hyfi_imaging.parallel.pipeline import (
 from hyfi_imaging.parallel.schedules import SCHEDULES, check_schedule, model_stages
 from hyfi_imaging.parallel.streaming import STREAMING_MODES
 
-__all__ = ["ParallelPlan", "Schedule"]
+__all__ = ["COMPILE_BACKENDS", "ParallelPlan", "Schedule"]
+
+#: The ``torch.compile`` backends ``ParallelPlan.compile`` takes: inductor (generated kernels:
+#: 2.61x a ResNet-50 step on an H200, docs/benchmarks.md) and aot_eager (torch's own kernels
+#: through the same graph capture: exact, for checking).
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 Schedule = Literal["gpipe", "1f1b", "bidirectional", "interleaved1f1b", "zbv", "dualpipev"]
 
@@ -57,6 +62,9 @@ class ParallelPlan:
     output rows (:func:`~.windowed.backward_band`): band-sized transients
     instead of tile-sized ones, for about nine times the kernel calls -- a
     memory tool the planner chooses only where a layout does not fit without it.
+    ``compile``: ``"none"``, or the ``torch.compile`` backend the stage module is compiled
+    with (``"inductor"``, ``"aot_eager"``; :func:`~.parallelize.apply_compile`), offered on
+    one stage without tiles, branches, checkpointing or streaming (data replicas allowed).
     ``schedule`` is ``gpipe``, ``1f1b``, or one with two stages per rank
     (:mod:`.schedules`): ``bidirectional`` (two mirrored replicas, GEMS),
     ``interleaved1f1b``, ``zbv``, ``dualpipev`` (torch's; the model is cut into
@@ -82,6 +90,7 @@ class ParallelPlan:
     halo_depth: int = 1
     streaming: str = "none"
     backward_bands: bool = False
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         check_junction_plan(self.layout, self.schedule)
@@ -126,6 +135,39 @@ class ParallelPlan:
                 f"use --microbatches {self.layout.pp} or more, or --schedule gpipe",
             )
         check_schedule(self.schedule, self.layout, self.microbatches)
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        """Refuse, in one line, a ``compile`` this engine does not offer."""
+        if self.compile == "none":
+            return
+        where = f"compile {self.compile}"
+        if self.compile not in COMPILE_BACKENDS:
+            raise ConfigError(
+                where, "is not a torch.compile backend offered", "use none, inductor or aot_eager"
+            )
+        lay = self.layout
+        tiles = any(g > 1 for s in range(lay.pp) for g in lay.grid_of(s))
+        if lay.pp > 1 or tiles or lay.br > 1 or self.stages > 1:
+            raise ConfigError(
+                f"{where} on {lay.describe()}",
+                "compiles one stage without tiles or branches only (on a 1x2 grid every "
+                "spatial layer is a graph break and the step measured no faster; pipeline "
+                "stages and branch ranks are not tried)",
+                "use compile none (parallel.compile, hyfi-verify --compile), or data replicas "
+                "alone",
+            )
+        for option, value, off in (
+            ("checkpointing", self.checkpointing, "none"),
+            ("streaming", self.streaming, "none"),
+        ):
+            if value != off:
+                raise ConfigError(
+                    f"{where} with {option} {value}",
+                    "torch.compile cannot run the checkpointed blocks' or the streamed stem's "
+                    "recomputation (their BatchNorm-statistics contexts)",
+                    f"use {option} {off} with compile, or compile none",
+                )
 
     @property
     def stages(self) -> int:

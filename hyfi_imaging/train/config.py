@@ -189,6 +189,10 @@ class ParallelConfig(_Strict):
     streaming: Literal["none", "stem"] = "none"
     #: Each convolution's backward in bands of output rows: less memory, more kernel calls.
     backward_bands: bool = False
+    #: ``torch.compile`` the model with this backend (``inductor``: generated kernels, 2.6x a
+    #: ResNet-50 step on one H200; ``aot_eager``: torch's kernels, exact). One stage without
+    #: tiles, checkpointing or streaming (data replicas allowed); ``none`` runs eagerly.
+    compile: Literal["none", "inductor", "aot_eager"] = "none"
 
     @model_validator(mode="before")
     @classmethod

@@ -462,4 +462,5 @@ def plan_of(p: ParallelConfig, layout: Layout) -> ParallelPlan:
         halo_depth=p.halo_depth,
         streaming=p.streaming,
         backward_bands=p.backward_bands,
+        compile=p.compile,
     )
