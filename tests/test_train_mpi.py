@@ -145,18 +145,23 @@ def test_bf16_trains_on_tiles_like_one_process_to_bfloat16_rounding(
 
 
 @pytest.mark.parametrize(
-    ("grid", "layout"),
+    ("grid", "layout", "compiled"),
     [
-        ("1x2", "nchw"),
-        # channels-last weights unsharded in one process: saved and loaded as they are laid out
-        ("1x1", "channels_last"),
+        ("1x2", "nchw", "none"),
+        # channels-last weights unsharded in one process: saved and loaded as they are laid
+        # out; compiled in place (the state dict keeps its names), torch's kernels
+        ("1x1", "channels_last", "aot_eager"),
     ],
 )
 def test_resume_after_a_kill_continues_exactly(
-    manifest: Path, tmp_path: Path, grid: str, layout: str
+    manifest: Path, tmp_path: Path, grid: str, layout: str, compiled: str
 ) -> None:
     ranks = 2 if grid == "1x2" else 1
-    sets = (f"parallel.spatial={grid}", f"model.memory_format={layout}")
+    sets = (
+        f"parallel.spatial={grid}",
+        f"model.memory_format={layout}",
+        f"parallel.compile={compiled}",
+    )
     _train(manifest, tmp_path / "full", ranks, *sets)
     cut = tmp_path / "cut"
     cmd = [MPIEXEC, "-n", str(ranks), *_train_cmd(manifest, cut, *sets, fork=False)]

@@ -37,6 +37,8 @@ def describe_plan(part: RankModel, pc: ParallelContext, plan: ParallelPlan) -> s
             "one by one (give the first stage more layers with --balance)"
         )
         lines.append(f"  streaming: stem {', '.join(part.streamed)} {how}")
+    if plan.compile != "none":
+        lines.append(f"  compiled with torch.compile ({plan.compile} backend, static shapes)")
     if place is not None:
         widths = "+".join(map(str, place.widths))
         lines.append(

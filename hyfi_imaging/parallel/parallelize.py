@@ -135,23 +135,36 @@ def parallelize(
         copies=runtime_cls.copies,
         copy_groups=runtime.copy_groups,
     )
-    apply_compile(part.stage_module, plan.compile)
+    apply_compile(part.stage_module, plan.compile, part.fsdp_units)
     return part, runtime, running_stats
 
 
-def apply_compile(stage: nn.Module, backend: str) -> None:
+def apply_compile(stage: nn.Module, backend: str, units: Sequence[str] = ()) -> None:
     """Compile ``stage`` in place with ``torch.compile`` (``backend``; ``"none"``: nothing).
 
     In place (``nn.Module.compile``), so its parameters and state dict keep their names and
     checkpoints move between compiled and eager runs. Shapes are static: an image size is
-    fixed per run, and a smaller last batch compiles once more. Offered where measured:
-    one stage without tiles (:meth:`~.parallel_plan.ParallelPlan._check_compile` refuses
-    the rest). Measured on an H200 (ResNet-50, bf16, 4096², one GPU): 2.61x eager's step
-    (docs/benchmarks.md); on a 1x2 grid on this CPU, no faster (every spatial layer is a
-    graph break).
+    fixed per run, and a smaller last batch compiles once more. Sharded by FSDP2 (``units``:
+    the unit paths, root ``(stage)`` last), each unit below the root is compiled on its own
+    and the root's own layers run eagerly, as torchtitan compiles its blocks: FSDP2's hooks
+    stay between the graphs, and each graph sees one input shape (the stage compiled whole
+    broke its graph at every unit and recompiled the chain's loop for each unit's shape,
+    past dynamo's limit). Offered where measured: one stage without tiles
+    (:meth:`~.parallel_plan.ParallelPlan._check_compile` refuses the rest). Measured on an
+    H200 (ResNet-50, bf16, 4096², one GPU): 2.61x eager's step (docs/benchmarks.md).
     """
-    if backend != "none":
-        stage.compile(backend=backend, dynamic=False)
+    if backend == "none":
+        return
+    below = [u for u in units if u != "(stage)"]
+    modules = [stage.get_submodule(u) for u in below] or [stage]
+    # Every module compiled in place shares ``nn.Module._call_impl``'s code, whose cache
+    # dynamo limits to 8 entries (a ResNet-18's 7 units, in training and in evaluation, went
+    # past it and ran eagerly after a warning): room for each module's train, eval and
+    # last-batch graphs.
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 8 * len(modules))
+    for module in modules:
+        module.compile(backend=backend, dynamic=False)
 
 
 def _build_part(
