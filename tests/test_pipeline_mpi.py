@@ -89,6 +89,10 @@ SLOW = {
     "dp2-sp2x1-amoeba-ckfull-clip",
     "dp2-pp2-sp1x2-gpipe-amoeba",
     "pp2-sp1x2-1f1b-resnet-selective",
+    # deep checkpointing with pipeline stages and on blocks without units: its tile case is a
+    # default one
+    "pp2-sp1x2-1f1b-resnet-deep",
+    "dp2-sp2x1-resnetv2-deep",
     # The 8-rank world (dp x pp x spatial at once): its pairs are default cases above.
     "dp2-pp2-sp1x2-1f1b-resnet-ckfull-clip-accumulate2",
 }
