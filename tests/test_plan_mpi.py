@@ -84,6 +84,9 @@ XFAIL = {
     # measures 33.0 MiB, -14 % (docs/benchmarks.md); per-arena malloc is not it.
     "sp2x2-full+stem": "the streamed stem with full checkpointing, unbanded: -20.7 %",
 }
+#: Cases held to the tensors alive at once as well: deep checkpointing's units counted
+#: (measured 2026-11-28: 85.4 predicted / 85.3 MiB, +0.02 %; full + stem alike, 93.4 / 93.3).
+TENSORS_WITHIN = {"1-process-deep+stem": 0.03}
 #: Four more in the slow set since 2026-11-27 (the suite's time): each composes a planner
 #: term a default layout already checks (dp with sp1x2 / sp2x2; checkpointing full with
 #: selective; the bidirectional schedule with 1F1B and the junction).
@@ -124,3 +127,5 @@ def test_predicted_peak_within_15_percent(name: str) -> None:
     # The tensors alive at once (``LiveTensorPeak``, on the same steps) say which side of the
     # planner a miss is on; they are not its quantity: it counts the kernels' workspaces too.
     assert abs(error) <= TOLERANCE, said
+    if name in TENSORS_WITHIN:  # cases whose tensors the planner counts to the byte, nearly
+        assert abs(tensor_error) <= TENSORS_WITHIN[name], said
