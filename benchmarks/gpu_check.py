@@ -312,6 +312,8 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
         if c.hyfi:
             pc = _context()
             plan = ParallelPlan(pc.layout, checkpointing=c.checkpointing, streaming=c.streaming)
+            if spec.get("compile"):  # a plan the engine will not compile: refused before any step
+                dataclasses.replace(plan, compile=spec["compile"])
             pm = ParallelModel(model, pc, plan, image_hw=(side, side))
             tile, module, params = pm.tile_of(x), pm.stage_module, list(pm.parameters())
             state["pm"] = pm
@@ -353,11 +355,10 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
         if spec.get("compile"):
             out["eager_step_s"] = out.pop("step_s")
             out["status"] = "compiling"
-            if c.hyfi:  # the engine's own step: the plan's check, then its compile
+            if c.hyfi:  # the engine's own compile (the plan was checked before any step)
                 from hyfi_imaging.parallel.parallelize import apply_compile
 
-                dataclasses.replace(state["pm"].plan, compile=spec["compile"])
-                apply_compile(module, spec["compile"])
+                apply_compile(module, spec["compile"], state["pm"].fsdp_units)
             else:
                 module.compile(backend=spec["compile"])
             out["compile_s"] = timed(1)[0]  # the first compiled step: tracing + code generation
