@@ -77,6 +77,7 @@ rounding, not a bug.
 
 def build_parser() -> argparse.ArgumentParser:
     from hyfi_imaging.cli.options import grids_type, shape_type
+    from hyfi_imaging.parallel.parallel_plan import COMPILE_BACKENDS
     from hyfi_imaging.parallel.schedules import SCHEDULES
 
     p = argparse.ArgumentParser(
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compile",
-        choices=("none", "inductor", "aot_eager"),
+        choices=("none", *COMPILE_BACKENDS),
         default="none",
         help="compile the stage with torch.compile and this backend (one stage without tiles, "
         "checkpointing or streaming; default none)",

@@ -334,9 +334,8 @@ class CheckpointedBlock(nn.Module):
         """``fn(*args)``: a unit of the block of ``modules``, checkpointed again under the
         ``"deep"`` policy while autograd records (its BatchNorm statistics restored after
         its recomputation), else run plainly."""
-        if not (self.grad_checkpointing and self.checkpoint_policy == "deep"):
-            return fn(*args)
-        if not torch.is_grad_enabled():
+        deep = self.grad_checkpointing and self.checkpoint_policy == "deep"
+        if not deep or not torch.is_grad_enabled():
             return fn(*args)
         return checkpoint(
             fn,
