@@ -89,7 +89,8 @@ def _train(
 ) -> dict[str, object]:
     gy, gx = (int(v) for v in grid.split("x"))
     run = out / "runs" / name
-    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(recipe), "--no-resume"]
+    # A demo run again over its output starts afresh; the old run is moved to previous/.
+    cmd = [*_launcher(gy * gx), "hyfi_imaging.cli.train", str(recipe), "--restart"]
     for o in _overrides(name, manifest, out, grid, args.epochs):
         cmd += ["--set", o]
     shown = (
