@@ -292,6 +292,8 @@ def _unit_internals(
 
     A storage is placed at its first saver's call, read in execution order (a block's one
     ReLU module is called once per unit)."""
+    if not units:
+        return {}
     paths = [c[0] for c in trace.calls]
     at, j = [], 0
     for _, owner, _, _ in trace.storages:
@@ -881,14 +883,13 @@ def _stage_cost(
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
     # backward. A deep layer runs once more as a whole, and blocks with units once more again.
     passes = facts.passes
-    in_units = bool(units)
     fwd = bwd = Counts()
     for i, (name, _) in enumerate(layers[start:stop], start=start):
         f, b = whole.counted[name]
         redo = any(block_layer[bl] == i for bl in mine)
         again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
         if name == deep:
-            again += 2.0 if in_units else 1.0
+            again += 2.0 if units else 1.0
         fwd = fwd + f.times(passes.get(name, 1))
         bwd = bwd + b + f.times(again)
     halo = norms = (0.0, 0.0)
