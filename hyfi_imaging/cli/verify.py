@@ -37,6 +37,14 @@ examples:
   mpirun -np 4 hyfi-verify --model resnet18 --width 0.25 --image-size 70x100 --spatial 2x2 \\
       --memory-format channels_last
 
+  # deep checkpointing with the streamed stem on 2x2 tiles (the most memory saved)
+  mpirun -np 4 hyfi-verify --model resnet50 --width 0.25 --image-size 128 --spatial 2x2 \\
+      --checkpointing deep --streaming stem
+
+  # torch.compile on two data replicas (aot_eager: torch's kernels, exact)
+  mpirun -np 2 hyfi-verify --model resnet18 --width 0.25 --image-size 64 --data 2 \\
+      --compile aot_eager
+
   # 2 pipeline stages, 1F1B over 4 micro-batches, every block checkpointed
   mpirun -np 2 hyfi-verify --model resnet50 --width 0.25 --image-size 96x80 --pipeline 2 \\
       --microbatches 4 --schedule 1f1b --checkpointing full
