@@ -81,6 +81,35 @@ def test_recipe_errors_are_one_line(tmp_path: Path, overrides: list[str], messag
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_recipe_takes_the_engines_modes_and_backends() -> None:
+    """The recipe's parallel section (kept free of torch) lists checkpointing modes and
+    compile backends of its own: they must be the engine's."""
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from hyfi_imaging.parallel.parallel_plan import COMPILE_BACKENDS
+    from hyfi_imaging.parallel.pipeline import parse_checkpointing
+    from hyfi_imaging.train.config import ParallelConfig
+
+    assert get_args(ParallelConfig.model_fields["compile"].annotation) == (
+        "none",
+        *COMPILE_BACKENDS,
+    )
+    for mode in ("none", "full", "selective", "deep", "every:3", "every:0", "some", "deeper"):
+        try:
+            parse_checkpointing(mode)
+            engine = True
+        except ConfigError:
+            engine = False
+        try:
+            ParallelConfig(checkpointing=mode)
+            recipe = True
+        except ValidationError:
+            recipe = False
+        assert recipe == engine, mode
+
+
 def test_missing_sections_and_bad_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'train' is required"):
         load_recipe(_recipe(tmp_path, "model: resnet18\ndata: {manifest: m, classes: [a, b]}\n"))
