@@ -12,9 +12,9 @@ the ranks' allocator as ``hyfi-train`` sets it up):
 * ``full``: full activation checkpointing (every block recomputed in backward);
 * ``full + stem``: and the stem streamed in bands of rows (``parallel.streaming: stem``);
 * ``full + stem + bands``: all three;
-* ``deep + stem``: deep checkpointing (``parallel.checkpointing: deep``: every block, and the
-  first layer of several blocks recomputed as a whole, its blocks in units) with the stem
-  streamed.
+* ``deep + stem``: deep checkpointing (``parallel.checkpointing: deep``: every block, and in
+  the first two layers of several blocks the blocks' inputs computed again, the blocks in units)
+  with the stem streamed.
 
 Memory is the largest rank's peak resident set over a step above the RSS the step started
 with (its second step, with the optimizer's state); time is the slowest rank's wall time of

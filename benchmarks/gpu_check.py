@@ -30,7 +30,8 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
   doubles; then bisection on multiples of 32 (to 1/64 of the side). The probes run with
   PyTorch's expandable segments (unless ``PYTORCH_CUDA_ALLOC_CONF`` is set), as training at the
   memory limit should. Plain PyTorch vs hyfi with deep checkpointing (``checkpointing: deep``:
-  every block, and layer1 recomputed as a whole, its blocks in units) and the streamed stem.
+  every block, and in layer1 and layer2 the blocks' inputs computed again, the blocks in
+  units) and the streamed stem.
   Target >= 4x the pixels, checked on the sides found and on the bytes per pixel (the slopes of
   (c)'s peaks), which a search cut short by its time cap cannot blur.
 * **(e)** ``torch.compile`` (inductor) of hyfi's 1x1 training path, and of the path of (d)

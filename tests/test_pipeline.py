@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
-from hyfi_imaging.models.registry import recomputed_whole
+from hyfi_imaging.models.registry import deep_chain
 from hyfi_imaging.parallel.balance import (
     balance_by_size,
     balance_by_time,
@@ -39,7 +39,7 @@ from hyfi_imaging.parallel.pipeline import (
     StageModule,
     check_balance,
     cut_stages,
-    deep_layer,
+    deep_layers,
     draw_plan,
     even_balance,
     model_layers,
@@ -184,19 +184,19 @@ def test_checkpointing_modes() -> None:
     ]
     assert len(set_checkpointing(model, "full")) == 8
     assert set_checkpointing(model, "none") == []
-    # deep: every block, and the first layer of several blocks recomputed as a whole, its
-    # blocks in units; switching modes takes it back
+    # deep: every block, and the first two layers of several blocks run as deep chains,
+    # their blocks in units; switching modes takes it back
     assert parse_checkpointing("deep") == 1
-    assert deep_layer(model, "deep") == "layer1" and deep_layer(model, "full") is None
+    assert deep_layers(model, "deep") == ("layer1", "layer2") and deep_layers(model, "full") == ()
     assert len(set_checkpointing(model, "deep")) == 8
     policies = {n: b.checkpoint_policy for n, b in model.named_modules() if n.count(".") == 1}
-    assert policies == {"layer1.0": "deep", "layer1.1": "deep"} | {
-        f"layer{i}.{j}": "full" for i in (2, 3, 4) for j in (0, 1)
+    assert policies == {f"layer{i}.{j}": "deep" for i in (1, 2) for j in (0, 1)} | {
+        f"layer{i}.{j}": "full" for i in (3, 4) for j in (0, 1)
     }
-    assert [n for n, m in model.named_children() if recomputed_whole(m)] == ["layer1"]
-    assert recomputed_whole(copy.deepcopy(model).layer1)  # a copy checkpoints alike
+    assert [n for n, m in model.named_children() if deep_chain(m)] == ["layer1", "layer2"]
+    assert deep_chain(copy.deepcopy(model).layer1)  # a copy checkpoints alike
     set_checkpointing(model, "full")
-    assert not any(recomputed_whole(m) for m in model.children())
+    assert not any(deep_chain(m) for m in model.children())
     assert {b.checkpoint_policy for b in model.modules() if hasattr(b, "grad_checkpointing")} == {
         "full"
     }

@@ -64,7 +64,7 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-sp2x1-resnetv2-selective-clip": (4, {**RESNET_V2, "layout": (2, 1, 2, 1), "m": 2, "schedule": "gpipe", "balance": None, "ck": "selective", "hw": (60, 26), "clip": 0.5}),
     "sp1x2-resnet-selective-deep-halo": (2, {**RESNET, "layout": (1, 1, 1, 2), "m": 1, "schedule": "gpipe", "balance": None, "ck": "selective", "hw": (70, 100), "halo_depth": 2}),
     "pp2-sp1x2-1f1b-resnet-selective": (4, {**RESNET, "layout": (1, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": (5, 6), "ck": "selective", "hw": (70, 100)}),
-    # deep checkpointing (layer1 recomputed as a whole around its checkpointed blocks, their
+    # deep checkpointing (layer1's block inputs computed again from its input, the blocks'
     # units checkpointed again) on tiles, with pipeline stages, and on blocks without units
     "sp1x2-resnet-deep-clip": (2, {**RESNET, "layout": (1, 1, 1, 2), "m": 1, "schedule": "gpipe", "balance": None, "ck": "deep", "hw": (70, 100), "clip": 0.5}),
     "pp2-sp1x2-1f1b-resnet-deep": (4, {**RESNET, "layout": (1, 2, 1, 2), "m": 2, "schedule": "1f1b", "balance": (5, 6), "ck": "deep", "hw": (70, 100)}),

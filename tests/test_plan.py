@@ -78,8 +78,8 @@ def test_more_tiles_and_checkpointing_need_less_memory() -> None:
     )
     assert stem.activations + stem.transient < 0.7 * (ck.activations + ck.transient)
     assert stem.step_s > ck.step_s  # its layers run once more per BatchNorm, both ways
-    # deep: layer1 recomputed as a whole keeps one input of its two blocks', and its blocks
-    # recompute unit by unit, for two more forwards of layer1
+    # deep: layer1 keeps one input of its two blocks' (the other computed again), and its
+    # blocks recompute unit by unit, for more forwards of layer1
     deep = predict(
         model, (512, 512), 1, Candidate(Layout(sp=(2, 2)), checkpointing="deep", streaming="stem")
     )

@@ -34,7 +34,7 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
     "sp2x2-full": (4, "1,1,2,2", "full", 1, "gpipe"),
     "sp2x2-full+stem": (4, "1,1,2,2", "full+stem", 1, "gpipe"),
     "sp1x2-selective": (2, "1,1,1,2", "selective", 1, "gpipe"),
-    # deep: layer1 recomputed as a whole, its blocks in units (the planner counts each unit's
+    # deep: layer1's block inputs computed again, its blocks in units (the planner counts each unit's
     # internals). On sp1x2 + stem (2026-11-28): full 51.9 / 60.0 MiB, deep 47.9 / 56.4
     # (-15 %), the tensors alive at once +2.1 % and +2.3 %: the grid's runtime memory below.
     "1-process-deep+stem": (1, "1,1,1,1", "deep+stem", 1, "gpipe"),

@@ -72,8 +72,8 @@ within 1 %, later stages up to 14 % lower. With bidirectional, two mirrored repl
 junction take more ranks than its grids (sp1x2,1x1: 4): such rows appear where they fill
 --devices (their peak within 1 % on 1x2,1x1). "recommended" lists every pipeline rank's peak.
 ckpt full+stem: every block checkpointed and the stem streamed in row bands (parallel.streaming);
-deep+stem: and the first layer of several blocks recomputed as a whole, its blocks in units
-(parallel.checkpointing: deep: less memory than full+stem for two more forwards of that layer);
+deep+stem: and in the first two layers of several blocks the inputs of blocks computed again, blocks
+in units (parallel.checkpointing: deep: less memory than full+stem for more forwards of them);
 +bands: each convolution's backward in bands of rows (parallel.backward_bands: less memory,
 more kernel calls; offered with full checkpointing on tiles, chosen only where it is needed to fit).
 step s / bubble: the schedule's own order replayed; a stage's forward and backward are each

@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         metavar="none|full|every:N|selective|deep",
         help="activation checkpointing: no block, every block, every N-th block, every block "
-        "keeping convolution outputs, or every block with the first layer of several blocks "
-        "recomputed as a whole, its blocks in units (default none)",
+        "keeping convolution outputs, or every block with, in the first two layers of "
+        "several blocks, the blocks' inputs computed again and the blocks in units "
+        "(default none)",
     )
     p.add_argument(
         "--overlap",

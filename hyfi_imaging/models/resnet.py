@@ -18,7 +18,7 @@ torchvision uses), so no pixel is skipped by a strided 1x1.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -68,8 +68,10 @@ class _ResidualBlock(CheckpointedBlock):
 
     @property
     def unit_starts(self) -> tuple[str, ...]:
-        """Each unit starts at its convolution (the shortcut runs in the last unit)."""
-        return tuple(f"conv{i}" for i in range(1, len(self.kernels) + 1))
+        """Each unit starts at its module's first call: the shortcut's (it runs first, a
+        unit of its own), then each convolution's."""
+        shortcut = [] if self.downsample is None else [f"downsample.{_first_leaf(self.downsample)}"]
+        return (*shortcut, *(f"conv{i}" for i in range(1, len(self.kernels) + 1)))
 
     @property
     def last_bn(self) -> nn.BatchNorm2d:
@@ -82,22 +84,53 @@ class _ResidualBlock(CheckpointedBlock):
         out = getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(x))
         return self.relu(out) if i < len(self.kernels) else out
 
-    def _last(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The last conv-bn, the shortcut, ``relu(out + shortcut)``."""
-        out = self._unit(len(self.kernels), out)
-        identity = x if self.downsample is None else self.downsample(x)
-        return self.relu(out + identity)
-
     def forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        """Residual unit: units, then ``relu(out + shortcut)``; each a checkpointed unit
-        under the ``"deep"`` policy (:meth:`~.registry.CheckpointedBlock.unit`)."""
+        """Residual unit: the shortcut, the conv-BN(-ReLU) units, ``relu(out + shortcut)``.
+
+        Under the ``"deep"`` policy the shortcut and each unit are checkpointed again
+        (:meth:`~.registry.CheckpointedBlock.unit`), and the sum and its ReLU run after
+        them, in place (BatchNorm keeps its input, not its output), the ReLU keeping a
+        mask (:class:`_ReLUKeepingMask`). At the block's recomputation in backward its peak
+        is then the block's input, the output's gradient, the last convolution's output and
+        its gradient (ResNet-50's ``layer1``: four maps of 256 channels, six before). The
+        shortcut runs first, so that its output is not alive beside the last unit's maps.
+        """
+        identity = x
+        if self.downsample is not None:
+            identity = self.unit(self.downsample, x, modules=[self.downsample])
         out = x
-        n = len(self.kernels)
-        for i in range(1, n):
+        for i in range(1, len(self.kernels) + 1):
             parts = (getattr(self, f"conv{i}"), getattr(self, f"bn{i}"))
             out = self.unit(self._unit, i, out, modules=parts)
-        last = [getattr(self, f"conv{n}"), getattr(self, f"bn{n}")]
-        return self.unit(self._last, out, x, modules=[*last, *filter(None, [self.downsample])])
+        out = out.add_(identity)
+        if self.grad_checkpointing and self.checkpoint_policy == "deep":
+            return _ReLUKeepingMask.apply(out)
+        return self.relu(out)
+
+
+class _ReLUKeepingMask(torch.autograd.Function):
+    """``relu_(x)`` that keeps a boolean mask of the zeroed positions for backward, not its
+    output (as ``nn.ReLU`` does): half the bytes of a bfloat16 map, a quarter of a float32
+    one. Where the output would not be kept anyway (a recomputed block's last unit under
+    ``checkpointing: deep``) that is the difference at the block's backward. The gradient
+    is ``threshold_backward``'s: zero where the output is ``<= 0``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        x.relu_()
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x.le(0))
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (zeroed,) = ctx.saved_tensors
+        return grad.masked_fill(zeroed, 0)
+
+
+def _first_leaf(module: nn.Module) -> str:
+    """The name (below ``module``) of the first module without children, in module order."""
+    return next(name for name, m in module.named_modules() if name and not any(m.children()))
 
 
 class BasicBlock(_ResidualBlock):

@@ -21,7 +21,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.geometry.grid import TileGrid
 from hyfi_imaging.parallel.layout import Grid, Layout
 from hyfi_imaging.parallel.model_trace import meta_model
-from hyfi_imaging.parallel.pipeline import deep_layer
+from hyfi_imaging.parallel.pipeline import deep_layers
 from hyfi_imaging.parallel.plan import (
     CHECKPOINTING,
     Candidate,
@@ -114,7 +114,7 @@ def candidates(
     except ConfigError:
         streams = False
     try:
-        deep = deep_layer(model, "deep") is not None
+        deep = bool(deep_layers(model, "deep"))
     except ConfigError:  # not a chain
         deep = False
     try:

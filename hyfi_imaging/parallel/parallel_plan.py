@@ -22,7 +22,7 @@ from hyfi_imaging.parallel.junction import check_junction_plan
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.pipeline import (
     check_balance,
-    deep_layer,
+    deep_layers,
     is_chain,
     model_layers,
     parse_checkpointing,
@@ -48,9 +48,9 @@ class ParallelPlan:
     every layer (``balance_by``: ``"time"`` or ``"memory"``) and cuts where the
     slowest (largest) stage is smallest. ``checkpointing`` is ``"none"``,
     ``"full"`` (every block), ``"every:N"`` (every N-th block), ``"selective"``
-    (every block, convolution outputs kept) or ``"deep"`` (every block, and the chain's
-    first layer of several blocks recomputed as a whole, its blocks in units:
-    :func:`~.pipeline.deep_layer`). ``overlap`` computes each spatial
+    (every block, convolution outputs kept) or ``"deep"`` (every block, and in the chain's
+    first layers of several blocks the blocks' inputs computed again from the layer's,
+    the blocks in units: :func:`~.pipeline.deep_layers`). ``overlap`` computes each spatial
     convolution's interior while its halos are in flight (and its weight
     gradient while the halo gradients are): same results, less exposed waiting.
     ``halo_depth`` > 1: one halo exchange serves up to that many consecutive
@@ -198,7 +198,7 @@ class ParallelPlan:
                 f"{type(model).__name__} has no checkpointable blocks",
                 "use --checkpointing none",
             )
-        deep_layer(model, self.checkpointing)  # deep on a model that is not a chain: refused
+        deep_layers(model, self.checkpointing)  # deep on a model that is not a chain: refused
         # Branch ranks need cells to split (hyfi-train's preflight, the planner and the engine).
         check_branches(model, self.layout.br, checkpointing=self.checkpointing)
 

@@ -55,7 +55,8 @@ __all__ = [
     "as_tuple",
     "check_balance",
     "cut_stages",
-    "deep_layer",
+    "DEEP_LAYERS",
+    "deep_layers",
     "draw_plan",
     "even_balance",
     "is_chain",
@@ -281,8 +282,8 @@ def parse_checkpointing(text: str) -> int:
         f"--checkpointing {text}",
         "is not a checkpointing mode",
         "use none, full (every block), every:N (every N-th block, N >= 1), selective "
-        "(every block, convolution outputs kept) or deep (every block, and the first layer "
-        "of several blocks recomputed as a whole)",
+        "(every block, convolution outputs kept) or deep (every block, and in the first two "
+        "layers of several blocks the blocks' inputs computed again from the layer's)",
     )
 
 
@@ -307,44 +308,58 @@ def checkpoint_blocks(model: nn.Module, mode: str) -> list[str]:
     return [name for i, name in enumerate(blocks, start=1) if every and i % every == 0]
 
 
-def deep_layer(model: nn.Module, mode: str) -> str | None:
-    """The top-level layer ``checkpointing: deep`` recomputes as a whole (pure), or None.
+#: How many of a chain's layers of several blocks ``checkpointing: deep`` runs as deep
+#: chains, from the first (the highest resolution) on. Measured on ResNet-50 (bfloat16, one
+#: process, the stem streamed; bytes per input pixel alive at once between 1536² and 2048²;
+#: CPU time of a step at 1024², one thread; `docs/benchmarks.md`): full checkpointing 248
+#: bytes; ``layer1`` 184 (the peak is then ``layer3``'s backward, which still holds
+#: ``layer2``'s block inputs) for 1.14x full's time; ``layer1`` and ``layer2`` 152 (the
+#: peak is ``layer1``'s backward) for 1.40x. ``deep`` is the mode for the largest image.
+DEEP_LAYERS = 2
 
-    It is the chain's first layer holding two or more checkpointable blocks: in a CNN
-    that downsamples, the one at the highest resolution, whose blocks' kept inputs are
-    most of what full checkpointing holds at the end of forward (ResNet-50's ``layer1``:
-    96 of 216 bytes per input pixel in bfloat16). Its blocks recompute in units where
-    they have them. None for the other modes, and for a chain with no such layer (deep is
-    then full). Raises ConfigError for ``deep`` on a model that is not a chain (only a
-    chain runs its layers one by one, where a layer can be recomputed as a whole).
+
+def deep_layers(model: nn.Module, mode: str) -> tuple[str, ...]:
+    """The top-level layers ``checkpointing: deep`` runs as deep chains (pure).
+
+    They are the chain's first :data:`DEEP_LAYERS` layers holding two or more checkpointable
+    blocks: in a CNN that downsamples, those at the highest resolutions, whose blocks' kept
+    inputs are most of what full checkpointing holds at the end of forward (ResNet-50's
+    ``layer1`` and ``layer2``: 160 of 216 bytes per input pixel in bfloat16). A deep
+    chain's blocks keep none of their inputs but the layer's, and recompute in units where
+    they have them (:func:`~hyfi_imaging.models.registry.deep_chain`). None for the other
+    modes, and for a chain with no such layer (deep is then full). Raises ConfigError for
+    ``deep`` on a model that is not a chain (only a chain runs its layers one by one).
     """
     if mode.strip().lower() != "deep":
-        return None
+        return ()
     if not isinstance(model, ChainModel):
         raise ConfigError(
             f"--checkpointing {mode} on {type(model).__name__}",
-            "recomputes a layer of a chain model as a whole; this model is not a chain",
+            "recomputes the inputs of a chain model's blocks from their layer's; this "
+            "model is not a chain",
             "use --checkpointing full",
         )
-    for name, layer in model.named_children():
-        if sum(isinstance(m, CheckpointedBlock) for m in layer.modules()) >= 2:
-            return name
-    return None
+    several = [
+        name
+        for name, layer in model.named_children()
+        if sum(isinstance(m, CheckpointedBlock) for m in layer.modules()) >= 2
+    ]
+    return tuple(several[:DEEP_LAYERS])
 
 
 def set_checkpointing(model: nn.Module, mode: str) -> list[str]:
     """Enable activation checkpointing on the blocks ``mode`` selects
-    (:func:`checkpoint_blocks`), and on the layer :func:`deep_layer` names as a whole (its
-    blocks' ``"deep"`` policy: :func:`~hyfi_imaging.models.registry.recomputed_whole`);
+    (:func:`checkpoint_blocks`), with the ``"deep"`` policy on the blocks of the layers
+    :func:`deep_layers` names (:func:`~hyfi_imaging.models.registry.deep_chain`);
     returns the blocks' names."""
     chosen = set(checkpoint_blocks(model, mode))
-    whole = deep_layer(model, mode)
+    deep = deep_layers(model, mode)
     selective = mode.strip().lower() == "selective"
     for name, block in model.named_modules():
         if isinstance(block, CheckpointedBlock):
             block.grad_checkpointing = name in chosen
-            in_whole = whole is not None and name.startswith(whole + ".")
-            block.checkpoint_policy = "selective" if selective else "deep" if in_whole else "full"
+            in_deep = any(name.startswith(layer + ".") for layer in deep)
+            block.checkpoint_policy = "selective" if selective else "deep" if in_deep else "full"
     return [n for n, m in model.named_modules() if n in chosen]
 
 

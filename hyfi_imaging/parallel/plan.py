@@ -77,7 +77,7 @@ from hyfi_imaging.parallel.model_trace import (
     stem_splits,
     trace_model,
 )
-from hyfi_imaging.parallel.pipeline import StageModule, deep_layer, stage_bounds
+from hyfi_imaging.parallel.pipeline import StageModule, deep_layers, stage_bounds
 from hyfi_imaging.parallel.schedules import (
     LocalStage,
     local_stages,
@@ -217,15 +217,16 @@ def _stage_memory(
     spatial: bool,
     bands: bool = False,
     workspaces: Sequence[int] = (),
-    whole: Sequence[str] = (),
+    replayed: Collection[str] = (),
     units: Mapping[str, Collection[str]] | None = None,
 ) -> tuple[int, int]:
     """(kept activations, backward transient above them) of one micro-batch of a stage.
 
     ``workspaces``: per call of ``trace.calls``, what its kernel allocates besides tensors
-    (a CPU convolution's unfolded input), held while it runs. ``whole``: the blocks of the
-    layer ``checkpointing: deep`` recomputes as a whole, in order; only the first one's
-    input is kept, the others' exist while that layer is back-propagated. ``units``: per
+    (a CPU convolution's unfolded input), held while it runs. ``replayed``: the blocks
+    whose inputs a deep chain computes again from its layer's (every block of a layer
+    ``checkpointing: deep`` runs as a deep chain but the first): such an input is not kept,
+    it exists while its block is back-propagated. ``units``: per
     block recomputed in units, the paths of the modules starting each unit; its internals
     are then the earlier units' outputs and the current unit's own (:func:`_unit_internals`)."""
     kinds = trace.kinds
@@ -245,11 +246,14 @@ def _stage_memory(
         items.append((order.get(owner, 0), nbytes, _in_block(owner, blocks)))
     kept = [(pos, n) for pos, n, b in items if b is None]
     kept_keys = {key for key, owner, _, _ in trace.storages if _in_block(owner, blocks) is None}
-    recomputed: list[tuple[int, int]] = []  # inputs of a deep layer's later blocks
+    replays: dict[str, int] = {}  # the inputs a deep chain computes again, by block
     for b, i in first_call.items():
         _, key, nbytes, _, _ = trace.calls[i]
         if key not in kept_keys:
-            (recomputed if b in whole[1:] else kept).append((i, nbytes))
+            if b in replayed:
+                replays[b] = nbytes
+            else:
+                kept.append((i, nbytes))
         if policy == "selective":
             kept += [
                 (j, out)
@@ -259,7 +263,6 @@ def _stage_memory(
     total = sum(n for _, n in kept)
     # Bytes kept up to each call (positions are call indices), and each block's internals.
     kept_upto = _upto(kept, len(trace.calls))
-    again_upto = _upto(recomputed, len(trace.calls))
     inside = {b: _upto([(pos, n) for pos, n, bb in items if bb == b], len(trace.calls))
               for b in first_call}  # fmt: skip
     in_units = _unit_internals(trace, units or {})
@@ -270,8 +273,8 @@ def _stage_memory(
         base = (
             kept_upto[i] if b is None else kept_upto[first_call[b]] + in_units.get(i, inside[b][i])
         )
-        if b is not None and b in whole:
-            base += again_upto[first_call[b]]
+        if b is not None:
+            base += replays.get(b, 0)
         peak = max(
             peak,
             base
@@ -780,7 +783,7 @@ def _stage_costs(
 
     blocks = meta.blocks(candidate.checkpointing)
     policy = "selective" if candidate.checkpointing == "selective" else "full"
-    deep = deep_layer(meta.module, candidate.checkpointing)
+    deep = deep_layers(meta.module, candidate.checkpointing)
     # The cut evens out per-rank memory: with per-stage grids, a stage's layers traced on the
     # whole image over its grid's tiles.
     first = (1, 1) if lay.junction else grids[0]
@@ -849,12 +852,12 @@ def _stage_cost(
     grid: Sequence[int],
     dev: Device,
     modes: tuple[bool, bool, bool],
-    deep: str | None = None,
+    deep: Sequence[str] = (),
 ) -> StageCost:
     """Memory and time of the stage of layers ``start:stop`` on one micro-batch's tile, read
     from ``whole`` (the model traced on that tile); ``modes``: the runtime's ``(overlap,
-    backward_bands)``, and whether it runs on the CPU; ``deep``: the layer ``checkpointing:
-    deep`` recomputes as a whole (:func:`~.pipeline.deep_layer`)."""
+    backward_bands)``, and whether it runs on the CPU; ``deep``: the layers ``checkpointing:
+    deep`` runs as deep chains (:func:`~.pipeline.deep_layers`)."""
     overlap, banded, on_cpu = modes
     layers = whole.layers
     trace, held = whole.stage_held(start, stop)  # held: boundary tensors no layer saves
@@ -866,30 +869,35 @@ def _stage_cost(
         cpu_unfold_bytes(weighted[path], shape, facts.dtype) if on_cpu and path in weighted else 0
         for path, _, _, _, shape in trace.calls
     ]
-    in_deep = [b for b in mine if deep is not None and b.startswith(deep + ".")]
+    chains = {
+        layer: [b for b in mine if b.startswith(layer + ".")]
+        for layer in deep
+    }  # fmt: skip
+    in_deep = [b for chain in chains.values() for b in chain]
     units = {
         b: {f"{b}.{name}" for name in starts}
         for b in in_deep
         if (starts := getattr(facts.modules[b], "unit_starts", ()))
     }
     act, transient = _stage_memory(
-        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds, whole=in_deep,
-        units=units,
+        trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds,
+        replayed={b for chain in chains.values() for b in chain[1:]}, units=units,
     )  # fmt: skip
     strips = _strips(weighted, trace, grid)
     # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
     # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
     # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:
     # a half). A streamed stem runs its layers once per pass in forward and again per pass in
-    # backward. A deep layer runs once more as a whole, and blocks with units once more again.
+    # backward. A deep chain of n blocks computes block inputs again, n (n - 1) / 2 blocks
+    # (each taken as 1/n of the layer), and blocks with units run once more again.
     passes = facts.passes
     fwd = bwd = Counts()
     for i, (name, _) in enumerate(layers[start:stop], start=start):
         f, b = whole.counted[name]
         redo = any(block_layer[bl] == i for bl in mine)
         again = ((1.0 if policy == "full" else 0.5) if redo else 0.0) + passes.get(name, 0)
-        if name == deep:
-            again += 2.0 if units else 1.0
+        if name in chains:
+            again += (len(chains[name]) - 1) / 2 + (1.0 if units else 0.0)
         fwd = fwd + f.times(passes.get(name, 1))
         bwd = bwd + b + f.times(again)
     halo = norms = (0.0, 0.0)
