@@ -102,7 +102,8 @@ class _ResidualBlock(CheckpointedBlock):
         for i in range(1, len(self.kernels) + 1):
             parts = (getattr(self, f"conv{i}"), getattr(self, f"bn{i}"))
             out = self.unit(self._unit, i, out, modules=parts)
-        out = out.add_(identity)
+        # In place where it promotes nothing (a stage's input may arrive in another dtype).
+        out = out.add_(identity) if out.dtype == identity.dtype else out + identity
         if self.grad_checkpointing and self.checkpoint_policy == "deep":
             return _ReLUKeepingMask.apply(out)
         return self.relu(out)
