@@ -72,8 +72,9 @@ ALLOWED_LEAVES = (
     nn.Identity,
     nn.Dropout,
 )
-# The only tensor functions allowed in container code (between swappable modules).
-POINTWISE_IN_CONTAINERS = {"add", "add_", "__add__", "cat"}
+# The only tensor functions allowed in container code (between swappable modules); a dtype
+# read is no pixel-level code (a ResNet block reads dtypes to add in place).
+POINTWISE_IN_CONTAINERS = {"add", "add_", "__add__", "cat", "dtype.__get__"}
 
 
 def tiny_kwargs(name: str) -> dict[str, Any]:
@@ -295,7 +296,10 @@ class _ContainerOpAudit(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.stack and any(True for _ in self.stack[-1].children()):
-            self.calls.add((type(self.stack[-1]).__name__, getattr(func, "__name__", str(func))))
+            name = getattr(func, "__name__", str(func))
+            if name == "__get__":  # an attribute read: which attribute (``x.T`` moves pixels)
+                name = f"{getattr(getattr(func, '__self__', None), '__name__', '?')}.__get__"
+            self.calls.add((type(self.stack[-1]).__name__, name))
         return func(*args, **(kwargs or {}))
 
 
