@@ -335,6 +335,8 @@ class _Links(nn.Module):
         y = self.b(x)
         if self.join == "residual":
             y = y + x  # x is read twice, and two tiles meet: no link at all
+        elif self.join == "residual_inplace":
+            y += x  # the same, in place (torchvision's ResNet: ``out += identity``)
         elif self.join == "reused":
             return self.pool(self.c(F.relu(y)) + y)  # y is read twice: no link b -> c
         else:
@@ -347,6 +349,7 @@ class _Links(nn.Module):
     [
         ("pointwise", {"b": ("a", ("bn",)), "c": ("b", ())}),
         ("residual", {}),
+        ("residual_inplace", {}),
         ("reused", {"b": ("a", ("bn",))}),
     ],
 )
@@ -364,5 +367,7 @@ def test_deep_halo_links_follow_per_pixel_data_flow(
     ctx = spatialize(
         _Links(join), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None, halo_depth=3
     )
-    runs = {"pointwise": [["a", "b", "c"]], "residual": [], "reused": [["a", "b"]]}
+    runs = {
+        "pointwise": [["a", "b", "c"]], "residual": [], "residual_inplace": [], "reused": [["a", "b"]]
+    }  # fmt: skip
     assert ctx.deep_runs == runs[join]  # type: ignore[attr-defined]

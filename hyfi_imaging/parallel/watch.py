@@ -386,10 +386,13 @@ class _Watch(TorchDispatchMode):
         )
         alone = len({id(t) for t in tiles}) == 1 and pointwise and result is not None
         if in_place:
-            # relu_(x): x is still the same tensor; mixing another tile into it ends its lineage.
+            # relu_(x): x is still the same tensor; mixing another tile into it ends its lineage,
+            # and reads the other tile (``out += identity``: a second use of the identity).
             if not alone:
                 for t in tiles:
                     self.lineages.pop(id(t), None)
+                    if t is not outs[0]:
+                        self.used(t)
             return
         for t in tiles:
             self.used(t)

@@ -15,6 +15,8 @@ line on rank 0. ``pp2``: two pipeline stages (no deep halo crosses a stage cut).
 * ``resnet18``: the registered ResNet-18 (narrow): runs inside each basic
   block (conv-bn-relu-conv) and the stem (conv-bn-relu-maxpool); the residual
   adds end them;
+* ``tvresnet18``: torchvision's ResNet-18, whose blocks add the shortcut in place
+  (``out += identity``): the identity's second reader, which a deep halo must not cross;
 * ``mixed3d``: the same kinds of run on volumes (Conv3d, BatchNorm3d,
   MaxPool3d, AvgPool3d) for a 3-D grid of sub-volumes;
 * ``unet3d``: the registered 3D U-Net (narrow): runs in every double
@@ -67,6 +69,12 @@ def resnet18() -> nn.Module:
     return create_model("resnet18", num_classes=3, width=0.125)
 
 
+def tvresnet18() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=3)
+
+
 def mixed3d() -> nn.Module:
     return nn.Sequential(
         nn.Conv3d(2, 4, 3, padding=1, bias=False),
@@ -98,6 +106,7 @@ def unet3d() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mixed": mixed,
     "resnet18": resnet18,
+    "tvresnet18": tvresnet18,
     "mixed3d": mixed3d,
     "unet3d": unet3d,
 }
