@@ -386,7 +386,7 @@ _CHAIN_RUNS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictiona
 def deep_chain(layer: nn.Module) -> bool:
     """Whether :func:`run_chain` runs ``layer`` of a chain as a deep chain
     (:class:`_DeepChain`): its first checkpointed block (in module order) has the ``"deep"``
-    policy (``checkpointing: deep`` sets it on every block of that one layer)."""
+    policy (``checkpointing: deep`` sets it on every block of its layers)."""
     block = next((m for m in layer.modules() if isinstance(m, CheckpointedBlock)), None)
     return block is not None and block.grad_checkpointing and block.checkpoint_policy == "deep"
 
