@@ -257,6 +257,23 @@ def test_grad_checkpointing_changes_nothing(name: str, mode: str) -> None:
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("mode", ["full", "deep"])
+def test_checkpointing_is_bit_for_bit_on_a_channels_last_model(mode: str) -> None:
+    """float64, channels-last ResNet-50: every gradient equal to the plain model's, not just
+    close (deep's ReLU once returned its gradient in another layout, and the convolution
+    backward after it rounded differently: 1e-14)."""
+    torch.manual_seed(0)
+    plain = create_model("resnet50", num_classes=3, width=0.125).double()
+    plain = plain.to(memory_format=torch.channels_last)
+    ckpt = copy.deepcopy(plain)
+    set_checkpointing(ckpt, mode)
+    x = torch.randn(2, 3, 96, 80, dtype=torch.float64).to(memory_format=torch.channels_last)
+    for model in (plain, ckpt):
+        nn.functional.cross_entropy(model(x), torch.tensor([0, 2])).backward()
+    for (n, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+
+
 def test_a_checkpointed_block_under_torch_compile_is_refused_in_one_line() -> None:
     """The refusal is raised outside the compiled graph (torch 2.11's dynamo turned the raise
     inside it into an AssertionError on an H200)."""

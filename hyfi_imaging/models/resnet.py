@@ -126,7 +126,10 @@ class _ReLUKeepingMask(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (zeroed,) = ctx.saved_tensors
-        return grad.masked_fill(zeroed, 0)
+        # ``where``, not ``masked_fill``: its output takes the layout threshold_backward's
+        # does (masked_fill's copies the gradient's), so a channels-last model's next
+        # convolution backward runs the same kernel, bit for bit.
+        return torch.where(zeroed, 0, grad)
 
 
 def _first_leaf(module: nn.Module) -> str:
