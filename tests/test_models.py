@@ -264,7 +264,7 @@ def test_checkpointing_is_bit_for_bit_on_a_channels_last_model(mode: str) -> Non
     backward after it rounded differently: 1e-14)."""
     torch.manual_seed(0)
     plain = create_model("resnet50", num_classes=3, width=0.125).double()
-    plain = plain.to(memory_format=torch.channels_last)
+    plain = plain.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     ckpt = copy.deepcopy(plain)
     set_checkpointing(ckpt, mode)
     x = torch.randn(2, 3, 96, 80, dtype=torch.float64).to(memory_format=torch.channels_last)
