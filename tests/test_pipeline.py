@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models import create_model
-from hyfi_imaging.models.registry import deep_chain
+from hyfi_imaging.models.registry import CheckpointedBlock, deep_chain
 from hyfi_imaging.parallel.balance import (
     balance_by_size,
     balance_by_time,
@@ -204,6 +204,46 @@ def test_checkpointing_modes() -> None:
         set_checkpointing(create_model("unet2d", num_classes=2, width=4, depth=2), "deep")
     with pytest.raises(ConfigError, match="no checkpointable blocks"):
         set_checkpointing(nn.Sequential(nn.Conv2d(1, 1, 1)), "full")
+
+
+class _Conv(CheckpointedBlock):
+    """A 3x3 convolution as a block: nothing keeps its output, so code after it may write
+    the output in place."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("between", ["inplace", "clamp", "none"])
+def test_deep_chain_replays_only_what_the_blocks_passed_on(between: str) -> None:
+    """A deep chain computes a block's input again from the layer's input through the
+    blocks before it, so it may do so only where the block reads the previous block's
+    output as that block returned it: code between blocks keeps the input (a clamp in place
+    writes the previous output's storage: the same view, a new version). float64,
+    gradients equal to the plain model's."""
+    from hyfi_imaging.models.convchain import ConvChain
+
+    torch.manual_seed(0)
+    plain = ConvChain(depth=1, width=3).double()
+    inner = {
+        "inplace": [nn.Hardtanh(-0.1, 0.1, inplace=True)],
+        "clamp": [nn.Hardtanh(-0.1, 0.1)],
+        "none": [],
+    }[between]
+    plain.block1 = nn.Sequential(_Conv(3), *inner, _Conv(3), _Conv(3), *inner, _Conv(3))
+    plain.double()
+    deep = copy.deepcopy(plain)
+    assert deep_layers(deep, "deep") == ("block1",)
+    set_checkpointing(deep, "deep")
+    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    for model in (plain, deep):
+        F.cross_entropy(model(x), torch.tensor([0, 1])).backward()
+    for (n, p), (_, q) in zip(plain.named_parameters(), deep.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -400,10 +400,12 @@ def _outermost_blocks(module: nn.Module) -> Iterator[CheckpointedBlock]:
             yield from _outermost_blocks(child)
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` read the same elements of one storage (so hold equal values)."""
+def _same_view(a: torch.Tensor, b: torch.Tensor, version: int) -> bool:
+    """Whether ``a`` reads the same elements of one storage as ``b`` did when that storage's
+    version was ``version`` (so holds the values ``b`` then held: nothing wrote in place)."""
     return (
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        a._version == version
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and a.storage_offset() == b.storage_offset()
         and a.shape == b.shape
         and a.stride() == b.stride()
@@ -418,6 +420,7 @@ class _Replay:
     block's backward asks for it (:meth:`tensor`)."""
 
     x0: torch.Tensor
+    x0_version: int
     before: tuple[CheckpointedBlock, ...]
     requires_grad: bool
     cpu_rng: torch.Tensor
@@ -428,7 +431,15 @@ class _Replay:
     def tensor(self) -> torch.Tensor:
         """The block's input again: the chain's input through the blocks before it, with no
         graph (the block's recomputation needs its values only), in the random and autocast
-        state of the chain's forward, the BatchNorm statistics left as they were."""
+        state of the chain's forward, the BatchNorm statistics left as they were. Raises
+        RuntimeError, as autograd does for a saved tensor, if the layer's input was written
+        in place since."""
+        if self.x0._version != self.x0_version:
+            raise RuntimeError(
+                "checkpointing deep: the input of a deep chain's layer was modified by an "
+                "in-place operation after the layer ran; its blocks' inputs cannot be computed "
+                "again (use --checkpointing full, or do not modify the layer's input in place)"
+            )
         devices, states = self.device_rng
         kind = self.x0.device.type
         with contextlib.ExitStack() as stack:
@@ -459,7 +470,8 @@ class _DeepChain:
     earlier block's output (ResNet-50's ``layer1``: one map of 32 bytes per input pixel in
     bfloat16 fewer at the step's peak). For ``n`` blocks this runs ``n (n - 1) / 2`` block
     forwards more, without a graph. A block that does not read the previous one's output
-    (a layer with code between its blocks) keeps its input, and so does every block after it.
+    as that block returned it (a layer with code between its blocks, in place or not) keeps
+    its input, and so does every block after it.
     """
 
     def __init__(self, layer: nn.Module, x0: torch.Tensor) -> None:
@@ -467,6 +479,7 @@ class _DeepChain:
         self.x0 = x0
         self.before: list[CheckpointedBlock] = []
         self.last: torch.Tensor | None = x0  # the output of ``before[-1]``; None: chain broken
+        self.last_version = self.x0_version = x0._version
         self.pending: CheckpointedBlock | None = None  # the block running, if it continues it
         self.cpu_rng = torch.get_rng_state()
         self.device_rng = get_device_states(x0)
@@ -481,13 +494,18 @@ class _DeepChain:
         call :meth:`ran` with its output after it."""
         if block not in self.members:
             return contextlib.nullcontext()
-        chained = self.last is not None and isinstance(x, torch.Tensor) and _same_view(x, self.last)
+        chained = (
+            self.last is not None
+            and isinstance(x, torch.Tensor)
+            and _same_view(x, self.last, self.last_version)
+        )
         self.last = None  # until :meth:`ran` says the chain goes on
         self.pending = block if chained else None
         if not chained or not self.before:
             return contextlib.nullcontext()
         replay = _Replay(
-            self.x0, tuple(self.before), x.requires_grad, self.cpu_rng, self.device_rng,
+            self.x0, self.x0_version, tuple(self.before), x.requires_grad, self.cpu_rng,
+            self.device_rng,
             self.autocast, self.autocast_cache,
         )  # fmt: skip
         saved = weakref.ref(x)  # the hooks outlive the call: they must not hold ``x``
@@ -500,7 +518,7 @@ class _DeepChain:
         """Record that ``block`` ran: the chain goes on from ``out`` if its input continued it."""
         if self.pending is block and isinstance(out, torch.Tensor):
             self.before.append(block)
-            self.last = out
+            self.last, self.last_version = out, out._version
         self.pending = None
 
 
