@@ -869,10 +869,7 @@ def _stage_cost(
         cpu_unfold_bytes(weighted[path], shape, facts.dtype) if on_cpu and path in weighted else 0
         for path, _, _, _, shape in trace.calls
     ]
-    chains = {
-        layer: [b for b in mine if b.startswith(layer + ".")]
-        for layer in deep
-    }  # fmt: skip
+    chains = {layer: [b for b in mine if b.startswith(layer + ".")] for layer in deep}
     in_deep = [b for chain in chains.values() for b in chain]
     units = {
         b: {f"{b}.{name}" for name in starts}
