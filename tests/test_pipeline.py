@@ -246,6 +246,45 @@ def test_deep_chain_replays_only_what_the_blocks_passed_on(between: str) -> None
         assert torch.equal(p.grad, q.grad), n
 
 
+class _Nest(CheckpointedBlock):
+    """A block holding a checkpointed block: only the outer one is a deep chain's member."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.inner = _Conv(ch)
+
+    def forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+def test_a_deep_chain_of_blocks_with_blocks_inside_replays_their_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The inner blocks run inside the outer ones and do not break the chain: the second
+    and third outer blocks' inputs are replayed (through one block, then two), and the gradients
+    equal the plain model's in float64."""
+    from hyfi_imaging.models import registry
+    from hyfi_imaging.models.convchain import ConvChain
+
+    replayed: list[int] = []
+    tensor = registry._Replay.tensor
+    monkeypatch.setattr(
+        registry._Replay, "tensor", lambda self: replayed.append(len(self.before)) or tensor(self)
+    )
+    torch.manual_seed(0)
+    plain = ConvChain(depth=1, width=3)
+    plain.block1 = nn.Sequential(_Nest(3), _Nest(3), _Nest(3))
+    plain.double()
+    deep = copy.deepcopy(plain)
+    set_checkpointing(deep, "deep")
+    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    for model in (plain, deep):
+        F.cross_entropy(model(x), torch.tensor([0, 1])).backward()
+    assert sorted(replayed) == [1, 2]
+    for (n, p), (_, q) in zip(plain.named_parameters(), deep.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+
+
 # ----------------------------------------------------------------------------- measuring
 
 

@@ -515,11 +515,14 @@ class _DeepChain:
         )
 
     def ran(self, block: CheckpointedBlock, out: Any) -> None:
-        """Record that ``block`` ran: the chain goes on from ``out`` if its input continued it."""
-        if self.pending is block and isinstance(out, torch.Tensor):
+        """Record that ``block`` ran: the chain goes on from ``out`` if its input continued it
+        (a block inside it, which is no member, changes nothing)."""
+        if self.pending is not block:
+            return
+        self.pending = None
+        if isinstance(out, torch.Tensor):
             self.before.append(block)
             self.last, self.last_version = out, out._version
-        self.pending = None
 
 
 _DEEP_CHAIN: contextvars.ContextVar[_DeepChain | None] = contextvars.ContextVar(
