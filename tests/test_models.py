@@ -274,6 +274,22 @@ def test_checkpointing_is_bit_for_bit_on_a_channels_last_model(mode: str) -> Non
         assert torch.equal(p.grad, q.grad), n
 
 
+def test_a_residual_blocks_units_start_at_its_shortcuts_first_leaf() -> None:
+    """The planner reads where each unit starts: the shortcut's first leaf module, or the
+    shortcut itself where it is one convolution."""
+    from hyfi_imaging.models.resnet import Bottleneck
+
+    seq = nn.Sequential(nn.Conv2d(64, 256, 1), nn.BatchNorm2d(256))
+    assert Bottleneck(64, 64, downsample=seq).unit_starts == (
+        "downsample.0",
+        "conv1",
+        "conv2",
+        "conv3",
+    )
+    assert Bottleneck(64, 64, downsample=nn.Conv2d(64, 256, 1)).unit_starts[0] == "downsample"
+    assert Bottleneck(256, 64).unit_starts == ("conv1", "conv2", "conv3")
+
+
 def test_a_checkpointed_block_under_torch_compile_is_refused_in_one_line() -> None:
     """The refusal is raised outside the compiled graph (torch 2.11's dynamo turned the raise
     inside it into an AssertionError on an H200)."""

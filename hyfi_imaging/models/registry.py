@@ -505,8 +505,7 @@ class _DeepChain:
             return contextlib.nullcontext()
         replay = _Replay(
             self.x0, self.x0_version, tuple(self.before), x.requires_grad, self.cpu_rng,
-            self.device_rng,
-            self.autocast, self.autocast_cache,
+            self.device_rng, self.autocast, self.autocast_cache,
         )  # fmt: skip
         saved = weakref.ref(x)  # the hooks outlive the call: they must not hold ``x``
         return torch.autograd.graph.saved_tensors_hooks(

@@ -70,7 +70,7 @@ class _ResidualBlock(CheckpointedBlock):
     def unit_starts(self) -> tuple[str, ...]:
         """Each unit starts at its module's first call: the shortcut's (it runs first, a
         unit of its own), then each convolution's."""
-        shortcut = [] if self.downsample is None else [f"downsample.{_first_leaf(self.downsample)}"]
+        shortcut = [] if self.downsample is None else [_first_leaf("downsample", self.downsample)]
         return (*shortcut, *(f"conv{i}" for i in range(1, len(self.kernels) + 1)))
 
     @property
@@ -104,8 +104,8 @@ class _ResidualBlock(CheckpointedBlock):
             out = self.unit(self._unit, i, out, modules=parts)
         # In place where it promotes nothing (a stage's input may arrive in another dtype).
         out = out.add_(identity) if out.dtype == identity.dtype else out + identity
-        if self.grad_checkpointing and self.checkpoint_policy == "deep":
-            return _ReLUKeepingMask.apply(out)
+        if self.grad_checkpointing and self.checkpoint_policy == "deep" and torch.is_grad_enabled():
+            return _ReLUKeepingMask.apply(out)  # no mask to make where nothing back-propagates
         return self.relu(out)
 
 
@@ -132,9 +132,11 @@ class _ReLUKeepingMask(torch.autograd.Function):
         return torch.where(zeroed, 0, grad)
 
 
-def _first_leaf(module: nn.Module) -> str:
-    """The name (below ``module``) of the first module without children, in module order."""
-    return next(name for name, m in module.named_modules() if name and not any(m.children()))
+def _first_leaf(path: str, module: nn.Module) -> str:
+    """The path of the first module without children at or below ``module`` (at ``path``),
+    in module order: the module itself where it is a leaf (a shortcut of one convolution)."""
+    name = next(n for n, m in module.named_modules() if not any(m.children()))
+    return f"{path}.{name}" if name else path
 
 
 class BasicBlock(_ResidualBlock):

@@ -326,7 +326,7 @@ def deep_layers(model: nn.Module, mode: str) -> tuple[str, ...]:
     inputs are most of what full checkpointing holds at the end of forward (ResNet-50's
     ``layer1`` and ``layer2``: 160 of 216 bytes per input pixel in bfloat16). A deep
     chain's blocks keep none of their inputs but the layer's, and recompute in units where
-    they have them (:func:`~hyfi_imaging.models.registry.deep_chain`). None for the other
+    they have them (:func:`~hyfi_imaging.models.registry.deep_chain`). Empty for the other
     modes, and for a chain with no such layer (deep is then full). Raises ConfigError for
     ``deep`` on a model that is not a chain (only a chain runs its layers one by one).
     """
