@@ -231,7 +231,9 @@ def _run_worker(
         print(f"bench_spatial: error: exit {proc.returncode}: {label}", file=sys.stderr)
         sys.exit(2)
     print(f"           {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    return json.loads(lines[-1][len("RESULT ") :])
+    # A grid's rank 0 prints one line; copies of a 1x1 run started together print one each.
+    results = [json.loads(ln[len("RESULT ") :]) for ln in lines]
+    return {**results[0], "ranks": [r for res in results for r in res["ranks"]]}
 
 
 def _loadavg() -> float:
@@ -449,6 +451,43 @@ def _report_time(
         "grid": two,
     }
     return line, info
+
+
+def _report_split(
+    info: dict[str, Any], pairs: dict[str, list[dict[str, Any]]], side: int
+) -> dict[str, Any]:
+    """Where the grid's efficiency goes, measured side by side: the plain model on one rank's
+    tile (``side`` x ``side // 2``), two copies at once and no messages, first as plain
+    PyTorch runs (glibc's and PyTorch's allocator defaults), then with the ranks' allocator
+    set-up. ``T1 / (2 T2)`` is then the product of three measured factors: the machine (half
+    the image on each of two busy cores, against the whole on one), the ranks' allocator
+    (``memory.configure_allocator``: fresh pages for every buffer above the mmap threshold)
+    and the spatial path itself (halo strips and border bands, BatchNorm statistics, FSDP2's
+    parameter traffic, the collectives' latency and host code)."""
+    t1, t2 = info["single"]["wall_s"], info["grid"]["wall_s"]
+    plain, lib = (min(_timed_steps(pairs[k]), key=lambda p: p["wall_s"]) for k in ("plain", "library"))  # fmt: skip
+    tt, tl = plain["wall_s"], lib["wall_s"]
+    factors = {
+        "machine": t1 / (2 * tt),
+        "allocator": tt / tl,
+        "spatial path": tl / t2,
+    }
+    rows = [
+        ["one process, whole image (T1)", f"{t1:.2f}", "-"],
+        [f"plain model on a {side}x{side // 2} tile, two at once", f"{tt:.2f}",
+         f"machine T1/(2 Tt) = {factors['machine']:.3f}"],
+        ["the same with the ranks' allocator set-up", f"{tl:.2f}",
+         f"allocator Tt/Tl = {factors['allocator']:.3f}"],
+        ["1x2 grid, slowest rank (T2)", f"{t2:.2f}",
+         f"spatial path Tl/T2 = {factors['spatial path']:.3f}"],
+    ]  # fmt: skip
+    _table(
+        f"2a. Where the efficiency goes, ResNet-50 {side}^2 (best step of each; the factors "
+        f"multiply to T1/(2 T2) = {t1 / (2 * t2):.3f})",
+        ["run", "s per step", "factor"],
+        rows,
+    )
+    return {"tile_plain_s": tt, "tile_library_s": tl, "factors": factors}
 
 
 def _report_layouts(runs: dict[tuple[str, str], Any], side: int) -> tuple[str, dict[str, Any]]:
@@ -676,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     grid22: dict[int, Any] = {}
     t_single: list[dict[str, Any]] = []
     t_grid: list[dict[str, Any]] = []
+    pairs: dict[str, list[dict[str, Any]]] = {}
     timing = ["--time-image", str(cfg.time_image), "--warmup", str(cfg.warmup), "--time-steps", str(cfg.time_steps)]  # fmt: skip
     parts = set(args.parts.split(","))
     if "memory" in parts:
@@ -697,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
             prof = ["--profile", str(cfg.time_image)] if args.profile and k == 0 else []
             t_single.append(run(1, "1x1", [*timing, "--mem-steps", "0", *prof]))
             t_grid.append(run(2, "1x2", [*timing, "--mem-steps", "0", "--count-halo", *prof]))
+        # The plain model on one rank's tile, two copies at once (no messages): what a grid
+        # without any cost of its own would take, with each allocator (_report_split).
+        tile = [*timing, "--time-width", str(cfg.time_image // 2), "--mem-steps", "0"]
+        pairs["plain"] = [run(2, "1x1", tile)]
+        pairs["library"] = [run(2, "1x1", [*tile, "--allocator", "library"])]
     scaling: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     for side in [int(v) for v in args.time_sizes.split(",") if v.strip()]:
         sized = ["--time-image", str(side), "--warmup", "1", "--time-steps", "2", "--mem-steps", "0"]  # fmt: skip
@@ -722,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
             raw["replicated"] = _report_replicated(single, repl, cfg)
     if "time" in parts:
         line, raw["time"] = _report_time(t_single, t_grid, cfg, args.quick)
+        raw["time"]["split"] = _report_split(raw["time"], pairs, cfg.time_image)
         verdicts.append(line)
         if args.profile:
             _report_profile(t_single[0], t_grid[0], cfg)

@@ -20,7 +20,9 @@ What one run does:
   the one of a fresh process;
 * ``--time-image N``: ``--warmup`` then ``--time-steps`` timed steps at N, each
   started after a barrier, with wall and CPU time of forward, backward,
-  gradient reduction and optimizer step;
+  gradient reduction and optimizer step; ``--time-width W`` (1x1 only) makes the
+  timed image N x W: the plain model on a rank's tile, the reference the driver
+  splits the grid's efficiency with;
 * ``--count-halo``: wraps :func:`hyfi_imaging.parallel.halo._exchange` (the one
   function every halo message goes through) to count the bytes and messages
   this rank sends, per image size and per phase (forward/backward);
@@ -165,6 +167,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--time-image", type=int, default=0, help="square size for timed steps (0: none)"
     )
+    p.add_argument(
+        "--time-width",
+        type=int,
+        default=0,
+        help="1x1 runs: timed image --time-image x this width (0: square)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
     p.add_argument("--time-steps", type=int, default=3)
     p.add_argument("--model", default="resnet50")
@@ -259,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
 
-    def make_input(side: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hw = (side, side)
+    if args.time_width and spatial:
+        raise SystemExit("spatial_worker: error: --time-width is for 1x1 runs (a plain model)")
+
+    def make_input(side: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        hw = (side, width or side)
         image = torch.randn(args.batch, 3, *hw, generator=gen)
         labels = torch.randint(0, 2, (args.batch,), generator=gen)
         if ctx is None:
@@ -337,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         del x
     if args.time_image:
-        x, labels = make_input(args.time_image)
+        x, labels = make_input(args.time_image, args.time_width)
         times = []
         layouts = _count_layouts() if args.channels_last else nullcontext([0, 0])
         with layouts as counted:
