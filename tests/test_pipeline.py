@@ -9,9 +9,11 @@ refused before compute with the fix in the message.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import shlex
+from typing import Any
 
 import pytest
 import torch
@@ -283,6 +285,65 @@ def test_a_deep_chain_of_blocks_with_blocks_inside_replays_their_inputs(
     assert sorted(replayed) == [1, 2]
     for (n, p), (_, q) in zip(plain.named_parameters(), deep.named_parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
+
+
+class _Noisy(CheckpointedBlock):
+    """A 3x3 convolution whose output is scaled by random numbers the block draws."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y * torch.rand_like(y)  # type: ignore[no-any-return]
+
+
+def _hooked_step(
+    model: nn.Module, x: torch.Tensor
+) -> tuple[list[int], dict[str, torch.Tensor | None]]:
+    """One backward of the loss and one of a loss on the blocks' outputs that forward hooks
+    kept; pre-hooks that count their calls and seed the random state (block ``i``: 100 + i)."""
+    calls: list[int] = []
+    kept: dict[int, torch.Tensor] = {}
+
+    def seeded(_m: nn.Module, _a: Any, i: int) -> None:
+        calls.append(i)
+        torch.manual_seed(100 + i)
+
+    def keep(_m: nn.Module, _a: Any, y: torch.Tensor, i: int) -> None:
+        kept[i] = y
+
+    for i, block in enumerate(model.block1):  # type: ignore[arg-type]
+        block.register_forward_pre_hook(functools.partial(seeded, i=i))
+        block.register_forward_hook(functools.partial(keep, i=i))
+    with torch.random.fork_rng():
+        F.cross_entropy(model(x), torch.tensor([0, 1])).backward(retain_graph=True)
+        sum(y.square().mean() for y in kept.values()).backward()  # type: ignore[union-attr]
+    return calls, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_deep_chain_replays_its_blocks_as_their_checkpoints_recompute_them() -> None:
+    """A replay runs each block as its checkpoint recomputes it: the block's own hooks ran in
+    its forward and do not run again (a hook keeping block outputs for a loss of its own was
+    handed the replay's copies, without a graph: that loss's gradients were lost, silently),
+    and each block draws from the random state its own pre-hooks left, as the engine's
+    synchronisation of the random state over a grid sets it. float64: gradients of the loss
+    and of a loss on the kept outputs equal the plain model's; each hook ran once."""
+    from hyfi_imaging.models.convchain import ConvChain
+
+    torch.manual_seed(0)
+    plain = ConvChain(depth=1, width=3)
+    plain.block1 = nn.Sequential(_Noisy(3), _Noisy(3), _Noisy(3))
+    plain.double()
+    deep = copy.deepcopy(plain)
+    set_checkpointing(deep, "deep")
+    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    runs = [_hooked_step(model, x) for model in (plain, deep)]
+    (calls_plain, plain_grads), (calls_deep, deep_grads) = runs
+    assert calls_plain == calls_deep == [0, 1, 2]
+    for n, g in plain_grads.items():
+        assert torch.equal(g, deep_grads[n]), n
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -414,49 +414,61 @@ def _same_view(a: torch.Tensor, b: torch.Tensor, version: int) -> bool:
 
 
 @dataclass(frozen=True)
+class _Step:
+    """A block of a deep chain and the random state its forward started in: after the
+    block's own pre-hooks (the engine's synchronisation of the random state over a grid, a
+    user's), as the block's checkpoint stashes it."""
+
+    block: CheckpointedBlock
+    cpu_rng: torch.Tensor
+    device_rng: tuple[list[int], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class _Replay:
     """What a deep chain's block keeps instead of its input: the chain's input, the blocks
-    before it, and the state the chain started in, to compute the input again when the
-    block's backward asks for it (:meth:`tensor`)."""
+    before it with their random states, and the autocast state the chain ran in, to compute
+    the input again when the block's backward asks for it (:meth:`tensor`)."""
 
     x0: torch.Tensor
     x0_version: int
-    before: tuple[CheckpointedBlock, ...]
+    before: tuple[_Step, ...]
     requires_grad: bool
-    cpu_rng: torch.Tensor
-    device_rng: tuple[list[int], list[torch.Tensor]]
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
 
     def tensor(self) -> torch.Tensor:
         """The block's input again: the chain's input through the blocks before it, with no
-        graph (the block's recomputation needs its values only), in the random and autocast
-        state of the chain's forward, the BatchNorm statistics left as they were. Raises
-        RuntimeError, as autograd does for a saved tensor, if the layer's input was written
-        in place since."""
+        graph (the block's recomputation needs its values only), each block from the random
+        state its forward started in, in the chain's autocast state, the BatchNorm
+        statistics left as they were. Each block runs as its checkpoint recomputes it
+        (:meth:`~CheckpointedBlock.forward_block`): the block's own hooks ran in its forward
+        and do not run again (a hook keeping a block's output for a loss of its own would be
+        handed a copy without a graph). Raises RuntimeError, as autograd does for a saved
+        tensor, if the layer's input was written in place since."""
         if self.x0._version != self.x0_version:
             raise RuntimeError(
                 "checkpointing deep: the input of a deep chain's layer was modified by an "
                 "in-place operation after the layer ran; its blocks' inputs cannot be computed "
                 "again (use --checkpointing full, or do not modify the layer's input in place)"
             )
-        devices, states = self.device_rng
         kind = self.x0.device.type
+        devices = self.before[0].device_rng[0]
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(torch.random.fork_rng(devices=devices, device_type=kind))
-            torch.set_rng_state(self.cpu_rng)
-            set_device_states(devices, states, device_type=kind)
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(
                     torch.amp.autocast(
                         device_type, enabled=enabled, dtype=dtype, cache_enabled=self.autocast_cache
                     )
                 )
-            stack.enter_context(_RestoreBatchNormStats(*self.before))
+            stack.enter_context(_RestoreBatchNormStats(*(s.block for s in self.before)))
             x = self.x0
-            for block in self.before:
-                x = block(x)
+            for step in self.before:
+                torch.set_rng_state(step.cpu_rng)
+                set_device_states(*step.device_rng, device_type=kind)
+                x = step.block.forward_block(x)
         return x.detach().requires_grad_(self.requires_grad)
 
 
@@ -477,12 +489,10 @@ class _DeepChain:
     def __init__(self, layer: nn.Module, x0: torch.Tensor) -> None:
         self.members = set(_outermost_blocks(layer))
         self.x0 = x0
-        self.before: list[CheckpointedBlock] = []
+        self.before: list[_Step] = []
         self.last: torch.Tensor | None = x0  # the output of ``before[-1]``; None: chain broken
         self.last_version = self.x0_version = x0._version
-        self.pending: CheckpointedBlock | None = None  # the block running, if it continues it
-        self.cpu_rng = torch.get_rng_state()
-        self.device_rng = get_device_states(x0)
+        self.pending: _Step | None = None  # the block running, if it continues the chain
         kinds = dict.fromkeys(["cpu", x0.device.type])
         self.autocast = tuple(
             (k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds
@@ -500,12 +510,14 @@ class _DeepChain:
             and _same_view(x, self.last, self.last_version)
         )
         self.last = None  # until :meth:`ran` says the chain goes on
-        self.pending = block if chained else None
+        self.pending = (
+            _Step(block, torch.get_rng_state(), get_device_states(x)) if chained else None
+        )
         if not chained or not self.before:
             return contextlib.nullcontext()
         replay = _Replay(
-            self.x0, self.x0_version, tuple(self.before), x.requires_grad, self.cpu_rng,
-            self.device_rng, self.autocast, self.autocast_cache,
+            self.x0, self.x0_version, tuple(self.before), x.requires_grad, self.autocast,
+            self.autocast_cache,
         )  # fmt: skip
         saved = weakref.ref(x)  # the hooks outlive the call: they must not hold ``x``
         return torch.autograd.graph.saved_tensors_hooks(
@@ -516,11 +528,12 @@ class _DeepChain:
     def ran(self, block: CheckpointedBlock, out: Any) -> None:
         """Record that ``block`` ran: the chain goes on from ``out`` if its input continued it
         (a block inside it, which is no member, changes nothing)."""
-        if self.pending is not block:
+        step = self.pending
+        if step is None or step.block is not block:
             return
         self.pending = None
         if isinstance(out, torch.Tensor):
-            self.before.append(block)
+            self.before.append(step)
             self.last, self.last_version = out, out._version
 
 
