@@ -36,3 +36,15 @@ def test_random_masks_are_drawn_alike_on_every_tile(
     assert job.returncode == 0, job.describe()
     assert result["random_modules"] == ["branch.1", "drop_path", "head.0"], result
     assert result["ok"] is exact, result
+
+
+def test_a_deep_chain_replays_the_masks_its_blocks_drew() -> None:
+    """Blocks that draw their own masks, under ``checkpointing: deep`` on 1x2: a replay
+    draws each block's mask again from the state the block's forward started in (after its
+    pre-hook synchronised the generator over the tiles), though every rank drew differently
+    since. Equal to one process in float64."""
+    job = mpiexec(2, str(WORKER), "1", "2", "24", "32", "1", "deep")
+    result = json_line(job)
+    assert job.returncode == 0, job.describe()
+    assert result["random_modules"] == [f"block1.{i}" for i in range(4)], result
+    assert result["ok"], result

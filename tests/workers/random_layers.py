@@ -1,6 +1,6 @@
 """mpiexec worker: random layers draw one mask per image, the same on every tile.
 
-Usage: ``mpiexec -n N python tests/workers/random_layers.py GY GX H W SYNC``.
+Usage: ``mpiexec -n N python tests/workers/random_layers.py GY GX H W SYNC [MODEL]``.
 :class:`DropNet` has drop-path (a mask per sample, as timm's ``DropPath``
 and torchvision's ``StochasticDepth`` draw it), ``nn.Dropout2d`` (a mask per
 sample and channel) on the tiled map and ``nn.Dropout`` in the head. Every
@@ -8,7 +8,11 @@ rank seeds its generator *differently* (as a training loop seeded by rank
 does), trains one forward and backward on its tile, and compares the output
 and the stitched input gradient with one process seeded like rank 0, in
 float64. ``SYNC`` 0 removes the hooks that synchronise the generator over
-the tiles (``parallel/randomness.py``): then it must not match. Prints one
+the tiles (``parallel/randomness.py``): then it must not match. ``MODEL``
+``deep`` trains :class:`NoisyChain` instead, under ``checkpointing: deep``:
+blocks that draw a mask per sample and channel themselves (so their own
+pre-hooks synchronise the generator), whose inputs a deep chain replays in
+backward, after every rank drew differently. Prints one
 JSON line on rank 0: ``{"ok": ..., "max_abs": ..., "random_modules": [...]}``.
 """
 
@@ -23,9 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyfi_imaging.models.convchain import ConvChain
+from hyfi_imaging.models.registry import CheckpointedBlock
 from hyfi_imaging.parallel.apply import apply_spatial, tile_of
 from hyfi_imaging.parallel.launch import exit_now, init_parallel, shutdown
 from hyfi_imaging.parallel.layout import Layout
+from hyfi_imaging.parallel.pipeline import set_checkpointing
 from hyfi_imaging.parallel.verify import gather_tile_grid
 
 
@@ -58,13 +65,36 @@ class DropNet(nn.Module):
         return self.head(torch.flatten(self.pool(x), 1))
 
 
+class Noisy(CheckpointedBlock):
+    """A convolution and ReLU whose output the block scales by a mask per sample and channel
+    that it draws itself."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.conv(x))
+        return y * torch.rand(*y.shape[:2], 1, 1, dtype=y.dtype, device=y.device)
+
+
+def noisy_chain() -> nn.Module:
+    """Four :class:`Noisy` blocks in one layer of a chain model: a deep chain."""
+    model = ConvChain(depth=1, width=3)
+    model.block1 = nn.Sequential(*(Noisy(3) for _ in range(4)))
+    return model
+
+
 def main(argv: list[str]) -> int:
     gy, gx, h, w, sync = (int(v) for v in argv[:5])
+    deep = argv[5:6] == ["deep"]
     torch.set_num_threads(1)
     pc = init_parallel(Layout(sp=(gy, gx)))
     torch.manual_seed(0)
-    reference = DropNet().double()
+    reference = (noisy_chain() if deep else DropNet()).double()
     model = copy.deepcopy(reference)
+    if deep:
+        set_checkpointing(model, "deep")
     images = torch.randn(4, 3, h, w, dtype=torch.float64)
     ctx = apply_spatial(model, pc, image_size=(h, w))
     assert ctx is not None
@@ -74,6 +104,7 @@ def main(argv: list[str]) -> int:
     tile = tile_of(images, ctx, (h, w)).clone().requires_grad_(True)
     torch.manual_seed(100 + pc.rank)  # every rank draws differently, unless synchronised
     out = model(tile)
+    torch.rand(1 + pc.rank)  # and draws differently again before backward
     out.square().sum().backward()
     assert tile.grad is not None
     grad = gather_tile_grid(tile.grad, ctx, pc.group("sp"))[..., :h, :w]
