@@ -456,38 +456,44 @@ def _report_time(
 def _report_split(
     info: dict[str, Any], pairs: dict[str, list[dict[str, Any]]], side: int
 ) -> dict[str, Any]:
-    """Where the grid's efficiency goes, measured side by side: the plain model on one rank's
-    tile (``side`` x ``side // 2``), two copies at once and no messages, first as plain
-    PyTorch runs (glibc's and PyTorch's allocator defaults), then with the ranks' allocator
-    set-up. ``T1 / (2 T2)`` is then the product of three measured factors: the machine (half
-    the image on each of two busy cores, against the whole on one), the ranks' allocator
-    (``memory.configure_allocator``: fresh pages for every buffer above the mmap threshold)
-    and the spatial path itself (halo strips and border bands, BatchNorm statistics, FSDP2's
-    parameter traffic, the collectives' latency and host code)."""
+    """Where the grid's efficiency goes, measured side by side, two processes at once in each
+    run: the plain model on one rank's tile (``side`` x ``side // 2``, no messages), first as
+    plain PyTorch runs (glibc's and PyTorch's allocator defaults), then with the ranks'
+    allocator set-up; then the 1x2 grid's rank 0 alone on torch's fake backend (its layers,
+    border bands, BatchNorm statistics, FSDP2's copies and host code, with messages that
+    move nothing). ``T1 / (2 T2)`` is the product of four measured factors: the machine
+    (half the image on each of two busy cores, against the whole on one), the ranks'
+    allocator (``memory.configure_allocator``: fresh pages for every buffer above the mmap
+    threshold), the rank's own work, and its messages (halo strips, BatchNorm statistics,
+    FSDP2's parameters and gradients over Gloo, and the waits)."""
     t1, t2 = info["single"]["wall_s"], info["grid"]["wall_s"]
-    plain, lib = (min(_timed_steps(pairs[k]), key=lambda p: p["wall_s"]) for k in ("plain", "library"))  # fmt: skip
-    tt, tl = plain["wall_s"], lib["wall_s"]
+    tt, tl, tf = (
+        min(_timed_steps(pairs[k]), key=lambda p: p["wall_s"])["wall_s"]
+        for k in ("plain", "library", "fake")
+    )
     factors = {
         "machine": t1 / (2 * tt),
         "allocator": tt / tl,
-        "spatial path": tl / t2,
+        "own work": tl / tf,
+        "messages": tf / t2,
     }
     rows = [
         ["one process, whole image (T1)", f"{t1:.2f}", "-"],
-        [f"plain model on a {side}x{side // 2} tile, two at once", f"{tt:.2f}",
+        [f"plain model on a {side}x{side // 2} tile (Tt)", f"{tt:.2f}",
          f"machine T1/(2 Tt) = {factors['machine']:.3f}"],
-        ["the same with the ranks' allocator set-up", f"{tl:.2f}",
+        ["the same with the ranks' allocator set-up (Tl)", f"{tl:.2f}",
          f"allocator Tt/Tl = {factors['allocator']:.3f}"],
-        ["1x2 grid, slowest rank (T2)", f"{t2:.2f}",
-         f"spatial path Tl/T2 = {factors['spatial path']:.3f}"],
+        ["1x2 rank 0, messages faked (Tf)", f"{tf:.2f}",
+         f"the rank's own work Tl/Tf = {factors['own work']:.3f}"],
+        ["1x2 grid, slowest rank (T2)", f"{t2:.2f}", f"messages Tf/T2 = {factors['messages']:.3f}"],
     ]  # fmt: skip
     _table(
-        f"2a. Where the efficiency goes, ResNet-50 {side}^2 (best step of each; the factors "
-        f"multiply to T1/(2 T2) = {t1 / (2 * t2):.3f})",
+        f"2a. Where the efficiency goes, ResNet-50 {side}^2 (best step of each; two processes "
+        f"at once in every run; the factors multiply to T1/(2 T2) = {t1 / (2 * t2):.3f})",
         ["run", "s per step", "factor"],
         rows,
     )
-    return {"tile_plain_s": tt, "tile_library_s": tl, "factors": factors}
+    return {"tile_plain_s": tt, "tile_library_s": tl, "fake_messages_s": tf, "factors": factors}
 
 
 def _report_layouts(runs: dict[tuple[str, str], Any], side: int) -> tuple[str, dict[str, Any]]:
@@ -737,11 +743,13 @@ def main(argv: list[str] | None = None) -> int:
             prof = ["--profile", str(cfg.time_image)] if args.profile and k == 0 else []
             t_single.append(run(1, "1x1", [*timing, "--mem-steps", "0", *prof]))
             t_grid.append(run(2, "1x2", [*timing, "--mem-steps", "0", "--count-halo", *prof]))
-        # The plain model on one rank's tile, two copies at once (no messages): what a grid
-        # without any cost of its own would take, with each allocator (_report_split).
+        # The plain model on one rank's tile, with each allocator, and the grid's rank 0 with
+        # messages that move nothing, two processes at once in each (_report_split).
         tile = [*timing, "--time-width", str(cfg.time_image // 2), "--mem-steps", "0"]
         pairs["plain"] = [run(2, "1x1", tile)]
         pairs["library"] = [run(2, "1x1", [*tile, "--allocator", "library"])]
+        fake = [*timing, "--fake-messages", "--mem-steps", "0"]
+        pairs["fake"] = [run(2, "1x2", fake)]
     scaling: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     for side in [int(v) for v in args.time_sizes.split(",") if v.strip()]:
         sized = ["--time-image", str(side), "--warmup", "1", "--time-steps", "2", "--mem-steps", "0"]  # fmt: skip

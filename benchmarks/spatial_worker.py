@@ -30,6 +30,11 @@ What one run does:
   2-D convolutions that ran on a channels-last input (and all of them);
 * ``--profile N``: one warm-up and one profiled step at N (``torch.profiler``),
   self CPU time per operator;
+* ``--fake-messages`` (grid runs): this process alone as the grid's rank 0 on torch's
+  ``fake`` backend (:func:`hyfi_imaging.parallel.launch.fake_rank`): every collective and
+  halo message returns at once and moves nothing, so a step is the rank's own work (its
+  tile's layers, border bands, BatchNorm statistics, FSDP2's copies, host code) without
+  its messages. Started twice under ``mpiexec``, two such ranks run side by side;
 * ``--shard fsdp|replicate``: grid runs shard parameters, gradients and
   momentum with FSDP2 over the tiles (default, as the library trains), or keep
   them whole on every rank and all-reduce each tile gradient (the baseline);
@@ -49,7 +54,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 __all__ = ["main"]
@@ -198,6 +203,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="grid runs: FSDP2 over the tiles (the library's way), or whole parameters, "
         "gradients and momentum on every rank with one all-reduce per gradient (the baseline)",
     )
+    p.add_argument(
+        "--fake-messages",
+        action="store_true",
+        help="grid runs: rank 0 alone on torch's fake backend (messages move nothing)",
+    )
     p.add_argument("--profile", type=int, default=0, help="profile one step at this size (0: no)")
     p.add_argument(
         "--channels-last",
@@ -230,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from hyfi_imaging.models import create_model
-    from hyfi_imaging.parallel.launch import exit_now, init_parallel
+    from hyfi_imaging.parallel.launch import exit_now, fake_rank, init_parallel
     from hyfi_imaging.parallel.memory import PARAMETERS, saved_activations
     from hyfi_imaging.parallel.pipeline import set_checkpointing
     from hyfi_imaging.parallel.sharding import apply_fsdp
@@ -247,8 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, ctx = 0, 1, None
     if not spatial and args.streaming == "stem":
         stream_stem(model)
+    fake = ExitStack()
     if spatial:
-        pc = init_parallel(Layout(sp=grid))
+        if args.fake_messages:
+            pc = fake.enter_context(fake_rank(Layout(sp=grid), 0))
+            # Received strips and statistics hold whatever their buffers held: denormal
+            # numbers among them would make the arithmetic, not the rank, slow.
+            torch.set_flush_denormal(True)
+        else:
+            pc = init_parallel(Layout(sp=grid))
         rank, world = pc.rank, pc.world_size
         ctx = spatial_context_for(model, pc, backward_bands=args.backward_bands)
         streamed = stream_stem(model, ctx) if args.streaming == "stem" else []
@@ -373,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         x, labels = make_input(sizes[0])
         saved = saved_activations(model, lambda: F.cross_entropy(model(x), labels))
         result["saved_bytes"] = {**saved.by_kind(), PARAMETERS: saved.by_module.get(PARAMETERS, 0)}
-    if spatial:
+    if spatial and args.fake_messages:
+        print("RESULT " + json.dumps({"grid": list(grid), "ranks": [result]}), flush=True)
+        fake.close()
+    elif spatial:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:

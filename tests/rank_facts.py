@@ -12,8 +12,7 @@ minutes. The numbers themselves are checked against one process by those tests.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyfi_imaging.parallel.geometry import layer_geom
-from hyfi_imaging.parallel.launch import ParallelContext, build_meshes
+from hyfi_imaging.parallel.launch import ParallelContext, fake_rank
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.schedules import schedule_actions
@@ -42,26 +41,6 @@ class Case:
 
 #: ResNet at an eighth of its channels: the facts depend on the layers, not their widths.
 SMALL = {"width": 0.125}
-
-
-@contextmanager
-def fake_rank(layout: Layout, rank: int) -> Iterator[ParallelContext]:
-    """``rank``'s ParallelContext of ``layout`` on torch's fake backend (see the module doc).
-
-    The mesh and groups are :func:`~hyfi_imaging.parallel.launch.build_meshes`, as
-    :func:`~hyfi_imaging.parallel.launch.init_parallel` builds them."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    world = layout.world_size
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        device = torch.device("cpu")
-        mesh, groups, shard_mesh = build_meshes(layout, device, rank)
-        yield ParallelContext(
-            layout, rank, world, rank, "single", "gloo", device, mesh, groups, shard_mesh
-        )
-    finally:
-        dist.destroy_process_group()
 
 
 def mirrored_facts(case: Case, rank: int) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:

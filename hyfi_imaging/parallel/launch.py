@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -63,6 +63,7 @@ __all__ = [
     "build_meshes",
     "exit_now",
     "fail_fast",
+    "fake_rank",
     "failure_line",
     "init_parallel",
     "launch_env",
@@ -361,6 +362,30 @@ def build_meshes(
         shard_mesh = mesh[("dp", *spatial)]._flatten("shard")
         groups["shard"] = shard_mesh.get_group()
     return mesh, groups, shard_mesh
+
+
+@contextlib.contextmanager
+def fake_rank(
+    layout: Layout, rank: int, device: torch.device | None = None
+) -> Iterator[ParallelContext]:
+    """``rank``'s context of ``layout`` in this process alone, on torch's ``fake`` backend:
+    every collective and message returns at once and moves nothing (received buffers keep
+    whatever they held). The groups are :func:`build_meshes`', as :func:`init_parallel`
+    builds them. For what one process can say about any rank without the others: the tests'
+    snapshot of every rank's derived facts (``tests/rank_facts.py``), and what a rank's own
+    work costs without its messages (``benchmarks/bench_spatial.py``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        device = device or torch.device("cpu")
+        mesh, groups, shard_mesh = build_meshes(layout, device, rank)
+        yield ParallelContext(
+            layout, rank, layout.world_size, rank, "single", "gloo", device, mesh, groups,
+            shard_mesh,
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
 
 
 def shutdown() -> None:
