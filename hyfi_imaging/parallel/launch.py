@@ -365,12 +365,10 @@ def build_meshes(
 
 
 @contextlib.contextmanager
-def fake_rank(
-    layout: Layout, rank: int, device: torch.device | None = None
-) -> Iterator[ParallelContext]:
-    """``rank``'s context of ``layout`` in this process alone, on torch's ``fake`` backend:
-    every collective and message returns at once and moves nothing (received buffers keep
-    whatever they held). The groups are :func:`build_meshes`', as :func:`init_parallel`
+def fake_rank(layout: Layout, rank: int) -> Iterator[ParallelContext]:
+    """``rank``'s context of ``layout`` in this process alone, on the CPU and torch's
+    ``fake`` backend: every collective and message returns at once and moves nothing
+    (received buffers keep whatever they held). The groups are :func:`build_meshes`', as :func:`init_parallel`
     builds them. For what one process can say about any rank without the others: the tests'
     snapshot of every rank's derived facts (``tests/rank_facts.py``), and what a rank's own
     work costs without its messages (``benchmarks/bench_spatial.py``)."""
@@ -378,7 +376,7 @@ def fake_rank(
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
-        device = device or torch.device("cpu")
+        device = torch.device("cpu")
         mesh, groups, shard_mesh = build_meshes(layout, device, rank)
         yield ParallelContext(
             layout, rank, layout.world_size, rank, "single", "gloo", device, mesh, groups,
