@@ -14,6 +14,7 @@ on 2 stages x a 1x2 grid with checkpointing, and with 1F1B over 2 micro-batches.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -33,7 +34,9 @@ from hyfi_imaging.parallel.pipeline import (
     model_layers,
     set_checkpointing,
     stage_boundaries,
+    stage_called,
 )
+from hyfi_imaging.parallel.sharding import called_modules, stage_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 from _launch import have_mpiexec, json_line, mpiexec
@@ -193,6 +196,33 @@ def test_a_non_tensor_across_a_layer_boundary_is_refused() -> None:
 # ----------------------------------------------------------------------------- multi-rank
 
 
+def _mark(ran: set[str], path: str, _m: nn.Module, _a: object) -> None:
+    ran.add(path)
+
+
+def test_fsdp_units_of_a_traced_stage_are_modules_the_stage_calls() -> None:
+    """A traced stage mounts the modules it calls under plain levels (``layer1`` holding
+    ``layer1.0`` ..); the whole model calls ``layer1``, the stage never does, and an FSDP2
+    unit there never gathered its parameters (torchvision's ResNet-18 on 2 stages with 2
+    ranks each failed with mixed Tensor and DTensor). Every unit chosen for each stage of
+    the cut runs when the stage runs (forward pre-hooks, on the meta device)."""
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(num_classes=3).to("meta")
+    called = called_modules(model, (1, 3, 64, 48))
+    layers = len(model_layers(model, 2))
+    y: object = torch.empty(1, 3, 64, 48, device="meta")
+    for stage in cut_stages(model, (layers // 2, layers - layers // 2)):
+        units = stage_units(stage, None, called=stage_called(stage, called))
+        paths = {path for path, _, _ in units if path != "(stage)"}
+        assert paths, "a unit below the stage's root"
+        ran: set[str] = set()
+        for path in paths:
+            stage.get_submodule(path).register_forward_pre_hook(functools.partial(_mark, ran, path))
+        with torch.no_grad():
+            y = stage(*y) if isinstance(y, tuple) else stage(y)
+        assert ran == paths, sorted(paths - ran)
+
+
 def _verify(ranks: int, *args: str) -> dict[str, object]:
     job = mpiexec(
         ranks, "-m", "hyfi_imaging.cli.verify", "--model", "unet2d", "--image-size", "48x40",
@@ -221,3 +251,19 @@ def test_hyfi_verify_unet2d_pipeline(ranks: int, args: tuple[str, ...]) -> None:
     assert isinstance(report["compared"], int) and report["compared"] > 100
     plan = str(report["plan"])
     assert "stage 1: " in plan and ".. head" in plan  # cut inside the U-Net, not one stage
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(not have_mpiexec(), reason="mpiexec is not installed")
+def test_hyfi_verify_traced_resnet_on_two_stages_of_two_ranks() -> None:
+    """torchvision's ResNet-18, traced, on 2 stages x a 1x2 grid: each stage's parameters
+    sharded by FSDP2 over its two ranks (it failed before: a unit on a mounting level)."""
+    pytest.importorskip("torchvision")
+    job = mpiexec(
+        4, "-m", "hyfi_imaging.cli.verify", "--model", "torchvision.models:resnet18",
+        "--image-size", "70x54", "--pipeline", "2", "--spatial", "1x2", "--microbatches", "2",
+        "--steps", "1", "--json", timeout=300,
+    )  # fmt: skip
+    report = json_line(job)
+    assert job.returncode == 0 and report["ok"], job.describe()

@@ -74,6 +74,7 @@ from hyfi_imaging.parallel.pipeline import (
     model_layers,
     set_checkpointing,
     stage_bounds,
+    stage_called,
 )
 from hyfi_imaging.parallel.rank_model import BalanceInfo, PlannedShapes, RankModel
 from hyfi_imaging.parallel.rank_plan import RankPlan, model_facts, rank_plan
@@ -442,7 +443,7 @@ def apply_sharding(
             # (bench_spatial, CPU-time bound 0.442 -> 0.486), and the parameters are small
             # next to a whole image's activations.
             reshard_after_forward=False,
-            called=called,
+            called=None if called is None else stage_called(sub, called),
             units=None if planned is None else planned[ls.index],
         )
         # FSDP2 hands a unit its input as a view made by a custom Function, which an

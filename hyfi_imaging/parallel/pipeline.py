@@ -66,6 +66,7 @@ __all__ = [
     "set_checkpointing",
     "stage_boundaries",
     "stage_bounds",
+    "stage_called",
 ]
 
 
@@ -159,6 +160,24 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+def stage_called(stage: nn.Module, called: set[str]) -> set[str]:
+    """Of ``called`` (the model paths the whole model's forward calls,
+    :func:`~.sharding.called_modules`), those ``stage``'s forward calls: all of them for the
+    whole model or a stage of its own children; for a stage of traced layers, the modules
+    their programs call and those these call in turn. The plain levels a traced stage mounts
+    its modules under (:func:`~.chain_form.mount`) are never called, though the model's
+    modules at their paths were: an FSDP2 unit there would never gather its parameters."""
+    if not isinstance(stage, StageModule) or not stage.traced:
+        return called
+    targets = {
+        str(n.target)
+        for _, layer in stage.traced
+        for n in layer.program.nodes
+        if n.op == "call_module"
+    }
+    return {p for p in called if any(p == t or p.startswith(t + ".") for t in targets)}
 
 
 class StageModule(nn.Module):

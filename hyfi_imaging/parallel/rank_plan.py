@@ -38,6 +38,7 @@ from hyfi_imaging.parallel.pipeline import (
     model_layers,
     set_checkpointing,
     stage_bounds,
+    stage_called,
 )
 from hyfi_imaging.parallel.schedules import (
     LocalStage,
@@ -245,7 +246,9 @@ def _stage_units(
             out.append(())  # nothing to shard (apply_sharding skips the stage)
             continue
         units = stage_units(
-            stage, None if spatial is None else set(spatial.tile_params), called=called
+            stage,
+            None if spatial is None else set(spatial.tile_params),
+            called=stage_called(stage, called),
         )
         out.append(tuple((path, kind) for path, _, kind in units))
     return tuple(out)
