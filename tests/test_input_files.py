@@ -329,3 +329,45 @@ def test_pydicom_reads_the_hand_written_series_as_the_reader_does(
     frames = ds.pixel_array  # frame order as the per-frame positions say: row by row here
     np.testing.assert_array_equal(frames[0], image[:TILE, :TILE])
     np.testing.assert_array_equal(np.moveaxis(region, 0, -1), image)
+
+
+def test_sixteen_bit_pngs_keep_their_sixteen_bits(tmp_path: Path) -> None:
+    """Pillow clipped a 16-bit grey PNG to 8 bits (99.6 % of a ramp read as 255) and reduces
+    16-bit colour to 8 bits: both are now read as stored -- grey as one intensity channel,
+    colour as RGB, an alpha channel composited over the background (white glass for colour,
+    0 for grey), in integers."""
+    import imagecodecs
+
+    rng = np.random.default_rng(3)
+    grey = rng.integers(0, 65536, (37, 53), dtype=np.uint16)
+    rgba = rng.integers(0, 65536, (37, 53, 4), dtype=np.uint16)
+    cases = {
+        "grey.png": (grey, grey[None], ("c0",)),
+        "rgb.png": (rgba[..., :3], np.moveaxis(rgba[..., :3], -1, 0), ("red", "green", "blue")),
+    }
+    a = rgba[..., 3:].astype(np.uint64)
+    over_white = (rgba[..., :3].astype(np.uint64) * a + 65535 * (65535 - a) + 32767) // 65535
+    cases["rgba.png"] = (rgba, np.moveaxis(over_white, -1, 0), ("red", "green", "blue"))
+    for name, (stored, want, names) in cases.items():
+        (tmp_path / name).write_bytes(imagecodecs.png_encode(np.ascontiguousarray(stored)))
+        reader = open_slide(tmp_path / name)
+        got = reader.read_region(0, 0, 0, 37, 53)
+        assert got.dtype == np.uint16 and reader.channel_names == names, name
+        assert np.array_equal(got, want), name
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_exif_orientation_is_applied(tmp_path: Path, orientation: int) -> None:
+    """A camera's or scanner's EXIF orientation (a JPEG on its side was read as stored):
+    the image is read upright, as Pillow's ``exif_transpose`` shows it."""
+    from PIL import ImageOps
+
+    image = Image.fromarray(_image((40, 60), seed=orientation))
+    exif = Image.Exif()
+    exif[274] = orientation
+    image.save(tmp_path / "side.png", exif=exif)
+    upright = np.asarray(ImageOps.exif_transpose(Image.open(tmp_path / "side.png")))
+    reader = open_slide(tmp_path / "side.png")
+    h, w = reader.level_dimensions[0]
+    assert (h, w) == upright.shape[:2]
+    assert np.array_equal(reader.read_region(0, 0, 0, h, w), np.moveaxis(upright, -1, 0))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +35,10 @@ def open_image(
 ) -> ArrayReader:
     """Decode a PNG or JPEG into an RGB ``ArrayReader`` (format ``"png"`` / ``"jpeg"``).
 
-    Grayscale and palette images become RGB; transparency is composited over white.
+    Grayscale and palette images become RGB; transparency is composited over white. A
+    16-bit PNG keeps its 16 bits (grey: one intensity channel; colour: RGB), decoded by
+    imagecodecs since Pillow keeps only 8 bits of colour. The EXIF orientation is applied,
+    so the image is upright as a viewer shows it.
     The whole image is decoded, so its declared size is checked against
     ``memory_budget`` first (default:
     :func:`~hyfi_imaging.io.budget.default_memory_budget`).
@@ -70,14 +75,22 @@ def open_image(
                     default_memory_budget() if memory_budget is None else memory_budget,
                 )
                 fmt = (img.format or "image").lower()
-                img.load()
-                if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
-                    rgba = img.convert("RGBA")
-                    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                    rgb = Image.alpha_composite(white, rgba).convert("RGB")
+                orientation = _orientation(img)
+                names: tuple[str, ...] | None = None
+                if fmt == "png" and _png_bit_depth(where) == 16:
+                    # Pillow keeps 16-bit grey only as 32-bit integers and reduces 16-bit
+                    # colour to 8 bits: decoded here as stored.
+                    array, names = _png16(where, "transparency" in img.info)
                 else:
-                    rgb = img.convert("RGB")
-                array = np.asarray(rgb)
+                    img.load()
+                    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+                        rgba = img.convert("RGBA")
+                        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                        rgb = Image.alpha_composite(white, rgba).convert("RGB")
+                    else:
+                        rgb = img.convert("RGB")
+                    array = np.asarray(rgb)
+                array = _ORIENT.get(orientation, lambda a: a)(array)
     except SlideError:
         raise
     except FileNotFoundError:
@@ -94,4 +107,60 @@ def open_image(
         format="jpeg" if fmt == "mpo" else fmt,
         mpp=mpp_override,
         mpp_source="override" if mpp_override is not None else "none",
+        channel_names=names,
     )
+
+
+#: EXIF orientation (tag 274) -> the transform that shows the image upright, on ``(H, W, C)``
+#: arrays (Pillow's ``ImageOps.exif_transpose``: 5 transposes, 6 turns clockwise, 8 back).
+_ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    2: lambda a: a[:, ::-1],
+    3: lambda a: a[::-1, ::-1],
+    4: lambda a: a[::-1],
+    5: lambda a: a.swapaxes(0, 1),
+    6: lambda a: np.rot90(a, -1),
+    7: lambda a: a.swapaxes(0, 1)[::-1, ::-1],
+    8: lambda a: np.rot90(a, 1),
+}
+
+
+def _orientation(img: Any) -> int:
+    """The EXIF orientation a camera or scanner wrote (1: stored upright)."""
+    try:
+        return int(img.getexif().get(274, 1))
+    except Exception:  # a damaged EXIF block says nothing about the pixels
+        return 1
+
+
+def _png_bit_depth(path: str) -> int:
+    """The bit depth in a PNG's header (0 for a file that does not start like a PNG)."""
+    with open(path, "rb") as f:
+        head = f.read(26)
+    return head[24] if head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR" else 0
+
+
+def _png16(path: str, keyed: bool) -> tuple[np.ndarray, tuple[str, ...] | None]:
+    """A 16-bit PNG as stored, ``(H, W, C)`` uint16, and its channel names (RGB's for colour;
+    None: grey, an intensity image). An alpha channel is composited over the background:
+    white glass for colour, 0 for grey (:func:`~hyfi_imaging.io.pixels.default_background`)."""
+    import imagecodecs
+
+    from hyfi_imaging.io.pixels import RGB_NAMES
+
+    if keyed:
+        raise SlideError(
+            path,
+            "16-bit PNG with a transparent colour key (tRNS)",
+            "convert it to a 16-bit TIFF, or to PNG with an alpha channel",
+        )
+    with open(path, "rb") as f:
+        data = np.asarray(imagecodecs.png_decode(f.read()))
+    if data.ndim == 2:
+        data = data[..., None]
+    colour = data.shape[-1] in (3, 4)
+    if data.shape[-1] in (2, 4):  # unassociated alpha, composited in integers, rounded
+        a = data[..., -1:].astype(np.uint64)
+        back = 65535 if colour else 0
+        mixed = data[..., :-1].astype(np.uint64) * a + back * (65535 - a)
+        data = ((mixed + 32767) // 65535).astype(np.uint16)
+    return data, RGB_NAMES if colour else None
