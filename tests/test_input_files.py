@@ -371,3 +371,43 @@ def test_the_exif_orientation_is_applied(tmp_path: Path, orientation: int) -> No
     h, w = reader.level_dimensions[0]
     assert (h, w) == upright.shape[:2]
     assert np.array_equal(reader.read_region(0, 0, 0, h, w), np.moveaxis(upright, -1, 0))
+
+
+def test_tiff_colour_forms_are_read_as_the_colours_a_viewer_shows(tmp_path: Path) -> None:
+    """Associated (premultiplied) alpha was composited as unassociated (darkened); a palette
+    TIFF was read as its indices; a MINISWHITE one as stored (0 is white): each is now read
+    as the colours it stands for, exactly."""
+    import tifffile
+
+    from hyfi_imaging.io.tiff_reader import TiffReader
+
+    rng = np.random.default_rng(5)
+    colour = rng.integers(0, 256, (32, 48, 3), dtype=np.uint16)
+    alpha = rng.integers(0, 256, (32, 48, 1), dtype=np.uint16)
+    stored = np.concatenate([(colour * alpha + 127) // 255, alpha], -1).astype(np.uint8)
+    tifffile.imwrite(tmp_path / "assoc.tif", stored, photometric="rgb",
+                     extrasamples=["assocalpha"], tile=(16, 16))  # fmt: skip
+    over_white = np.minimum(
+        (stored[..., :3].astype(np.uint32) * 255 + 255 * (255 - alpha) + 127) // 255, 255
+    )
+    got = TiffReader(tmp_path / "assoc.tif").read_region(0, 0, 0, 32, 48)
+    assert np.array_equal(got, np.moveaxis(over_white, -1, 0).astype(np.uint8))
+
+    index = rng.integers(0, 4, (32, 48), dtype=np.uint8)
+    for bits in (8, 16):
+        cmap = np.zeros((3, 256), np.uint16)
+        cmap[:, :4] = rng.integers(0, 256, (3, 4)) * (257 if bits == 8 else 1)
+        if bits == 16:
+            cmap[0, 0] = 1001  # not an 8-bit value: the colours stay 16-bit
+        tifffile.imwrite(tmp_path / "palette.tif", index, photometric="palette", colormap=cmap,
+                         tile=(16, 16))  # fmt: skip
+        reader = TiffReader(tmp_path / "palette.tif")
+        want = cmap[:, index] // (257 if bits == 8 else 1)
+        assert reader.channel_names == ("red", "green", "blue") and reader.background > 0
+        assert reader.read_region(0, 0, 0, 32, 48).dtype == (np.uint8 if bits == 8 else np.uint16)
+        assert np.array_equal(reader.read_region(0, 0, 0, 32, 48), want), bits
+
+    grey = rng.integers(0, 65536, (32, 48), dtype=np.uint16)
+    tifffile.imwrite(tmp_path / "white.tif", grey, photometric="miniswhite", tile=(16, 16))
+    got = TiffReader(tmp_path / "white.tif").read_region(0, 0, 0, 32, 48)
+    assert np.array_equal(got, (65535 - grey)[None])

@@ -229,12 +229,30 @@ class TiffReader:
         source_channels = (
             int(base.shape[self._axes.index(self._channel_axis)]) if self._channel_axis else 1
         )
-        photometric = int(getattr(base.keyframe, "photometric", 0))
+        key = base.keyframe
+        photometric = int(getattr(key, "photometric", 1))
         # PHOTOMETRIC RGB (2) or YCbCr (6, decoded to RGB) with 3 or 4 samples per pixel.
         self._rgb = (
             self._channel_axis == "S" and photometric in (2, 6) and source_channels in (3, 4)
         )
         self._alpha = self._rgb and source_channels == 4
+        # ExtraSamples 1: the colour is already multiplied by the alpha (associated).
+        self._premultiplied = self._alpha and tuple(getattr(key, "extrasamples", ()))[:1] == (1,)
+        # MINISWHITE (0): 0 is white; read as brightness, the way every viewer shows it.
+        self._inverted = photometric == 0
+        if self._inverted and self.dtype == np.float32:
+            raise SlideError(
+                self.path,
+                "floating-point TIFF with photometric MINISWHITE (0 is white: no maximum "
+                "to invert against)",
+                "convert it to MINISBLACK, or to uint8/uint16",
+            )
+        # PALETTE (3): indices into a colour map, read as the colours.
+        self._palette: np.ndarray | None = None
+        if photometric == 3 and source_channels == 1:
+            self._palette = _palette_lut(key.colormap)
+            self.dtype = self._palette.dtype
+            self._rgb = True
         self.channels = 3 if self._rgb else source_channels
         self.channel_names, self.channel_colors = self._channel_meta(base)
         self.background = default_background(self.dtype, rgb=self._rgb)
@@ -371,6 +389,10 @@ class TiffReader:
             kept = [a for a in self._axes if a in ("Y", "X") or a == self._channel_axis]
             order = [kept.index(a) for a in (self._channel_axis, "Y", "X") if a is not None]
             data = data.transpose(order) if self._channel_axis else data[None]
+            if self._palette is not None:
+                return self._palette[:, data[0]]
+            if self._inverted:
+                return np.iinfo(data.dtype).max - data
             return self._composite(data) if self._alpha else data
 
         return read_filled(
@@ -387,13 +409,16 @@ class TiffReader:
         )
 
     def _composite(self, data: np.ndarray) -> np.ndarray:
-        """RGBA ``(4, h, w)`` (unassociated alpha) over the white background -> RGB, same type."""
+        """RGBA ``(4, h, w)`` over the white background -> RGB, same type; associated
+        (premultiplied) alpha adds only the background's share."""
         if self.dtype == np.uint8:  # the exact integer form hyfi-imaging always used
             a8 = data[3:4].astype(np.uint16)
-            out = data[:3].astype(np.uint16) * a8 + int(self.background) * (255 - a8)
-            return ((out + 127) // 255).astype(np.uint8)
+            colour = data[:3].astype(np.uint16) * (255 if self._premultiplied else a8)
+            out = colour + int(self.background) * (255 - a8)
+            return np.minimum((out + 127) // 255, 255).astype(np.uint8)
         alpha = data[3:4].astype(np.float64) / dtype_range(self.dtype)[1]
-        return cast_to(data[:3] * alpha + self.background * (1.0 - alpha), self.dtype)
+        shade: np.ndarray = data[:3] if self._premultiplied else data[:3] * alpha
+        return cast_to(shade + self.background * (1.0 - alpha), self.dtype)
 
     def close(self) -> None:
         """Close the TIFF file handle."""
@@ -405,3 +430,15 @@ class TiffReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _palette_lut(colormap: np.ndarray | None) -> np.ndarray:
+    """A palette TIFF's colour map ``(3, 2**bits)`` (16-bit per TIFF) as the look-up table of
+    the colours read: 8-bit where every entry is an 8-bit value scaled by 257, as writers
+    store them, else 16-bit."""
+    if colormap is None:
+        raise ValueError("a palette TIFF without a colour map")
+    cmap = np.asarray(colormap, dtype=np.uint16)
+    if np.all(cmap % 257 == 0):
+        return (cmap // 257).astype(np.uint8)
+    return cmap
