@@ -329,8 +329,13 @@ def plan_crop(
     if k > 1 and abs(factor - k) < 1e-9:
         # An integer reduction: snap the crop to multiples of k so every output pixel
         # averages exactly one k x k block of level-0 pixels (no fractional box weights,
-        # and the same blocks whatever the tissue box), then keep it on the canvas.
-        y1, x1 = -(-(sy + sh) // k) * k, -(-(sx + sw) // k) * k
+        # and the same blocks whatever the tissue box), then keep it on the canvas. The end
+        # stays within what the read level holds: a pyramid of floor(h / 2) drops an odd
+        # last row, and a block past it would be glass inside the placement.
+        lh, lw = reader.level_dimensions[level]
+        ly, lx = reader.level_downsamples[level]
+        y1 = min(-(-(sy + sh) // k) * k, math.floor(lh * ly + 1e-9) // k * k)
+        x1 = min(-(-(sx + sw) // k) * k, math.floor(lw * lx + 1e-9) // k * k)
         sy, sx = sy // k * k, sx // k * k
         ph, pw = min(canvas_h, (y1 - sy) // k), min(canvas_w, (x1 - sx) // k)
         sh, sw = ph * k, pw * k
