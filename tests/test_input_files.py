@@ -411,3 +411,33 @@ def test_tiff_colour_forms_are_read_as_the_colours_a_viewer_shows(tmp_path: Path
     tifffile.imwrite(tmp_path / "white.tif", grey, photometric="miniswhite", tile=(16, 16))
     got = TiffReader(tmp_path / "white.tif").read_region(0, 0, 0, 32, 48)
     assert np.array_equal(got, (65535 - grey)[None])
+
+
+def test_svs_levels_below_the_first_are_read_as_stored(tmp_path: Path) -> None:
+    """An SVS of floor(n / 2) levels: OpenSlide divides a level-0 origin by the averaged
+    downsample (2.00067) and interpolated between the level's pixels (90 % of a level-1
+    read differed from the page, by up to 72); the level is now read from its page."""
+    import tifffile
+
+    from hyfi_imaging.io.openslide_reader import OpenSlideReader
+
+    rng = np.random.default_rng(12)
+    size = (997, 1013)
+    levels = [rng.integers(0, 230, (size[0] >> k, size[1] >> k, 3), dtype=np.uint8) for k in range(3)]  # fmt: skip
+    path = tmp_path / "floor.svs"
+    with tifffile.TiffWriter(path) as tif:
+        for k, lv in enumerate(levels):
+            head = f"Aperio Image Library v12.0.0\r\n{size[1]}x{size[0]} (256x256) RAW/RGB"
+            desc = head + ("|AppMag = 20|MPP = 0.5" if k == 0 else f" -> {lv.shape[1]}x{lv.shape[0]} D={2**k}")  # fmt: skip
+            tif.write(lv, description=desc, metadata=None, photometric="rgb", tile=(256, 256))
+            if k == 0:  # an SVS's second page is its thumbnail, stripped
+                thumb = f"Aperio Image Library v12.0.0\r\n{size[1]}x{size[0]} -> 120x118"
+                tif.write(levels[2][:118, :120], description=thumb, metadata=None,
+                          photometric="rgb")  # fmt: skip
+    with OpenSlideReader(path) as reader:
+        assert reader.format == "aperio" and len(reader.level_dimensions) == 3
+        for k in (0, 1, 2):
+            page = np.moveaxis(levels[k], -1, 0)
+            for y, x in ((0, 0), (3, 5), (117, 201), (200, 220)):
+                got = reader.read_region(k, y, x, 16, 24)
+                assert np.array_equal(got, page[:, y : y + 16, x : x + 24]), (k, y, x)
