@@ -446,3 +446,36 @@ def test_train_a_five_channel_model_from_the_data(tmp_path: Path) -> None:
     meta = FileSystemReader(str(step)).read_metadata().state_dict_metadata
     conv1 = next(v for k, v in meta.items() if k.endswith("conv1.weight") and "layer" not in k)
     assert tuple(conv1.size)[1] == 5  # the stem takes the data's 5 channels
+
+
+@pytest.mark.parametrize(
+    ("dtype", "out_hw"),
+    [(np.uint8, (83, 71)), (np.uint8, (50, 37)), (np.uint16, (170, 211)), (np.uint8, (64, 60))],
+    ids=["reduce-1.5", "reduce-2.7", "enlarge-0.6", "reduce-2-blocks"],
+)
+def test_a_resampled_crop_is_the_same_whatever_tiles_render_it(
+    dtype: type, out_hw: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pillow's resize of each tile's box rounded its own coefficients and an intermediate
+    image: the same output pixel came out 1-2 levels apart in two tilings (seams at every
+    tile border of the store). Each pixel now comes from its absolute position alone: tiles
+    of 16 output pixels give the crop rendered in one piece, exactly; a reduction by 2 is
+    each 2 x 2 block's mean."""
+    from hyfi_imaging.io.base import ArrayReader
+    from hyfi_imaging.preprocess import canvas
+
+    hi = np.iinfo(dtype).max
+    source = np.random.default_rng(21).integers(0, hi + 1, (3, 128, 120)).astype(dtype)
+    reader = ArrayReader(source)
+    plan = CropPlan((0, 0, 128, 120), (0, 0, *out_hw), 0, None, (0, 0, 128, 120))
+    whole = render_crop(reader, plan)
+    monkeypatch.setattr(canvas, "_RENDER_TILE", 16)
+    monkeypatch.setattr(canvas, "_SOURCE_TILE", 40)
+    assert np.array_equal(render_crop(reader, plan), whole)
+    assert np.array_equal(
+        render_crop(reader, plan, window=(5, 7, out_hw[0] - 3, out_hw[1] - 2)),
+        whole[:, 5 : out_hw[0] - 3, 7 : out_hw[1] - 2],
+    )
+    if out_hw == (64, 60):
+        means = source.reshape(3, 64, 2, 60, 2).astype(np.float64).mean(axis=(2, 4))
+        assert np.array_equal(whole, np.rint(means).astype(dtype))

@@ -9,15 +9,20 @@ read from at most about ``_SOURCE_TILE`` source pixels per side (fewer for
 pixels of more than 3 bytes: the read holds no more bytes than an 8-bit RGB
 one). Memory is then one shard plus one tile, whatever the canvas size.
 
-Tiles must join without seams. Box downsampling never reaches outside its
-box, so a tile needs no neighbours; bilinear upsampling reaches one source
-pixel beyond, so its reads carry a 2-pixel margin (at the crop's edge that
-margin is the slide around the crop, or background outside the slide). A
+Tiles must join without seams: each output pixel's source pixels and weights
+are computed from its absolute position alone (:func:`_taps`), and summed in
+one order, so a pixel is the same whatever tile renders it (Pillow's resize
+of each tile's box rounded its own coefficients and an intermediate image, and
+the same pixel came out 1-2 levels apart in two tilings). Box downsampling
+never reaches outside its box, so a tile needs no neighbours; bilinear
+upsampling reaches one source pixel beyond, so its reads carry a 2-pixel
+margin (at the crop's edge that margin is the slide around the crop, or
+background outside the slide). A
 crop at scale 1 on whole pixels is copied, not resampled, so ``--level N``
 output equals the source pixels exactly.
 
-Pixels keep the slide's type and channels (uint16 and float32 are resampled
-as float and rounded back, :func:`~hyfi_imaging.io.pixels.resize_channels`).
+Pixels keep the slide's type and channels (resampled as float32 and rounded
+back once, :func:`~hyfi_imaging.io.pixels.cast_to`).
 Level coordinates use the level's per-axis downsample ``(dy, dx)``.
 """
 
@@ -27,10 +32,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
 
 from hyfi_imaging.io.base import SlideReader
-from hyfi_imaging.io.pixels import resize_channels, rgb_equivalent_side
+from hyfi_imaging.io.pixels import cast_to, rgb_equivalent_side
 
 __all__ = [
     "CanvasRenderer",
@@ -148,7 +152,6 @@ def render_crop(
     if per_row == 1.0 and per_col == 1.0 and ly0.is_integer() and lx0.is_integer():
         return reader.read_region(plan.read_level, int(ly0) + r0, int(lx0) + c0, r1 - r0, c1 - c0)
     downscale = per_col >= 1.0
-    resample = Image.Resampling.BOX if downscale else Image.Resampling.BILINEAR
     margin = 0 if downscale else 2
     source_side = rgb_equivalent_side(_SOURCE_TILE, reader.channels, reader.dtype.itemsize)
     step = max(16, min(_RENDER_TILE, math.floor(source_side / max(per_row, per_col, 1.0))))
@@ -161,11 +164,75 @@ def render_crop(
             left, right = lx0 + b0 * per_col, lx0 + b1 * per_col
             xa, xb = math.floor(left) - margin, math.ceil(right) + margin
             block = reader.read_region(plan.read_level, ya, xa, yb - ya, xb - xa)
-            box = (left - xa, top - ya, right - xa, bottom - ya)
-            out[:, a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = resize_channels(
-                block, box, (a1 - a0, b1 - b0), resample
+            rows = _taps(ly0, per_row, a0, a1 - a0, ya, yb - ya, downscale=downscale)
+            cols = _taps(lx0, per_col, b0, b1 - b0, xa, xb - xa, downscale=downscale)
+            out[:, a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = _resample(
+                block, rows, cols, box=downscale
             )
     return out
+
+
+def _taps(
+    start: float, per: float, first: int, n: int, lo: int, size: int, *, downscale: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Along one axis, the source pixels (indices into a block of ``size`` pixels from
+    ``lo``) and weights, ``(n, k)``, of the output pixels ``first .. first + n - 1`` whose
+    source interval is ``[start + j per, start + (j + 1) per)``, computed from those
+    absolute positions alone: the same for an output pixel whatever tile renders it, so
+    tiles join without seams. Reducing (box): the source pixels whose centres lie in the
+    interval, equal weights; enlarging (bilinear): the two pixels around the interval's
+    centre."""
+    j = np.arange(first, first + n, dtype=np.float64)
+    if downscale:
+        a = start + j * per
+        i0 = np.ceil(a - 0.5).astype(np.int64)  # the first centre (i + 1/2) at or after a
+        count = np.maximum(np.ceil(a + per - 0.5).astype(np.int64) - i0, 1)
+        k = np.arange(int(count.max()))
+        idx = i0[:, None] + k
+        weights = (k < count[:, None]) / count[:, None]
+    else:
+        c = start + (j + 0.5) * per - 0.5
+        i0 = np.floor(c).astype(np.int64)
+        f = c - i0
+        idx = np.stack([i0, i0 + 1], 1)
+        weights = np.stack([1.0 - f, f], 1)
+    return np.clip(idx - lo, 0, size - 1), weights
+
+
+def _resample(
+    block: np.ndarray,
+    rows: tuple[np.ndarray, np.ndarray],
+    cols: tuple[np.ndarray, np.ndarray],
+    *,
+    box: bool,
+) -> np.ndarray:
+    """``block`` ``(C, h, w)`` resampled by the taps of :func:`_taps`, rows then columns,
+    in float32, rounded once to the block's type. Each output is computed in one fixed
+    order from its taps alone (a box reduction as the sum of its run of source pixels over
+    their count, in one pass; bilinear as the weighted sum of its two pixels)."""
+    tmp = _along(block, *rows, axis=1, box=box)
+    return cast_to(_along(tmp, *cols, axis=2, box=box), block.dtype)
+
+
+def _along(
+    x: np.ndarray, idx: np.ndarray, weights: np.ndarray, *, axis: int, box: bool
+) -> np.ndarray:
+    """One axis of :func:`_resample`."""
+    if box:
+        # The box taps of consecutive outputs are consecutive runs (an output with no centre
+        # in its interval repeats its neighbour's pixel).
+        starts, counts = idx[:, 0], np.count_nonzero(weights, axis=1)
+        end = int(starts[-1] + counts[-1])
+        part = x[:, int(starts[0]) : end] if axis == 1 else x[:, :, int(starts[0]) : end]
+        sums = np.add.reduceat(part, starts - starts[0], axis=axis, dtype=np.float32)
+        shape = [1, 1, 1]
+        shape[axis] = -1
+        return sums / counts.astype(np.float32).reshape(shape)
+    out = 0.0
+    for i in range(idx.shape[1]):
+        w = weights[:, i].astype(np.float32).reshape((-1, 1) if axis == 1 else (1, -1))
+        out = out + w * np.take(x, idx[:, i], axis=axis)
+    return np.asarray(out, dtype=np.float32)
 
 
 class CanvasRenderer:
