@@ -271,3 +271,14 @@ def test_a_write_that_found_no_space_is_said_as_a_full_disk(tmp_path: Path) -> N
     small = {"model": {"w": torch.zeros(4)}, "step": 3}
     assert _disk_reason(reason, tmp_path, small) == reason  # a disk with room: not the cause
     assert _disk_reason("", tmp_path, huge) == ""
+
+
+def test_a_field_set_on_a_key_that_is_not_fields_is_refused(tmp_path: Path) -> None:
+    """``parallel: auto`` with ``--set parallel.compile=...`` silently became the default
+    layout with compile on; two --set of a key and of its field raised a TypeError. Both are
+    one line now, naming the key."""
+    recipe = _recipe(tmp_path, BASIC.replace("{spatial: 2x2, pipeline: 2, data: 2}", "auto"))
+    with pytest.raises(ConfigError, match=r"parallel.compile: parallel is 'auto' in the recipe"):
+        load_recipe(recipe, ["parallel.compile=aot_eager"])
+    with pytest.raises(ConfigError, match=r"parallel is set to 'auto' by an earlier --set"):
+        load_recipe(recipe, ["parallel=auto", "parallel.compile=aot_eager"])

@@ -217,6 +217,30 @@ def test_checkpoint_moves_between_layouts(manifest: Path, grid_runs: Path, tmp_p
             assert float(a["p_1"]) == pytest.approx(float(b["p_1"]), abs=1e-5)
 
 
+@pytest.mark.slow
+def test_a_compiled_run_predicts_on_tiles_and_on_stages(manifest: Path, tmp_path: Path) -> None:
+    """Compile runs one stage without tiles; a compiled run's checkpoint predicted on 1x2 or
+    2 stages was refused with advice hyfi-predict cannot follow ("use compile none"): it now
+    predicts there eagerly, as in one process."""
+    run = tmp_path / "run"
+    _train(manifest, run, 1, "parallel.spatial=1x1", "parallel.compile=aot_eager")
+    outs = []
+    for ranks, extra in ((1, []), (2, ["--spatial", "1x2"]), (2, ["--pipeline", "2"])):
+        out = tmp_path / f"pred{len(outs)}.csv"
+        cmd = [*python(), "-m", "hyfi_imaging.cli.predict", str(run), "--manifest",
+               str(manifest), "--out", str(out), *extra]  # fmt: skip
+        if ranks > 1:
+            cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(list(csv.DictReader(out.open())))
+    for rows in outs[1:]:
+        for a, b in zip(outs[0], rows, strict=True):
+            assert a["pred"] == b["pred"]
+            assert float(a["p_1"]) == pytest.approx(float(b["p_1"]), abs=1e-5)
+
+
 def test_config_errors_fail_before_any_rank_starts(manifest: Path, tmp_path: Path) -> None:
     proc = _train(manifest, tmp_path / "bad", 1, "train.epoch=3", check=False)
     assert proc.returncode == 2 and "did you mean train.epochs?" in proc.stderr

@@ -164,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                 "parallel.microbatches=1",
                 # Prediction is forward only: every schedule's forward is GPipe's.
                 "parallel.schedule=gpipe",
+                # A compiled run's weights predict on any layout: tiles and pipelines run
+                # eagerly (compile refuses them), and so do heat maps (their hooks would
+                # break the graph at every layer and recompile past dynamo's limit).
+                *(
+                    ["parallel.compile=none"]
+                    if args.spatial != (1, 1) or args.pipeline > 1 or args.heatmaps is not None
+                    else []
+                ),
                 "model.weights=null",  # the run's checkpoint replaces them: not read again
                 f"train.batch_size={args.batch}",
                 f"train.out_dir={run_dir}",

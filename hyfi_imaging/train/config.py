@@ -308,8 +308,15 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, value = item.split("=", 1)
         node = out
         *parents, leaf = key.strip().split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                whole = ".".join(parents[: i + 1])
+                raise ConfigError(
+                    "--set",
+                    f"{item!r}: {whole} is set to {node!r} by an earlier --set, not to fields",
+                    f"set either {whole} or its fields, not both",
+                )
         try:
             node[leaf] = yaml.safe_load(value)
         except yaml.YAMLError as err:
@@ -395,8 +402,22 @@ def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
         )
     raw = _read_yaml(path, "hyfi-train")
     raw = _card_defaults(raw, path.parent, path)
-    raw = _merge(raw, parse_overrides(overrides or []))
     if isinstance(raw.get("task"), str):  # "task: segmentation" names the task alone
+        raw = {**raw, "task": {"name": raw["task"]}}
+    extra = parse_overrides(overrides or [])
+    for key, value in extra.items():
+        held = raw.get(key)
+        if isinstance(value, dict) and held is not None and not isinstance(held, dict):
+            # ``parallel: auto`` and a --set of one field would have become the default
+            # layout with that field, silently.
+            raise ConfigError(
+                "--set",
+                f"{key}.{next(iter(value))}: {key} is {held!r} in the recipe, not fields "
+                "(setting one field would replace it)",
+                f"set the whole {key} (--set {key}=...), or write its fields in the recipe",
+            )
+    raw = _merge(raw, extra)
+    if isinstance(raw.get("task"), str):  # --set task=segmentation
         raw = {**raw, "task": {"name": raw["task"]}}
     auto = raw.get("parallel") == "auto"
     if auto:
