@@ -400,6 +400,27 @@ def test_plan_validation_names_the_fix() -> None:
     ParallelPlan(Layout(pp=2), microbatches=2, schedule="1f1b", balance=(6, 5)).validate(model, 4)
 
 
+def test_verify_refuses_inductor_on_a_model_that_draws_random_numbers() -> None:
+    """inductor's kernels draw their own dropout masks, not the eager generator's: hyfi-verify
+    reported a MISMATCH (relative error 54) for a correct run; it refuses in one line, before
+    anything is compiled, and a model that draws nothing is not refused by this check."""
+    import subprocess
+    import sys
+
+    from hyfi_imaging.parallel.verify import _draws_random
+
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.verify", "--model",
+           "torchvision.models:mobilenet_v2", "--image-size", "32", "--compile", "inductor"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "hyfi-verify: error: model MobileNetV2: draws random numbers in training (dropout, "
+        "drop-path), and inductor's generated kernels draw their own, not the one-process "
+        "reference's; check with the model's drop rates set to 0, or with --compile aot_eager."
+    ]
+    assert not _draws_random(create_model("resnet18", num_classes=2, width=0.25), (2, 3, 32, 32))
+
+
 def test_cli_builds_the_plan() -> None:
     from hyfi_imaging.cli.verify import _plan, build_parser
 

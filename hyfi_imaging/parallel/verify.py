@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.apply import (
@@ -66,7 +67,7 @@ from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext, init_parallel
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import rss_bytes
-from hyfi_imaging.parallel.randomness import rng_state, set_rng_state
+from hyfi_imaging.parallel.randomness import draws_random, rng_state, set_rng_state
 from hyfi_imaging.parallel.reference import REFERENCE_RANK, ReferenceLink, TensorSpec
 from hyfi_imaging.parallel.sharding import full_tensor
 from hyfi_imaging.parallel.spatial import SpatialContext
@@ -237,6 +238,25 @@ def check_image_size(
         ) from None
 
 
+class _Draws(TorchDispatchMode):
+    """Whether any op that ran under the mode draws from a random generator."""
+
+    drew = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.drew = self.drew or draws_random(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _draws_random(model: nn.Module, shape: tuple[int, ...]) -> bool:
+    """Whether ``model``'s training forward on an input of ``shape`` draws random numbers
+    (a copy on the meta device: nothing is computed)."""
+    meta = copy.deepcopy(model).to("meta").train()
+    with _Draws() as mode, torch.no_grad():
+        meta(torch.empty(shape, device="meta"))
+    return mode.drew
+
+
 def run_verify(
     build: Callable[[], nn.Module],
     pc: ParallelContext,
@@ -284,6 +304,15 @@ def run_verify(
     memory, estimate = check_memory(
         model, pc, image_hw=image_hw, batch=batch, plan=plan, enforce=memory_check
     )
+    if plan.compile == "inductor" and _draws_random(
+        model, (batch, input_channels(model), *image_hw)
+    ):
+        raise ConfigError(
+            f"model {type(model).__name__}",
+            "draws random numbers in training (dropout, drop-path), and inductor's generated "
+            "kernels draw their own, not the one-process reference's",
+            "check with the model's drop rates set to 0, or with --compile aot_eager",
+        )
     pm = ParallelModel(copy.deepcopy(model), pc, plan, image_hw=image_hw, loss_fn=loss_fn)
     drawing = sorted(pm.ctx.random_modules) if pm.ctx is not None else []
     if drawing and (plan.layout.pp > 1 or pc.device.type != "cpu"):
