@@ -208,6 +208,20 @@ def test_checkpointing_modes() -> None:
         set_checkpointing(nn.Sequential(nn.Conv2d(1, 1, 1)), "full")
 
 
+def _plain_and_deep(*blocks: nn.Module) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A chain model whose one layer is ``blocks`` (float64), a copy of it under
+    ``checkpointing: deep``, and an input."""
+    from hyfi_imaging.models.convchain import ConvChain
+
+    torch.manual_seed(0)
+    plain = ConvChain(depth=1, width=3)
+    plain.block1 = nn.Sequential(*blocks)
+    plain.double()
+    deep = copy.deepcopy(plain)
+    set_checkpointing(deep, "deep")
+    return plain, deep, torch.randn(2, 3, 9, 7, dtype=torch.float64)
+
+
 class _Conv(CheckpointedBlock):
     """A 3x3 convolution as a block: nothing keeps its output, so code after it may write
     the output in place."""
@@ -227,21 +241,13 @@ def test_deep_chain_replays_only_what_the_blocks_passed_on(between: str) -> None
     output as that block returned it: code between blocks keeps the input (a clamp in place
     writes the previous output's storage: the same view, a new version). float64,
     gradients equal to the plain model's."""
-    from hyfi_imaging.models.convchain import ConvChain
-
-    torch.manual_seed(0)
-    plain = ConvChain(depth=1, width=3).double()
     inner = {
         "inplace": [nn.Hardtanh(-0.1, 0.1, inplace=True)],
         "clamp": [nn.Hardtanh(-0.1, 0.1)],
         "none": [],
     }[between]
-    plain.block1 = nn.Sequential(_Conv(3), *inner, _Conv(3), _Conv(3), *inner, _Conv(3))
-    plain.double()
-    deep = copy.deepcopy(plain)
-    assert deep_layers(deep, "deep") == ("block1",)
-    set_checkpointing(deep, "deep")
-    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    plain, deep, x = _plain_and_deep(_Conv(3), *inner, _Conv(3), _Conv(3), *inner, _Conv(3))
+    assert deep_layers(plain, "deep") == ("block1",)
     for model in (plain, deep):
         F.cross_entropy(model(x), torch.tensor([0, 1])).backward()
     for (n, p), (_, q) in zip(plain.named_parameters(), deep.named_parameters(), strict=True):
@@ -266,20 +272,13 @@ def test_a_deep_chain_of_blocks_with_blocks_inside_replays_their_inputs(
     and third outer blocks' inputs are replayed (through one block, then two), and the gradients
     equal the plain model's in float64."""
     from hyfi_imaging.models import registry
-    from hyfi_imaging.models.convchain import ConvChain
 
     replayed: list[int] = []
     tensor = registry._Replay.tensor
     monkeypatch.setattr(
         registry._Replay, "tensor", lambda self: replayed.append(len(self.before)) or tensor(self)
     )
-    torch.manual_seed(0)
-    plain = ConvChain(depth=1, width=3)
-    plain.block1 = nn.Sequential(_Nest(3), _Nest(3), _Nest(3))
-    plain.double()
-    deep = copy.deepcopy(plain)
-    set_checkpointing(deep, "deep")
-    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    plain, deep, x = _plain_and_deep(_Nest(3), _Nest(3), _Nest(3))
     for model in (plain, deep):
         F.cross_entropy(model(x), torch.tensor([0, 1])).backward()
     assert sorted(replayed) == [1, 2]
@@ -330,15 +329,7 @@ def test_a_deep_chain_replays_its_blocks_as_their_checkpoints_recompute_them() -
     and each block draws from the random state its own pre-hooks left, as the engine's
     synchronisation of the random state over a grid sets it. float64: gradients of the loss
     and of a loss on the kept outputs equal the plain model's; each hook ran once."""
-    from hyfi_imaging.models.convchain import ConvChain
-
-    torch.manual_seed(0)
-    plain = ConvChain(depth=1, width=3)
-    plain.block1 = nn.Sequential(_Noisy(3), _Noisy(3), _Noisy(3))
-    plain.double()
-    deep = copy.deepcopy(plain)
-    set_checkpointing(deep, "deep")
-    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    plain, deep, x = _plain_and_deep(_Noisy(3), _Noisy(3), _Noisy(3))
     runs = [_hooked_step(model, x) for model in (plain, deep)]
     (calls_plain, plain_grads), (calls_deep, deep_grads) = runs
     assert calls_plain == calls_deep == [0, 1, 2]
