@@ -244,6 +244,44 @@ def test_a_compiled_run_predicts_on_tiles_and_on_stages(manifest: Path, tmp_path
             assert float(a["p_1"]) == pytest.approx(float(b["p_1"]), abs=1e-5)
 
 
+def test_a_resume_at_an_epoch_end_logs_each_evaluation_once(manifest: Path, tmp_path: Path) -> None:
+    """A checkpoint at an epoch's last step is written before that epoch's evaluation, which
+    a run resumed from it does again: the evaluation was logged twice (metrics.csv,
+    evals.jsonl). Cut right after epoch 1's evaluation, resumed: the logs equal an
+    uninterrupted run's, timings aside. And a ``train.max_steps`` the epochs never reach
+    changes nothing (the learning-rate schedule spanned the cap, and stayed near its peak)."""
+    import json
+    import shutil
+
+    sets = ("parallel.spatial=1x1", "train.keep_checkpoints=50")
+    full = tmp_path / "full"
+    _train(manifest, full, 1, *sets)
+    rows = list(csv.DictReader((full / "metrics.csv").open()))
+    end = min(int(r["step"]) for r in rows if r.get("val_loss"))  # epoch 1's last step
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for ck in (cut / "checkpoints").iterdir():
+        if int(ck.name.split("_")[1].split(".")[0]) > end:
+            shutil.rmtree(ck) if ck.is_dir() else ck.unlink()
+    with (cut / "metrics.csv").open("w", newline="") as f:  # as a kill after that evaluation
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if int(r["step"]) <= end)
+    evals = (full / "evals.jsonl").read_text().splitlines(keepends=True)
+    (cut / "evals.jsonl").write_text("".join(e for e in evals if json.loads(e)["step"] <= end))
+    assert "resuming run" in _train(manifest, cut, 1, *sets).stderr
+    timing = {"time", "images_per_s", "megapixels_per_s", "memory_mib", "data_wait_s"}
+
+    def logged(run: Path) -> list[dict[str, str]]:
+        table = csv.DictReader((run / "metrics.csv").open())
+        return [{k: v for k, v in r.items() if k not in timing} for r in table]
+
+    assert logged(cut) == logged(full)
+    assert len((cut / "evals.jsonl").read_text().splitlines()) == len(evals)
+    _train(manifest, tmp_path / "capped", 1, *sets, "train.max_steps=1000")
+    assert logged(tmp_path / "capped") == logged(full)
+
+
 def test_config_errors_fail_before_any_rank_starts(manifest: Path, tmp_path: Path) -> None:
     proc = _train(manifest, tmp_path / "bad", 1, "train.epoch=3", check=False)
     assert proc.returncode == 2 and "did you mean train.epochs?" in proc.stderr

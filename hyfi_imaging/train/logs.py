@@ -224,21 +224,30 @@ class RunLogger:
             fh.write(json.dumps(_jsonable(record)) + "\n")
         return row
 
-    def truncate_after(self, step: int) -> int:
+    def truncate_after(self, step: int, *, evals_at_step: bool = True) -> int:
         """Drop every row logged after ``step`` (CSV, ``evals.jsonl``, TensorBoard); return how many.
 
         Call it right after opening the logger when resuming from a checkpoint
-        taken at ``step``, before logging anything new.
+        taken at ``step``, before logging anything new. ``evals_at_step=False`` also drops
+        the evaluation rows at ``step`` itself: a checkpoint taken at an epoch's last step
+        is written before that epoch's evaluation, which the resumed run then does again
+        (and logged twice).
         """
         if not self.enabled:
             return 0
-        kept = [r for r in self.history if int(r.get("step", 0)) <= step]
+        cut = step if evals_at_step else step - 1
+
+        def kept_row(r: Row) -> bool:
+            at = int(r.get("step", 0))
+            return at <= cut or (at == step and not any(str(k).startswith("val_") for k in r))
+
+        kept = [r for r in self.history if kept_row(r)]
         dropped = len(self.history) - len(kept)
         self.history = kept
         self._rewrite()
         if self.evals_path.exists():
             lines = self.evals_path.read_text(encoding="utf-8").splitlines(keepends=True)
-            kept_lines = [ln for ln in lines if _jsonl_step(ln, default=step + 1) <= step]
+            kept_lines = [ln for ln in lines if _jsonl_step(ln, default=cut + 1) <= cut]
             write_atomic(self.evals_path, "".join(kept_lines))
         # TensorBoard hides events at or after purge_step from older files of the run.
         self._purge_step = step + 1

@@ -151,7 +151,10 @@ class Trainer:
 
         check_full_batch(len(self.train_idx), dp, r.train.batch_size)  # preflight's rule too
         self.steps_per_epoch = len(self.train_idx) // dp // r.train.batch_size
-        self.total_steps = r.train.max_steps or self.steps_per_epoch * r.train.epochs
+        # ``max_steps`` caps the run (the epochs end it too): the schedule spans the steps
+        # that run, not a cap the epochs never reach (the lr stayed near its peak).
+        planned = self.steps_per_epoch * r.train.epochs
+        self.total_steps = min(r.train.max_steps, planned) if r.train.max_steps else planned
 
     def _split(self) -> tuple[list[int], list[int]]:
         from hyfi_imaging.train.tasks import load_cohort
@@ -711,7 +714,9 @@ class Trainer:
         self._start_run()
         pos = self._restore()
         logger = RunLogger(self.out, enabled=self.rank0)
-        logger.truncate_after(pos.step)
+        # At an epoch's last step the checkpoint precedes the epoch's evaluation, which the
+        # resumed run does again: its logged rows go.
+        logger.truncate_after(pos.step, evals_at_step=pos.batch < self.steps_per_epoch)
         if self.rank0:
             (self.out / "recipe.yaml").write_text(yaml.safe_dump(json.loads(r.model_dump_json())))
             print(self.pm.describe(), file=sys.stderr)
