@@ -17,3 +17,20 @@ def test_verify_ships_no_way_to_break_itself() -> None:
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args([*argv, "--break", "halo-backward"])
     assert exit_.value.code == 2
+
+
+def test_counts_that_must_be_positive_are_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``hyfi-verify --steps 0`` compared nothing and reported OK; ``hyfi-preprocess --chunk 0``
+    raised ZeroDivisionError. Both are usage errors (exit 2) with one line."""
+    from hyfi_imaging.cli.preprocess import main as preprocess
+    from hyfi_imaging.cli.verify import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--model", "resnet18", "--image-size", "32", "--steps", "0"])
+    assert exit_.value.code == 2 and "--steps: must be 1 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        preprocess(["slides", "--out", "out", "--chunk", "0"])
+    assert exit_.value.code == 2
+    assert "--chunk and --shard must be >= 1" in capsys.readouterr().err.splitlines()[-1]

@@ -282,3 +282,27 @@ def test_a_field_set_on_a_key_that_is_not_fields_is_refused(tmp_path: Path) -> N
         load_recipe(recipe, ["parallel.compile=aot_eager"])
     with pytest.raises(ConfigError, match=r"parallel is set to 'auto' by an earlier --set"):
         load_recipe(recipe, ["parallel=auto", "parallel.compile=aot_eager"])
+
+
+def test_recipe_integers_are_decimal_and_recipes_utf8(tmp_path: Path) -> None:
+    """YAML 1.1 read ``0x2`` as the hex number 2: ``--set parallel.spatial=0x2`` (or the same in
+    a recipe) trained a 2x2 grid, silently. A recipe or manifest that is not UTF-8 raised a
+    UnicodeDecodeError. Each is one line now."""
+    from hyfi_imaging.train.tasks import manifest_kind
+
+    basic = _recipe(tmp_path, BASIC)
+    with pytest.raises(ConfigError, match="grid 0x2 needs"):
+        load_recipe(basic, ["parallel.spatial=0x2"])
+    hexed = tmp_path / "hex.yaml"
+    hexed.write_text(BASIC.replace("spatial: 2x2", "spatial: 0x2"))
+    with pytest.raises(ConfigError, match="grid 0x2 needs"):
+        load_recipe(hexed)
+    assert load_recipe(basic, ["train.epochs=010"]).train.epochs == 10
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(BASIC.encode() + b"# caf\xe9\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_recipe(latin)
+    manifest = tmp_path / "m.csv"
+    manifest.write_bytes(b"slide_id,label\ncaf\xe9,1\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        manifest_kind(manifest)

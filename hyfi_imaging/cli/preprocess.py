@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.verify, progress=not args.quiet)
     if not args.inputs or args.out is None:
         parser.error("give the slides (SLIDE_OR_DIR ...) and --out, or --verify DIR")
+    if args.chunk < 1 or args.shard < 1:
+        parser.error("--chunk and --shard must be >= 1")
     if args.shard % args.chunk:
         parser.error(f"--shard {args.shard} is not a multiple of --chunk {args.chunk}")
     if args.workers < 1:

@@ -84,7 +84,7 @@ rounding, not a bug.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyfi_imaging.cli.options import grids_type, shape_type
+    from hyfi_imaging.cli.options import grids_type, positive_int, shape_type
     from hyfi_imaging.parallel.parallel_plan import COMPILE_BACKENDS
     from hyfi_imaging.parallel.schedules import SCHEDULES
 
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="per-replica batch (default: max(2, microbatches)); the global batch is data x this",
     )
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=positive_int, default=2)
     p.add_argument("--num-classes", type=int, default=3)
     p.add_argument("--width", type=float, help="width multiplier for the model (if it has one)")
     p.add_argument(

@@ -297,6 +297,22 @@ class Recipe(_Strict):
         return placed_world_size(self.parallel.layout(), self.parallel.schedule)
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """YAML as recipes mean it: integers are decimal only. YAML 1.1 (PyYAML) reads ``0x2`` as
+    the hex number 2, ``010`` as octal 8 and ``1:30`` as 90, so ``spatial: 0x2`` became a
+    valid 2x2 grid and ``epochs: 010`` eight epochs; here they stay strings (and a grid or
+    a count refuses them in one line)."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789")
+)
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["train.epochs=3", "parallel.spatial=2x2"]`` -> nested dict (values read as YAML)."""
     out: dict[str, Any] = {}
@@ -318,7 +334,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                     f"set either {whole} or its fields, not both",
                 )
         try:
-            node[leaf] = yaml.safe_load(value)
+            node[leaf] = yaml.load(value, Loader=RecipeLoader)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem", None) or "is not valid YAML"
             raise ConfigError(
@@ -338,9 +354,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _read_yaml(path: Path, where: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)
     except OSError as err:
         raise ConfigError(where, f"cannot read {path} ({err.strerror})", "check the path") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            path, f"is not UTF-8 text (byte {err.start})", "save the recipe as UTF-8"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(
             path, f"is not valid YAML ({str(err).splitlines()[0]})", "fix the syntax"

@@ -59,6 +59,10 @@ def manifest_kind(manifest: str | Path) -> Kind:
             header = next(csv.reader(f), [])
     except OSError:
         return "slides"  # the slide reader says what is wrong with the file
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            path, f"is not UTF-8 text (byte {err.start})", "save the manifest as UTF-8"
+        ) from None
     return "volumes" if "volume_id" in header else "slides"
 
 
