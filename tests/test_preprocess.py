@@ -625,3 +625,20 @@ def test_kill_minus_nine_stops_the_workers_too(tmp_path: Path) -> None:
     for p in left:  # do not leave them behind if the test fails
         os.kill(p, signal.SIGKILL)
     assert len(family) >= 3 and not left, (family, left)
+
+
+def test_a_run_over_other_slides_keeps_the_earlier_rows(cohort: Path, tmp_path: Path) -> None:
+    """A second run into the same folder, over one slide that fails, rewrote the manifest with
+    that slide alone: the earlier slides' rows were lost (their stores still on disk). They
+    are kept now, beside the new row, and a slide of both runs is this run's."""
+    out = tmp_path / "out"
+    opts = PreprocessOptions(mpp=2.0, size=(512, 512))
+    run_preprocess([cohort], out, opts, progress=False)
+    first = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    broken = tmp_path / "more" / "d.svs"
+    broken.parent.mkdir()
+    broken.write_bytes((cohort / "a.svs").read_bytes()[:5000])  # cut short
+    run_preprocess([broken, cohort / "b.svs"], out, opts, progress=False)
+    rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
+    assert sorted(rows) == ["a", "b", "c", "d"] and rows["d"].status == "failed"
+    assert rows["a"] == first["a"] and rows["c"] == first["c"] and rows["b"].status == "ok"

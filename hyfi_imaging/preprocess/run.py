@@ -59,6 +59,7 @@ from hyfi_imaging.preprocess.manifest import (
     ManifestRow,
     labels_from_names,
     read_labels,
+    read_manifest,
     slide_id_of,
     write_manifest,
 )
@@ -326,6 +327,10 @@ def _convert_all(
 ) -> PreprocessSummary:
     qc_dir = out_dir / "qc" if qc else None
     manifest = out_dir / "manifest.csv"
+    earlier = _earlier_rows(manifest, set(results) | {sid for sid, _ in todo})
+
+    def rows() -> list[ManifestRow]:
+        return sorted([*earlier, *_rows(results, labels, out_dir)], key=lambda r: r.slide_id)
 
     def record(res: ConvertResult) -> None:
         results[res.slide_id] = res
@@ -335,7 +340,7 @@ def _convert_all(
             log.info("%s %s -> %s", res.status, res.source, res.store)
             for line in result_warnings(res):
                 log.warning("%s: %s", res.slide_id, line)
-        write_manifest(_rows(results, labels, out_dir), manifest)
+        write_manifest(rows(), manifest)
         if on_result is not None:
             on_result(res)
 
@@ -401,10 +406,25 @@ def _convert_all(
     finally:
         bar.close()
     ordered = sorted(results.values(), key=lambda r: (r.slide_id, r.source))
-    summary = PreprocessSummary(ordered, write_manifest(_rows(results, labels, out_dir), manifest))
+    summary = PreprocessSummary(ordered, write_manifest(rows(), manifest))
     if qc_dir is not None:
         summary.contact_sheet = write_contact_sheet(ordered, labels, out_dir / "contact_sheet.png")
     return summary
+
+
+def _earlier_rows(manifest: Path, this_run: set[str]) -> list[ManifestRow]:
+    """The rows an earlier run into the same folder wrote for slides this run does not
+    convert: kept, so that a run over other inputs (or one slide again) loses none of
+    them (a rerun rewrote the manifest with its own slides alone, and the stores of the
+    others, still on disk, dropped out of it). A manifest that cannot be read is left to
+    be replaced, with a warning."""
+    if not manifest.exists():
+        return []
+    try:
+        return [row for row in read_manifest(manifest) if row.slide_id not in this_run]
+    except Exception as err:  # a damaged or foreign manifest: this run's rows replace it
+        log.warning("%s: earlier rows not kept (%s: %s)", manifest, type(err).__name__, err)
+        return []
 
 
 def _rows(
