@@ -264,3 +264,20 @@ def test_dataloader_workers_match_main_process(stores: dict[str, Any], context: 
         assert torch.equal(got["image"], ref["image"])
         assert torch.equal(got["label"], ref["label"]) and got["slide_id"] == ref["slide_id"]
         assert torch.equal(got["read"], ref["read"])
+
+
+def test_a_manifest_with_one_slide_on_two_rows_is_refused(tmp_path: Path) -> None:
+    """hyfi-predict wrote a slide's prediction twice, and training would count it twice:
+    a manifest names each slide once, or is refused in one line."""
+    from hyfi_imaging.data.dataset import manifest_rows
+    from hyfi_imaging.preprocess.manifest import MANIFEST_COLUMNS
+
+    manifest = tmp_path / "manifest.csv"
+    row = {c: "" for c in MANIFEST_COLUMNS} | {"slide_id": "s1", "path": "s1.zarr", "status": "ok"}
+    header = ",".join(MANIFEST_COLUMNS)
+    line = ",".join(str(row[c]) for c in MANIFEST_COLUMNS)
+    manifest.write_text(f"{header}\n{line}\n")
+    assert [r.slide_id for r in manifest_rows(manifest)[1]] == ["s1"]
+    manifest.write_text(f"{header}\n{line}\n{line}\n")
+    with pytest.raises(ConfigError, match="slide id 's1' is on 2 rows"):
+        manifest_rows(manifest)

@@ -121,7 +121,7 @@ def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
     if path.is_dir():
         path = path / "manifest.csv"
     try:
-        return path, read_manifest(path)
+        rows = read_manifest(path)
     except ConfigError:  # a row's own one-line error (an unsafe slide id), already precise
         raise
     except OSError as err:
@@ -134,6 +134,15 @@ def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
             f"not a hyfi-preprocess manifest ({type(err).__name__}: {err})",
             "rewrite it with hyfi-preprocess",
         ) from err
+    seen = Counter(r.slide_id for r in rows)
+    twice = next((sid for sid, n in seen.items() if n > 1), None)
+    if twice is not None:  # a slide trained on (or predicted) twice, its outputs overwritten
+        raise ConfigError(
+            str(path),
+            f"slide id {twice!r} is on {seen[twice]} rows",
+            "keep one row per slide (hyfi-preprocess writes one)",
+        )
+    return path, rows
 
 
 def left_out_line(manifest: str | Path) -> str | None:
