@@ -34,3 +34,17 @@ def test_counts_that_must_be_positive_are_refused_in_one_line(
         preprocess(["slides", "--out", "out", "--chunk", "0"])
     assert exit_.value.code == 2
     assert "--chunk and --shard must be >= 1" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_synth_refuses_what_it_cannot_make_and_leaves_nothing(tmp_path: object) -> None:
+    """``hyfi-synth --size 10000000`` died in a numpy MemoryError traceback and left an empty
+    folder; ``--lesions -2`` was taken. One line each, exit 2, no folder."""
+    from pathlib import Path
+
+    from hyfi_imaging.cli.synth import main
+
+    out = Path(str(tmp_path)) / "synth"
+    assert main(["--out", str(out), "--n", "1", "--size", "10000000"]) == 2
+    assert not out.exists()
+    assert main(["--out", str(out), "--n", "1", "--lesions", "-2"]) == 2
+    assert not out.exists()

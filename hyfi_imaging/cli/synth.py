@@ -7,6 +7,7 @@ see ``datasets/synthetic.yaml`` for what the slides contain and why.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -89,9 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.lesions is not None and args.lesions < 0:
+        print(f"hyfi-synth: --lesions must be >= 0, got {args.lesions}", file=sys.stderr)
+        return 2
     from hyfi_imaging.data.synthetic import write_synthetic_cohort
 
     start = time.perf_counter()
+    created = not Path(args.out).exists()
     try:
         csv_path = write_synthetic_cohort(
             args.out,
@@ -107,6 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (OSError, HyfiError) as err:
         print(f"hyfi-synth: {err}", file=sys.stderr)
+        return 2
+    except MemoryError as err:
+        if created:  # nothing half-written left behind: the folder was this run's
+            shutil.rmtree(args.out, ignore_errors=True)
+        h, w = args.size
+        print(
+            f"hyfi-synth: error: a {h}x{w} slide needs more memory than this machine has "
+            f"({err}); use a smaller --size",
+            file=sys.stderr,
+        )
         return 2
     h, w = args.size
     print(
