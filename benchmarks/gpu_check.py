@@ -41,7 +41,7 @@ naming the device to ``docs/benchmarks.md`` (``--markdown``). The items:
 Each measurement runs in a fresh process (the script re-runs itself with ``--worker``), so a
 crash, a hang or an out-of-memory ends that process only; the harness never touches the GPU.
 Every item has a time budget (``--budget``); time an item leaves unused passes to the next,
-and the default budgets add up to 7.5 minutes. An item that fails or runs out of time records
+and the default budgets add up to 8 minutes. An item that fails or runs out of time records
 its one-line error and the check goes on. Layouts of several ranks over NCCL (tile grids,
 pipelines, data replicas) need several GPUs: with one, that is said and skipped.
 
@@ -99,6 +99,10 @@ TARGET_PIXELS = 4.0
 #: was within 3 % of the measured peak at 16896^2 on an H200).
 PROBE_SHARE = 0.97
 PROBE_GROW = 1.03
+#: (d)'s searches stop when the bracket is within 1/RESOLUTION of the side (3 %, 6 % of the
+#: pixels): a probe near an H200's limit takes a minute or more (plain PyTorch's two steps at
+#: 12736^2: 13 s each, after a first step that benchmarks cuDNN's kernels).
+RESOLUTION = 32
 #: (d)'s probes run as a user at the memory limit would: PyTorch's expandable segments keep
 #: the caching allocator from failing on fragmentation (the H200's first run ran out of
 #: memory at 25600^2 with 24 GiB reserved and unallocated) and from freeing and retrying
@@ -158,7 +162,7 @@ class Setup:
     kill_after: int = 4
     verify: tuple[str, ...] = ("--model", "resnet50", "--image-size", "256x192")
     budgets: dict[str, float] = field(
-        default_factory=lambda: {"a": 110.0, "b": 45.0, "c": 85.0, "d": 130.0, "e": 80.0}
+        default_factory=lambda: {"a": 75.0, "b": 30.0, "c": 125.0, "d": 135.0, "e": 115.0}
     )
 
 
@@ -230,6 +234,19 @@ def _error_line(err: BaseException) -> str:
     # "backend='inductor' raised:" says nothing until the line after it
     text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else "".join(lines[:1])
     return f"{type(err).__name__}: {text}"[:300]
+
+
+def _where(err: BaseException) -> str:
+    """``file:line function`` of the innermost frame in hyfi_imaging, else the innermost one:
+    where an out-of-memory allocated (the message names the bytes, not the tensor)."""
+    import traceback
+
+    frames = [f for e in reversed(_chain(err)) for f in traceback.extract_tb(e.__traceback__)]
+    ours = [f for f in frames if "hyfi_imaging" in f.filename] or frames
+    if not ours:
+        return ""
+    f = ours[-1]
+    return f"{Path(f.filename).name}:{f.lineno} {f.name}"
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -371,6 +388,7 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     except Exception as err:
         out.update(status="oom" if _is_oom(err) else "error", error=_error_line(err))
+        out["where"] = _where(err)
         out["refused"] = any(isinstance(e, HyfiError) for e in _chain(err))
     finally:
         state.clear()
@@ -718,8 +736,9 @@ def largest_side(
     *,
     start: int,
     known: int = 0,
+    upper: int | None = None,
     step: int = 32,
-    resolution: int = 64,
+    resolution: int = RESOLUTION,
     grow: float = 2.0,
     deadline: float,
 ) -> tuple[int, int | None, bool]:
@@ -727,8 +746,9 @@ def largest_side(
     times ``grow`` while sides fit and divided by it while they do not, then bisection until
     the bracket is within 1/``resolution`` of the side.
 
-    ``known`` is a side known to fit (not probed again, nor anything at or below it); ``fits``
-    returns None when it ran out of time. ``grow`` 2 searches blind (doubling); a ``start``
+    ``known`` is a side known to fit (not probed again, nor anything at or below it), ``upper``
+    one known not to (an earlier run's out-of-memory: nothing at or above it is probed);
+    ``fits`` returns None when it ran out of time. ``grow`` 2 searches blind (doubling); a ``start``
     projected from measured peaks searches with a ``grow`` near 1, so that a few probes near
     the limit bracket it. Returns ``(largest found, smallest that did not fit or None,
     converged)``.
@@ -737,12 +757,18 @@ def largest_side(
     def on_step(v: float) -> int:
         return int(v) // step * step
 
-    lo, hi = known, None
+    lo, hi = known, upper
     side = max(on_step(start), on_step(known * grow))
-    while time.monotonic() < deadline:  # grow or shrink until a fit and a miss bracket it
+    if upper is not None and side >= upper:  # below the known miss, in the same steps
+        side = max(on_step(upper / grow), lo + step)
+
+    def bracketed() -> bool:
+        return hi is not None and hi - lo <= max(step, lo // resolution)
+
+    while not bracketed() and time.monotonic() < deadline:  # grow or shrink until a fit and
         ok = fits(side)
         if ok is None:
-            return lo, hi, False
+            return lo, hi, bracketed()
         if ok:
             lo, side = side, max(on_step(side * grow), side + step)
             if hi is not None:
@@ -751,17 +777,13 @@ def largest_side(
             hi, side = side, on_step(side / grow)
             if side <= lo:
                 break
-    while hi is not None and time.monotonic() < deadline:
-        if hi - lo <= max(step, lo // resolution):
-            return lo, hi, True
-        mid = (lo + hi) // 2 // step * step
-        if mid <= lo:
-            return lo, hi, True
+    while hi is not None and not bracketed() and time.monotonic() < deadline:  # a miss
+        mid = (lo + hi) // 2 // step * step  # bracket it; then bisect (hi - lo >= 2 steps)
         ok = fits(mid)
         if ok is None:
             break
         lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo, hi, False
+    return lo, hi, bracketed()
 
 
 def peak_fit(rows: list[dict[str, Any]], name: str) -> tuple[float, float] | None:
@@ -795,7 +817,13 @@ def _probe_env() -> dict[str, str]:
 
 
 def _search(
-    s: Setup, name: str, start: int, known: int, until: float, grow: float = 2.0
+    s: Setup,
+    name: str,
+    start: int,
+    known: int,
+    until: float,
+    grow: float = 2.0,
+    upper: int | None = None,
 ) -> dict[str, Any]:
     """One contender's largest side, every probe two SGD steps in a fresh process."""
     probes: list[dict[str, Any]] = []
@@ -813,19 +841,37 @@ def _search(
             outcome = "timeout" if run.rc is None else "error"
             probes.append({"side": side, "outcome": outcome, "error": run.error()})
             return None if run.rc is None else False
-        kept: dict[str, Any] = {k: r[k] for k in ("peak_gib", "step_s", "error") if k in r}
+        kept: dict[str, Any] = {k: r[k] for k in ("peak_gib", "step_s", "error", "where") if k in r}
         probes.append({"side": side, "outcome": r["status"], **kept})
         return r["status"] == "ok"
 
-    lo, hi, converged = largest_side(fits, start=start, known=known, grow=grow, deadline=until)
+    lo, hi, converged = largest_side(
+        fits, start=start, known=known, upper=upper, grow=grow, deadline=until
+    )
     return {"side": lo, "upper": hi, "converged": converged, "known": known, "probes": probes}
+
+
+def earlier_bracket(earlier: dict[str, Any] | None, name: str) -> tuple[int, int | None]:
+    """``(largest side that trained, smallest that ran out of memory or None)`` among an
+    earlier run's (d) probes of ``name`` (``--earlier``); ``(0, None)`` without one (pure)."""
+    v = (earlier or {}).get(name) or {}
+    probes = v.get("probes") or []
+    fit = [p["side"] for p in probes if p.get("outcome") == "ok"] + [v.get("known") or 0]
+    oom = [p["side"] for p in probes if p.get("outcome") == "oom"]
+    return max(fit), min(oom, default=None)
 
 
 def _probes_text(probes: list[dict[str, Any]]) -> str:
     return ", ".join(f"{p['side']}: {p['outcome']}" for p in probes)
 
 
-def item_d(s: Setup, c: dict[str, Any], info: dict[str, Any], deadline: float) -> dict[str, Any]:
+def item_d(
+    s: Setup,
+    c: dict[str, Any],
+    info: dict[str, Any],
+    deadline: float,
+    earlier: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The largest image of plain PyTorch, then of hyfi with checkpointing + streamed stem.
 
     Sides that trained in (c) are known to fit (not probed again). Where (c) measured a
@@ -834,6 +880,8 @@ def item_d(s: Setup, c: dict[str, Any], info: dict[str, Any], deadline: float) -
     steps of 3 % (a blind doubling search spends its time on probes far past the limit, each
     slow); otherwise it doubles, hyfi's from twice plain's side (the target's 4x the pixels).
     The projected ratio of the pixels (plain's bytes per pixel over hyfi's) is recorded too.
+    ``earlier`` (d)'s record from an earlier run on the same device (``--earlier``): the sides
+    its probes found to fit and to run out of memory bracket the search from the start.
     """
     rows = c.get("rows", [])
     fitted = [(r["contender"], r["side"]) for r in rows if r.get("status") == "ok"]
@@ -842,15 +890,18 @@ def item_d(s: Setup, c: dict[str, Any], info: dict[str, Any], deadline: float) -
     for name, share in (("plain", 0.45), ("hyfi_ckpt", 1.0)):
         until = time.monotonic() + share * (deadline - time.monotonic())
         known = 0 if s.search_caps else max((v for n, v in fitted if n == name), default=0)
+        was, upper = earlier_bracket(earlier, name)
+        known = max(known, was)
         fit = None if s.search_caps else peak_fit(rows, name)
         projected = projected_side(fit, capacity) if fit and capacity else 0
         if projected > known:
-            found[name] = _search(s, name, projected, known, until, grow=PROBE_GROW)
+            found[name] = _search(s, name, projected, known, until, PROBE_GROW, upper)
         else:
             start = s.search_start
             if name != "plain":
                 start = max(start, 2 * found["plain"]["side"])
-            found[name] = _search(s, name, start, known, until)
+            grow = PROBE_GROW if upper else 2.0
+            found[name] = _search(s, name, start, known, until, grow, upper)
         found[name]["projected_side"] = projected or None
         found[name]["bytes_per_pixel"] = fit[1] if fit else None
     base = found["plain"]["side"] ** 2
@@ -1048,6 +1099,8 @@ def _markdown(report: dict[str, Any], out_json: Path) -> str:
     for key, title in ITEMS.items():
         it = items[key]
         note = (it.get("error") or "").replace("|", "/")
+        if it.get("from"):
+            note = f"from the earlier run `{it['from']}`" + (f"; {note}" if note else "")
         lines.append(f"| ({key}) {title} | {it['status']} | {it.get('seconds', 0):.0f} | {note} |")
     rows = items["c"].get("rows", [])
     if rows:
@@ -1094,6 +1147,9 @@ examples:
 
   # only the step time and the largest image, with more time for the search
   python benchmarks/gpu_check.py --items c,d --budget d=240
+
+  # the largest image and torch.compile again, the rest (and (d)'s probes) from a first run
+  python benchmarks/gpu_check.py --items d,e --earlier docs/gpu/2026-11-28-h200-run4.json
 
   # a device the peak table does not know (dense bf16 TFLOP/s)
   python benchmarks/gpu_check.py --peak-tflops 756
@@ -1151,11 +1207,14 @@ def main(argv: list[str] | None = None) -> int:
         "--items", default="abcde", help="the items to run, e.g. c,d (default %(default)s)"
     )
     p.add_argument("--budget", action="append", default=[], metavar="ITEM=SECONDS",
-                   help="an item's time budget, seconds (a=110 b=45 c=85 d=130 e=80; dry run "
+                   help="an item's time budget, seconds (a=75 b=30 c=125 d=135 e=115; dry run "
                         "a=60 b=25 c=25 d=30 e=50)")  # fmt: skip
     p.add_argument("--sides", help="image sides of (c) (4096,8192; dry run 64,96)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, TFLOP/s")
     p.add_argument("--workdir", type=Path, help="keep the cohort and runs here (else a temp dir)")
+    p.add_argument("--earlier", type=Path, metavar="JSON",
+                   help="an earlier run's JSON on the same device: the items not chosen are "
+                        "taken from it (marked so), and (d) starts from its probes")  # fmt: skip
     args = p.parse_args(argv)
     s = DRY if args.dry_run else Setup()
     chosen = [k for k in ITEMS if k in args.items]
@@ -1167,6 +1226,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     if not chosen:
         p.error(f"--items {args.items}: name some of a, b, c, d, e")
+    earlier: dict[str, dict[str, Any]] = {}
+    if args.earlier:
+        try:
+            earlier = json.loads(args.earlier.read_text())["items"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            p.error(f"--earlier {args.earlier}: not a gpu_check.py JSON record ({err})")
 
     import torch
 
@@ -1204,12 +1269,15 @@ def main(argv: list[str] | None = None) -> int:
             "a": lambda until: item_a(s, work / "train", until),
             "b": lambda until: item_b(s, info, until),
             "c": lambda until: item_c(s, peak, info, until),
-            "d": lambda until: item_d(s, items.get("c", {}), info, until),
+            "d": lambda until: item_d(s, items.get("c", {}), info, until, earlier.get("d")),
             "e": lambda until: item_e(s, until),
         }
         for key in ITEMS:
             if key not in chosen:
+                was = earlier.get(key, {})
                 items[key] = {"status": "skipped", "error": "not chosen (--items)"}
+                if was.get("status", "skipped") != "skipped":
+                    items[key] = {**was, "from": args.earlier.name}
                 continue
             end += s.budgets[key]  # what an item leaves unused passes to the next
             items[key] = _run_item(key, functools.partial(jobs[key], end))

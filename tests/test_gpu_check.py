@@ -76,6 +76,24 @@ def test_dry_run_records_every_item(tmp_path: Path) -> None:
     assert "dry run" in section.splitlines()[1]
     assert all(v in section for v in verdicts)
 
+    # (d) again, the rest from this run: (c)'s rows come from it, and its probes bracket (d)
+    again = tmp_path / "again.json"
+    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--items", "d", "--earlier", str(out),
+           "--out", str(again), "--markdown", str(md)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    second = json.loads(again.read_text())["items"]
+    for key in "abce":
+        assert second[key] == {**items[key], "from": out.name}, key
+    d = second["d"]  # 64 and 128 fitted, 96 and 160 did not: converged, nothing probed again
+    assert (d["plain"]["side"], d["hyfi_ckpt"]["side"]) == (64, 128), d
+    assert {p["side"] for p in d["hyfi_ckpt"]["probes"]}.isdisjoint(
+        p["side"] for p in items["d"]["hyfi_ckpt"]["probes"] if p["outcome"] == "ok"
+    )
+    assert f"from the earlier run `{out.name}`" in md.read_text().split("## GPU check")[-1]
+    bad = subprocess.run([*cmd[:6], str(md)], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "not a gpu_check.py JSON record" in bad.stderr
+
 
 def test_no_cuda_without_dry_run_is_one_line(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
@@ -136,7 +154,7 @@ def _search_below(
 def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, found: int) -> None:
     lo, hi, converged, probed = _search_below(limit, start, known)
     assert converged and hi is not None and lo <= limit < hi and lo % 32 == 0 and hi % 32 == 0
-    assert hi - lo <= max(32, lo // 64)
+    assert hi - lo <= max(32, lo // _script().RESOLUTION)
     assert found is None or lo == found
     assert known not in probed and len(probed) == len(set(probed))
 
@@ -145,7 +163,12 @@ def test_largest_side_doubles_then_bisects(limit: int, start: int, known: int, f
 def test_largest_side_from_a_projection_steps_a_few_percent(limit: int, start: int) -> None:
     """Started at a projected side, the search brackets the limit with probes near it."""
     lo, hi, converged, probed = _search_below(limit, start, 8192, grow=1.03)
-    assert converged and hi is not None and lo <= limit < hi and hi - lo <= max(32, lo // 64)
+    assert (
+        converged
+        and hi is not None
+        and lo <= limit < hi
+        and hi - lo <= max(32, lo // _script().RESOLUTION)
+    )
     assert probed[0] == start and len(probed) <= 5 and len(probed) == len(set(probed))
     assert all(abs(side / limit - 1) < 0.1 for side in probed)
 
@@ -194,6 +217,39 @@ def test_search_starts_at_the_side_the_measured_peaks_project() -> None:
         assert v["probes"][0]["outcome"] == "ok" and (v["side"], v["converged"]) == (128, True)
     assert d["pixel_ratio"] == 1.0 and d["projected_ratio"] == pytest.approx(1.0)
     assert d["alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", gc.PROBE_ALLOC_CONF)
+
+
+@pytest.mark.parametrize(
+    ("limit", "known", "upper"), [(27_800, 8192, 28_384), (20_000, 12_736, 28_384)]
+)
+def test_largest_side_below_a_known_miss(limit: int, known: int, upper: int) -> None:
+    """An earlier run's out-of-memory side is never probed again, nor anything above it."""
+    gc = _script()
+    probed: list[int] = []
+
+    def fits(side: int) -> bool:
+        probed.append(side)
+        return side <= limit
+
+    lo, hi, converged = gc.largest_side(fits, start=29_000, known=known, upper=upper,
+                                        grow=1.03, deadline=time.monotonic() + 60)  # fmt: skip
+    assert converged and hi is not None and lo <= limit < hi <= upper
+    assert all(known < side < upper for side in probed) and len(probed) == len(set(probed))
+    assert probed[0] == 28_384 * 100 // 103 // 32 * 32  # one step below the miss
+    # a bracket already within 1/RESOLUTION of the side probes nothing
+    assert gc.largest_side(fits, start=1, known=12_736, upper=13_088, deadline=0) == (
+        12_736, 13_088, True,
+    )  # fmt: skip
+
+
+def test_earlier_bracket_from_probes() -> None:
+    gc = _script()
+    earlier = {"hyfi_ckpt": {"known": 8192, "probes": [
+        {"side": 28_384, "outcome": "oom"}, {"side": 27_552, "outcome": "timeout"},
+        {"side": 26_720, "outcome": "ok"}, {"side": 29_000, "outcome": "oom"}]}}  # fmt: skip
+    assert gc.earlier_bracket(earlier, "hyfi_ckpt") == (26_720, 28_384)
+    assert gc.earlier_bracket(earlier, "plain") == (0, None)
+    assert gc.earlier_bracket(None, "plain") == (0, None)
 
 
 def test_largest_side_stops_when_a_probe_runs_out_of_time() -> None:
