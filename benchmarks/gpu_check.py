@@ -83,6 +83,8 @@ __all__ = ["PEAK_BF16_TFLOPS", "largest_side", "main", "peak_tflops", "step_rows
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+#: When this process started: a worker's ``PHASE`` lines count from it.
+STARTED = time.monotonic()
 GIB = 2**30
 ITEMS = {
     "a": "hyfi-train: bf16 autocast, checkpoint, kill, exact resume",
@@ -148,6 +150,9 @@ class Setup:
     model: str = "resnet50"
     width: float | None = None
     step_sides: tuple[int, ...] = (4096, 8192)
+    #: (c)'s probe of 32-bit indexing (:func:`_index_probe`): 64 x side^2 elements just under
+    #: and just over 2^31 (2.12e9 and 2.17e9)
+    index_sides: tuple[int, int] = (5760, 5824)
     warmup: int = 3
     steps: int = 5
     search_start: int = 2048
@@ -173,6 +178,7 @@ DRY = Setup(
     model="resnet18",
     width=0.25,
     step_sides=(64, 96),
+    index_sides=(64, 72),
     warmup=1,
     steps=2,
     search_start=64,
@@ -302,6 +308,11 @@ def _count_flops(model: str, width: float | None, side: int) -> int:
     return int(counter.get_total_flops())
 
 
+def _phase(what: str) -> None:
+    """A worker's progress, one line on stdout: what a run that times out had reached."""
+    print(f"PHASE {time.monotonic() - STARTED:.1f} {what}", flush=True)
+
+
 def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
     """Build ``name``'s model at ``spec['side']``, run warm-up and timed steps (and compile)."""
     import torch
@@ -339,6 +350,7 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
             module, params = model.to(dev), list(model.parameters())
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
         state.update(model=model, module=module, opt=opt, x=x)
+        _phase(f"{name} {side}^2 built")
 
         def step() -> None:
             with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -363,6 +375,7 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     step()
                     times.append(time.perf_counter() - t0)
+                _phase(f"{name} {side}^2 step {len(times)} of {n}: {times[-1]:.1f} s")
             return times
 
         first = timed(1)[0]
@@ -373,6 +386,7 @@ def _train_steps(spec: dict[str, Any], name: str) -> dict[str, Any]:
         if spec.get("compile"):
             out["eager_step_s"] = out.pop("step_s")
             out["status"] = "compiling"
+            _phase(f"{name} {side}^2 compiling")
             if c.hyfi:  # the engine's own compile (the plan was checked before any step)
                 from hyfi_imaging.parallel.parallelize import apply_compile
 
@@ -413,6 +427,42 @@ def _calibrate(device: str) -> dict[str, Any]:
     return out
 
 
+def _index_probe(device: str, sides: tuple[int, int]) -> dict[str, Any]:
+    """Seconds per pixel of a 3x3 convolution + BatchNorm + ReLU with 64 channels, forward and
+    backward in bfloat16 (autocast), on maps of each side (NCHW and channels-last; median of 3
+    after a warm-up): past 2^31 elements a map leaves the kernels' 32-bit indexing, and the
+    plain model's step at 12736^2 ran 11x slower than its 8192^2 step scaled by the pixels."""
+    import torch
+    from torch import nn
+
+    dev = torch.device(device)
+    out: dict[str, Any] = {"sides": list(sides), "elements": [64 * v * v for v in sides]}
+    for fmt_name, fmt in (("nchw", torch.contiguous_format), ("channels_last", torch.channels_last)):  # fmt: skip
+        per_px = []
+        for side in sides:
+            torch.manual_seed(0)
+            block = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(64), nn.ReLU())  # fmt: skip
+            block = block.to(dev, memory_format=fmt)  # type: ignore[call-overload]
+            x = torch.randn(1, 64, side, side, device=dev, dtype=torch.bfloat16)
+            x = x.contiguous(memory_format=fmt).requires_grad_(True)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    block(x).sum().backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            per_px.append(statistics.median(times[1:]) / side**2)
+            _phase(f"index probe {fmt_name} {side}^2: {times[-1]:.3f} s")
+            del block, x
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        out[fmt_name] = {"s_per_px": per_px, "ratio": per_px[1] / per_px[0]}
+    return out
+
+
 def _worker(argv: list[str]) -> int:
     """``gpu_check.py --worker KIND ...``: one measurement in a fresh process."""
     kind, rest = argv[0], argv[1:]
@@ -433,6 +483,10 @@ def _worker(argv: list[str]) -> int:
     torch.backends.cudnn.benchmark = bool(spec.get("benchmark"))
     if kind == "calibrate":
         print("RESULT " + json.dumps(_calibrate(spec["device"])), flush=True)
+        return 0
+    if kind == "index":
+        sides = (int(spec["sides"][0]), int(spec["sides"][1]))
+        print("RESULT " + json.dumps(_index_probe(spec["device"], sides)), flush=True)
         return 0
     if spec.get("flops"):
         flops = _count_flops(spec["model"], spec.get("width"), int(spec["side"]))
@@ -461,10 +515,15 @@ class Run:
     def results(self) -> list[dict[str, Any]]:
         return [json.loads(ln[7:]) for ln in self.out.splitlines() if ln.startswith("RESULT ")]
 
+    def reached(self) -> str:
+        """The last ``PHASE`` line (:func:`_phase`): ``at 95.2 s: hyfi 4096^2 compiling``."""
+        phases = [ln.split(" ", 2) for ln in self.out.splitlines() if ln.startswith("PHASE ")]
+        return f"at {phases[-1][1]} s: {phases[-1][2]}" if phases else "before any step"
+
     def error(self) -> str:
         """The last line of stderr that names an error, else its last line."""
         if self.rc is None:
-            return "timed out (its time budget ran out)"
+            return f"timed out (its time budget ran out; reached {self.reached()})"
         lines = [ln.strip() for ln in self.err.splitlines() if ln.strip()]
         named = [ln for ln in lines if re.search(r"error|exception|killed", ln, re.I)]
         return ((named or lines or [f"exit status {self.rc}, no output"])[-1])[:300]
@@ -680,6 +739,7 @@ def speed_model(
     with torch.device("meta"):
         model = create_model(s.model, **kwargs).to(torch.bfloat16)
     device = get_device(row)
+    device_cl = get_device(row, channels_last=True)
 
     def sides(on: Any) -> dict[str, float]:
         return {
@@ -688,6 +748,8 @@ def speed_model(
         }
 
     out: dict[str, Any] = {"row": row, "device": device.name, "sides": sides(device)}
+    if device_cl != device:  # the row measured in channels-last too (the Hopper rows)
+        out["sides_channels_last"] = sides(device_cl)
     measured = {}
     for fmt, fig in (figures or {}).items():
         if isinstance(fig, dict) and "flops" in fig:
@@ -711,6 +773,10 @@ def item_c(s: Setup, peak: float | None, info: dict[str, Any], deadline: float) 
     figures = next(iter(calibration.results()), None)
     if figures is None:
         errors.append(f"calibration: {calibration.error()}")
+    spec = json.dumps({"device": s.device, "benchmark": True, "sides": s.index_sides})
+    until = time.monotonic() + 0.15 * (deadline - time.monotonic())
+    probe = _spawn(_python(__file__, "--worker", "index", spec), until)
+    index = next(iter(probe.results()), None) or {"error": probe.error()}
     for i, side in enumerate(s.step_sides):
         share = 1.0 / (len(s.step_sides) - i)  # what is left, split over the sides left
         until = time.monotonic() + share * (deadline - time.monotonic())
@@ -728,7 +794,7 @@ def item_c(s: Setup, peak: float | None, info: dict[str, Any], deadline: float) 
     except Exception as err:  # the measurements stand without it: the failure is recorded
         predicted = {"row": None, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
     return {"status": status, "model": s.model, "rows": rows, "error": error,
-            "predicted": predicted}  # fmt: skip
+            "predicted": predicted, "index": index}  # fmt: skip
 
 
 def largest_side(
@@ -936,7 +1002,7 @@ def item_e(s: Setup, deadline: float) -> dict[str, Any]:
         )  # fmt: skip
         r = next((r for r in run.results() if "contender" in r), None)
         if r is None:
-            why = "timed out (compiling)" if run.rc is None else run.error()
+            why = f"timed out (reached {run.reached()})" if run.rc is None else run.error()
             r = {"contender": name, "status": "timeout" if run.rc is None else "error"}
             r["error"] = why
         out[name] = r
@@ -1028,6 +1094,9 @@ def verdicts(items: dict[str, dict[str, Any]], peak: float | None, device: str) 
             say(False, "(c) hyfi-plan's speed model", str(pred.get("error")))
         # (the table's row; its compute figures measured on this device, per memory format)
         checks = [(f"row {pred.get('row')}", "hyfi", "NCHW", pred.get("sides") or {})]
+        if pred.get("sides_channels_last"):
+            checks.append((f"row {pred.get('row')}, channels-last", "hyfi_cl", "channels-last",
+                           pred["sides_channels_last"]))  # fmt: skip
         for key, name, fmt in (("nchw", "hyfi", "NCHW"), ("channels_last", "hyfi_cl", "channels-last")):  # fmt: skip
             if key in (pred.get("measured") or {}):
                 label = f"row {pred.get('row')} with figures measured here, {fmt}"
@@ -1123,6 +1192,16 @@ def _markdown(report: dict[str, Any], out_json: Path) -> str:
             f = m["figures"]
             lines.append(f"| {fmt} | {f['flops'] / 1e12:.1f} | {f['mem_bw'] / 1e9:.0f} | "
                          f"{1e6 * f['op_overhead']:.1f} | {f['px_half']:.0f} |")  # fmt: skip
+    index = items["c"].get("index") or {}
+    if "nchw" in index:
+        a, b = index["sides"]
+        lines += ["", f"| 3x3 conv + BN + ReLU, 64 channels, bf16 fwd+bwd | ns per pixel at {a}^2 "
+                  f"({index['elements'][0]:.3g} elements) | at {b}^2 ({index['elements'][1]:.3g}) "
+                  "| ratio |", "|---|---|---|---|"]  # fmt: skip
+        for fmt in ("nchw", "channels_last"):
+            v = index[fmt]
+            lines.append(f"| {fmt} | {1e9 * v['s_per_px'][0]:.3g} | {1e9 * v['s_per_px'][1]:.3g} "
+                         f"| {v['ratio']:.2f} |")  # fmt: skip
     d = items["d"]
     if "plain" in d:
         lines += ["", "| largest image | side | megapixels | projected side | bytes per pixel "

@@ -49,6 +49,9 @@ def test_dry_run_records_every_item(tmp_path: Path) -> None:
     assert items["b"]["ok"] and items["b"]["1x2"]["status"] == "skipped"
     assert {r["contender"] for r in items["c"]["rows"]} >= {"plain", "hyfi", "hyfi_ckpt"}
     assert all(r["flops"] > 0 for r in items["c"]["rows"])
+    index = items["c"]["index"]  # per-pixel time on both sides of 2^31 elements (tiny here)
+    assert index["sides"] == [64, 72] and index["elements"] == [64 * 64**2, 64 * 72**2]
+    assert all(index[fmt]["ratio"] > 0 for fmt in ("nchw", "channels_last")), index
     predicted = items["c"]["predicted"]  # the speed model, on this CPU's calibrated row
     assert predicted["row"] == "cpu" and sorted(predicted["sides"]) == ["64", "96"]
     assert all(v > 0 for v in predicted["sides"].values()), predicted
@@ -349,3 +352,14 @@ def test_verdicts_and_markdown_of_a_gpu_like_run(tmp_path: Path) -> None:
     assert "| hyfi_ckpt | 20480 | 419.4 |  | 292 | 16384: oom, 12288: ok |" in md
     assert "| plain | 9216 | 84.9 | 9184 | 892 | 16384: oom, 12288: ok |" in md
     assert "| channels_last | 180.0 | 3100 | 6.0 | 5000 |" in md
+
+
+def test_a_timed_out_run_says_what_it_reached() -> None:
+    """A worker killed at its deadline is recorded with the last phase it printed."""
+    gc = _script()
+    out = "PHASE 3.1 hyfi 64^2 built\nRESULT {}\nPHASE 95.2 hyfi 64^2 compiling\n"
+    assert gc.Run(None, out, "").error() == (
+        "timed out (its time budget ran out; reached at 95.2 s: hyfi 64^2 compiling)"
+    )
+    assert gc.Run(None, "", "").reached() == "before any step"
+    assert gc.Run(1, out, "RuntimeError: boom\n").error() == "RuntimeError: boom"

@@ -50,8 +50,9 @@ examples:
 Memory is the peak over what a rank holds once its model is built; it was
 within 9 % of measured peaks on 10 of the 11 layouts of tests/test_plan_mpi.py
 (CPU) and 22 % under on the smallest: it counts tensors, not the runtime's own memory.
-Devices (--device): v100, a100-40gb, a100-80gb, h100, h200, mi300a (datasheet
-figures x a stated efficiency), cpu (this CPU, measured once and cached). With
+Devices (--device): v100, a100-40gb, a100-80gb, mi300a (datasheet figures x a
+stated efficiency), h100, h200 (compute measured on an H200, in the model's
+layout), cpu (this CPU, measured once and cached). With
 --device-memory and no device (and no GPU here), step times are not predicted.
 Step times rank layouts; they are not wall-time promises.
 Exit status: 0 a layout fits, 1 none fits, 2 bad arguments.

@@ -3,12 +3,13 @@
 Why a table of figures and not a timing: the layouts worth planning run on GPUs this
 machine does not have. Each row is the vendor's datasheet (dense peak, memory bandwidth,
 memory, NVLink and the usual InfiniBand per GPU) times a stated efficiency
-(:data:`FLOP_EFFICIENCY`, :data:`MEM_EFFICIENCY`) -- an assumption, to be replaced by a
-GPU run's measured share of peak (``benchmarks/gpu_check.py``) when one exists. This CPU
+(:data:`FLOP_EFFICIENCY`, :data:`MEM_EFFICIENCY`) -- an assumption -- except where a GPU run
+measured the compute figures (``benchmarks/gpu_check.py``): the Hopper rows carry an H200's,
+per memory layout (:data:`HOPPER_MEASURED`). This CPU
 is measured instead (:func:`calibrate_cpu`, a second or two, cached), with the same
 counting (:class:`~.speed.OpCounter`) the predictions use, so that what is counted and what
-is timed agree. ``hyfi-plan --device NAME`` picks a row; ``--flops``, ``--mem-bw``,
-``--link-bw`` ... replace its figures.
+is timed agree. ``hyfi-plan --device NAME`` picks a row (in the model's layout: :func:`get_device`);
+``--flops``, ``--mem-bw``, ``--link-bw`` ... replace its figures.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "CPU_NAMES",
     "DEVICES",
     "FLOP_EFFICIENCY",
+    "HOPPER_MEASURED",
     "MEM_EFFICIENCY",
     "Device",
     "Link",
@@ -132,6 +134,38 @@ def _gpu(
     )
 
 
+#: Compute figures of one H200 measured by ``benchmarks/gpu_check.py`` (2026-11-28; torch 2.11,
+#: CUDA 13.0, cuDNN 9.19; bfloat16), as ``hyfi-plan --device cuda`` measures them
+#: (:func:`measure_figures`), per memory layout. In the same run they predicted hyfi's
+#: ResNet-50 1x1 training step at 4096^2 and 8192^2 within +3.4 % and +8.6 % (channels-last)
+#: and +35 % and +41 % (NCHW); the datasheet row with the assumed efficiencies predicted
+#: -68 % (docs/benchmarks.md). An H100 SXM has the H200's compute (the same GH100 at the same
+#: clocks) and 3.35 of its 4.8 TB/s: its row takes these figures with the memory bandwidth
+#: scaled by that ratio (derived, not measured on an H100).
+HOPPER_MEASURED: dict[str, dict[str, Any]] = {
+    "nchw": {"flops": 200.19e12, "mem_bw": 659.7e9, "op_overhead": 56.61e-6,
+             "px_half": 2928.0, "fresh_s": []},
+    "channels_last": {"flops": 395.38e12, "mem_bw": 1689.5e9, "op_overhead": 52.46e-6,
+                      "px_half": 11451.0, "fresh_s": []},
+}  # fmt: skip
+_HOPPER_WHERE = "an H200 by gpu_check.py, 2026-11-28, bf16"
+
+
+def _hopper(row: Device, layout: str, hbm_share: float = 1.0) -> Device:
+    """``row`` with :data:`HOPPER_MEASURED`'s figures in ``layout`` (memory bandwidth times
+    ``hbm_share``: this GPU's HBM over the H200's)."""
+    fig = dict(HOPPER_MEASURED[layout])
+    fig["mem_bw"] *= hbm_share
+    what = f"{_HOPPER_WHERE} {'NCHW' if layout == 'nchw' else 'channels-last'}"
+    if hbm_share != 1.0:
+        what = f"{what}; memory bandwidth x{hbm_share:.3g} (HBM over the H200's)"
+    return row.with_(
+        flops=float(fig["flops"]), mem_bw=float(fig["mem_bw"]),
+        op_overhead=float(fig["op_overhead"]), px_half=float(fig["px_half"]),
+        note=f"{row.note}; compute figures measured on {what}",
+    )  # fmt: skip
+
+
 #: The device table. Peak figures from the vendors' datasheets (dense, no sparsity); links
 #: per GPU and direction (NVLink: the aggregate over a GPU's links, halved for one
 #: direction; InfiniBand: one NIC per GPU, or the node's rails shared). Sustained rates
@@ -168,6 +202,15 @@ DEVICES: dict[str, Device] = {
         "between APUs (~128 GB/s per direction, approximate); Slingshot-11 200 Gb/s per APU",
     ),
 }  # fmt: skip
+#: The Hopper rows in each layout: the table's rows are NCHW (a model's default layout).
+_BY_LAYOUT: dict[str, dict[str, Device]] = {
+    layout: {
+        key: _hopper(DEVICES[key], layout, DEVICES[key].mem_bw / DEVICES["h200"].mem_bw)
+        for key in ("h100", "h200")
+    }
+    for layout in HOPPER_MEASURED
+}
+DEVICES |= _BY_LAYOUT["nchw"]
 #: Names :func:`get_device` accepts besides the table: this CPU, measured.
 CPU_NAMES = ("cpu", "this-cpu")
 
@@ -518,14 +561,16 @@ def table_key(gpu_name: str, memory: int) -> str | None:
 
 
 def get_device(name: str, *, channels_last: bool = False) -> Device:
-    """A device of :data:`DEVICES` by name (case-insensitive), ``cpu`` (:func:`calibrate_cpu`)
-    or ``cuda`` (this machine's GPU, :func:`calibrate_gpu`, measured in the model's layout:
-    ``channels_last``)."""
+    """A device of :data:`DEVICES` by name (case-insensitive; a row measured in each layout
+    in the model's, ``channels_last``), ``cpu`` (:func:`calibrate_cpu`) or ``cuda`` (this
+    machine's GPU, :func:`calibrate_gpu`, measured in the model's layout)."""
     key = name.strip().lower()
     if key in CPU_NAMES:
         return calibrate_cpu()
     if key == "cuda":
         return calibrate_gpu(channels_last=channels_last)
+    if channels_last and key in _BY_LAYOUT["channels_last"]:
+        return _BY_LAYOUT["channels_last"][key]
     if key in DEVICES:
         return DEVICES[key]
     raise ConfigError(
