@@ -284,7 +284,9 @@ def test_a_field_set_on_a_key_that_is_not_fields_is_refused(tmp_path: Path) -> N
         load_recipe(recipe, ["parallel=auto", "parallel.compile=aot_eager"])
 
 
-def test_recipe_integers_are_decimal_and_recipes_utf8(tmp_path: Path) -> None:
+def test_recipe_integers_are_decimal_and_recipes_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """YAML 1.1 read ``0x2`` as the hex number 2: ``--set parallel.spatial=0x2`` (or the same in
     a recipe) trained a 2x2 grid, silently. A recipe or manifest that is not UTF-8 raised a
     UnicodeDecodeError. Each is one line now."""
@@ -302,6 +304,11 @@ def test_recipe_integers_are_decimal_and_recipes_utf8(tmp_path: Path) -> None:
     latin.write_bytes(BASIC.encode() + b"# caf\xe9\n")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_recipe(latin)
+    # --print-sbatch looks at the recipe's layout first: the same line, not a traceback
+    from hyfi_imaging.cli.train import main as train_main
+
+    assert train_main([str(latin), "--print-sbatch"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
     manifest = tmp_path / "m.csv"
     manifest.write_bytes(b"slide_id,label\ncaf\xe9,1\n")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):

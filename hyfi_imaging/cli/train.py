@@ -125,11 +125,9 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     import os
     import shlex
 
-    import yaml
-
     from hyfi_imaging.errors import ConfigError, HyfiError
     from hyfi_imaging.resources import find_recipe
-    from hyfi_imaging.train.config import load_recipe, parse_overrides
+    from hyfi_imaging.train.config import load_recipe, parse_overrides, read_yaml
     from hyfi_imaging.train.sbatch import job_script, job_shape
 
     try:
@@ -146,7 +144,7 @@ def _print_sbatch(args: argparse.Namespace) -> int:
                 "run hyfi-train --check (or move the old run directory away) first, then print",
             )
         path = find_recipe(args.recipe)
-        raw = yaml.safe_load(path.read_text()) if path.is_file() else None
+        raw = read_yaml(path, "hyfi-train --print-sbatch") if path.is_file() else None
         chosen = parse_overrides(args.overrides).get(
             "parallel", raw.get("parallel") if isinstance(raw, dict) else None
         )

@@ -352,7 +352,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+def read_yaml(path: Path, where: str) -> dict[str, Any]:
+    """A recipe or card file as a mapping, read as recipes are (UTF-8, integers decimal:
+    :class:`RecipeLoader`); a ConfigError in one line otherwise (``where`` names the reader)."""
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)
     except OSError as err:
@@ -376,7 +378,7 @@ def _card_defaults(raw: dict[str, Any], base: Path, where: Path) -> dict[str, An
     dataset = raw.pop("dataset", None)
     if dataset is not None:
         card = (
-            _read_yaml(base / dataset, f"{where}: dataset") if isinstance(dataset, str) else dataset
+            read_yaml(base / dataset, f"{where}: dataset") if isinstance(dataset, str) else dataset
         )
         classes = card.get("classes")
         defaults: dict[str, Any] = {}
@@ -392,14 +394,14 @@ def _card_defaults(raw: dict[str, Any], base: Path, where: Path) -> dict[str, An
     model = raw.get("model")
     if isinstance(model, str):
         card = (
-            _read_yaml(base / model, f"{where}: model")
+            read_yaml(base / model, f"{where}: model")
             if model.endswith((".yaml", ".yml"))
             else {"name": model}
         )
         raw["model"] = {"name": card["name"], "kwargs": card.get("kwargs") or {}}
     elif isinstance(model, dict) and "card" in model:
         model = dict(model)
-        card = _read_yaml(base / model.pop("card"), f"{where}: model.card")
+        card = read_yaml(base / model.pop("card"), f"{where}: model.card")
         raw["model"] = _merge({"name": card["name"], "kwargs": card.get("kwargs") or {}}, model)
     return raw
 
@@ -420,7 +422,7 @@ def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
             "no such recipe file",
             f"give a recipe's path, or a shipped recipe by name ({', '.join(recipe_names())})",
         )
-    raw = _read_yaml(path, "hyfi-train")
+    raw = read_yaml(path, "hyfi-train")
     raw = _card_defaults(raw, path.parent, path)
     if isinstance(raw.get("task"), str):  # "task: segmentation" names the task alone
         raw = {**raw, "task": {"name": raw["task"]}}
