@@ -229,9 +229,17 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
         assert row.status == "failed", sid
         assert "\n" not in row.error and row.source in row.error
         assert words.lower() in row.error.lower(), (sid, row.error)
-    printed = capsys.readouterr().out
+    out_err = capsys.readouterr()
+    printed = out_err.out
     assert "1 converted" in printed and "6 failed" in printed
     assert sum(line.startswith("  FAILED") for line in printed.splitlines()) == 6
+    # each on stderr too, as it happens (a slide without a label was not: it fails before
+    # converting), and in the log
+    errors = [ln for ln in out_err.err.splitlines() if ln.startswith("hyfi-preprocess: FAILED")]
+    logged = (out / "preprocess.log").read_text()
+    for sid, words in expect.items():
+        assert sum(rows[sid].error in ln for ln in errors) == 1, (sid, out_err.err)
+        assert rows[sid].error in logged, sid
     # Nothing half-written is left behind.
     assert sorted(p.name for p in out.glob("*.zarr*")) == ["good.zarr"]
 

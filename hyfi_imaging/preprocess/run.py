@@ -344,6 +344,10 @@ def _convert_all(
         if on_result is not None:
             on_result(res)
 
+    for res in results.values():  # failed before converting (no label, a duplicate id)
+        if res.status == "failed":
+            log.error("FAILED %s", res.error)
+
     bar = tqdm(total=len(todo), unit="slide", desc="preprocess", disable=not progress)
     try:
         if workers <= 1:
