@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -48,3 +50,35 @@ def test_synth_refuses_what_it_cannot_make_and_leaves_nothing(tmp_path: object) 
     assert not out.exists()
     assert main(["--out", str(out), "--n", "1", "--lesions", "-2"]) == 2
     assert not out.exists()
+
+
+def test_predict_out_of_the_wrong_kind_is_refused_before_predicting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A classification run's ``--out`` naming a folder failed after the whole prediction,
+    naming its temporary file; a segmentation run's naming a file, likewise. One line now,
+    before any rank starts."""
+    import json
+
+    import yaml
+    from cohorts import preprocessed_cohort
+
+    from hyfi_imaging.cli.predict import main as predict
+    from hyfi_imaging.preprocess import PreprocessOptions
+    from hyfi_imaging.train.config import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    manifest = preprocessed_cohort(tmp_path / "cohort", 2, PreprocessOptions(mpp=2.0, size=(64, 64)),
+                                   seed=4, size=(192, 192), lesions=1)  # fmt: skip
+    for recipe, out, said in (
+        ("synthetic.yaml", tmp_path, "is a folder; a classification run writes one CSV file"),
+        ("slide-segmentation-synthetic.yaml", manifest, "is a file; a segmentation run writes"),
+    ):
+        run = tmp_path / f"run-{recipe}"
+        run.mkdir()
+        rec = load_recipe(root / "recipes" / recipe)
+        (run / "recipe.yaml").write_text(yaml.safe_dump(json.loads(rec.model_dump_json())))
+        args = [str(run), "--manifest", str(manifest), "--out", str(out)]
+        assert predict(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {out}: {said}" in err, err

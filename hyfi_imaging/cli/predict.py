@@ -93,6 +93,26 @@ def _run_dir(path: Path) -> Path:
     return path.parent.parent if (path / MARKER).exists() else path
 
 
+def _check_out(out: Path, task: str) -> None:
+    """``--out`` is a folder for segmentation and a CSV file otherwise: the other kind of path,
+    existing, is refused in one line (a CSV written onto a folder failed at the end of the run,
+    naming its temporary file)."""
+    from hyfi_imaging.errors import ConfigError
+
+    if task == "segmentation" and out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"--out {out}",
+            "is a file; a segmentation run writes a folder (masks/, overlays/, per_image.csv)",
+            "give a folder's path",
+        )
+    if task != "segmentation" and out.is_dir():
+        raise ConfigError(
+            f"--out {out}",
+            f"is a folder; a {task} run writes one CSV file",
+            f"give a file's path, e.g. {out / 'predictions.csv'}",
+        )
+
+
 def _predict_dense(
     trainer: Trainer, manifest: Path, out: Path, overlays: int, meta: dict[str, Any]
 ) -> None:
@@ -179,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         cohort = load_cohort(recipe, args.manifest)  # targets, label images, sizes: before ranks
         run_facts(recipe)  # one kind of image at one µm/px (against the checkpoint: on load)
+        _check_out(args.out, recipe.task.name)  # before the long part, not at its end
         heat_dir: Path | None = None
         if args.heatmaps is not None:
             from hyfi_imaging.train.heatmaps import heatmap_head
