@@ -265,6 +265,18 @@ def test_cli_evaluates_a_recipe_set_to_bidirectional(
     assert len(mine) == 1 and " bidirectional " in mine[0] and "dp1 pp2 sp1x1" in mine[0]
 
 
+def test_cli_refuses_model_options_beside_a_recipe(
+    tmp_path: Path, manifest: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hyfi-plan RECIPE --model resnet50`` planned the recipe's model and said nothing of the
+    one asked for: one line now."""
+    recipe = str(_recipe(tmp_path, manifest, "resnet18"))
+    for extra in (["--model", "resnet50"], ["--width", "2"], ["--num-classes", "5"]):
+        assert main([recipe, *extra, "--device-memory", "64GiB", "--rate", "1e10"]) == 2
+        (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+        assert f"{extra[0]}: plans the recipe's model" in line, line
+
+
 def test_schedule_replay_agrees_with_the_schedules_own_simulations() -> None:
     """One simulator for every schedule: on unit costs GPipe and 1F1B take the textbook
     ``3 (m + p - 1)``, GEMS's merged order replays to the span it was scheduled in, and

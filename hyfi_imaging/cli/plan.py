@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a recipe value, as hyfi-train")  # fmt: skip
     p.add_argument("--model", help="registered model name or module:function (instead of a recipe)")
     p.add_argument("--width", type=float, help="model width multiplier")
-    p.add_argument("--num-classes", type=int, default=2)
+    p.add_argument("--num-classes", type=int, help="(with --model; default 2)")
     p.add_argument("--image-size", type=size_type(1), help="N or HxW (with --model)")
     p.add_argument("--devices", type=positive_int, help="ranks (default: the recipe's world size)")
     p.add_argument(
@@ -223,6 +223,15 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
     from hyfi_imaging.models import create_model
     from hyfi_imaging.parallel.plan import Candidate
 
+    given = [f"--{k.replace('_', '-')}" for k in ("model", "width", "num_classes")
+             if getattr(args, k) is not None]  # fmt: skip
+    if args.recipe is not None and given:  # they would be ignored: the recipe's model is planned
+        raise ConfigError(
+            f"hyfi-plan {args.recipe} {' '.join(given)}",
+            "plans the recipe's model; the model options describe one without a recipe",
+            "leave them out, or change the recipe's model with --set model.name=... "
+            "(--set model.kwargs.width=...)",
+        )
     if args.recipe is not None:
         from hyfi_imaging.data.dataset import load_samples
         from hyfi_imaging.train.autoplan import replica_check
@@ -261,7 +270,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
             "hyfi-plan", "needs a recipe, or --model, --image-size and --devices",
             "see hyfi-plan --help for examples",
         )  # fmt: skip
-    kwargs: dict[str, Any] = {"num_classes": args.num_classes}
+    kwargs: dict[str, Any] = {"num_classes": args.num_classes or 2}
     if args.width is not None:
         kwargs["width"] = args.width
     model = create_model(args.model, **kwargs)
