@@ -237,7 +237,7 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
     # converting), and in the log
     errors = [ln for ln in out_err.err.splitlines() if ln.startswith("hyfi-preprocess: FAILED")]
     logged = (out / "preprocess.log").read_text()
-    for sid, words in expect.items():
+    for sid in expect:
         assert sum(rows[sid].error in ln for ln in errors) == 1, (sid, out_err.err)
         assert rows[sid].error in logged, sid
     # Nothing half-written is left behind.
