@@ -82,3 +82,30 @@ def test_predict_out_of_the_wrong_kind_is_refused_before_predicting(
         assert predict(args) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--out {out}: {said}" in err, err
+
+
+def test_synth_into_an_earlier_cohort_leaves_only_the_new_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second ``hyfi-synth`` into the same folder left the first cohort's extra slides (not
+    in the new labels.csv) and a now negative slide's lesion outlines, which
+    ``hyfi-preprocess --annotations`` would read as lesions the image does not have."""
+    from hyfi_imaging.cli.synth import main as synth
+
+    out = tmp_path / "synth"
+    (tmp_path / "synth").mkdir()
+    (out / "notes.txt").write_text("mine")  # not the cohort's: kept
+    assert synth(["--out", str(out), "--n", "4", "--size", "256", "--seed", "1"]) == 0
+    first = {p.name for p in out.iterdir()}
+    assert {"synth_000.geojson", "synth_001.geojson", "synth_003.svs"} <= first
+    capsys.readouterr()
+    assert synth(["--out", str(out), "--n", "2", "--size", "256", "--seed", "2",
+                  "--kind", "generic-tiff"]) == 0  # fmt: skip
+    labels = (out / "labels.csv").read_text().split()
+    positives = {row.split(",")[0] for row in labels[1:] if row.endswith(",1")}
+    assert {p.name for p in out.iterdir()} == {
+        "labels.csv", "notes.txt", "synth_000.tiff", "synth_001.tiff",
+        *(f"{sid}.geojson" for sid in positives),
+    }  # fmt: skip
+    err = capsys.readouterr().err
+    assert "removed" in err and "of an earlier cohort" in err and "synth_003.svs" in err

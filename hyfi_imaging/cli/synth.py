@@ -7,6 +7,7 @@ see ``datasets/synthetic.yaml`` for what the slides contain and why.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import time
@@ -32,7 +33,8 @@ examples:
 
 Writes synth_000.svs (or .tiff / .ome.tiff), ..., labels.csv (slide_id,label) and,
 for every positive slide, its lesion outlines as synth_NNN.geojson into --out.
-The same arguments always give byte-identical files.
+The same arguments always give byte-identical files. An earlier cohort's synth_NNN
+files in --out that this run does not write are removed (and named on stderr).
 Exit status: 0 written, 2 bad arguments or the output could not be written.
 """
 
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hyfi_imaging.data.synthetic import write_synthetic_cohort
 
+    said = logging.StreamHandler(sys.stderr)  # e.g. an earlier cohort's files removed
+    said.setFormatter(logging.Formatter("hyfi-synth: %(message)s"))
+    logging.getLogger("hyfi_imaging.data.synthetic").addHandler(said)
     start = time.perf_counter()
     created = not Path(args.out).exists()
     try:

@@ -37,7 +37,9 @@ resolution and upsampled with two small matrix products.
 from __future__ import annotations
 
 import csv
+import logging
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hyfi_imaging.io.zarr_store import downsample_2x
+
+log = logging.getLogger(__name__)
+#: The files :func:`write_synthetic_cohort` writes besides ``labels.csv``.
+COHORT_FILE = re.compile(r"synth_\d{3,}(\.svs|\.tiff|\.ome\.tiff|\.geojson)")
 
 __all__ = [
     "KINDS",
@@ -423,6 +429,9 @@ def write_synthetic_cohort(
     ``progress`` shows a progress bar on stderr. ``annotations`` writes each
     positive slide's lesion outlines as ``<slide id>.geojson`` beside it
     (negatives get none, as in CAMELYON16), for ``hyfi-preprocess --annotations``.
+    An earlier cohort's slides and outlines in ``out_dir`` that this one does not write are
+    removed (logged): a slide ``labels.csv`` no longer lists, or a now negative slide's old
+    outlines, which ``--annotations`` would have read as its lesions.
     """
     from tqdm import tqdm
 
@@ -439,9 +448,11 @@ def write_synthetic_cohort(
     labels[:n_pos] = 1
     np.random.default_rng(seed).shuffle(labels)
     rows = []
+    written = {"labels.csv"}
     bar = tqdm(total=n_slides, desc="synthetic slides", unit="slide", disable=not progress)
     for i, label in enumerate(labels):
         slide_id = f"synth_{i:03d}"
+        written.add(f"{slide_id}{KINDS[kind]}")
         info = write_synthetic_slide(
             out / f"{slide_id}{KINDS[kind]}",
             seed=seed * 100003 + i,
@@ -454,6 +465,7 @@ def write_synthetic_cohort(
         )
         if annotations and info.lesion_polygons:
             write_geojson(out / f"{slide_id}.geojson", [[p] for p in info.lesion_polygons])
+            written.add(f"{slide_id}.geojson")
         rows.append((slide_id, int(label)))
         bar.update()
     bar.close()
@@ -462,4 +474,14 @@ def write_synthetic_cohort(
         writer = csv.writer(f)
         writer.writerow(["slide_id", "label"])
         writer.writerows(rows)
+    stale = sorted(
+        p for p in out.iterdir() if COHORT_FILE.fullmatch(p.name) and p.name not in written
+    )
+    for path in stale:
+        path.unlink()
+    if stale:
+        log.warning(
+            "removed %d file(s) of an earlier cohort in %s that this one does not write: %s",
+            len(stale), out, ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else ""),
+        )  # fmt: skip
     return csv_path
