@@ -159,11 +159,18 @@ def _hopper(row: Device, layout: str, hbm_share: float = 1.0) -> Device:
     what = f"{_HOPPER_WHERE} {'NCHW' if layout == 'nchw' else 'channels-last'}"
     if hbm_share != 1.0:
         what = f"{what}; memory bandwidth x{hbm_share:.3g} (HBM over the H200's)"
-    return row.with_(
-        flops=float(fig["flops"]), mem_bw=float(fig["mem_bw"]),
-        op_overhead=float(fig["op_overhead"]), px_half=float(fig["px_half"]),
-        note=f"{row.note}; compute figures measured on {what}",
-    )  # fmt: skip
+    return row.with_(**_compute(fig), note=f"{row.note}; compute figures measured on {what}")
+
+
+def _compute(figures: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`Device` fields of measured figures (:func:`measure_figures`)."""
+    return {
+        "flops": float(figures["flops"]),
+        "mem_bw": float(figures["mem_bw"]),
+        "op_overhead": float(figures["op_overhead"]),
+        "px_half": float(figures["px_half"]),
+        "fresh_s": tuple(float(v) for v in figures["fresh_s"]) if figures["fresh_s"] else (),
+    }
 
 
 #: The device table. Peak figures from the vendors' datasheets (dense, no sparsity); links
@@ -511,12 +518,8 @@ def calibrated(row: Device, figures: dict[str, Any], what: str) -> Device:
     ones (:func:`measure_figures`); ``what`` says where they were measured."""
     return row.with_(
         name=f"{row.name} (measured: {what})",
-        flops=float(figures["flops"]),
-        mem_bw=float(figures["mem_bw"]),
-        op_overhead=float(figures["op_overhead"]),
-        px_half=float(figures["px_half"]),
-        fresh_s=tuple(float(v) for v in figures["fresh_s"]) if figures["fresh_s"] else (),
         note=f"calibrated on {what}; links and memory from the table",
+        **_compute(figures),
     )
 
 
