@@ -162,6 +162,34 @@ def test_resume_converts_a_store_with_a_lost_shard_again(cohort: Path, data: Pat
     assert (store / key).is_file() and check_store(store, checksums=True).status == "ok"
 
 
+def test_an_emptied_shard_is_refused_everywhere_but_the_checksum(
+    cohort: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shard truncated to 0 bytes (a failed copy, a full disk) still exists: zarr read it as
+    the fill value, a white slide under its label, and ``hyfi-train --check`` and a resumed
+    ``hyfi-preprocess`` took the store as whole (only ``--verify``'s checksums saw it). The
+    inventory's sizes are compared on every stat now."""
+    from hyfi_imaging.cli.train import main as train_main
+
+    intact = TileDataset(data / "manifest.csv")
+    store = data / "synth_001.zarr"
+    key = _level0_keys(store)[-1]
+    written = (store / "0" / key).stat().st_size
+    (store / "0" / key).write_bytes(b"")
+    index = [s.path for s in intact.samples].index(str(store))
+    with pytest.raises(SlideError, match=rf"chunk 0/{key} of level 0 is 0 bytes, though .* "
+                       rf"lists it as written with {written} \(truncated"):  # fmt: skip
+        TileDataset(data / "manifest.csv")[index]
+    assert check_store(store).status == "bad" and check_store(store).corrupt
+    assert train_main(_check_args(data, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert f"chunk 0/{key} (level 0) is 0 bytes, though the chunk inventory lists it" in err
+    summary = run_preprocess([cohort / "slides"], data, OPTIONS, progress=False, qc=False,
+                             labels_path=cohort / "slides" / "labels.csv")  # fmt: skip
+    assert {r.slide_id: r.status for r in summary.results}["synth_001"] == "ok"
+    assert check_store(store, checksums=True).status == "ok"
+
+
 def _check_args(data: Path, out: Path) -> list[str]:
     args = [str(REPO / "recipes" / "synthetic.yaml"), "--check"]
     for s in (

@@ -59,10 +59,10 @@ __all__ = [
     "Inventory",
     "StoreCheck",
     "check_store",
-    "file_exists",
+    "file_size",
     "find_stores",
     "parse_inventory",
-    "store_exists",
+    "store_size",
     "take_inventory",
 ]
 
@@ -133,60 +133,68 @@ def parse_inventory(attrs: Mapping[str, Any]) -> Inventory | None:
         raise ValueError(f"malformed {INVENTORY_ATTR} ({type(err).__name__}: {err})") from err
 
 
-class _FileExists:
-    """``key -> bool`` by a stat under a directory; a class, not a closure, so readers pickle."""
+class _FileSize:
+    """``key -> bytes or None`` by a stat under a directory; a class, not a closure, so
+    readers pickle."""
 
     def __init__(self, root: str) -> None:
         self.root = root
 
-    def __call__(self, key: str) -> bool:
-        return os.path.isfile(os.path.join(self.root, key))
+    def __call__(self, key: str) -> int | None:
+        path = os.path.join(self.root, key)
+        return os.stat(path).st_size if os.path.isfile(path) else None
 
 
-class _StoreExists:
-    """``key -> bool`` through a zarr store, keys under ``prefix``."""
+class _StoreSize:
+    """``key -> bytes or None`` through a zarr store, keys under ``prefix``."""
 
     def __init__(self, store: Any, prefix: str) -> None:
         self.store = store
         self.prefix = prefix
 
-    def __call__(self, key: str) -> bool:
+    def __call__(self, key: str) -> int | None:
         from zarr.core.sync import sync
 
-        return bool(sync(self.store.exists(f"{self.prefix}{key}")))
+        try:
+            return int(sync(self.store.getsize(f"{self.prefix}{key}")))
+        except FileNotFoundError:
+            return None
 
 
-def file_exists(group_dir: str | os.PathLike[str]) -> Callable[[str], bool]:
-    """``key -> bool``: whether the file of ``key`` (relative to the group) exists (a stat)."""
-    return _FileExists(os.fspath(group_dir))
+def file_size(group_dir: str | os.PathLike[str]) -> Callable[[str], int | None]:
+    """``key -> bytes``: the size of the file of ``key`` (relative to the group; a stat),
+    None when there is none."""
+    return _FileSize(os.fspath(group_dir))
 
 
-def store_exists(store: Any, prefix: str = "") -> Callable[[str], bool]:
-    """``key -> bool`` through a zarr store (remote, or a wrapper), keys under ``prefix``."""
-    return _StoreExists(store, prefix)
+def store_size(store: Any, prefix: str = "") -> Callable[[str], int | None]:
+    """``key -> bytes`` through a zarr store (remote, or a wrapper), keys under ``prefix``;
+    None when there is none."""
+    return _StoreSize(store, prefix)
 
 
 @dataclass(frozen=True)
 class _Level:
     path: str
-    written: frozenset[str]
+    written: dict[str, int]  # key -> bytes written
     shape: tuple[int, ...]
     grid: tuple[int, ...]  # the stored object's shape: the shard, or the chunk when unsharded
     encode: Callable[[tuple[int, ...]], str]
 
 
 class ChunkGuard:
-    """Refuses a read whose stored objects are missing although the inventory lists them.
+    """Refuses a read whose stored objects are missing, or not the size written, although
+    the inventory lists them (a missing or emptied shard reads as the fill value: blank).
 
     Args:
         where: the store, as error messages name it.
         inventory: the group's :func:`parse_inventory`, or ``None`` (nothing is checked).
         arrays: ``(name, zarr array)`` of each level, in level order.
-        exists: ``key -> bool`` for keys relative to the group (:func:`file_exists`,
-            :func:`store_exists`).
+        size: ``key -> bytes or None`` for keys relative to the group (:func:`file_size`,
+            :func:`store_size`).
         fix: what the error tells the user to do.
 
-    Keys found present are remembered, so each is stat-ed once per guard (per
+    Keys found whole are remembered, so each is stat-ed once per guard (per
     reader); keys the inventory does not list were never written (all fill
     value) and read as fill by design.
     """
@@ -196,13 +204,13 @@ class ChunkGuard:
         where: str,
         inventory: Inventory | None,
         arrays: Sequence[tuple[str, Any]],
-        exists: Callable[[str], bool],
+        size: Callable[[str], int | None],
         *,
         fix: str = REPAIR,
     ) -> None:
         self.where = where
         self.fix = fix
-        self._exists = exists
+        self._size = size
         self._confirmed: set[str] = set()
         self._levels: list[_Level | None] = []
         for name, arr in arrays:
@@ -216,7 +224,7 @@ class ChunkGuard:
             self._levels.append(
                 _Level(
                     name,
-                    frozenset(written),
+                    {key: nbytes for key, (nbytes, _) in written.items()},
                     tuple(int(n) for n in arr.shape),
                     tuple(int(n) for n in grid),
                     arr.metadata.encode_chunk_key,
@@ -229,7 +237,8 @@ class ChunkGuard:
         return any(lv is not None for lv in self._levels)
 
     def check(self, level: int, selection: Sequence[slice | int]) -> None:
-        """SlideError unless every listed object that ``selection`` of ``level`` touches exists."""
+        """SlideError unless every listed object that ``selection`` of ``level`` touches is
+        there with the bytes written."""
         lv = self._levels[level] if 0 <= level < len(self._levels) else None
         if lv is None:
             return
@@ -249,11 +258,20 @@ class ChunkGuard:
             full = f"{lv.path}/{key}"
             if full in self._confirmed:
                 continue
-            if not self._exists(full):
+            got = self._size(full)
+            if got is None:
                 raise SlideError(
                     self.where,
                     f"chunk {full} of level {level} is missing, though the store's chunk "
                     "inventory lists it as written (it would read as blank background)",
+                    self.fix,
+                )
+            if got != lv.written[key]:
+                raise SlideError(
+                    self.where,
+                    f"chunk {full} of level {level} is {got} bytes, though the store's chunk "
+                    f"inventory lists it as written with {lv.written[key]} (truncated or "
+                    "overwritten; an empty one would read as blank background)",
                     self.fix,
                 )
             self._confirmed.add(full)
@@ -350,6 +368,12 @@ def check_store(store: str | os.PathLike[str], *, checksums: bool = False) -> St
                     problems.append(
                         f"chunk {prefix}{array}/{key} (level {array}) is missing, though the "
                         "chunk inventory lists it as written"
+                    )
+                elif (size := file.stat().st_size) != nbytes:
+                    corrupt = True
+                    problems.append(
+                        f"chunk {prefix}{array}/{key} (level {array}) is {size} bytes, though "
+                        f"the chunk inventory lists it as written with {nbytes}"
                     )
                 elif checksums:
                     got = _crc32(file)

@@ -46,9 +46,9 @@ from hyfi_imaging.io.channels import channel_stats, omero_metadata
 from hyfi_imaging.io.inventory import (
     INVENTORY_ATTR,
     ChunkGuard,
-    file_exists,
+    file_size,
     parse_inventory,
-    store_exists,
+    store_size,
     take_inventory,
 )
 from hyfi_imaging.io.pixels import default_channels
@@ -389,7 +389,7 @@ class VolumeStore:
             where,
             inventory,
             [(str(d["path"]), a) for d, a in zip(datasets, self._arrays, strict=True)],
-            file_exists(Path(path) / prefix) if store is None else store_exists(store, prefix),
+            file_size(Path(path) / prefix) if store is None else store_size(store, prefix),
             fix="rewrite this volume's store with the tool that wrote it",
         )
 

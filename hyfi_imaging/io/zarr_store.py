@@ -64,9 +64,9 @@ from hyfi_imaging.io.channels import channel_stats, omero_metadata, parse_omero
 from hyfi_imaging.io.inventory import (
     INVENTORY_ATTR,
     ChunkGuard,
-    file_exists,
+    file_size,
     parse_inventory,
-    store_exists,
+    store_size,
     take_inventory,
 )
 from hyfi_imaging.io.pixels import (
@@ -573,7 +573,7 @@ class ZarrReader:
             self.path,
             inventory,
             [(str(d["path"]), a) for d, a in zip(datasets, self._arrays, strict=True)],
-            file_exists(path) if store is None else store_exists(store),
+            file_size(path) if store is None else store_size(store),
         )
 
     @property
