@@ -293,6 +293,41 @@ def test_unknown_resolution_is_compared_with_nothing_and_the_tolerance_holds(
         check_trained(facts, {**trained, "channel names": ["DAPI", "FITC", "Cy3"]}, "ckpt", "fix")
 
 
+def test_the_manifest_states_the_stores_resolution(tmp_path: Path) -> None:
+    """The µm/px check read the manifest's cell alone: a blank cell passed every store against
+    any checkpoint, and a wrong one (an edited or foreign manifest) passed as what it said;
+    ``hyfi-predict`` predicted 0.4 µm/px slides with a 1.6 µm/px model. The store's own
+    record decides now."""
+    import csv
+
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    _write_rgb(slides / "a.tiff", (96, 96), mpp=0.5)
+    _write_rgb(slides / "b.tiff", (96, 96), mpp=0.5)
+    options = PreprocessOptions(level=0, size=(96, 96), tissue="none")
+    run_preprocess([slides], tmp_path / "data", options, progress=False, qc=False)
+    manifest = tmp_path / "data" / "manifest.csv"
+    rows = list(csv.DictReader(manifest.open()))
+
+    def edited(a_mpp: str) -> Path:
+        rows[0]["mpp"] = a_mpp
+        with manifest.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        return manifest
+
+    assert [r["slide_id"] for r in rows] == ["a", "b"]
+    facts = cohort_facts(edited(""))  # blank: the store's
+    assert facts is not None and facts.mpp == (0.5, 0.5)
+    with pytest.raises(ConfigError) as err:
+        check_trained(facts, {"mpp": 1.6}, "ckpt", "fix")
+    assert "a (0.5), b (0.5) µm/px" in str(err.value)
+    with pytest.raises(ConfigError, match=r"slide a: the manifest says 1.6 µm/px, its store .*a.zarr "
+                       r"is at 0.5 \(the manifest was edited"):  # fmt: skip
+        cohort_facts(edited("1.6"))
+
+
 @pytest.mark.slow
 def test_predict_and_resume_refuse_what_the_model_was_not_trained_on(tmp_path: Path) -> None:
     """A real one-step run at 0.5 µm/px; hyfi-predict on 1.0 µm/px slides and on DAPI/FITC/Cy3 refused."""

@@ -614,11 +614,14 @@ class StorePixels:
         channels: channel count.
         dtype: the pixel type's name (``"uint8"``, ``"uint16"``, ``"float32"``).
         channel_names: one label per channel.
+        mpp: level 0's µm/px as preprocessing recorded it (``hyfi.mpp``), or None when the
+            source stated none.
     """
 
     channels: int
     dtype: str
     channel_names: tuple[str, ...]
+    mpp: float | None = None
 
 
 def read_store_pixels(path: str | os.PathLike[str]) -> StorePixels | None:
@@ -641,7 +644,9 @@ def read_store_pixels(path: str | os.PathLike[str]) -> StorePixels | None:
     if len(meta.get("shape", ())) != 3 or supported_dtype(dtype) is None:
         return None
     names, _, _ = parse_omero(ome.get("omero"), channels, dtype)
-    return StorePixels(channels, str(dtype), names)
+    mpp = attrs["hyfi"].get("mpp")  # None where the source stated none
+    known = isinstance(mpp, int | float) and not isinstance(mpp, bool) and mpp > 0
+    return StorePixels(channels, str(dtype), names, float(mpp) if known else None)
 
 
 def _scale_of(dataset: dict[str, Any]) -> list[float]:

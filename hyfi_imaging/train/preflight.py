@@ -170,8 +170,8 @@ def _listed(items: Sequence[str], shown: int = 3) -> str:
 class CohortFacts:
     """What the usable slides of a manifest are: each one's µm/px, and their channels.
 
-    ``mpp``: each slide's µm/px as its manifest row states it (``None``:
-    unknown); ``fit_scale``: what ``--fit fit`` shrank it by (1: as asked);
+    ``mpp``: each slide's µm/px as its manifest row states it (its store's where the row
+    is blank; ``None``: unknown); ``fit_scale``: what ``--fit fit`` shrank it by (1: as asked);
     ``channel_names`` and ``dtype``: what every store holds (checked alike).
     """
 
@@ -241,8 +241,9 @@ def cohort_facts(manifest: Path) -> CohortFacts | None:
 
     Raises ConfigError (one line naming the slides and their values) when the
     usable slides hold different channels (µm/px that differ are stated, not
-    refused: :meth:`CohortFacts.mixed_warning`). Reads the manifest and each
-    store's JSON, no pixel.
+    refused: :meth:`CohortFacts.mixed_warning`), and when a slide's µm/px in the manifest
+    is not its store's (an edited or foreign manifest; a blank cell takes the store's).
+    Reads the manifest and each store's JSON, no pixel.
     """
     from hyfi_imaging.data.dataset import load_samples, manifest_rows
     from hyfi_imaging.io.zarr_store import read_store_pixels
@@ -254,10 +255,21 @@ def cohort_facts(manifest: Path) -> CohortFacts | None:
     path, rows = manifest_rows(manifest)
     by_id = {r.slide_id: r for r in rows if r.status == "ok"}
     kinds: dict[tuple[tuple[str, ...], str], list[str]] = {}
+    mpp = {i: r.mpp for i, r in by_id.items()}
     for s in samples:
         pixels = read_store_pixels(s.path)
-        if pixels is not None:  # not a finished store: the loader (and --check) say so
-            kinds.setdefault((pixels.channel_names, pixels.dtype), []).append(s.slide_id)
+        if pixels is None:  # not a finished store: the loader (and --check) say so
+            continue
+        kinds.setdefault((pixels.channel_names, pixels.dtype), []).append(s.slide_id)
+        stated, own = mpp[s.slide_id], pixels.mpp
+        if stated is not None and own is not None and not math.isclose(stated, own, rel_tol=1e-4):
+            raise ConfigError(
+                path,
+                f"slide {s.slide_id}: the manifest says {stated:g} µm/px, its store {s.path} "
+                f"is at {own:g} (the manifest was edited, or names other stores)",
+                "use the manifest hyfi-preprocess wrote beside these stores, or re-run it",
+            )
+        mpp[s.slide_id] = stated if stated is not None else own
     ids = tuple(s.slide_id for s in samples)
     groups = list(kinds)  # the first slide's kind first
     names, dtype = groups[0] if groups else ((), "")
@@ -265,7 +277,7 @@ def cohort_facts(manifest: Path) -> CohortFacts | None:
     facts = CohortFacts(
         str(path),
         ids,
-        tuple(by_id[i].mpp for i in ids),
+        tuple(mpp[i] for i in ids),
         tuple(by_id[i].fit_scale for i in ids),
         names,
         dtype,
