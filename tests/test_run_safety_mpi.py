@@ -8,6 +8,7 @@ process may not mount one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -367,6 +368,51 @@ def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
     # Started again, it resumes from that checkpoint and ends as the uninterrupted run did.
     _train(manifest, run, 2, *sets)
     assert _losses(run) == _losses(reference)
+
+
+def test_a_stop_signal_to_the_data_workers_leaves_them_running(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A scheduler signals every process of a job step, the data-loading workers too. A worker
+    died of SIGUSR1 (the default action), and its rank, waiting for the epoch's first batch,
+    ended with "DataLoader worker ... is killed by signal" (exit 1, no checkpoint, no
+    requeue). Each epoch's worker is signalled here as it is spawned, before its imports: the
+    workers ignore the stop signals now, from birth, and the run ends as it would have."""
+    import signal
+
+    run = tmp_path / "run"
+    sets = ("parallel.spatial=1x1", "data.workers=1", "train.epochs=3")
+    proc = subprocess.Popen(
+        _train_cmd(manifest, run, *sets, fork=False),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+    def workers() -> set[int]:
+        found = set()
+        for pid in _children(proc.pid):
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.add(pid)
+        return found
+
+    signalled: set[int] = set()
+    deadline = time.monotonic() + 150
+    while proc.poll() is None and time.monotonic() < deadline:
+        for pid in workers() - signalled:  # as soon as it exists
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+            signalled.add(pid)
+        time.sleep(0.02)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert len(signalled) >= 3, signalled  # a worker per epoch, each signalled
+    summary = json.loads((run / "summary.json").read_text())
+    assert not _error_lines(stderr) and summary["epochs"] == 3
+    assert len(_losses(run)) == summary["steps"]
 
 
 def test_a_hung_rank_is_named_in_one_line_per_surviving_rank(

@@ -16,11 +16,19 @@ scheduler's own escalation, or a user who will not wait for the step.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["REQUEUE_EXIT", "STOP_SIGNALS", "StopSignals"]
+__all__ = [
+    "REQUEUE_EXIT",
+    "STOP_SIGNALS",
+    "StopSignals",
+    "ignore_stop_signals",
+    "stop_signals_blocked",
+]
 
 #: The exit status of a run stopped by a signal after its checkpoint (EX_TEMPFAIL).
 REQUEUE_EXIT = 75
@@ -57,3 +65,30 @@ class StopSignals:
         """Put back the handlers that were there before :meth:`install`."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+# A scheduler signals every process of the job step, the data-loading workers too. A worker
+# that died of it (the default action) ended its rank with an error: no checkpoint, no
+# requeue. The rank acts on the signal; its workers ignore it and end with the rank. A
+# worker is born with the signals blocked (a signal mask survives fork and exec; a blocked
+# signal waits, it is not lost), so one sent while it starts (the spawn and its imports
+# take a second) waits until its first act, :func:`ignore_stop_signals`, discards it.
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block the stop signals in this thread (and in processes it starts) for the block: they
+    go to another thread of this process meanwhile, or wait for the block's end."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A data-loading worker's start (``DataLoader(worker_init_fn=...)``, the workers started
+    under :func:`stop_signals_blocked`): the stop signals are ignored, then unblocked."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -38,6 +38,7 @@ import yaml
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.train.config import Recipe
+from hyfi_imaging.train.preempt import StopSignals, ignore_stop_signals, stop_signals_blocked
 from hyfi_imaging.train.preflight import FACT_KEYS, check_trained, plan_of, run_facts
 from hyfi_imaging.train.rundir import StartMode
 
@@ -268,10 +269,17 @@ class Trainer:
             batch_sampler=[list(b) for b in batches],
             num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
+            worker_init_fn=ignore_stop_signals if workers else None,
         )
         dense = self.task == "segmentation"
+
+        def items() -> Iterator[Any]:  # in the prefetcher's thread: it starts the workers
+            with stop_signals_blocked():
+                epoch = iter(loader)
+            yield from epoch
+
         feed = Prefetcher(
-            ((item["image"], item["target"] if dense else None) for item in loader),
+            ((item["image"], item["target"] if dense else None) for item in items()),
             depth=2,
             transform=self._normalise,
         )
@@ -699,14 +707,24 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Train to the end (or ``max_steps``), evaluating and checkpointing on the way."""
+        """Train to the end (or ``max_steps``), evaluating and checkpointing on the way.
+
+        The stop signals are caught from the start: one that arrives while the process group
+        forms, a checkpoint loads or the data opens is acted on at the first step (a
+        checkpoint, exit 75) instead of killing the rank, which a job does not requeue."""
+        signals = StopSignals().install()
+        try:
+            return self._train(signals)
+        finally:
+            signals.restore()
+
+    def _train(self, signals: StopSignals) -> dict[str, Any]:
         from tqdm import tqdm
 
         from hyfi_imaging.train.guard import StepGuard
         from hyfi_imaging.train.logs import RunLogger
         from hyfi_imaging.train.outputs import write_scores
         from hyfi_imaging.train.plots import plot_confusion_matrix, plot_training_curves
-        from hyfi_imaging.train.preempt import StopSignals
 
         self.setup()
         self._plan_epochs()
@@ -725,7 +743,6 @@ class Trainer:
         guard = StepGuard(
             r.train.nonfinite, r.train.max_skipped_steps, newest=self._newest, say=self.rank0
         )
-        signals = StopSignals().install()  # restored in the finally below
         summary: dict[str, Any] = {}
         start = time.monotonic()
         data_wait = 0.0  # seconds first-stage ranks waited for tiles (0 elsewhere)
@@ -822,7 +839,6 @@ class Trainer:
                 summary = self.evaluate(self.out)
             self._save(pos)
         finally:
-            signals.restore()
             bar.close()
             logger.close()
         summary = {k: v for k, v in summary.items() if not k.startswith("_")}
