@@ -6,6 +6,7 @@ import itertools
 import json
 import resource
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -235,6 +236,46 @@ def test_retention_and_resume_see_only_the_current_run(tmp_path: Path) -> None:
         root, 100000000, _state_of(model, opt, for_load=False), {}, keep=2, run_id="new"
     )
     assert [p.name for p in list_checkpoints(root, "new")] == ["step_100000000", "step_00000006"]
+
+
+def test_a_kill_while_a_step_is_written_again_keeps_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's end writes its last step again (and a relaunch after the end does). The old
+    checkpoint was deleted before the new one was renamed into place: a kill in between left
+    only the ``.partial``, and the relaunch started over from step 0, silently."""
+    model, opt = _model_and_opt()
+    _step(model, opt)
+    root = tmp_path / "ckpt"
+    save_checkpoint(
+        root, 8, _state_of(model, opt, for_load=False), {"batch": 1}, keep=1, run_id="r"
+    )
+    want = _snapshot(model, opt)
+    real = Path.rename
+
+    def killed(self: Path, target: Any) -> Any:
+        if self.name.endswith(".partial"):
+            raise SystemExit("killed")  # the process dies before the new one is in place
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(SystemExit):
+        save_checkpoint(
+            root, 8, _state_of(model, opt, for_load=False), {"batch": 2}, keep=1, run_id="r"
+        )
+    monkeypatch.undo()
+    fresh, fresh_opt = _model_and_opt()
+    state = _state_of(fresh, fresh_opt, for_load=True)
+    found = load_latest(root, state, run_id="r")
+    assert found is not None and found.meta["step"] == 8 and found.meta["batch"] == 1
+    install_optimizer_state(fresh.named_parameters(), fresh_opt, state["optim"])
+    assert _same(_snapshot(fresh, fresh_opt), want)
+    # The next write of that step completes, and leaves one checkpoint of it.
+    save_checkpoint(
+        root, 8, _state_of(model, opt, for_load=False), {"batch": 2}, keep=1, run_id="r"
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000008"]
+    assert load_latest(root, _state_of(fresh, fresh_opt, for_load=True)).meta["batch"] == 2  # type: ignore[union-attr]
 
 
 def test_a_failed_write_leaves_no_partial_and_keeps_the_previous(tmp_path: Path) -> None:

@@ -66,7 +66,10 @@ __all__ = [
 
 
 MARKER = "hyfi-checkpoint.json"
-_NAME = re.compile(r"step_(\d+)")
+#: ``step_N``, and ``step_N.replaced``: a checkpoint moved aside while the same step is
+#: written again, loadable until the new one is in place (:func:`save_checkpoint`).
+_NAME = re.compile(r"step_(\d+)(\.replaced)?")
+_REPLACED = ".replaced"
 #: What reading a damaged checkpoint raises (DCP wraps every rank's failure in a
 #: CheckpointException, a BaseException); nothing else is caught.
 _LOAD_ERRORS = (
@@ -155,7 +158,8 @@ def _barrier() -> None:
 
 
 def step_of(path: Path) -> int | None:
-    """The step of a checkpoint directory ``step_N`` (None for any other name)."""
+    """The step of a checkpoint directory ``step_N`` or ``step_N.replaced`` (None for any
+    other name)."""
     m = _NAME.fullmatch(path.name)
     return int(m.group(1)) if m else None
 
@@ -180,6 +184,8 @@ def list_checkpoints(root: Path, run_id: str | None = None) -> list[Path]:
     for p in root.iterdir():
         if step_of(p) is None or not p.is_dir() or not (p / MARKER).exists():
             continue
+        if p.name.endswith(_REPLACED) and p.with_name(p.name[: -len(_REPLACED)]).exists():
+            continue  # its step was written again: the new one is the checkpoint
         if run_id is not None:
             meta = _marker(p)
             if meta is not None and meta.get("run_id", run_id) != run_id:
@@ -284,9 +290,15 @@ def save_checkpoint(
         }
         try:
             (partial / MARKER).write_text(json.dumps(marker, indent=2, default=str))
+            # The step written again (a run's end, a relaunch after it): the old one moves
+            # aside, loadable, until the new one is in place; a kill in between leaves one
+            # of them (deleting it first left only the .partial: a relaunch started over).
+            aside = final.with_name(final.name + _REPLACED)
             if final.exists():
-                shutil.rmtree(final)
+                shutil.rmtree(aside, ignore_errors=True)
+                final.rename(aside)
             partial.rename(final)
+            shutil.rmtree(aside, ignore_errors=True)
         except OSError as err:
             reason = _reason(err)
     if not all_agree(not reason):
@@ -300,6 +312,9 @@ def save_checkpoint(
             + (f"resume from {previous}, which is intact" if previous else "start again"),
         )
     if rank0:
+        for p in root.glob(f"step_*{_REPLACED}"):  # left by a kill after its replacement
+            if p.with_name(p.name[: -len(_REPLACED)]).exists():
+                shutil.rmtree(p, ignore_errors=True)
         ours = [p for p in list_checkpoints(root) if (_marker(p) or {}).get("run_id") == run_id]
         for old in [p for p in ours if p != final][max(keep - 1, 0) :]:
             shutil.rmtree(old, ignore_errors=True)
