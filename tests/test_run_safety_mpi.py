@@ -247,6 +247,10 @@ def test_skipped_steps_are_counted_and_a_run_of_them_stops(manifest: Path, tmp_p
         ),
         pytest.param("data.mean=[0.4]", "data.mean None -> now [0.4]", marks=pytest.mark.slow),
         pytest.param("optim.name=sgd", "optim.name adamw -> now sgd", marks=pytest.mark.slow),
+        (  # the epoch's position counts in images a step: skipped or repeated images, silently
+            "train.batch_size=1",
+            "trains 2 images a step (train.batch_size x parallel.data), this one 1 (1 x 1)",
+        ),
     ],
 )
 def test_a_resume_that_would_change_the_runs_meaning_is_refused(

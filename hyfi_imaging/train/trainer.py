@@ -320,6 +320,7 @@ class Trainer:
             "recipe": r.name,
             "model": r.model.name,
             "layout": self.pc.layout.describe(),
+            "global_batch": self._global_batch(),  # what "batch" counts in (see _restore)
             "classes": r.data.classes,
             "meaning": self._meaning(),
         }
@@ -369,6 +370,38 @@ class Trainer:
         }
         loaded: dict[str, Any] = json.loads(json.dumps(meaning, default=str))
         return loaded
+
+    def _global_batch(self) -> int:
+        """Images a step trains: the per-replica batch times the data replicas."""
+        return self.recipe.train.batch_size * self.recipe.parallel.data
+
+    def _same_position(self, fix: str) -> Callable[[Path, dict[str, Any]], None]:
+        """:meth:`_same_meaning`, and the same images a step: a checkpoint's position (the
+        epoch's batch) counts in its global batch, and another one would skip or repeat the
+        epoch's images and move the learning-rate schedule (any layout of that batch resumes:
+        the same images make each step)."""
+        same_meaning, now = self._same_meaning(fix), self._global_batch()
+        r = self.recipe
+
+        def check(path: Path, marker: dict[str, Any]) -> None:
+            same_meaning(path, marker)
+            was = marker.get("global_batch")
+            if isinstance(was, int) and was != now:
+                dp = r.parallel.data
+                keep = (
+                    f" (train.batch_size={was // dp} with parallel.data={dp})"
+                    if was % dp == 0
+                    else ""
+                )
+                raise ConfigError(
+                    path,
+                    f"this checkpoint's run trains {was} images a step (train.batch_size x "
+                    f"parallel.data), this one {now} ({r.train.batch_size} x {dp}): resuming "
+                    "would skip or repeat images of the epoch and move the learning-rate schedule",
+                    f"keep train.batch_size x parallel.data at {was}{keep}, or {fix}",
+                )
+
+        return check
 
     def _same_meaning(self, fix: str) -> Callable[[Path, dict[str, Any]], None]:
         """The check :func:`load_latest` runs on each candidate's marker before reading it."""
@@ -454,7 +487,7 @@ class Trainer:
             self.ckpt_root,
             state,
             run_id=self.run_id,
-            expect=self._same_meaning(
+            expect=self._same_position(
                 "put the recipe back as the run had it, or relaunch with --restart for a new run "
                 "(the old one is kept in previous/)"
             ),
