@@ -47,6 +47,16 @@ __all__ = ["Trainer", "lr_at"]
 log = logging.getLogger("hyfi_imaging.train")
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The random generator's seed for training step ``step`` of a run seeded ``seed``.
+
+    Seeded at every step, dropout and drop-path draw after a resume what the uninterrupted
+    run drew (the generator's state is not in a checkpoint: a resumed run replayed the
+    masks of its first steps), on every rank alike (the grid's tiles, a pipeline's stages
+    and the replicas, as seeding once before the model was built made them)."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def lr_at(step: int, recipe: Recipe, total_steps: int) -> float:
     """Learning rate after ``step`` optimiser steps: linear warm-up, then cosine (or constant)."""
     o = recipe.optim
@@ -802,6 +812,7 @@ class Trainer:
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
                     guard.before(self.pm.module)
+                    torch.manual_seed(step_seed(r.train.seed, pos.step))  # resumes draw alike
                     with self.autocast:
                         labels = target if labels_all is None else labels_all[batch]
                         assert labels is not None  # segmentation is one stage: tiles and masks
