@@ -119,6 +119,21 @@ def test_job_script_runs_the_command_under_srun_and_requeues_on_75() -> None:
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+def test_job_script_comments_stay_comments() -> None:
+    """A recipe named "x\\necho INJECTED > f\\n#" put a command into the job script, which the
+    job's shell ran; and sbatch stopped reading #SBATCH lines at it (nodes, tasks, --signal
+    and --requeue were dropped). Each comment is one line now."""
+    hostile = "synthetic\necho INJECTED > injected.txt\r\n#"
+    script = job_script(["python", "-m", "x"], job_shape(8), job_name=hostile,
+                        time_limit="1:00:00", comments=[f"recipe {hostile}", "save\x0bas it"])  # fmt: skip
+    body = [ln for ln in script.split(REQUEUE_BLOCK)[0].splitlines()[1:] if ln]
+    head = body[: next(i for i, ln in enumerate(body) if not ln.startswith("#"))]
+    assert all(ln.startswith("#") for ln in head) and len(head) == 3 + len(sbatch_options(script))
+    assert "# recipe synthetic echo INJECTED > injected.txt #" in head
+    assert sbatch_options(script)["--ntasks"] == "8" and "--requeue" in sbatch_options(script)
+    assert not any(ln.startswith("echo INJECTED") for ln in script.splitlines())
+
+
 def test_job_script_refuses_values_sbatch_would_split() -> None:
     with pytest.raises(ConfigError, match="white space"):
         job_script(["x"], job_shape(1), job_name="j", account="my lab")

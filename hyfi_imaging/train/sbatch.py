@@ -125,7 +125,8 @@ def job_script(
     shell), then requeues the job if the ranks stopped at a checkpoint (:data:`REQUEUE_BLOCK`).
 
     ``#SBATCH`` lines are not read by a shell: their values must be single words, so
-    a job name is reduced to letters, digits, ``.``, ``_`` and ``-``.
+    a job name is reduced to letters, digits, ``.``, ``_`` and ``-``; each of ``comments``
+    is one ``#`` line, its white space (line breaks too) made single spaces.
     """
     for flag, value in (("--partition", partition), ("--account", account), ("--chdir", workdir)):
         if value is not None and (not value or re.search(r"\s", value)):
@@ -151,7 +152,10 @@ def job_script(
         "--signal=USR1@120",  # the ranks checkpoint and exit 75 two minutes before the limit
         "--requeue",
     ]
-    lines = ["#!/bin/bash", *(f"# {c}" for c in comments), f"# {shape.describe()}"]
+    # One line each, whatever they hold: a recipe's name with a line break in it made the
+    # rest a command (run by the job's shell) and ended sbatch's reading of #SBATCH lines.
+    lines = ["#!/bin/bash", *(f"# {' '.join(c.split())}" for c in comments)]
+    lines.append(f"# {shape.describe()}")
     lines += [f"#SBATCH {o}" for o in opt]
     lines += [
         "",
