@@ -457,6 +457,35 @@ def test_whole_image_decoders_and_shards_are_costed(tmp_path: Path) -> None:
     check_shard_memory(ArrayReader(np.zeros((3, 1, 1), np.uint8)), PreprocessOptions(), 1 << 30)
 
 
+def test_an_ome_zarr_input_is_costed_like_any_other(tmp_path: Path) -> None:
+    """An OME-Zarr store given to hyfi-preprocess was read uncosted: a store of a few hundred
+    kB declaring one chunk of 3 x 24000 x 24000 took 1.9 GB against a 256 MiB budget. Its
+    reads are costed now, chunks included, before anything is decoded."""
+    import zarr
+
+    from hyfi_imaging.io.detect import open_slide
+    from hyfi_imaging.io.zarr_store import ZarrReader
+
+    n = 4096
+    store = tmp_path / "bomb.zarr"
+    g = zarr.open_group(str(store), mode="w", zarr_format=3)
+    a = g.create_array("0", shape=(3, n, n), chunks=(3, n, n), dtype="uint8", fill_value=255,
+                       dimension_names=["c", "y", "x"])  # fmt: skip
+    a[:, :, :] = np.full((3, n, n), 200, np.uint8)  # one chunk: compresses to almost nothing
+    space = {"type": "space", "unit": "micrometer"}
+    g.attrs["ome"] = {"version": "0.5", "multiscales": [{
+        "axes": [{"name": "c", "type": "channel"}, {"name": "y", **space}, {"name": "x", **space}],
+        "datasets": [{"path": "0", "coordinateTransformations": [
+            {"type": "scale", "scale": [1.0, 0.5, 0.5]}]}]}]}  # fmt: skip
+    budget = 64 << 20  # a 64 x 64 read decodes the whole 48 MiB chunk (twice: decoded, copied)
+    refused = pytest.raises(SlideError, match=r"reading 64 x 64 px of level 0 \(declared 4096")
+    with refused, open_slide(store, memory_budget=budget) as reader:
+        reader.read_region(0, 0, 0, 64, 64)
+    with open_slide(store, memory_budget=256 << 20) as reader:
+        assert reader.read_region(0, 0, 0, 64, 64).max() == 200
+    assert ZarrReader(store).read_region(0, 0, 0, 8, 8).shape == (3, 8, 8)  # a loader's: uncosted
+
+
 def test_the_default_budget_follows_available_memory() -> None:
     from hyfi_imaging.io.budget import (
         MAX_DEFAULT_BUDGET,

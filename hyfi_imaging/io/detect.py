@@ -253,7 +253,7 @@ def open_slide(
         mpp_override: microns per level-0 pixel; when given it wins over the
             file's metadata (``mpp_source == "override"``). When neither
             exists ``mpp`` stays ``None``: hyfi-imaging never guesses.
-        memory_budget: bytes one read of a TIFF, OpenSlide or PNG/JPEG image
+        memory_budget: bytes one read of a TIFF, OpenSlide, PNG/JPEG or OME-Zarr image
             may take (default: :func:`~hyfi_imaging.io.budget.default_memory_budget`);
             an image that cannot be read within it is refused before decoding.
             (OME-Zarr stores are read chunk by chunk as written.)
@@ -277,9 +277,11 @@ def open_slide(
             str(p), FORMAT_NAMES["empty"], "the copy or export did not finish; copy the file again"
         )
     if kind == "zarr":
+        from hyfi_imaging.io.budget import default_memory_budget
         from hyfi_imaging.io.zarr_store import ZarrReader
 
-        return ZarrReader(p, mpp_override=mpp_override)
+        budget = default_memory_budget() if memory_budget is None else memory_budget
+        return ZarrReader(p, mpp_override=mpp_override, memory_budget=budget)
     if kind in ("png", "jpeg"):
         from hyfi_imaging.io.image_reader import open_image
 

@@ -503,6 +503,11 @@ class ZarrReader:
         mpp_override: microns per level-0 pixel that win over the scale metadata.
         store: read through this zarr store instead of ``path`` (a remote
             store, or a wrapper that counts accesses).
+        memory_budget: bytes one read may take, region and chunks decoded at once
+            (:func:`~hyfi_imaging.io.budget.check_read`); None: not costed (the training
+            loader's reads of hyfi's own stores). ``hyfi-preprocess`` gives its budget: a
+            store is an input like a TIFF, and one chunk of 24000² px decodes 1.7 GB for
+            any read that touches it.
     """
 
     def __init__(
@@ -511,11 +516,13 @@ class ZarrReader:
         *,
         mpp_override: float | None = None,
         store: Any = None,
+        memory_budget: int | None = None,
     ) -> None:
         import zarr
 
         self.path = str(path)
         self.format = "ome-zarr"
+        self.memory_budget = memory_budget
         try:
             group = zarr.open_group(
                 store if store is not None else zarr.storage.LocalStore(Path(path), read_only=True),
@@ -592,8 +599,24 @@ class ZarrReader:
             return inside if self._c_axis is not None else inside[None]
 
         return read_filled(
-            self, level, y, x, h, w, fetch, fix="the store may be damaged; rewrite it"
-        )
+            self, level, y, x, h, w, fetch, fix="the store may be damaged; rewrite it",
+            budget=self.memory_budget, decoded=lambda box: self._decoded(level, box),
+        )  # fmt: skip
+
+    def _decoded(self, level: int, box: tuple[int, int, int, int]) -> int:
+        """Bytes decoded at once besides the region to read ``box`` of ``level``: the chunks
+        it touches (all channels), at most as many as zarr decodes at once, decoded and copied."""
+        from hyfi_imaging.io.budget import CONCURRENT_CHUNKS
+
+        arr = self._arrays[level]
+        chunks = tuple(int(n) for n in arr.chunks)
+        y0, x0, y1, x1 = box
+        cy, cx = chunks[-2], chunks[-1]
+        touched = ((y1 - 1) // cy - y0 // cy + 1) * ((x1 - 1) // cx - x0 // cx + 1)
+        if self._c_axis is not None:
+            touched *= -(-int(arr.shape[self._c_axis]) // chunks[self._c_axis])
+        chunk_bytes = math.prod(chunks) * self.dtype.itemsize
+        return 2 * chunk_bytes * min(touched, CONCURRENT_CHUNKS)
 
     def close(self) -> None:
         """Drop the array handles (zarr holds no open files between reads)."""
