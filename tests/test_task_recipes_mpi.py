@@ -83,6 +83,42 @@ def slides(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+_VAL_LOSS = """
+import json, sys
+from pathlib import Path
+from hyfi_imaging.train.config import load_recipe
+from hyfi_imaging.train.trainer import Trainer
+recipe, manifest, out, batch = sys.argv[1:]
+r = load_recipe(Path(recipe), [f"data.manifest={manifest}", f"train.out_dir={out}",
+                               "parallel.spatial=1x1", f"train.batch_size={batch}",
+                               "model.kwargs.width=4", "model.kwargs.depth=2"])
+trainer = Trainer(r)
+trainer.setup()
+print(json.dumps(trainer.predict_masks(Path(manifest), list(range(5)), None)["val_loss"]))
+"""
+
+
+def test_segmentation_val_loss_does_not_count_the_padded_images(
+    slides: Path, tmp_path: Path
+) -> None:
+    """The last evaluation batch is padded with copies of its last image; the validation loss
+    weighted them as images of the set ([e, f] as [e, f, f]: (e + 2f) / 3 x 2 for e + f).
+    The same weights over 5 images, one image a batch and three a batch, give one loss now."""
+    script = tmp_path / "val_loss.py"
+    script.write_text(_VAL_LOSS)
+    recipe = ROOT / "recipes" / "slide-segmentation-synthetic.yaml"
+    found = []
+    for batch in (1, 3):
+        run = subprocess.run(
+            [sys.executable, str(script), str(recipe), str(slides), str(tmp_path / f"r{batch}"),
+             str(batch)],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        found.append(json.loads(run.stdout.splitlines()[-1]))
+    assert found[1] == pytest.approx(found[0], rel=1e-5), found
+
+
 @pytest.mark.slow
 def test_slide_segmentation_on_a_grid_writes_masks(slides: Path, tmp_path: Path) -> None:
     from hyfi_imaging.io.labels import open_labels

@@ -613,8 +613,9 @@ class Trainer:
                 truth = gather_masks(target, self.pc, self.pm.tile_hw, self.image_hw)
                 counts = overlap_counts(out, target, self.pm.ctx, self.pm.out_map)
                 dice = tally.add([cohort.ids[i] for i in rows], counts, masks, truth)
-                value = loss_fn(out, target, self.pm.ctx, self.pm.out_map)  # type: ignore[call-arg]
-                losses.append(float(value) * len(rows))
+                n = len(rows)  # the padded last batch's copies are not images of the set
+                value = loss_fn(out[:n], target[:n], self.pm.ctx, self.pm.out_map)  # type: ignore[call-arg]
+                losses.append(float(value) * n)
             if out_dir is None or masks is None:
                 continue
             for k, i in enumerate(rows):
