@@ -94,7 +94,7 @@ r = load_recipe(Path(recipe), [f"data.manifest={manifest}", f"train.out_dir={out
                                "model.kwargs.width=4", "model.kwargs.depth=2"])
 trainer = Trainer(r)
 trainer.setup()
-print(json.dumps(trainer.predict_masks(Path(manifest), list(range(5)), None)["val_loss"]))
+print(json.dumps(trainer.predict_masks(Path(manifest), list(range(5)), Path(out))["val_loss"]))
 """
 
 
@@ -117,6 +117,14 @@ def test_segmentation_val_loss_does_not_count_the_padded_images(
         assert run.returncode == 0, run.stderr[-3000:]
         found.append(json.loads(run.stdout.splitlines()[-1]))
     assert found[1] == pytest.approx(found[0], rel=1e-5), found
+    # The masks are placed as their images are: their µm/px (they were written at 1, unitless)
+    from hyfi_imaging.data.dataset import load_samples
+    from hyfi_imaging.io.zarr_store import ZarrReader
+
+    sample = load_samples(slides)[0]
+    with ZarrReader(sample.path) as image, ZarrReader(tmp_path / "r3" / "masks" /
+                                                      f"{sample.slide_id}.zarr") as mask:  # fmt: skip
+        assert image.mpp is not None and mask.mpp == image.mpp and mask.attrs["level"] == 0
 
 
 @pytest.mark.slow

@@ -196,6 +196,7 @@ def test_mask_writer_roundtrip(tmp_path: Path) -> None:
     """A predicted mask is an OME-Zarr label image with class names (2-D and 3-D)."""
     from hyfi_imaging.io.labels import open_labels
     from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
+    from hyfi_imaging.io.zarr_store import ZarrReader
     from hyfi_imaging.train.outputs import write_mask
 
     mask = np.zeros((37, 45), np.uint8)
@@ -212,6 +213,12 @@ def test_mask_writer_roundtrip(tmp_path: Path) -> None:
     )
     store = VolumeStore(out, label="prediction")
     assert np.array_equal(read_subvolume(store, 0, (0, 0, 0, 6, 7, 8))[0], cube)
+    # The image's own scale and level (the masks were written at 1 µm/px, level unsaid)
+    out = write_mask(tmp_path / "a.zarr", cube, classes=["background", "blob"], image="y",
+                     scale=(2.0, 0.5, 0.5), level=1)  # fmt: skip
+    assert VolumeStore(out).voxel_size == (2.0, 0.5, 0.5) and VolumeStore(out).attrs["level"] == 1
+    with ZarrReader(tmp_path / "s.zarr") as reader:
+        assert reader.mpp == 2.0 and reader.attrs["level"] == 0
 
 
 def test_hyfi_predict_refuses_volumes_without_the_targets(

@@ -88,12 +88,14 @@ def write_mask(
     *,
     classes: Sequence[str],
     image: str,
-    scale: float | None,
+    scale: float | Sequence[float] | None,
+    level: int = 0,
 ) -> Path:
     """Write one ``(H, W)`` or ``(D, H, W)`` class map as ``out`` (see the module docstring).
 
     An existing ``out`` is replaced (a new prediction of the same image).
-    ``scale``: microns per pixel (voxel) of the map, when known. An ``out``
+    ``scale``: microns per pixel of the map, or ``(z, y, x)`` per voxel, when known (the
+    image's at the ``level`` the map is of, recorded with ``image``). An ``out``
     that climbs out of its folder (``masks/../../x.zarr``, from an id that was
     never checked) is refused before anything is touched
     (:func:`~hyfi_imaging.paths.confined`).
@@ -102,28 +104,30 @@ def write_mask(
     from hyfi_imaging.io.zarr_store import _ArraySource, write_ome_zarr
 
     confined(out)  # before anything is removed or written: an id must not climb out
-    attrs = {"kind": "prediction", "image": image, "classes": list(classes), "background": 0}
+    attrs = {"kind": "prediction", "image": image, "level": level, "classes": list(classes),
+             "background": 0}  # fmt: skip
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if mask.ndim == 3:
         from hyfi_imaging.io.volume_store import write_ome_zarr_volume
 
-        voxel = scale or 1.0
+        voxel = tuple(scale) if isinstance(scale, Sequence) else (scale or 1.0,) * 3
         return write_ome_zarr_volume(
             out,
             mask[None].astype(np.uint8),
-            voxel_size=(voxel,) * 3,
+            voxel_size=voxel,
             chunks=32,
             channel_names=["class"],
             name=out.stem,
             attrs=attrs,
             labels={"prediction": mask.astype(np.uint8)},
         )
+    mpp = scale[-1] if isinstance(scale, Sequence) else scale
     write_ome_zarr(
         out,
         mask[None].astype(np.uint8),
-        mpp=scale,
+        mpp=mpp,
         hyfi_attrs=attrs,
         name=out.stem,
         channel_names=["class"],
@@ -131,7 +135,7 @@ def write_mask(
     write_label_image(
         out,
         _ArraySource(mask[None].astype(np.uint8)),
-        mpp=scale,
+        mpp=mpp,
         classes={name: value for value, name in enumerate(classes) if value},
         attrs=attrs,
         name="prediction",

@@ -580,6 +580,20 @@ class Trainer:
             parts.append(value[: len(rows)].cpu())
         return torch.cat(parts).numpy()
 
+    def _mask_scale(self, store: str) -> float | tuple[float, ...] | None:
+        """µm per pixel of a mask of ``store`` at the recipe's level (``(z, y, x)`` per voxel
+        for volumes), as the store records it; None when it records none."""
+        from hyfi_imaging.io.volume_store import VolumeStore
+        from hyfi_imaging.io.zarr_store import ZarrReader
+
+        level = self.recipe.data.level
+        if self.cohort.kind == "volumes":
+            return tuple(v * 2**level for v in VolumeStore(store).voxel_size)
+        with ZarrReader(store) as reader:
+            if reader.mpp is None or reader.mpp_source == "none":
+                return None
+            return reader.mpp * reader.level_downsamples[level][1]
+
     def predict_masks(
         self, manifest: Path, indices: Sequence[int], out_dir: Path | None, *, overlays: int = 0
     ) -> dict[str, Any]:
@@ -625,7 +639,8 @@ class Trainer:
                     masks[k],
                     classes=r.data.classes,
                     image=store,
-                    scale=None,
+                    scale=self._mask_scale(store),
+                    level=r.data.level,
                 )
                 if written < overlays:
                     score = f" (Dice {dice[k]:.3f})" if dice else ""
