@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.preflight import run_facts
-    from hyfi_imaging.train.tasks import load_cohort, manifest_kind
+    from hyfi_imaging.train.tasks import check_task_layout, load_cohort, manifest_kind
     from hyfi_imaging.train.trainer import Trainer
 
     args = build_parser().parse_args(argv)
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
         cohort = load_cohort(recipe, args.manifest)  # targets, label images, sizes: before ranks
+        check_task_layout(recipe, cohort, args.manifest)
         run_facts(recipe)  # one kind of image at one µm/px (against the checkpoint: on load)
         _check_out(args.out, recipe.task.name)  # before the long part, not at its end
         heat_dir: Path | None = None

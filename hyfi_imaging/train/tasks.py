@@ -39,6 +39,7 @@ __all__ = [
     "Cohort",
     "SegmentationSlides",
     "check_task",
+    "check_task_layout",
     "has_label_images",
     "load_cohort",
     "manifest_kind",
@@ -220,7 +221,7 @@ def _check_label_images(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
 
 def check_task(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
     """The task against its data and layout, before any rank starts (one line on a mismatch)."""
-    t, p = recipe.task, recipe.parallel
+    t = recipe.task
     k = len(recipe.data.classes)
     if t.name in ("classification", "segmentation") and k < 2:
         raise ConfigError(
@@ -237,11 +238,20 @@ def check_task(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
         raise ConfigError(
             "task.loss", f"{t.loss!r} is not a {t.name} loss", f"use one of {', '.join(allowed)}"
         )
+    check_task_layout(recipe, cohort, manifest)
+    if t.name == "segmentation" and cohort.kind == "slides":
+        _check_label_images(recipe, cohort, manifest)
+
+
+def check_task_layout(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
+    """The layout against the task and its data (``hyfi-predict`` checks this part too:
+    a segmentation prediction on pipeline stages failed on a rank without a line)."""
+    t, p = recipe.task, recipe.parallel
     if t.name == "segmentation" and p.pipeline > 1:
         raise ConfigError(
             "parallel.pipeline",
             f"is {p.pipeline}, but segmentation reads each mask tile on the first stage only",
-            "use parallel.pipeline=1 (the U-Nets are one stage; use spatial and data)",
+            "use one stage (the U-Nets are one stage; use spatial tiles and data replicas)",
         )
     grid = "x".join(map(str, p.spatial))
     if len(p.spatial) == 1:
@@ -264,8 +274,6 @@ def check_task(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
             f"is {grid}, a grid of sub-volumes, but {manifest} holds 2-D slides",
             "use a 2-D grid GYxGX (e.g. 2x2)",
         )
-    if t.name == "segmentation" and cohort.kind == "slides":
-        _check_label_images(recipe, cohort, manifest)
 
 
 def num_outputs(recipe: Recipe, cohort: Cohort) -> int:
