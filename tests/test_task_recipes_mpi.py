@@ -279,3 +279,15 @@ def test_unet3d_trains_on_a_grid_of_sub_volumes_like_one_process(tmp_path: Path)
     rows = list(csv.DictReader((grid / "val_per_image.csv").open()))
     store = VolumeStore(grid / "masks" / f"{rows[0]['id']}.zarr", label="prediction")
     assert read_subvolume(store, 0, (0, 0, 0, 12, 10, 14))[0].shape == (12, 10, 14)
+    # hyfi-predict on the grid (its parser took 2-D grids only) writes one process's masks
+    _predict(grid, manifest, tmp_path / "p1")
+    _predict(grid, manifest, tmp_path / "p4", "--spatial", "2x1x2", ranks=4)
+    assert (tmp_path / "p1" / "per_image.csv").read_text() == (
+        tmp_path / "p4" / "per_image.csv"
+    ).read_text()
+    for r in rows:
+        masks = [VolumeStore(tmp_path / p / "masks" / f"{r['id']}.zarr", label="prediction")
+                 for p in ("p1", "p4")]  # fmt: skip
+        got = [read_subvolume(m, 0, (0, 0, 0, 12, 10, 14)) for m in masks]
+        image = VolumeStore(manifest.parent / f"{r['id']}.zarr")
+        assert np.array_equal(*got) and masks[1].voxel_size == image.voxel_size

@@ -46,7 +46,7 @@ one checkpoint directory. The recipe is read from RUN/recipe.yaml.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyfi_imaging.cli.options import size_type
+    from hyfi_imaging.cli.options import shape_type
 
     p = argparse.ArgumentParser(
         prog="hyfi-predict",
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "thumbnail); DIR defaults to 'heatmaps' beside --out. Needs a head 'global pool -> "
         "Linear'",
     )
-    p.add_argument("--spatial", type=size_type(1), default=(1, 1), metavar="GYxGX")
+    p.add_argument("--spatial", type=shape_type("--spatial"), default=(1, 1), metavar="GYxGX",
+                   help="tile grid: GYxGX for slides, GZxGYxGX for volumes (default 1x1)")  # fmt: skip
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
     return p
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 f"data.manifest={args.manifest}",
                 "data.val_manifest=null",
-                f"parallel.spatial={args.spatial[0]}x{args.spatial[1]}",
+                f"parallel.spatial={'x'.join(map(str, args.spatial))}",
                 "parallel.stage_grids=null",  # a run's per-stage grids (the junction): not here
                 f"parallel.pipeline={args.pipeline}",
                 "parallel.data=1",
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 # break the graph at every layer and recompile past dynamo's limit).
                 *(
                     ["parallel.compile=none"]
-                    if args.spatial != (1, 1) or args.pipeline > 1 or args.heatmaps is not None
+                    if max(args.spatial) > 1 or args.pipeline > 1 or args.heatmaps is not None
                     else []
                 ),
                 "model.weights=null",  # the run's checkpoint replaces them: not read again

@@ -11,9 +11,8 @@ each rank reading its sub-volume (:class:`~hyfi_imaging.data.volume_dataset.Volu
 every mismatch between task, data and model is refused with one line in
 ``preflight``, before any rank starts.
 
-Volumes run on one tile (a 1x1 grid, data parallelism allowed) until the
-spatial layers are N-d; the data path already reads only each rank's
-sub-volume, so nothing here changes when they are.
+Volumes run on 3-D grids of sub-volumes (``GZxGYxGX``) as slides run on 2-D grids of
+tiles, with data replicas alike (:func:`check_task_layout` refuses the wrong kind of grid).
 """
 
 from __future__ import annotations
