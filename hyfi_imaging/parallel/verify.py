@@ -78,8 +78,10 @@ __all__ = [
     "VerifyReport",
     "check_image_size",
     "crop",
+    "flat_background",
     "gather_tile_grid",
     "pad_image",
+    "random_images",
     "run_verify",
     "spatial_context_for",
     "verify_model",
@@ -89,6 +91,8 @@ __all__ = [
 LossFn = Callable[[Tensor, Tensor], Tensor]
 #: ``target(output_shape, generator)``: random targets for outputs of that shape.
 TargetFn = Callable[[tuple[int, ...], torch.Generator], Tensor]
+#: ``images(shape, generator, dtype)``: the global batch's images (:func:`random_images`).
+ImagesFn = Callable[[tuple[int, ...], torch.Generator, torch.dtype], Tensor]
 
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-6, 1e-9)}
 
@@ -202,6 +206,25 @@ def gather_tile_grid(tile: torch.Tensor, ctx: SpatialContext, group: Any) -> tor
     return all_gather_grid(tile, ctx.grid, group)
 
 
+def random_images(shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype) -> Tensor:
+    """Standard normal pixels: every value differs from its neighbours (the default)."""
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+def flat_background(
+    shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype
+) -> Tensor:
+    """:func:`random_images` whose lower half is one value per channel, as a slide's glass:
+    every max-pool window there ties, and a tile must break its ties as one process does
+    (a tile's BatchNorm rounded equal pixels one unit apart from its neighbour's, and the
+    gradient went to another pixel). Exact where equal pixels reach the max-pool equal: a
+    convolution before it may round a flat map's columns apart by position (its kernel's
+    vector tails), and then the ties fall by rounding, in one process as on tiles."""
+    x = random_images(shape, generator, dtype)
+    x[..., shape[-2] // 2 :, :] = x[..., :1, :1]  # each image's and channel's first pixel
+    return x
+
+
 def default_target(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
     """Random class indices for :func:`~.apply.cross_entropy`: ``(N,)`` for ``(N, K)`` logits,
     ``(N, h, w)`` for ``(N, K, h, w)`` maps."""
@@ -274,6 +297,7 @@ def run_verify(
     loss: LossFn | None = None,
     target: TargetFn | None = None,
     memory_check: bool = True,
+    draw_images: ImagesFn | None = None,
 ) -> VerifyReport:
     """Run ``steps`` SGD steps on ``pc``'s layout and in one process; compare on every rank.
 
@@ -285,7 +309,8 @@ def run_verify(
     gradients in between. ``announce`` receives the plan printout and the memory
     estimate (on every rank) before training starts. ``loss(output, target)`` (default
     :func:`~.apply.cross_entropy`) and ``target(output_shape, generator)``
-    (default :func:`default_target`) as for :func:`verify_model`.
+    (default :func:`default_target`) and ``draw_images`` (default :func:`random_images`;
+    ``images`` of :func:`verify_model`) as for :func:`verify_model`.
 
     The one-process reference runs on rank :data:`~.reference.REFERENCE_RANK` only, which
     broadcasts what every rank compares (:mod:`.reference`). ``memory_check``: refuse
@@ -295,6 +320,7 @@ def run_verify(
     plan = plan if plan is not None else ParallelPlan(pc.layout)
     loss_fn = loss if loss is not None else cross_entropy
     make_target = target if target is not None else default_target
+    make_images = draw_images if draw_images is not None else random_images
     rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
     torch.manual_seed(seed)
     model = build().to(dtype)
@@ -391,7 +417,7 @@ def run_verify(
             ref_opt.zero_grad(set_to_none=True)
         for a in range(accumulate):
             tag = f"step{step}" if accumulate == 1 else f"step{step}.{a}"
-            images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
+            images = make_images((dp * batch, in_chans, *image_hw), gen, dtype)
             targets = make_target(out_shape, gen)
             tiles = None
             if pm.is_first:
@@ -449,7 +475,7 @@ def run_verify(
             ref_opt.step()
         opt.step()
 
-    images = torch.randn(dp * batch, in_chans, *image_hw, generator=gen, dtype=dtype)
+    images = make_images((dp * batch, in_chans, *image_hw), gen, dtype)
     logits = pm.predict(pm.tile_of(images[mine]).to(pc.device) if pm.is_first else None)
 
     def reference_predict() -> Tensor:
@@ -515,6 +541,7 @@ def verify_model(
     halo_depth: int = 1,
     backward_bands: bool = False,
     memory_check: bool = True,
+    images: ImagesFn | None = None,
 ) -> VerifyReport:
     """Prove that *any* model trains on a layout exactly as in one process: ``hyfi-verify`` for your model.
 
@@ -540,6 +567,8 @@ def verify_model(
     reduces across tiles itself. Default: :func:`~.apply.cross_entropy`.
     ``target(output_shape, generator)`` draws targets for the global batch's
     output shape (default: class indices, :func:`default_target`).
+    ``images(shape, generator, dtype)`` draws the images (default :func:`random_images`;
+    :func:`flat_background` for inputs with ties, as slides have).
     ``overlap``, ``halo_depth`` and ``backward_bands`` are :class:`~.engine.ParallelPlan`'s.
     ``memory_check=False`` runs even where the memory estimate exceeds what a node has free.
 
@@ -588,4 +617,5 @@ def verify_model(
         loss=loss,
         target=target,
         memory_check=memory_check,
+        draw_images=images,
     )

@@ -82,7 +82,17 @@ class _GlobalBatchNorm(torch.autograd.Function):
             xhat.masked_fill_(outside, 0.0)
         rstd = torch.rsqrt(var + eps)
         xhat.mul_(rstd.to(x.dtype).view(shape))
-        y = _affine(xhat, weight, bias)
+        if x.dtype in (torch.float32, torch.float64):
+            # Normalised by the kernel a tile wholly inside the image uses (forward_whole):
+            # equal pixels come out equal on every tile. Rounded otherwise, the flat
+            # background of a slide came out one unit apart across a tile border, and a
+            # max-pool's ties there sent the gradient to another pixel than one process.
+            y = F.batch_norm(xm, mean, var, weight, bias, False, 0.0, eps)
+            if outside is not None:  # as the expression has it: the affine of 0 outside
+                fill = y.new_zeros(()) if bias is None else bias.to(y.dtype).view(shape)
+                torch.where(outside, fill, y, out=y)
+        else:
+            y = _affine(xhat, weight, bias)
         ctx.save_for_backward(xhat, rstd, weight, outside)
         ctx.n, ctx.group, ctx.own = n, group, own
         ctx.mark_non_differentiable(mean, var)
