@@ -146,17 +146,26 @@ class _FileSize:
 
 
 class _StoreSize:
-    """``key -> bytes or None`` through a zarr store, keys under ``prefix``."""
+    """``key -> bytes or None`` through a zarr store, keys under ``prefix``. A store that
+    does not size an object without reading it (zarr's default ``getsize``, which a
+    wrapper such as a counting store inherits) is asked only whether the key exists, and
+    answers -1 for one that does (its size is then not compared)."""
 
     def __init__(self, store: Any, prefix: str) -> None:
+        from zarr.abc.store import Store
+
         self.store = store
         self.prefix = prefix
+        self.sizes = type(store).getsize is not Store.getsize
 
     def __call__(self, key: str) -> int | None:
         from zarr.core.sync import sync
 
+        full = f"{self.prefix}{key}"
+        if not self.sizes:
+            return -1 if sync(self.store.exists(full)) else None
         try:
-            return int(sync(self.store.getsize(f"{self.prefix}{key}")))
+            return int(sync(self.store.getsize(full)))
         except FileNotFoundError:
             return None
 
@@ -169,7 +178,7 @@ def file_size(group_dir: str | os.PathLike[str]) -> Callable[[str], int | None]:
 
 def store_size(store: Any, prefix: str = "") -> Callable[[str], int | None]:
     """``key -> bytes`` through a zarr store (remote, or a wrapper), keys under ``prefix``;
-    None when there is none."""
+    None when there is none, -1 from a store that cannot size an object without reading it."""
     return _StoreSize(store, prefix)
 
 
@@ -266,7 +275,7 @@ class ChunkGuard:
                     "inventory lists it as written (it would read as blank background)",
                     self.fix,
                 )
-            if got != lv.written[key]:
+            if got != lv.written[key] and got != -1:  # -1: a store that cannot size it
                 raise SlideError(
                     self.where,
                     f"chunk {full} of level {level} is {got} bytes, though the store's chunk "
