@@ -178,6 +178,37 @@ def test_output_size_and_config_errors() -> None:
         draw_augment(AugmentConfig(), (H, W), seed=-1, epoch=0, index=0)
 
 
+def test_jitter_keeps_the_range_the_normalisation_gives() -> None:
+    """Brightness and contrast clipped to [0, 1] whatever the normalisation: a float image used
+    as it is, or a window with ``clip: false``, came out of training in [0, 1] and out of
+    validation in its own range (a float channel up to 65 in validation, 1 in training).
+    Clipped where the window keeps values in [0, 1] (integer types over their maximum,
+    clipping windows), not elsewhere."""
+    from hyfi_imaging.data.normalize import Window
+
+    p = AugmentParams((1, 2), (1, 2), brightness=1.000001, contrast=0.999999)
+    floats = np.array([[[-0.01, 2.9]], [[65.0, 0.2]]], np.float32)
+    out = apply_colour(floats, p)
+    assert out.min() < -0.005 and out.max() > 64, out  # jittered, not clipped
+    np.testing.assert_allclose(
+        out, apply_colour(floats, AugmentParams((1, 2), (1, 2))), rtol=1e-5, atol=1e-5
+    )
+    wide = Window(np.zeros(1, np.float32), np.full(1, 4000, np.float32), clip=False)
+    u16 = np.array([[[100, 45000]]], np.uint16)
+    assert apply_colour(u16, p, window=wide).max() > 11  # range [0, 4000], clip: false
+    assert apply_colour(u16, p).max() <= 1.0  # x / 65535: within [0, 1], clipped as before
+    clipped = Window(np.zeros(1, np.float32), np.full(1, 4000, np.float32), clip=True)
+    assert (
+        apply_colour(
+            u16, dataclasses.replace(p, brightness=1.5, contrast=1.0), window=clipped
+        ).max()
+        == 1.0
+    )
+    assert wide.bounded(np.dtype(np.uint16)) is False and clipped.bounded(np.dtype(np.float32))
+    assert Window.of_dtype(np.dtype(np.uint8), 3).bounded(np.dtype(np.uint8))
+    assert not Window.of_dtype(np.dtype(np.float32), 3).bounded(np.dtype(np.float32))
+
+
 def test_colour_formulas() -> None:
     px = np.array([[[0]], [[128]], [[255]]], dtype=np.uint8)  # one RGB pixel
     base = px.astype(np.float32) / np.float32(255)

@@ -318,13 +318,16 @@ def _mix(
 def apply_colour(
     image: np.ndarray, params: AugmentParams, *, window: Window | None = None
 ) -> np.ndarray:
-    """Normalise a ``(C, h, w)`` image to float32 and colour-jitter it, in ``[0, 1]``.
+    """Normalise a ``(C, h, w)`` image to float32 and colour-jitter it.
 
     ``window`` maps stored values to ``[0, 1]`` per channel
     (:mod:`hyfi_imaging.data.normalize`; default: divide by the pixel type's
     maximum, exactly ``x / 255`` for 8-bit images). Then pointwise, in the
     fixed order brightness, contrast, saturation, hue, each clipped to
-    ``[0, 1]``: a tile gives exactly the pixels of the whole image.
+    ``[0, 1]`` where the window keeps values there (:meth:`Window.bounded`; a float
+    image used as it is, or ``clip: false``, is jittered unclipped: clipping only the
+    training images made them another range than the validation ones): a tile gives
+    exactly the pixels of the whole image.
     Saturation and hue need RGB (``C == 3``). Works in place where it can: an
     8K tile plus halo is ~0.9 GB per float32 copy.
     """
@@ -334,15 +337,18 @@ def apply_colour(
     if params.colour_identity:
         return x
     one, zero = np.float32(1.0), np.float32(0.0)
+    bounded = window.bounded(image.dtype)
     if params.brightness != 1.0:
         x *= np.float32(params.brightness)
-        np.clip(x, zero, one, out=x)
+        if bounded:
+            np.clip(x, zero, one, out=x)
     if params.contrast != 1.0:
         pivot = np.float32(_CONTRAST_PIVOT)
         x -= pivot
         x *= np.float32(params.contrast)
         x += pivot
-        np.clip(x, zero, one, out=x)
+        if bounded:
+            np.clip(x, zero, one, out=x)
     if params.saturation == 1.0 and params.hue == 0.0:
         return x
     if x.shape[0] != 3:
@@ -357,10 +363,14 @@ def apply_colour(
         x -= luma
         x *= np.float32(params.saturation)
         x += luma
-        np.clip(x, zero, one, out=x)
+        if bounded:
+            np.clip(x, zero, one, out=x)
     if params.hue != 0.0:
         # Every output channel needs all three inputs: compute them all, then write back.
         turned = [_mix(x, row, scratch) for row in _hue_matrix(params.hue)]
         for c, channel in enumerate(turned):
-            np.clip(channel, zero, one, out=x[c])
+            if bounded:
+                np.clip(channel, zero, one, out=x[c])
+            else:
+                x[c] = channel
     return x

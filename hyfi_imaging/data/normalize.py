@@ -66,6 +66,16 @@ class Window:
             np.clip(x, np.float32(0.0), np.float32(1.0), out=x)
         return x
 
+    def bounded(self, dtype: np.dtype[Any]) -> bool:
+        """Whether :meth:`apply` keeps every value of an image of ``dtype`` in ``[0, 1]``:
+        clipped, or an integer type divided by its maximum (:meth:`of_dtype`)."""
+        if self.clip:
+            return True
+        if np.dtype(dtype).kind not in "ui":
+            return False
+        top = np.float32(dtype_range(dtype)[1])
+        return bool(not self.low.any() and np.all(self.span == top))
+
     @classmethod
     def of_dtype(cls, dtype: np.dtype[Any], channels: int) -> Window:
         """The default: divide by the type's maximum (float32: unchanged, not clipped)."""
