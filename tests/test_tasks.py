@@ -114,6 +114,25 @@ def test_volume_recipes_pass_preflight(tmp_path: Path, volumes: dict[str, Path])
     preflight(unet)  # type: ignore[arg-type]
 
 
+def test_integer_volumes_are_read_over_their_types_maximum(tmp_path: Path) -> None:
+    """uint16 voxels reached the model as 0-65535 (slides' default is x / 65535); floats as
+    stored."""
+    from hyfi_imaging.data.volume_dataset import VolumeDataset
+    from hyfi_imaging.data.volume_manifest import VolumeRow, write_volume_manifest
+    from hyfi_imaging.io.volume_store import write_ome_zarr_volume
+
+    voxels = np.arange(2 * 4 * 4 * 4, dtype=np.uint16).reshape(2, 4, 4, 4) * 500
+    write_ome_zarr_volume(tmp_path / "v.zarr", voxels, voxel_size=(1.0, 1.0, 1.0), chunks=4,
+                          channel_names=["a", "b"], name="v")  # fmt: skip
+    manifest = write_volume_manifest(
+        [VolumeRow("v", "v.zarr", (4, 4, 4), (1.0, 1.0, 1.0), {"x": 1.0}, "", "ok", "", "test")],
+        tmp_path / "manifest.csv",
+    )
+    for mode, want in (("dtype", voxels / np.float32(65535)), (None, voxels)):
+        got = VolumeDataset(manifest, target="regression", targets=["x"], normalize=mode)[0]
+        np.testing.assert_array_equal(got["image"].numpy(), want.astype(np.float32))
+
+
 @pytest.mark.parametrize(
     ("recipe", "cohort", "sets", "message"),
     [
@@ -136,6 +155,14 @@ def test_volume_recipes_pass_preflight(tmp_path: Path, volumes: dict[str, Path])
         ),
         ("unet3d-synthetic.yaml", "blobs", ["parallel.pipeline=2"], "parallel.pipeline"),
         ("unet3d-synthetic.yaml", "blobs", ["data.classes=[background]"], "at least two"),
+        # settings the volume path does not apply: they trained as if absent
+        (
+            "unet3d-synthetic.yaml",
+            "blobs",
+            ["data.normalize.mode=percentile"],
+            "is percentile, but the volumes of",
+        ),
+        ("cosmoflow-synthetic.yaml", "grf", ["data.augment.brightness=0.5"], "is for slides"),
     ],
 )
 def test_volume_task_refusals_are_one_line(

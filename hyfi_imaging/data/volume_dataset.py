@@ -42,13 +42,14 @@ from hyfi_imaging.data.volume_augment import (
 from hyfi_imaging.data.volume_manifest import read_volume_manifest
 from hyfi_imaging.errors import ConfigError, SlideError
 from hyfi_imaging.geometry.tiles import HaloND, RegionND, tile_region_nd
+from hyfi_imaging.io.pixels import dtype_range
 from hyfi_imaging.io.volume_store import VolumeStore
 
 __all__ = ["VolumeDataset", "VolumeSample"]
 
 Target = Literal["regression", "labels"]
 #: Per-channel normalisation: ``"store"`` (each store's channel mean and std) or ``(means, stds)``.
-VolumeNormalize = Literal["store"] | tuple[Sequence[float], Sequence[float]]
+VolumeNormalize = Literal["store", "dtype"] | tuple[Sequence[float], Sequence[float]]
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ class VolumeDataset(Dataset[dict[str, Any]]):
         targets: regression target names in order (default: all, sorted).
         augment: flips and quarter turns; ``None`` reads the volume unchanged.
         seed: augmentation seed, the same on every rank.
-        normalize: ``None`` (voxels as float32), ``"store"`` or ``(means, stds)``:
-            ``(x - mean) / std`` per channel, one elementwise float32 step, so a
+        normalize: ``None`` (voxels as float32), ``"dtype"`` (integer voxels over their
+            type's maximum, as slides' default; floats as stored), ``"store"`` or
+            ``(means, stds)``: ``(x - mean) / std`` per channel, one elementwise float32 step, so a
             tile's voxels equal the whole volume's. Voxels outside the volume
             (zero) are normalised like the rest; spatial layers mask the padding.
         max_open: stores kept open per process.
@@ -159,9 +161,11 @@ class VolumeDataset(Dataset[dict[str, Any]]):
                 raise ConfigError(
                     f"{where} normalize", "needs one mean and one std > 0 per channel", "fix them"
                 )
-        elif normalize not in (None, "store"):
+        elif normalize not in (None, "store", "dtype"):
             raise ConfigError(
-                f"{where} normalize={normalize!r}", "is not a mode", "use store or (means, stds)"
+                f"{where} normalize={normalize!r}",
+                "is not a mode",
+                "use dtype, store or (means, stds)",
             )
         self.epoch = 0
         self._max_open = int(max_open)
@@ -218,6 +222,10 @@ class VolumeDataset(Dataset[dict[str, Any]]):
     def _normalise(self, tile: np.ndarray, store: VolumeStore) -> np.ndarray:
         x = tile.astype(np.float32)
         if self.normalize is None:
+            return x
+        if self.normalize == "dtype":
+            if tile.dtype.kind in "ui":  # one division, exactly as slides: x / 65535 for uint16
+                x /= np.float32(dtype_range(tile.dtype)[1])
             return x
         if self.normalize == "store":
             stats = store.channel_stats

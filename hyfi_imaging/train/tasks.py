@@ -102,6 +102,7 @@ def _volume_dataset(recipe: Recipe, manifest: Path, *, augment: bool, **kwargs: 
         targets=t.targets,
         augment=VolumeAugment(flip=a.flip, rot90=a.rot90) if augment else None,
         seed=recipe.train.seed,
+        normalize="dtype",  # data.normalize's default (check_task refuses the other modes)
         **kwargs,
     )
 
@@ -238,8 +239,32 @@ def check_task(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
             "task.loss", f"{t.loss!r} is not a {t.name} loss", f"use one of {', '.join(allowed)}"
         )
     check_task_layout(recipe, cohort, manifest)
+    if cohort.kind == "volumes":
+        _check_volume_inputs(recipe, manifest)
     if t.name == "segmentation" and cohort.kind == "slides":
         _check_label_images(recipe, cohort, manifest)
+
+
+def _check_volume_inputs(recipe: Recipe, manifest: Path) -> None:
+    """What the volume path does not apply is refused, not ignored (a percentile mode and a
+    brightness jitter trained as if absent): integer voxels over their type's maximum,
+    floats as stored, then ``data.mean``/``data.std``; flips and quarter turns."""
+    d = recipe.data
+    if d.normalize.mode != "dtype":
+        raise ConfigError(
+            "data.normalize.mode",
+            f"is {d.normalize.mode}, but the volumes of {manifest} are normalised by their "
+            "voxel type (integers over its maximum, floats as stored)",
+            "use mode dtype, with data.mean and data.std per channel",
+        )
+    jitter = [k for k in ("brightness", "contrast", "saturation", "hue") if getattr(d.augment, k)]
+    if jitter:
+        raise ConfigError(
+            f"data.augment.{jitter[0]}",
+            f"colour jitter ({', '.join(jitter)}) is for slides; the volumes of {manifest} take "
+            "flips and quarter turns",
+            "set it to 0 for volumes",
+        )
 
 
 def check_task_layout(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
