@@ -302,12 +302,19 @@ class Trainer:
             feed.close()
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This replica's batches of ``epoch``: step ``k`` trains the epoch order's ``k``-th
+        block of ``batch_size x data`` images, and replica ``d`` its ``d``-th part, the rows
+        one process's micro-batches and running statistics take in that order
+        (:mod:`~hyfi_imaging.parallel.running_stats`). Replicas took every ``data``-th image
+        before: the same images a step, other BatchNorm batches than one process's."""
         r = self.recipe
         order = np.random.default_rng([r.train.seed, epoch]).permutation(self.train_idx)
-        mine = order[self.dp_rank :: r.parallel.data][: self.steps_per_epoch * r.train.batch_size]
+        b = r.train.batch_size
+        step = b * r.parallel.data
+        first = self.dp_rank * b
         return [
-            list(map(int, mine[i : i + r.train.batch_size]))
-            for i in range(0, len(mine), r.train.batch_size)
+            list(map(int, order[k * step + first : k * step + first + b]))
+            for k in range(self.steps_per_epoch)
         ]
 
     # -- checkpoints -------------------------------------------------------------------------
