@@ -36,7 +36,10 @@ def test_global_max_pool_matches_one_process(grid: tuple[int, int], size: tuple[
     assert result["ok"] and result["max_rel_error"] < 1e-9
 
 
-@pytest.mark.parametrize(("grid", "size"), [((1, 2), (34, 34)), ((2, 2), (38, 30))])
+@pytest.mark.parametrize(
+    ("grid", "size"),
+    [((1, 2), (34, 34)), pytest.param((2, 2), (38, 30), marks=pytest.mark.slow)],  # suite's time
+)
 def test_max_pool_ties_fall_where_one_process_puts_them(
     grid: tuple[int, int], size: tuple[int, int]
 ) -> None:

@@ -247,9 +247,10 @@ def test_skipped_steps_are_counted_and_a_run_of_them_stops(manifest: Path, tmp_p
         ),
         pytest.param("data.mean=[0.4]", "data.mean None -> now [0.4]", marks=pytest.mark.slow),
         pytest.param("optim.name=sgd", "optim.name adamw -> now sgd", marks=pytest.mark.slow),
-        (  # the epoch's position counts in images a step: skipped or repeated images, silently
+        pytest.param(  # the epoch's position counts in images a step: skipped or repeated
             "train.batch_size=1",
             "trains 2 images a step (train.batch_size x parallel.data), this one 1 (1 x 1)",
+            marks=pytest.mark.slow,  # the suite's time: the check is one comparison
         ),
     ],
 )
@@ -418,7 +419,7 @@ def test_a_stop_signal_to_the_data_workers_leaves_them_running(
     import signal
 
     run = tmp_path / "run"
-    sets = ("parallel.spatial=1x1", "data.workers=1", "train.epochs=3")
+    sets = ("parallel.spatial=1x1", "data.workers=1", "train.epochs=2")
     proc = subprocess.Popen(
         _train_cmd(manifest, run, *sets, fork=False),
         stdout=subprocess.PIPE,
@@ -445,9 +446,9 @@ def test_a_stop_signal_to_the_data_workers_leaves_them_running(
         time.sleep(0.02)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
-    assert len(signalled) >= 3, signalled  # a worker per epoch, each signalled
+    assert len(signalled) >= 2, signalled  # a worker per epoch, each signalled
     summary = json.loads((run / "summary.json").read_text())
-    assert not _error_lines(stderr) and summary["epochs"] == 3
+    assert not _error_lines(stderr) and summary["epochs"] == 2
     assert len(_losses(run)) == summary["steps"]
 
 
