@@ -241,9 +241,9 @@ def test_retention_and_resume_see_only_the_current_run(tmp_path: Path) -> None:
 def test_a_kill_while_a_step_is_written_again_keeps_a_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run's end writes its last step again (and a relaunch after the end does). The old
+    """A run's end writes its last step again (and so does a launch after the end). The old
     checkpoint was deleted before the new one was renamed into place: a kill in between left
-    only the ``.partial``, and the relaunch started over from step 0, silently."""
+    only the ``.partial``, and the next launch started over from step 0, silently."""
     model, opt = _model_and_opt()
     _step(model, opt)
     root = tmp_path / "ckpt"
