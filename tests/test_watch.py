@@ -78,6 +78,39 @@ REFUSED: dict[str, tuple[Fn, str]] = {
     "flatten spatial": (lambda m, x: x.flatten(2).mean(2), "reshapes the tiled feature map"),
     "crop": (lambda m, x: x[..., 1:, :], "aten.slice"),
     "group norm": (lambda m, x: F.group_norm(x, 2), "group_norm"),
+    # The tile's rows are not the image's columns: refused, before and at the next layer.
+    "H and W swapped": (lambda m, x: m.excite(x.transpose(2, 3)), "swaps the spatial dims"),
+    "a layer on a permuted map": (
+        lambda m, x: m.excite(x.permute(0, 2, 3, 1).permute(0, 1, 3, 2)),
+        "module 'excite': Conv2d takes a map whose tiled dims are (1, 3)",
+    ),
+    # Tensors sized from x.shape but not computed from x: a tile's, the same on every tile.
+    "coordinates from the shape": (
+        lambda m, x: x + torch.linspace(-1, 1, x.shape[2], device=x.device).view(1, 1, -1, 1),
+        "aten.add with a tensor of shape (1, 1, 512, 1) combines the tiled map",
+    ),
+    "an embedding resized to the map": (
+        lambda m, x: (
+            x + F.interpolate(m.excite.weight.view(1, 4, 2, 2), size=x.shape[-2:], mode="bilinear")
+        ),
+        "not computed from it",
+    ),
+    "a count map pooled from torch.ones": (
+        lambda m, x: (
+            F.avg_pool2d(x, 3, 1, 1)
+            / F.avg_pool2d(torch.ones(1, 1, *x.shape[-2:], device=x.device), 3, 1, 1)
+        ),
+        "not computed from it",
+    ),
+    # The sum is global; a count read off x.shape is the tile's.
+    "a global sum by the map's pixel count": (
+        lambda m, x: x * torch.sigmoid(x.sum((2, 3), keepdim=True) / (x.shape[2] * x.shape[3])),
+        "aten.div of a global reduction by 262144",
+    ),
+    "a global mean times the map's pixel count": (
+        lambda m, x: x.mean((2, 3)) * x[0, 0].numel(),
+        "aten.mul of a global reduction by 262144",
+    ),
     # Random draws per pixel of a tile (the watch also runs the model in training mode).
     "dropout on the map": (lambda m, x: F.dropout(x, 0.5, m.training), "per pixel"),
     "per-pixel random mask": (
@@ -90,7 +123,7 @@ REFUSED: dict[str, tuple[Fn, str]] = {
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_pixel_mixing_functions_are_refused_by_path_and_op(case: str) -> None:
     body, op = REFUSED[case]
-    with pytest.raises(ConfigError, match=r"^module 'Net'|^module 'body'") as err:
+    with pytest.raises(ConfigError, match=r"^module '(Net|body|excite)'") as err:
         _spatialize(body)
     message = str(err.value)
     assert op in message and "\n" not in message, message
@@ -110,6 +143,13 @@ ALLOWED: dict[str, Fn] = {
     "channel split and chunk": lambda m, x: torch.cat(
         [*torch.split(x, [1, 3], 1)[::-1], *x.chunk(2, 1)], 1
     )[:, :4],
+    # Tensors made without tile data that hold one value along the spatial dims.
+    "a constant map": lambda m, x: x + (torch.zeros(1, 1, *x.shape[-2:], device=x.device) + 1),
+    "a pooled value resized to the map (ASPP)": lambda m, x: torch.cat(
+        [x, F.interpolate(m.squeeze(x), size=x.shape[-2:], mode="bilinear")], 1
+    )[:, :4],
+    "a pooled value expanded": lambda m, x: x * m.squeeze(x).expand_as(x),
+    "channels last and back": lambda m, x: x.permute(0, 2, 3, 1).permute(0, 3, 1, 2),
 }
 
 

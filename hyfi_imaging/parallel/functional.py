@@ -370,11 +370,13 @@ class Frames:
         return f"{path}#{counter[0] - 1}"
 
     def _enter(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._on_enter is not None:
-            self._on_enter(path, module, tuple(args))
-        self.stack.append((path, [0]))
-        if self.known(module):
-            self.inside += 1
+        try:
+            if self._on_enter is not None:
+                self._on_enter(path, module, tuple(args))
+        finally:  # also when on_enter refuses: the forward hook always runs, and pops the frame
+            self.stack.append((path, [0]))
+            if self.known(module):
+                self.inside += 1
 
     def _leave(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self.stack.pop()

@@ -71,6 +71,14 @@ _POINTWISE_NAMES = {
     "hardswish", "hardswish_", "where", "masked_fill", "masked_fill_", "native_dropout",
     "_prelu_kernel", "prelu", "log_sigmoid_forward", "fill_", "zero_", "threshold", "threshold_",
 }  # fmt: skip
+#: Ops whose output holds one value everywhere (on a tensor without tile data).
+_CONSTANTS = {
+    "zeros", "ones", "full", "empty", "empty_strided", "scalar_tensor", "zeros_like",
+    "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty",
+    "new_empty_strided", "fill_", "zero_", "fill",
+}  # fmt: skip
+#: Interpolations: a map flat along a spatial dim stays flat along it.
+_UPSAMPLES = ("upsample_", "_upsample_")
 _LAYER_NORM = {_aten.native_layer_norm.default, _aten.layer_norm.default}
 _SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
 _SLICES = {_aten.slice.Tensor, _aten.select.int, _aten.narrow.default}
@@ -179,6 +187,11 @@ class _Watch(TorchDispatchMode):
         self.lineage_params: dict[str, set[str]] = {}
         # Tensors computed from parameters alone (a reshaped layer scale), with their names.
         self.derived: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        # Tensors made without tile data: the dims (negative) along which their values do not
+        # change (a zeros map, a pooled value upsampled); and the global reductions' outputs,
+        # with the pixel count of the map each reduced.
+        self.flat: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        self.counts: dict[int, tuple[torch.Tensor, int]] = {}
         self.params, self.known, self.use = params, known, use
         self.root = "<model>"
         self.frames: Frames | None = None  # set by watch_tiles
@@ -277,6 +290,7 @@ class _Watch(TorchDispatchMode):
         if self.inside == 0 and any(self.tile_of(a) for a in args):
             self.use.tile_modules.add(path)
             if self.known(module):
+                self.in_order(path or self.root, module, args)
                 self.use.tile_params.update(names)
                 self.calls[path] = self.calls.get(path, 0) + 1
                 for a in args:
@@ -287,6 +301,20 @@ class _Watch(TorchDispatchMode):
         elif self.inside == 0 and self.known(module):
             pools = frozenset().union(*(self.pools_of(a) for a in args))
             self.on_lineage(pools, names)
+
+    def in_order(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A layer with a spatial form takes its tiles as ``(N, C, *spatial)``: a map whose
+        tiled dims were moved (``x.permute(0, 2, 1, 3)``) would be windowed over others."""
+        for a in args:
+            tile = self.tile_of(a)
+            if tile is not None and (tile.flat is not None or tile.dims != _last(a, tile.hw).dims):
+                raise _refuse(
+                    path,
+                    type(module).__name__,
+                    f"takes a map whose tiled dims are {tile.dims} of {a.dim()}, not its last "
+                    f"{len(tile.hw)}",
+                    "call it on the (N, C, *spatial) map the grid tiles (permute back first)",
+                )
 
     def leave(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self.known(module) or self.inside or not isinstance(out, torch.Tensor):
@@ -331,14 +359,17 @@ class _Watch(TorchDispatchMode):
         outs, _ = tree_flatten(out)
         if self.random_draw(func, flat, tiles, outs):
             return out
+        path = (self.frames.path if self.frames is not None else "") or self.root
+        self.counted(func, args, outs, path)
         if not tiles:
             self.on_lineage(pools, used)
             for o in outs:
                 self.mark_replicated(o, pools)
                 self.mark_derived(o, used)  # e.g. a layer scale reshaped to (1, C, 1, 1)
+            self.mark_flat(func, flat, outs)
             return out
         self.use.rejoined_pools |= pools  # a pooled value meets the tiles again
-        path = (self.frames.path if self.frames is not None else "") or self.root
+        self.mixed(func, flat, path)
         self.use.tile_params.update(used)
         result = self.classify(func, args, kwargs, tiles[0], out, path)
         self.written(func, args, result, path)
@@ -346,6 +377,122 @@ class _Watch(TorchDispatchMode):
             self.mark(o, result)
         self.track(func, flat, outs, result)
         return out
+
+    # -- tensors not made from the tiles -------------------------------------------------
+    def flat_dims(self, t: torch.Tensor) -> frozenset[int]:
+        """The dims (negative) along which ``t``'s values do not change: its dims of size 1,
+        and those :meth:`mark_flat` followed."""
+        ones = frozenset(d - t.dim() for d in range(t.dim()) if t.shape[d] == 1)
+        hit = self.flat.get(id(t))
+        return ones | hit[1] if hit is not None and hit[0] is t else ones
+
+    def mark_flat(self, func: Any, flat: list[Any], outs: list[Any]) -> None:
+        """Follow, for tensors made without tile data, the dims along which their values do
+        not change: everywhere for a constant (``torch.zeros``, ``fill_``), along the dims
+        every operand is flat in for a per-element op, a view that keeps the trailing dims, an
+        expand, an upsample of a map flat in space (a pooled value resized to the map, as ASPP
+        does)."""
+        name = str(func.overloadpacket.__name__)
+        sources = [a for a in flat if isinstance(a, torch.Tensor)]
+        for o in outs:
+            if not isinstance(o, torch.Tensor):
+                continue
+            every = frozenset(range(-o.dim(), 0))
+            if name in _CONSTANTS:
+                kept = every
+            elif torch.Tag.pointwise in func.tags or name in _POINTWISE_NAMES:
+                kept = frozenset(
+                    d for d in every if all(a.dim() < -d or d in self.flat_dims(a) for a in sources)
+                )
+            elif (func in _VIEWS or name.startswith(_UPSAMPLES)) and sources:
+                x = sources[0]
+                kept = frozenset(
+                    d
+                    for d in self.flat_dims(x)
+                    if -d <= o.dim()
+                    and (
+                        name.startswith(_UPSAMPLES)
+                        or func is _aten.expand.default  # from the right, sizes 1 repeated
+                        or tuple(x.shape[d:]) == tuple(o.shape[d:])
+                    )
+                )
+            else:
+                continue
+            self.flat[id(o)] = (o, kept)
+
+    def mixed(self, func: Any, flat: list[Any], path: str) -> None:
+        """A tensor made without tile data, of the tile's extent in a spatial dim and not flat
+        along it, combined per pixel with a tile (coordinates from ``torch.arange(x.shape[2])``,
+        a mask or positional embedding sized from ``x.shape``): it would be the same on every
+        tile, not the whole image's, so it is refused."""
+        name = str(func.overloadpacket.__name__)
+        if not (
+            torch.Tag.pointwise in func.tags
+            or name in _POINTWISE_NAMES
+            or func in (_aten.cat.default, _aten.stack.default, _aten.copy_.default)
+        ):
+            return
+        ref = next(a for a in flat if self.tile_of(a) is not None)
+        tile = self.tile_of(ref)
+        assert tile is not None
+        if tile.flat is not None:
+            return
+        read = flat[1:] if func is _aten.copy_.default else flat  # copy_ overwrites its first
+        for a in read:
+            if not isinstance(a, torch.Tensor) or self.tile_of(a) is not None:
+                continue
+            fixed = self.flat_dims(a)
+            if any(-a.dim() <= d - ref.dim() and d - ref.dim() not in fixed for d in tile.dims):
+                raise _refuse(
+                    path,
+                    f"aten.{name} with a tensor of shape {tuple(a.shape)}",
+                    "combines the tiled map with a tensor that spans its spatial dims but is "
+                    "not computed from it (coordinates, a mask or an embedding sized from "
+                    "x.shape): on a tile x.shape is the tile's, and the tensor would be the "
+                    "same on every tile",
+                    "pass such maps as input channels, or compute them from the map itself "
+                    "(torch.ones_like(x), x.new_ones(...))",
+                )
+
+    def counted(self, func: Any, args: Sequence[Any], outs: list[Any], path: str) -> None:
+        """A global reduction's output divided or multiplied by the pixel count of the map it
+        reduced, a number read off the tile's shape (``x.sum((2, 3)) / (h * w)``): on a tile
+        that is the tile's count, not the image's, so it is refused."""
+        hit = next(
+            (
+                (t, n)
+                for t in args
+                if isinstance(t, torch.Tensor) and (n := self.count_of(t)) is not None
+            ),
+            None,
+        )
+        if hit is None:
+            return
+        name = str(func.overloadpacket.__name__)
+        if func in _VIEWS:
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    self.counts[id(o)] = (o, hit[1])
+            return
+        n = hit[1]
+        numbers = [a for a in args if isinstance(a, int | float) and not isinstance(a, bool)]
+        scaled = name in ("div", "div_") and any(v == n for v in numbers)
+        scaled |= name in ("mul", "mul_") and any(
+            v == n or math.isclose(v, 1 / n, rel_tol=1e-9) for v in numbers
+        )
+        if n > 1 and scaled:
+            raise _refuse(
+                path,
+                f"aten.{name} of a global reduction by {n}",
+                "scales a global reduction of the tiled map by its pixel count read off "
+                "x.shape: on a tile x.shape is the tile's, not the image's",
+                "average with x.mean((2, 3)) or nn.AdaptiveAvgPool2d(1), which the grid "
+                "takes over the whole image",
+            )
+
+    def count_of(self, t: torch.Tensor) -> int | None:
+        hit = self.counts.get(id(t))
+        return hit[1] if hit is not None and hit[0] is t else None
 
     def written(self, func: Any, args: Sequence[Any], result: _Tile | None, path: str) -> None:
         """Tile data written in place into a view of another tensor (``out[:, :c] = x``):
@@ -465,7 +612,17 @@ class _Watch(TorchDispatchMode):
             )
         if func in (_aten.permute.default, _aten.transpose.int):
             order = _permutation(func, args, nd)
-            return _Tile(tuple(order.index(d) for d in tile.dims), tile.hw)
+            moved = tuple(order.index(d) for d in tile.dims)
+            if list(moved) != sorted(moved):
+                raise _refuse(
+                    path,
+                    f"aten.{name} to dims {order}",
+                    "swaps the spatial dims of a tile: the tile's rows are not the image's "
+                    "columns (a tile sits at another place of the transposed image)",
+                    "transpose the input, or keep the spatial dims in their order (moving "
+                    "channels last is fine)",
+                )
+            return _Tile(moved, tile.hw)
         if func in _ALONG and int(args[1]) % nd not in tile.dims:
             return tile
         if torch.Tag.reduction in func.tags or func in _LAYER_NORM:
@@ -679,6 +836,8 @@ class _Sites(SiteMode):
             self.watch.mark(out, _last(out, tuple(int(v) for v in out.shape[-k:])))
         else:
             self.watch.mark_replicated(out, frozenset({name}))
+            if isinstance(out, torch.Tensor):
+                self.watch.counts[id(out)] = (out, math.prod(tile.hw))
         return out
 
     def weights(
