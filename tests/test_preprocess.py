@@ -28,6 +28,7 @@ from hyfi_imaging.preprocess import (
     run_preprocess,
 )
 from hyfi_imaging.preprocess.canvas import CanvasRenderer, CropPlan
+from hyfi_imaging.preprocess.discover import Discovery
 from hyfi_imaging.preprocess.tissue import tissue_box, tissue_mask
 
 SIZE = (1024, 1280)
@@ -326,6 +327,24 @@ def test_labels_files_as_they_come(tmp_path: Path) -> None:
     tsv.write_text("filename\tdiagnosis\nx.svs\tbenign\n")
     assert read_labels(tsv) == {"x": "benign"}
     assert read_labels(panda, label_column="gleason_score")["abc"] == "4+3"
+
+
+def test_labels_file_ids_keep_their_dots(tmp_path: Path) -> None:
+    """Only a slide file's extension is taken off an id: a dot inside one (TCGA's slide ids,
+    ``x.v2``) took the rest away, so ``x.v2`` labelled the slide ``x``."""
+    rows = tmp_path / "labels.csv"
+    rows.write_text(
+        "slide_id,label\nTCGA-AA-3555-01Z-00-DX1.0a2f3c,1\nS1.A,0\nS1.B,1\nx.v2,1\n"
+        "cases/y.ome.tiff,0\nz.SVS,1\nscan.raw,0\n"
+    )
+    assert read_labels(rows) == {
+        "TCGA-AA-3555-01Z-00-DX1.0a2f3c": "1", "S1.A": "0", "S1.B": "1", "x.v2": "1", "y": "0",
+        "z": "1", "scan.raw": "0",
+    }  # fmt: skip
+    found = Discovery(slides=[tmp_path / n for n in ("x.tif", "x.v2.tif", "scan.raw")])
+    labels = found.labels_for(read_labels(rows))
+    assert "x" not in labels and labels["x.v2"] == "1"
+    assert labels["scan"] == "0"  # a row naming a file by its whole name labels it
 
 
 def _cli(src: Path, out: Path) -> list[str]:

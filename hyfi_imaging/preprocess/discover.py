@@ -115,11 +115,13 @@ class Discovery:
 
     def labels_for(self, labels: dict[str, str]) -> dict[str, str]:
         """``labels`` (keyed by stem, as labels files and ``--label-from-name`` name slides)
-        plus the stem's label for each input whose id is its file name."""
+        plus the stem's label for each input whose id is its file name, and the label of a
+        row naming an input by its whole file name (an extension not known as a slide's)."""
+        by_file = {self.slide_id(p): labels[p.name] for p in self.slides if p.name in labels}
         named = {
             sid: labels[slide_id_of(p)] for p, sid in self.ids.items() if slide_id_of(p) in labels
         }
-        return {**named, **labels}
+        return {**by_file, **named, **labels}
 
     def groups(self) -> dict[str, list[SkippedInput]]:
         """Skipped paths by reason, reasons in the order first met."""

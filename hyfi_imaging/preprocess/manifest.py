@@ -32,6 +32,7 @@ __all__ = [
     "ManifestRow",
     "read_labels",
     "read_manifest",
+    "label_id",
     "slide_id_of",
     "write_manifest",
 ]
@@ -53,6 +54,13 @@ MANIFEST_COLUMNS = (
 _ID_NAMES = ("slide_id", "image_id", "slide", "image", "id", "filename", "file", "name", "case_id")
 _LABEL_NAMES = ("label", "isup_grade", "class", "target", "diagnosis", "y", "grade", "category")
 _SLIDE_SUFFIXES = (".ome.tiff", ".ome.tif", ".ome.zarr")
+#: File name endings a labels file's id may carry (``tumor_001.tif``): taken off. Any other dot
+#: is part of the id (TCGA's ``...-DX1.0a2f3c``, ``S1.A``), never mistaken for an extension.
+_IMAGE_SUFFIXES = (
+    *_SLIDE_SUFFIXES, ".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
+    ".tif", ".tiff", ".btf", ".tf2", ".tf8", ".qptiff", ".dcm", ".zarr", ".png", ".jpg",
+    ".jpeg", ".isyntax", ".czi", ".vsi",
+)  # fmt: skip
 
 
 def slide_id_of(path: Path | str) -> str:
@@ -62,6 +70,16 @@ def slide_id_of(path: Path | str) -> str:
         if name.lower().endswith(suffix):
             return name[: -len(suffix)]
     return Path(name).stem if "." in name else name
+
+
+def label_id(text: str) -> str:
+    """The slide id a labels file's id cell names: its last path part, without a slide
+    file's extension (:data:`_IMAGE_SUFFIXES`); other dots are part of the id."""
+    name = Path(text).name
+    for suffix in _IMAGE_SUFFIXES:
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def _pick(
@@ -119,7 +137,7 @@ def read_labels(
                 "fix or remove that row",
             )
         where = f"{path}:{lineno}"
-        sid = safe_id(slide_id_of(row[id_col].strip()), where=where, what="slide id")
+        sid = safe_id(label_id(row[id_col].strip()), where=where, what="slide id")
         label = row[label_col].strip()
         if sid in labels and labels[sid] != label:
             raise ConfigError(
