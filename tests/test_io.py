@@ -349,6 +349,44 @@ def test_resolution_and_ome_mpp_parsing() -> None:
     assert ome_mpp(xml) == pytest.approx(0.25)
     assert ome_mpp("<OME><Image><Pixels/></Image></OME>") is None
     assert ome_mpp("garbage <") is None
+    greek = '<OME><Image><Pixels PhysicalSizeX="0.5" PhysicalSizeXUnit="\u03bcm"/></Image></OME>'
+    assert ome_mpp(greek) == pytest.approx(0.5)  # a Greek mu is a micro sign too
+
+
+def _pixels(x: float, y: float) -> str:
+    return f'<OME><Image><Pixels PhysicalSizeX="{x}" PhysicalSizeY="{y}"/></Image></OME>'
+
+
+def test_pixels_that_are_not_square_are_refused(tmp_path: Path) -> None:
+    """Pixels 0.25 µm wide and 0.5 µm high: the mean (OME) or the width alone (TIFF tags) gave
+    every store the wrong physical size in both axes, without a word."""
+    assert ome_mpp(_pixels(0.2502, 0.25)) == pytest.approx(0.2501)  # scanners' rounding
+    with pytest.raises(SlideError, match="pixels are not square"):
+        ome_mpp(_pixels(0.25, 0.5))
+    tags = tmp_path / "tags.tif"
+    tifffile.imwrite(
+        tags,
+        _rng_image((64, 64, 3)),
+        tile=(32, 32),
+        resolution=(4e4, 2e4),
+        resolutionunit="CENTIMETER",
+    )
+    with pytest.raises(SlideError, match=r"pixels are not square \(0.25 µm wide, 0.5 µm high\)"):
+        open_slide(tags)
+    with open_slide(tags, mpp_override=0.4) as r:  # the metadata is wrong: the user says so
+        assert r.mpp == 0.4
+    store = tmp_path / "nm.zarr"
+    write_ome_zarr(store, _rng_image((3, 64, 64)), mpp=0.5, hyfi_attrs={}, chunk=32, shard=64)
+    meta = json.loads((store / "zarr.json").read_text())
+    for axis in meta["attributes"]["ome"]["multiscales"][0]["axes"][-2:]:
+        axis["unit"] = "nanometer"
+    for ds in meta["attributes"]["ome"]["multiscales"][0]["datasets"]:
+        ds["coordinateTransformations"][0]["scale"][-2:] = [
+            v * 1000 for v in ds["coordinateTransformations"][0]["scale"][-2:]
+        ]
+    (store / "zarr.json").write_text(json.dumps(meta))
+    with open_slide(store) as r:
+        assert r.mpp == pytest.approx(0.5)  # 500 nm, not 500 µm
 
 
 # ---------------------------------------------------------------- PNG / JPEG

@@ -42,6 +42,7 @@ from hyfi_imaging.io.base import level_downsample, read_filled
 from hyfi_imaging.io.budget import check_need, declared, default_memory_budget
 from hyfi_imaging.io.dicom import IMPLICIT_LE, WSI_SOP_CLASS, read_dicom_header
 from hyfi_imaging.io.dicom_instance import DicomInstance, read_instance, series_members
+from hyfi_imaging.io.openslide_reader import square_mpp
 from hyfi_imaging.io.pixels import default_background, default_channels
 
 __all__ = [
@@ -235,7 +236,9 @@ class DicomReader:
         if mpp_override is not None:
             self.mpp, self.mpp_source = float(mpp_override), "override"
         elif base.spacing_mm is not None:
-            self.mpp, self.mpp_source = 1000 * sum(base.spacing_mm) / 2, "vendor"
+            rows, cols = base.spacing_mm  # PixelSpacing: between rows (y), then columns (x)
+            self.mpp = square_mpp(self.path, 1000 * cols, 1000 * rows)
+            self.mpp_source = "vendor"
         else:
             self.mpp, self.mpp_source = None, "none"
         self.memory_budget = (

@@ -39,11 +39,35 @@ from hyfi_imaging.io.base import BACKGROUND, level_downsample, read_filled
 from hyfi_imaging.io.budget import default_memory_budget
 from hyfi_imaging.io.pixels import RGB_COLORS, RGB_NAMES
 
-__all__ = ["OpenSlideReader", "mpp_from_resolution"]
+__all__ = ["OpenSlideReader", "mpp_from_resolution", "square_mpp"]
 
 #: Microscopy pixel sizes outside this range (µm) are not believed: a
 #: resolution tag of 72 dpi (353 µm) describes a screen, not a slide.
 MPP_PLAUSIBLE = (1e-3, 100.0)
+
+
+#: Pixel sides (x, y) further apart than this are not one resolution (relative).
+MPP_SQUARE = 0.01
+
+
+def square_mpp(where: object, x: float | None, y: float | None) -> float | None:
+    """One µm/px from a pixel's width ``x`` and height ``y`` (either may be unknown or
+    implausible), their mean where they agree within :data:`MPP_SQUARE`.
+
+    Raises SlideError where they do not: every step downstream (the resampling to ``--mpp``,
+    the stores' scale, the masks) has one resolution for both axes, and a mean would give
+    the image the wrong physical size in both.
+    """
+    known = [v for v in (x, y) if v is not None and MPP_PLAUSIBLE[0] <= v <= MPP_PLAUSIBLE[1]]
+    if len(known) == 2 and abs(known[0] - known[1]) > MPP_SQUARE * min(known):
+        raise SlideError(
+            where,
+            f"its pixels are not square ({known[0]:g} µm wide, {known[1]:g} µm high); "
+            "hyfi-preprocess takes one resolution for both axes",
+            "resample the slide to square pixels first, or pass --mpp-override MICRONS if "
+            "its metadata is wrong",
+        )
+    return sum(known) / len(known) if known else None
 
 
 def mpp_from_resolution(resolution: float | None, unit: str | None) -> float | None:
@@ -145,17 +169,14 @@ class OpenSlideReader:
     def _mpp(self, props: Any, override: float | None) -> tuple[float | None, str]:
         if override is not None:
             return float(override), "override"
-        xy = [props.get("openslide.mpp-x"), props.get("openslide.mpp-y")]
-        values = [float(v) for v in xy if v not in (None, "")]
-        values = [v for v in values if MPP_PLAUSIBLE[0] <= v <= MPP_PLAUSIBLE[1]]
-        if values:
+        x, y = (_number(props.get(f"openslide.mpp-{a}")) for a in "xy")
+        mpp = square_mpp(self.path, x, y)
+        if mpp is not None:
             source = "tiff-resolution" if self.format == "generic-tiff" else "vendor"
-            return sum(values) / len(values), source
-        try:
-            res = float(props.get("tiff.XResolution", 0) or 0)
-        except ValueError:
-            res = 0.0
-        mpp = mpp_from_resolution(res, props.get("tiff.ResolutionUnit"))
+            return mpp, source
+        unit = props.get("tiff.ResolutionUnit")
+        x, y = (mpp_from_resolution(_number(props.get(f"tiff.{a}Resolution")), unit) for a in "XY")
+        mpp = square_mpp(self.path, x, y)
         return (mpp, "tiff-resolution") if mpp is not None else (None, "none")
 
     @property
@@ -225,3 +246,11 @@ def _background(props: Any) -> int:
     except (TypeError, ValueError):
         return BACKGROUND
     return round((r + g + b) / 3)
+
+
+def _number(text: object) -> float | None:
+    """A property's number, or None where it is missing or not one."""
+    try:
+        return float(text) if text not in (None, "") else None  # type: ignore[arg-type]
+    except ValueError:
+        return None

@@ -47,7 +47,7 @@ from hyfi_imaging.io.budget import (
     default_memory_budget,
 )
 from hyfi_imaging.io.channels import qpi_color
-from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution
+from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE, mpp_from_resolution, square_mpp
 from hyfi_imaging.io.pixels import (
     cast_to,
     default_background,
@@ -63,20 +63,31 @@ _ASSOCIATED = {"thumbnail", "label", "macro", "overview"}
 _OME_UNIT_UM = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e6, "Å": 1e-4}
 
 
-def ome_mpp(ome_xml: str | None) -> float | None:
-    """Microns per pixel from the first image's OME ``PhysicalSizeX/Y``, or ``None``."""
+def ome_mpp(ome_xml: str | None, where: object = "the OME-XML") -> float | None:
+    """Microns per pixel from the first image's OME ``PhysicalSizeX/Y``, or ``None``
+    (SlideError where they differ: :func:`square_mpp`)."""
     pixels = _ome_pixels(ome_xml)
     if pixels is None:
         return None
-    values = []
+    values: list[float | None] = []
     for axis in ("X", "Y"):
         size = pixels.get(f"PhysicalSize{axis}")
-        scale = _OME_UNIT_UM.get(pixels.get(f"PhysicalSize{axis}Unit", "µm"))
+        unit = pixels.get(f"PhysicalSize{axis}Unit", "µm").replace("\u03bc", "\u00b5")  # Greek mu
+        scale = _OME_UNIT_UM.get(unit)
+        value = None
         if size is not None and scale is not None:
             with contextlib.suppress(ValueError):
-                values.append(float(size) * scale)
-    values = [v for v in values if MPP_PLAUSIBLE[0] <= v <= MPP_PLAUSIBLE[1]]
-    return sum(values) / len(values) if values else None
+                value = float(size) * scale
+        values.append(value)
+    return square_mpp(where, *values)
+
+
+def _ratio(tag: Any) -> float | None:
+    """A TIFF RATIONAL tag's value, or None."""
+    if tag is None:
+        return None
+    num, den = tag.value
+    return num / den if den else None
 
 
 def _ome_pixels(ome_xml: str | None) -> ET.Element | None:
@@ -349,7 +360,7 @@ class TiffReader:
     def _mpp(self, override: float | None) -> tuple[float | None, str]:
         if override is not None:
             return float(override), "override"
-        mpp = ome_mpp(self._tif.ome_metadata) if self._tif.is_ome else None
+        mpp = ome_mpp(self._tif.ome_metadata, self.path) if self._tif.is_ome else None
         if mpp is not None:
             return mpp, "ome"
         page = self._tif.pages.first
@@ -358,11 +369,14 @@ class TiffReader:
             mpp = float(found.group(1)) if found else None
             if mpp is not None and MPP_PLAUSIBLE[0] <= mpp <= MPP_PLAUSIBLE[1]:
                 return mpp, "vendor"
-        res, unit = page.tags.get("XResolution"), page.tags.get("ResolutionUnit")
-        if res is not None and unit is not None:
-            num, den = res.value
+        unit = page.tags.get("ResolutionUnit")
+        if unit is not None:
             unit_name = {2: "inch", 3: "centimeter"}.get(int(unit.value))
-            mpp = mpp_from_resolution(num / den if den else None, unit_name)
+            x, y = (
+                mpp_from_resolution(_ratio(page.tags.get(f"{a}Resolution")), unit_name)
+                for a in "XY"
+            )
+            mpp = square_mpp(self.path, x, y)
             if mpp is not None:
                 return mpp, "tiff-resolution"
         return None, "none"

@@ -69,6 +69,7 @@ from hyfi_imaging.io.inventory import (
     store_size,
     take_inventory,
 )
+from hyfi_imaging.io.openslide_reader import square_mpp
 from hyfi_imaging.io.pixels import (
     default_background,
     default_channels,
@@ -568,9 +569,16 @@ class ZarrReader:
         self.channel_names, self.channel_colors, self.channel_windows = parse_omero(
             ome.get("omero"), self.channels, self.dtype
         )
-        has_unit = all(not isinstance(a, dict) or "unit" in a for a in multiscale["axes"][-2:])
-        self.mpp: float | None = float(scales[0][-1]) if has_unit else None
-        self.mpp_source = "ome" if has_unit else "none"
+        per_um = [
+            _UNIT_UM.get(str(a.get("unit"))) if isinstance(a, dict) else None
+            for a in multiscale["axes"][-2:]
+        ]
+        y, x = (
+            float(scales[0][k]) * um if um is not None else None
+            for k, um in zip((-2, -1), per_um, strict=True)
+        )
+        self.mpp: float | None = square_mpp(self.path, x, y)
+        self.mpp_source = "ome" if self.mpp is not None else "none"
         if mpp_override is not None:
             self.mpp, self.mpp_source = float(mpp_override), "override"
         self.background = self.attrs.get(
@@ -670,6 +678,13 @@ def read_store_pixels(path: str | os.PathLike[str]) -> StorePixels | None:
     mpp = attrs["hyfi"].get("mpp")  # None where the source stated none
     known = isinstance(mpp, int | float) and not isinstance(mpp, bool) and mpp > 0
     return StorePixels(channels, str(dtype), names, float(mpp) if known else None)
+
+
+#: NGFF's space units (UDUNITS-2 names), in µm.
+_UNIT_UM = {
+    "micrometer": 1.0, "micron": 1.0, "nanometer": 1e-3, "millimeter": 1e3, "centimeter": 1e4,
+    "meter": 1e6, "angstrom": 1e-4,
+}  # fmt: skip
 
 
 def _scale_of(dataset: dict[str, Any]) -> list[float]:
