@@ -9,6 +9,10 @@ held against ours on random data with many ties.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,3 +192,23 @@ def test_bad_input_is_one_clear_error(
     args: dict[str, object] = {"task": "binary", **kwargs}
     with pytest.raises(ValueError, match=match):
         evaluate_predictions(probs, labels, **args)  # type: ignore[arg-type]
+
+
+def test_a_confident_models_metrics_are_its_logits(train_manifest: Path, tmp_path: Path) -> None:
+    """The trainer scores log-probabilities in float64: float32 probabilities round to 1.0 past
+    a logit gap of ~17, so a confident model's slides tied in the AUC (0.44 reported for 0.38)
+    and each slide's loss was capped at -log(1e-12) (13.8 reported for 190.9)."""
+    worker = Path(__file__).parent / "workers" / "confident_eval.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.run(
+        [sys.executable, str(worker), str(train_manifest), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    got = json.loads(job.stdout.strip().splitlines()[-1])
+    assert sum(abs(g) > 17 for g in got["gaps"]) >= 2, got  # float32 saturates on these slides
+    assert got["auc"] == got["auc_logits"], got
+    assert got["val_loss"] == pytest.approx(got["loss_logits"], rel=1e-9), got

@@ -13,7 +13,10 @@ Which numbers, and why:
 * ``accuracy`` — on the argmax prediction, for every task.
 * ``auc`` — ROC AUC of the positive class (column 1) when ``K == 2``: the
   headline metric of slide-level detection (CAMELYON16). It is rank based, so
-  probabilities and logits give the same value.
+  any increasing function of column 1's probability gives the same value: its
+  log-probability too, which the trainer passes (float32 probabilities of a
+  confident model round to 1.0 and tie). Not raw logits: column 1's logit alone
+  is not the log-odds.
 * ``macro_auc`` — one-vs-rest ROC AUC averaged over the classes present, when
   ``K > 2`` (TCGA subtyping). Each class is scored on its own column, so the
   scores need not sum to one.
@@ -289,8 +292,9 @@ def evaluate_predictions(
 ) -> EvalResult:
     """Compute accuracy, AUC / macro AUC, QWK and the confusion matrix.
 
-    ``probs`` is ``(N, K)`` scores (probabilities or logits: every metric here
-    uses only the argmax or the ranking within a column); for
+    ``probs`` is ``(N, K)`` scores: probabilities, or any increasing function of each
+    (log-probabilities: every metric here uses only the argmax or the ranking within a
+    column). Not raw logits: a column's logit ranks samples unlike its probability. For
     ``task="binary"`` a 1-D array is read as the positive-class score.
     ``labels`` is ``(N,)`` integer class indices in ``[0, K)``.
 

@@ -570,20 +570,29 @@ class Trainer:
         indices: Sequence[int],
         *,
         on_batch: Callable[[torch.Tensor, list[int]], None] | None = None,
+        log: bool = False,
     ) -> np.ndarray:
-        """Class probabilities ``(len(indices), K)`` (regression: the outputs), on every rank.
+        """Class probabilities ``(len(indices), K)`` (regression: the outputs), on every rank;
+        with ``log``, their logarithms in float64 (a confident model's probabilities round to
+        1.0 in float32, and its ranking and loss with them).
 
         ``on_batch(logits, rows)`` is called on every rank after each batch's
         forward (the heat maps' hook: :mod:`.heatmaps`); ``logits`` has the
         batch's padded rows, ``rows`` the real indices.
         """
         if not indices:
-            return np.zeros((0, len(self.recipe.data.classes)), dtype=np.float32)
+            dtype = np.float64 if log else np.float32
+            return np.zeros((0, len(self.recipe.data.classes)), dtype=dtype)
         parts: list[torch.Tensor] = []
         for out, _, rows in self._outputs(manifest, indices):
             if on_batch is not None:
                 on_batch(out, rows)
-            value = out if self.task == "regression" else torch.softmax(out, dim=1)
+            if self.task == "regression":
+                value = out
+            elif log:
+                value = torch.log_softmax(out.double(), dim=1)
+            else:
+                value = torch.softmax(out, dim=1)
             parts.append(value[: len(rows)].cpu())
         return torch.cat(parts).numpy()
 
@@ -688,7 +697,7 @@ class Trainer:
             per_image = m.pop("per_image")
             line = f"{segmentation_line(m)}  val_loss {m['val_loss']:.4f}"
             return {**m, "_per_image": per_image, "_line": line}
-        p = self.predict(manifest, self.val_idx)
+        p = self.predict(manifest, self.val_idx, log=self.task != "regression")
         if self.task == "regression":
             from hyfi_imaging.train.losses import regression_errors
 
@@ -726,12 +735,12 @@ class Trainer:
                 "is the newest checkpoint: relaunch to resume from it",
             )
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
+        # Scores are log-probabilities: the ranking and the loss of the logits, which float32
+        # probabilities lose where they round to 1.0 (AUC 0.44 for 0.38, a loss capped at 27.6)
         result = evaluate_predictions(p, labels, task=r.data.task, class_names=r.data.classes)
         if out_dir is not None:
-            self._write_split_predictions(out_dir / "val_predictions.csv", p)
-        loss = float(
-            F.nll_loss(torch.log(torch.from_numpy(p).clamp_min(1e-12)), torch.from_numpy(labels))
-        )
+            self._write_split_predictions(out_dir / "val_predictions.csv", np.exp(p))
+        loss = float(F.nll_loss(torch.from_numpy(p), torch.from_numpy(labels)))
         return {**result.as_dict(), "val_loss": loss, "_result": result, "_line": result.line()}
 
     def _write_split_predictions(self, path: Path, val_probs: np.ndarray) -> None:
