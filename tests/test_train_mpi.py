@@ -186,15 +186,35 @@ def test_resume_after_a_kill_continues_exactly(
 
 
 def test_checkpoint_moves_between_layouts(manifest: Path, grid_runs: Path, tmp_path: Path) -> None:
-    """The 2x2 run's checkpoint predicts alike in one process, on 1x2 tiles and on 2 stages."""
+    """The 2x2 run's checkpoint predicts alike in one process, on 1x2 tiles and on 2 stages;
+    and so does a run whose recipe cut a pipeline by hand (``parallel.balance``, as hyfi-plan
+    prints it; here of zbv's four stage parts): its cut was refused on any other layout,
+    even on its own two stages (hyfi-predict's forward is GPipe's), naming an option
+    hyfi-predict does not have."""
+    import shutil
+
+    import yaml
+
+    staged = tmp_path / "staged"
+    shutil.copytree(grid_runs / "grid", staged)
+    recipe = yaml.safe_load((staged / "recipe.yaml").read_text())
+    recipe["parallel"].update(pipeline=2, schedule="zbv", balance=[3, 3, 3, 2], microbatches=4)
+    (staged / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     outs = []
-    for ranks, extra in ((1, []), (2, ["--spatial", "1x2"]), (2, ["--pipeline", "2"])):
+    cases = [
+        (grid_runs / "grid", 1, []),
+        (grid_runs / "grid", 2, ["--spatial", "1x2"]),
+        (grid_runs / "grid", 2, ["--pipeline", "2"]),
+        (staged, 1, []),
+        (staged, 2, ["--pipeline", "2"]),
+    ]
+    for run, ranks, extra in cases:
         out = tmp_path / f"pred{len(outs)}.csv"
         cmd = [
             *python(),
             "-m",
             "hyfi_imaging.cli.predict",
-            str(grid_runs / "grid"),
+            str(run),
             "--manifest",
             str(manifest),
             "--out",

@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"parallel.spatial={'x'.join(map(str, args.spatial))}",
                 "parallel.stage_grids=null",  # a run's per-stage grids (the junction): not here
                 f"parallel.pipeline={args.pipeline}",
+                # the run's cut was for its own stages (and schedule): the model is cut anew
+                "parallel.balance=null",
+                "parallel.branches=1",  # a compute split of the training's ranks, same weights
                 "parallel.data=1",
                 "parallel.microbatches=1",
                 # Prediction is forward only: every schedule's forward is GPipe's.
