@@ -252,11 +252,15 @@ def _affine(
     xhat: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``xhat * weight + bias`` per channel in one output allocation (the expression would
-    hold a second tile-sized temporary); ``xhat`` itself without an affine."""
+    hold a second tile-sized temporary); ``xhat`` itself without an affine. In ``xhat``'s
+    dtype, as ATen's norms give a half-type input with float32 parameters (autocast):
+    promoted to float32, every layer after the norm ran and was saved in float32 on a
+    tile where one process runs it in bfloat16."""
     if weight is None:
         return xhat
     shape, _ = _channel_shape(xhat)
-    return torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
+    y = torch.addcmul(bias.view(shape), xhat, weight.view(shape))  # type: ignore[union-attr]
+    return y.to(xhat.dtype)
 
 
 def _zeroed(x: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,8 @@ class _Transposed(_SpatialMixin):
             y = F.pad(y, [v for k in reversed(range(nd)) for v in (0, short[k])])
         y = y[trailing([slice(c0, c0 + n) for c0, n in crop])]
         if conv.bias is not None:
-            return y + conv.bias.view(1, -1, *(1,) * nd)
+            # in y's dtype, as autocast gives the plain layer's bias (bfloat16 stays bfloat16)
+            return y + conv.bias.to(y.dtype).view(1, -1, *(1,) * nd)
         # Not the cropped view: an in-place op on a view would drop FSDP2's pre-backward hook.
         return y.clone(memory_format=torch.contiguous_format)
 
