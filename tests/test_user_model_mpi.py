@@ -122,6 +122,22 @@ def test_verify_model_in_one_process() -> None:
     assert report.format("ResidualNet").startswith("hyfi-verify: OK: ResidualNet, ")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_model_refuses_a_half_type(dtype: torch.dtype) -> None:
+    """A half type ran and reported FAIL on an exact model (1.5-1.7 relative, float32's
+    tolerance): its own rounding is as large as any layout error."""
+    from hyfi_imaging import verify_model
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.parallel.launch import shutdown
+
+    try:
+        with pytest.raises(ConfigError, match="has no tolerance") as err:
+            verify_model(_user_model().ResidualNet(), (30, 26), steps=1, dtype=dtype)
+    finally:
+        shutdown()
+    assert "\n" not in str(err.value)
+
+
 def test_a_channels_last_batch_trains_under_torchs_stage_checks() -> None:
     """torch's ``PipelineStage`` checks a stage's input strides against its contiguous meta
     trace (torch 2.11 always; 2.13 at debug level DETAIL): a channels-last batch and model

@@ -321,7 +321,16 @@ def run_verify(
     loss_fn = loss if loss is not None else cross_entropy
     make_target = target if target is not None else default_target
     make_images = draw_images if draw_images is not None else random_images
-    rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
+    if dtype not in TOLERANCES:
+        raise ConfigError(
+            "verify_model",
+            f"dtype {dtype} has no tolerance: a half type's own rounding moves a model's "
+            "gradients as much as any layout error would (bfloat16 against float64: 0.5-1.2 "
+            "relative), so the check could not tell them apart",
+            "verify in torch.float64 (exactness) or torch.float32; train.precision: bf16 "
+            "runs the same spatial layers under autocast",
+        )
+    rtol, atol = TOLERANCES[dtype]
     torch.manual_seed(seed)
     model = build().to(dtype)
     plan.validate(model, batch)
