@@ -103,6 +103,17 @@ def test_rank_puts_fitting_layouts_first() -> None:
     assert all(p.peak > small for p in ranked[1:] if p.peak > small)
 
 
+def test_rank_keeps_the_batch_whole_where_the_rate_cannot_tell() -> None:
+    """parallel=auto's nominal rate gives one stage's m=1 and m=2 the same speed: m=2 won on
+    its smaller peak, and trained BatchNorm on half batches (another first loss than the
+    layout by hand and hyfi-plan's pick)."""
+    model = create_model("resnet18", num_classes=2, width=0.25)
+    one, two = (predict(model, (256, 256), 2, Candidate(Layout(), m), flops_per_s=5e10)
+                for m in (1, 2))  # fmt: skip
+    assert one.images_per_s == two.images_per_s and two.peak < one.peak
+    assert [p.candidate.microbatches for p in rank([two, one], 2**40)] == [1, 2]
+
+
 def test_cli_recommends_and_prints_recipe_lines(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["--model", "resnet18", "--width", "0.25", "--image-size", "1024",
                  "--devices", "4", "--device-memory", "1GiB", "--rate", "1e10", "--top", "3"])  # fmt: skip
@@ -569,7 +580,7 @@ def test_parallel_auto_never_picks_replicas_training_refuses(
 ) -> None:
     """13 slides, a quarter validating, batch 4 on 4 ranks: 9 training slides give 4 replicas
     no full batch (the trainer refuses), so auto keeps to 2 or fewer; preflight refuses 4."""
-    from hyfi_imaging.train.autoplan import replica_check
+    from hyfi_imaging.train.autoplan import cohort_check
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.preflight import preflight
     from hyfi_imaging.train.split import check_full_batch, training_count
@@ -588,7 +599,7 @@ def test_parallel_auto_never_picks_replicas_training_refuses(
     offered = {c.layout.dp for c in candidates(model, (256, 256), 4, 4)}
     assert 4 in offered  # what the check, not the candidates, keeps out
     with pytest.raises(ConfigError, match="9 training slides over 4 data replicas make no full"):
-        replica_check(plain)(Layout(dp=4))
+        cohort_check(plain)(Layout(dp=4))
     with pytest.raises(ConfigError, match="9 training slides over 4 data replicas"):
         preflight(load_recipe(path, ["parallel.data=4"]))
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -127,6 +127,30 @@ def test_segmentation_val_loss_does_not_count_the_padded_images(
         assert image.mpp is not None and mask.mpp == image.mpp and mask.attrs["level"] == 0
 
 
+def test_the_planner_plans_a_segmentation_recipe_as_training_runs_it(
+    slides: Path, tmp_path: Path
+) -> None:
+    """hyfi-plan refused the recipe (it read the masks' manifest for class labels), and
+    parallel=auto could pick pipeline stages, which segmentation training refuses: both
+    leave out what the trainer refuses for the task."""
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.parallel.layout import Layout
+    from hyfi_imaging.train.autoplan import cohort_check
+    from hyfi_imaging.train.config import load_recipe
+
+    recipe = ROOT / "recipes" / "slide-segmentation-synthetic.yaml"
+    sets = [f"data.manifest={slides}", "model.kwargs.width=4", "model.kwargs.depth=2"]
+    with pytest.raises(ConfigError, match="segmentation reads each mask tile on the first stage"):
+        cohort_check(load_recipe(recipe, sets))(Layout(pp=2))
+    run = subprocess.run(
+        [sys.executable, "-m", "hyfi_imaging.cli.plan", str(recipe), "--devices", "2",
+         *(a for s in sets for a in ("--set", s))],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pp=2" not in run.stdout and "recommended: dp=2 x pp=1" in run.stdout, run.stdout
+
+
 @pytest.mark.slow
 def test_slide_segmentation_on_a_grid_writes_masks(slides: Path, tmp_path: Path) -> None:
     from hyfi_imaging.io.labels import open_labels

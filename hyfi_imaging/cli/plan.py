@@ -233,12 +233,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
             "(--set model.kwargs.width=...)",
         )
     if args.recipe is not None:
-        from hyfi_imaging.data.dataset import load_samples
-        from hyfi_imaging.train.autoplan import replica_check
+        from hyfi_imaging.train.autoplan import cohort_check, slide_size
         from hyfi_imaging.train.config import load_recipe
         from hyfi_imaging.train.inputs import build_model, data_pixels
 
         r = load_recipe(args.recipe, args.overrides)
+        hw = args.image_size or slide_size(r, f"hyfi-plan {args.recipe}")
         try:  # the data's channel count when the manifest is at hand (else the model's own)
             channels: int | None = data_pixels(r).channels
         except ConfigError:
@@ -246,9 +246,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
                 raise
             channels = None
         # What training refuses for the cohort (without a manifest at hand: nothing known).
-        cohort_check = replica_check(r, args.batch) if channels is not None else None
+        check = cohort_check(r, args.batch) if channels is not None else None
         model = build_model(r, channels)
-        hw = args.image_size or load_samples(r.data.manifest, classes=r.data.classes)[0].image_hw
         p = r.parallel
         own = Candidate(
             p.layout(), p.microbatches,
@@ -263,7 +262,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
             args.batch or r.train.batch_size,
             args.optimizer or r.optim.name,
             own,
-            cohort_check,
+            check,
         )
     if not args.model or not args.image_size or not args.devices:
         raise ConfigError(

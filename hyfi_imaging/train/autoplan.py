@@ -18,7 +18,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.train.config import ParallelConfig, Recipe
 
-__all__ = ["choose_layout", "fit_warning", "launch_world_size", "replica_check"]
+__all__ = ["choose_layout", "cohort_check", "fit_warning", "launch_world_size", "slide_size"]
 
 #: FLOP/s used to rank layouts when nothing is measured (the ranking barely depends on it).
 NOMINAL_RATE = {"cpu": 5e10, "cuda": 2e14}
@@ -36,37 +36,52 @@ def launch_world_size() -> int:
     return env.world_size
 
 
-def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:
-    import torch
-
+def slide_size(recipe: Recipe, where: str = "parallel: auto") -> tuple[int, int]:
+    """The size of the recipe's slides (the manifest's first; labels are not read: a
+    segmentation manifest's are its masks); ConfigError for volumes, which the planner's 2-D
+    model does not plan."""
     from hyfi_imaging.data.dataset import load_samples
-    from hyfi_imaging.train.inputs import build_model, data_pixels
     from hyfi_imaging.train.tasks import manifest_kind
 
-    r = recipe
-    if manifest_kind(r.data.manifest) == "volumes":  # the planner's model is 2-D
+    if manifest_kind(recipe.data.manifest) == "volumes":
         raise ConfigError(
-            "parallel: auto",
+            where,
             "plans layouts for slides only",
             "write the parallel section for volumes (spatial 1x1, data N)",
         )
+    return load_samples(recipe.data.manifest, labels=False)[0].image_hw
+
+
+def _setting(recipe: Recipe) -> tuple[nn.Module, tuple[int, int], float, str]:
+    import torch
+
+    from hyfi_imaging.train.inputs import build_model, data_pixels
+
+    r = recipe
+    hw = slide_size(r)
     model = build_model(r, data_pixels(r).channels)
-    hw = load_samples(r.data.manifest, labels=False)[0].image_hw
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     return model, hw, NOMINAL_RATE[kind], r.optim.name
 
 
-def replica_check(recipe: Recipe, batch: int | None = None) -> Callable[[Layout], None]:
-    """The trainer's refusal of a layout for this recipe's cohort, as a check of a layout:
-    ConfigError unless every data replica gets a full batch (``batch``, default the recipe's)
-    of the images the trainer trains on (:mod:`.split`: the same split, the same rule)."""
+def cohort_check(recipe: Recipe, batch: int | None = None) -> Callable[[Layout], None]:
+    """The trainer's refusals of a layout for this recipe's task and cohort, as a check of a
+    layout: ConfigError where the task does not run on it (segmentation on pipeline stages:
+    :func:`~.tasks.check_task_layout`), or where a data replica would not get a full batch
+    (``batch``, default the recipe's) of the images the trainer trains on (:mod:`.split`: the
+    same split, the same rule)."""
     from hyfi_imaging.train.split import check_full_batch, training_count
-    from hyfi_imaging.train.tasks import load_cohort
+    from hyfi_imaging.train.tasks import check_task_layout, load_cohort
 
-    training = training_count(recipe, load_cohort(recipe, recipe.data.manifest))
+    cohort = load_cohort(recipe, recipe.data.manifest)
+    training = training_count(recipe, cohort)
     per_replica = batch or recipe.train.batch_size
 
     def check(layout: Layout) -> None:
+        parallel = recipe.parallel.model_copy(update={"pipeline": layout.pp, "spatial": layout.sp})
+        check_task_layout(
+            recipe.model_copy(update={"parallel": parallel}), cohort, recipe.data.manifest
+        )
         check_full_batch(training, layout.dp, per_replica)
 
     return check
@@ -74,14 +89,14 @@ def replica_check(recipe: Recipe, batch: int | None = None) -> Callable[[Layout]
 
 def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
     """The fastest layout of ``devices`` ranks whose predicted peak fits this machine's devices
-    and that training accepts for this cohort (micro-batches that split the batch, a full batch
-    for every data replica: :func:`replica_check`)."""
+    and that training accepts for this task and cohort (micro-batches that split the batch, a
+    full batch for every data replica, one stage for segmentation: :func:`cohort_check`)."""
     from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
     from hyfi_imaging.parallel.plan import predict
 
     model, hw, rate, optimizer = _setting(recipe)
     batch = recipe.train.batch_size
-    check = replica_check(recipe)
+    check = cohort_check(recipe)
     preds, refused, unpredicted = [], None, []
     for cand in candidates(model, hw, devices, batch):
         try:
