@@ -172,11 +172,14 @@ def candidates(
 
 
 def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:
-    """Fitting layouts first (fastest per device, then smallest), then the rest by peak."""
+    """Fitting layouts first (fastest per device, then fewest micro-batches, then smallest),
+    then the rest by peak. Where the rate cannot tell micro-batches apart (``parallel:
+    auto``'s nominal rate on one stage), the replica's batch stays whole: BatchNorm's
+    statistics are the batch's, as the user would train it by hand, not each half's."""
     fit = [p for p in predictions if p.peak <= memory]
     rest = [p for p in predictions if p.peak > memory]
     per_device = lambda p: p.images_per_s / p.candidate.world_size  # noqa: E731
-    fit.sort(key=lambda p: (-per_device(p), p.peak))
+    fit.sort(key=lambda p: (-per_device(p), p.candidate.microbatches, p.peak))
     rest.sort(key=lambda p: p.peak)
     return fit + rest
 
