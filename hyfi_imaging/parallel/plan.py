@@ -714,7 +714,8 @@ def _rank_time(
             edge = reduce_scatter_s(units[0], n_shard, link) + reduce_scatter_s(
                 units[-1], n_shard, link
             )
-            fsdp = edge + max(0.0, moved - compute)
+            # the first gather and the last reduce-scatter wait; the rest runs under compute
+            fsdp = edge + max(0.0, moved - edge - compute)
         else:
             fsdp = moved
     total = total + Counts(bytes=float(OPT_BYTES.get(optimizer, 5) * sharded))
