@@ -23,7 +23,6 @@ loss (``reduction="none"``), whose mean :func:`reduce_loss` takes exactly.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ from hyfi_imaging.parallel.collectives import all_reduce_replicated
 from hyfi_imaging.parallel.grad_sync import TileGradSync
 from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
 
 __all__ = [
@@ -188,7 +188,7 @@ def output_shape(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, .
     memory, no compute. Eval mode, in the parameters' dtype.
     """
     if any(p.device.type != "meta" for p in model.parameters()):
-        model = copy.deepcopy(model).to("meta")
+        model = meta_copy(model)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     was_training = model.training
     model.eval()

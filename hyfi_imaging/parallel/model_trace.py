@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hyfi_imaging.models.registry import CheckpointedBlock, chain_run, run_chain
 from hyfi_imaging.parallel.chain_form import ChainLayer
 from hyfi_imaging.parallel.memory import SavedActivations, _key, saved_activations
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.pipeline import (
     StageModule,
     as_tuple,
@@ -226,9 +227,7 @@ def meta_model(model: nn.Module, streaming: str = "none", stages: int = 1) -> Me
         else:
             # The plain copy without copying the weights' data; the streamed one from it.
             meta = (
-                _meta_copy(model)
-                if streaming == "none"
-                else copy.deepcopy(meta_model(model).module)
+                meta_copy(model) if streaming == "none" else copy.deepcopy(meta_model(model).module)
             )
             if streaming == "stem":
                 stream_stem(meta)
@@ -238,18 +237,6 @@ def meta_model(model: nn.Module, streaming: str = "none", stages: int = 1) -> Me
     found = cache[key]
     assert isinstance(found, MetaModel)
     return found
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """``copy.deepcopy(model).to("meta")`` without copying the parameters' and buffers' data
-    first (a second per copy of ResNet-50): each is given to the copy as its meta twin."""
-    memo: dict[int, object] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        twin = torch.empty_like(t, device="meta")
-        if isinstance(t, nn.Parameter):
-            twin = nn.Parameter(twin, requires_grad=t.requires_grad)
-        memo[id(t)] = twin
-    return copy.deepcopy(model, memo)
 
 
 def stem_splits(layers: Sequence[tuple[str, nn.Module]], starts: Sequence[int]) -> tuple[int, ...]:

@@ -66,6 +66,7 @@ from hyfi_imaging.parallel.branches import (
 )
 from hyfi_imaging.parallel.junction import check_junction_model
 from hyfi_imaging.parallel.launch import ParallelContext
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.mirrored import MirroredPlacement, mirrored
 from hyfi_imaging.parallel.parallel_plan import ParallelPlan
 from hyfi_imaging.parallel.pipeline import (
@@ -180,7 +181,7 @@ def _build_part(
     in_chans = input_channels(model)
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     set_checkpointing(model, plan.checkpointing)
-    meta_model = copy.deepcopy(model).to("meta")
+    meta_model = meta_copy(model)
     if layout.junction:
         h, w = image
         check_junction_model(

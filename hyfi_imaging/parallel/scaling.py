@@ -32,7 +32,6 @@ Coarser than ``hyfi-plan``'s (within 9 % on CPU on 10 of 11 layouts): a screen, 
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -48,6 +47,7 @@ from hyfi_imaging.parallel.balance import partition
 from hyfi_imaging.parallel.devices import Device, get_device
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import saved_activations
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.pipeline import model_layers, set_checkpointing
 from hyfi_imaging.parallel.plan import OPT_STATE, StageCost, step_time
 from hyfi_imaging.parallel.schedules import local_stages, peak_in_flight, schedule_actions
@@ -106,7 +106,7 @@ def profile_model(name: str, side: int = 512) -> tuple[LayerProfile, ...]:
     """Each top-level layer of registered model ``name`` counted once at ``side^2`` (meta)."""
     from hyfi_imaging.models import create_model
 
-    meta = copy.deepcopy(create_model(name)).to("meta")
+    meta = meta_copy(create_model(name))
     layers = model_layers(meta)
     blocks = set_checkpointing(meta, "full")
     for m in meta.modules():  # traced plainly; checkpointing is accounted below

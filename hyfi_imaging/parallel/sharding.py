@@ -47,7 +47,6 @@ are in that order; the stage's input is copied into it).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.memory_format import in_layout, model_layout
+from hyfi_imaging.parallel.meta import meta_copy
 
 __all__ = [
     "apply_fsdp",
@@ -98,7 +98,7 @@ def called_modules(model: nn.Module, input_shape: tuple[int, ...]) -> set[str]:
     """Paths of the modules whose forward runs when ``model`` (on the meta device, or a
     meta copy is made) runs on an input of ``input_shape``, in eval mode."""
     if any(p.device.type != "meta" for p in model.parameters()):
-        model = copy.deepcopy(model).to("meta")
+        model = meta_copy(model)
     called: set[str] = set()
     handles = [
         m.register_forward_pre_hook(lambda m, a, path=path: called.add(path))

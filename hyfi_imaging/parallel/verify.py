@@ -67,6 +67,7 @@ from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext, init_parallel
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.memory import rss_bytes
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.randomness import draws_random, rng_state, set_rng_state
 from hyfi_imaging.parallel.reference import REFERENCE_RANK, ReferenceLink, TensorSpec
 from hyfi_imaging.parallel.sharding import full_tensor
@@ -274,7 +275,7 @@ class _Draws(TorchDispatchMode):
 def _draws_random(model: nn.Module, shape: tuple[int, ...]) -> bool:
     """Whether ``model``'s training forward on an input of ``shape`` draws random numbers
     (a copy on the meta device: nothing is computed)."""
-    meta = copy.deepcopy(model).to("meta").train()
+    meta = meta_copy(model).train()
     with _Draws() as mode, torch.no_grad():
         meta(torch.empty(shape, device="meta"))
     return mode.drew

@@ -30,7 +30,6 @@ Where the maps lie on the slide and what is written: :mod:`.heatmap_files`.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.geometry.tiles import BoxND
+from hyfi_imaging.parallel.meta import meta_copy
 
 if TYPE_CHECKING:
     from hyfi_imaging.parallel.engine import ParallelModel
@@ -126,7 +126,7 @@ def cam_head(model: nn.Module, *, name: str, image_hw: Sequence[int], in_chans: 
         )
     pool_path, pool = leaves[at]
     sizes: list[tuple[int, int]] = []
-    meta = copy.deepcopy(model).to("meta")
+    meta = meta_copy(model)
 
     def record(_: nn.Module, args: tuple[Any, ...]) -> None:
         sizes.append((int(args[0].shape[-2]), int(args[0].shape[-1])))

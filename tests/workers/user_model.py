@@ -106,6 +106,15 @@ def _case(case: str) -> dict[str, Any]:
         def build() -> nn.Module:
             return ResidualNet().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
+    if mode == "classify-cma":  # BatchNorm's cumulative average (momentum=None): traced on meta
+
+        def build() -> nn.Module:
+            model = ResidualNet()
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.momentum = None
+            return model
+
     if mode == "dense-mse":
         options = {"loss": _per_pixel_mse, "target": _float_target}
     if mode == "dense-scalar-loss":  # one number per tile: refused, not silently wrong

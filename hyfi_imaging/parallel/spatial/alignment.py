@@ -6,7 +6,6 @@ ask ``tile_alignment``, so they pick the same tiles.
 
 from __future__ import annotations
 
-import copy
 import math
 import weakref
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from torch import nn
 from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.parallel.functional import Windowed
 from hyfi_imaging.parallel.geometry import layer_geom
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.spatial.carry import _is_carrier
 from hyfi_imaging.parallel.spatial.kinds import _WINDOWED, _has_spatial_form
 from hyfi_imaging.parallel.spatial.norms import _is_norm_act
@@ -101,7 +101,7 @@ def tile_alignment(
     if nd not in known:
         in_chans = in_chans or int(getattr(model, "in_chans", 3))
         if _seen is None:
-            reference = copy.deepcopy(model).to("meta")
+            reference = meta_copy(model)
             _seen = (reference, _watch(model, reference, in_chans, nd, image_size))
         reference, use = _seen
         own_size: Sequence[int] | None = getattr(model, "input_size", None)

@@ -7,7 +7,6 @@ untouched, so a checkpoint moves freely between layouts. Named ``swap`` (not
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.functional import SpatialFunctions
 from hyfi_imaging.parallel.geometry import dynamic_same, layer_geom
 from hyfi_imaging.parallel.halo import Neighbours
+from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.randomness import install_rng_sync
 from hyfi_imaging.parallel.spatial.alignment import _failed_on_meta, _watch, tile_alignment
 from hyfi_imaging.parallel.spatial.base import _AXES
@@ -100,7 +100,7 @@ def spatialize(
     for name, m in model.named_modules():
         _check(name or type(model).__name__, m, nd)
     in_chans = in_chans or int(getattr(model, "in_chans", 3))
-    reference = copy.deepcopy(model).to("meta")
+    reference = meta_copy(model)
     try:
         use = _watch(model, reference, in_chans, nd, image_size)
     except ConfigError as err:
