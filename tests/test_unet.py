@@ -175,3 +175,30 @@ def test_sgd_learns_a_blob(name: str, side: int) -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("layers", "module"),
+    [
+        ((nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 3, 1)), "'0'"),  # an unpadded U-Net
+        (
+            (nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(3, 2, dilation=2), nn.Conv2d(8, 3, 1)),
+            "'1'",
+        ),
+        ((nn.Conv2d(3, 8, 3, padding=1), nn.ConvTranspose2d(8, 3, 2, stride=3)), "'1'"),
+    ],
+)
+def test_a_dense_output_off_the_tiles_grid_is_refused(
+    layers: tuple[nn.Module, ...], module: str
+) -> None:
+    """A per-pixel model whose layer maps a tile to other than tile/stride crashed at the first
+    step (a stage's planned shapes, a loss of mismatched sizes) with a traceback: refused in
+    one line naming the layer. The same layers under a global pool are exact (test_zoo_mpi)."""
+    from hyfi_imaging.parallel.apply import output_map
+    from hyfi_imaging.parallel.meta import meta_copy
+
+    with pytest.raises(ConfigError, match=f"^module {module}: maps a 32x16 tile to") as err:
+        output_map(meta_copy(nn.Sequential(*layers)), 3, (32, 32), (32, 16))
+    assert "\n" not in str(err.value)
+    same = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, stride=2), nn.ConvTranspose2d(8, 3, 2, 2))
+    assert output_map(meta_copy(same), 3, (32, 32), (32, 16)) is not None

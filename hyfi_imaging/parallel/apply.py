@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import EllipsisType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -249,7 +250,54 @@ def output_map(
         ) from None
     if whole is None or tile is None or len(whole) < nd + 1 or whole[-nd:] == tile[-nd:]:
         return None
+    if not all(_scaled(t, o) for t, o in zip(tile_hw, tile[-nd:], strict=True)):
+        path, seen, made = _first_unscaled(meta_model, (1, in_chans, *tile_hw))
+        raise ConfigError(
+            f"module {path!r}",
+            f"maps a {'x'.join(map(str, seen))} tile to {'x'.join(map(str, made))} px, not to "
+            "the tile over a stride (or times a scale): the model's output is a map, and a "
+            "map cut into tiles needs every layer to keep the tile's grid (the whole model maps "
+            f"{'x'.join(map(str, tile_hw))} to {'x'.join(map(str, tile[-nd:]))})",
+            "pad it to keep the size ('same' padding; a transposed convolution's kernel a "
+            "multiple of its stride), pool the output globally, or run without tiles",
+        )
     return OutputMap(tuple(whole[-nd:]), tuple(tile[-nd:]))
+
+
+def _scaled(n_in: int, n_out: int) -> bool:
+    """Whether ``n_out`` is ``n_in`` over an integer stride or times an integer scale."""
+    return n_out > 0 and (n_in % n_out == 0 or n_out % n_in == 0)
+
+
+def _first_unscaled(
+    meta_model: nn.Module, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The first module (in call order) whose map output is not :func:`_scaled` from its map
+    input, with those sizes; the model itself when none is found alone."""
+    nd = len(shape) - 2
+    found: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+    def hook(path: str) -> Any:
+        def check(_m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            x = args[0] if args else None
+            if found or not isinstance(x, Tensor) or not isinstance(out, Tensor):
+                return
+            if x.dim() == out.dim() == nd + 2:
+                seen, made = tuple(x.shape[-nd:]), tuple(out.shape[-nd:])
+                if not all(_scaled(a, b) for a, b in zip(seen, made, strict=True)):
+                    found.append((path, seen, made))
+
+        return check
+
+    handles = [m.register_forward_hook(hook(p)) for p, m in meta_model.named_modules() if p]
+    try:
+        output_shape(meta_model, shape)
+    finally:
+        for h in handles:
+            h.remove()
+    if found:
+        return found[0]
+    return type(meta_model).__name__, tuple(shape[2:]), ()
 
 
 def _map_size(values: Tensor, ctx: SpatialContext, size: Sequence[int] | None) -> tuple[int, ...]:
