@@ -291,6 +291,13 @@ def test_unknown_resolution_is_compared_with_nothing_and_the_tolerance_holds(
         ConfigError, match=r"it has 3 \(DAPI, FITC, Cy3\), the slides of .* hold 3 uint8"
     ):
         check_trained(facts, {**trained, "channel names": ["DAPI", "FITC", "Cy3"]}, "ckpt", "fix")
+    # The same channels as another pixel type: every input on another scale (a uint16 model
+    # predicted uint8 slides at 1/256 of its range, and resumed on them, without a word).
+    check_trained(facts, {**trained, "pixel type": "uint8"}, "ckpt", "fix")
+    with pytest.raises(
+        ConfigError, match=r"trained on uint16 pixels, the slides of .* hold 3 uint8 channels"
+    ):
+        check_trained(facts, {**trained, "pixel type": "uint16"}, "ckpt", "fix")
 
 
 def test_the_manifest_states_the_stores_resolution(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ __all__ = [
 #: How far two µm/px may lie apart and still be one resolution: 5 % of the smaller.
 MPP_TOLERANCE = 0.05
 #: The keys of a checkpoint's meaning that :func:`check_trained` compares (not exactly).
-FACT_KEYS = ("channel names", "mpp")
+FACT_KEYS = ("channel names", "pixel type", "mpp")
 
 
 def preflight(
@@ -117,8 +117,8 @@ def preflight(
         ):
             raise ConfigError(
                 recipe.data.val_manifest,
-                f"holds {val.channels}-channel {val.kind}, the training data "
-                f"{cohort.channels}-channel {cohort.kind} (or another pixel type)",
+                f"holds {_pixels(recipe, recipe.data.val_manifest, val)}, the training data "
+                f"{_pixels(recipe, recipe.data.manifest, cohort)}",
                 "validate on images preprocessed like the training images",
             )
     p = recipe.parallel
@@ -346,6 +346,16 @@ def check_trained(
             f"the slides of {facts.manifest} ({_listed(facts.ids)}) hold {facts.channels_said()}",
             f"give it slides of those channels, or {fix}",
         )
+    dtype = meaning.get("pixel type")
+    if known and isinstance(dtype, str) and dtype != facts.dtype:
+        # the same names on another type: every input on another scale (uint8 slides were
+        # 1/256 of a uint16 model's range, and its calls flipped without a word)
+        raise ConfigError(
+            where,
+            f"pixel type differs from {source}'s: it was trained on {dtype} pixels, the "
+            f"slides of {facts.manifest} ({_listed(facts.ids)}) hold {facts.channels_said()}",
+            f"give it slides of {dtype} pixels (hyfi-preprocess keeps the source's type), or {fix}",
+        )
     span = _recorded_range(meaning.get("mpp"))
     if span is not None:
         off = facts.outside(*span)
@@ -358,6 +368,17 @@ def check_trained(
                 f"preprocess them at {span[0]:.3g} µm/px (hyfi-preprocess --mpp "
                 f"{span[0]:.3g}), or {fix}",
             )
+
+
+def _pixels(recipe: Recipe, manifest: Path, cohort: Any) -> str:
+    """``"5-channel uint16 slides"``: a cohort's images as a line names them."""
+    from hyfi_imaging.train.inputs import data_pixels
+
+    if cohort.kind != "slides":
+        return f"{cohort.channels}-channel {cohort.kind}"
+    data = recipe.data.model_copy(update={"manifest": manifest})
+    dtype = data_pixels(recipe.model_copy(update={"data": data})).dtype
+    return f"{cohort.channels}-channel {dtype} {cohort.kind}"
 
 
 def _recorded_range(value: Any) -> tuple[float, float] | None:

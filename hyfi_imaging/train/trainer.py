@@ -362,7 +362,7 @@ class Trainer:
         """What a checkpoint's numbers mean: a run resumed or read with another meaning is refused.
 
         The class order, the task, the model and its options, the input channels
-        (count and names), the cohort's µm/px, the normalisation, the pyramid level
+        (count, names and pixel type), the cohort's µm/px, the normalisation, the pyramid level
         and the optimiser whose state is saved (as JSON reads them back).
         """
         r = self.recipe
@@ -378,6 +378,7 @@ class Trainer:
             "model.kwargs": r.model.kwargs,
             "input channels": self.cohort.channels,
             "channel names": None if facts is None else list(facts.channel_names),
+            "pixel type": None if facts is None else facts.dtype,
             "mpp": None if facts is None else facts.mpp_range,  # [low, high], with a tolerance
             "data.level": r.data.level,
             "data.normalize": r.data.normalize.model_dump(),
