@@ -159,6 +159,12 @@ def test_stage_boundaries_trace_shapes_and_tuples() -> None:
     amoeba = _model("amoebanet-d-3-8")
     b = stage_boundaries(amoeba, (1, 8), (2, 3, 64, 64))
     assert len(b[1]) == 2  # the stem hands (x, x) to the first cell
+    # A tile whose last map is 1x1, one image: BatchNorm in training refuses one value per
+    # channel, but its spatial form normalises over the whole image (the trace refused the
+    # 2x2 layout one process trains, with a traceback).
+    assert resnet.training
+    b = stage_boundaries(resnet, (11,), (1, 3, 32, 32))
+    assert tuple(b[-1][0].shape) == (1, 3)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import itertools
 import torch
 from torch import nn
 
-__all__ = ["meta_copy"]
+__all__ = ["meta_copy", "shape_copy"]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -35,3 +35,16 @@ def meta_copy(model: nn.Module) -> nn.Module:
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None:
             m.momentum = 0.1
     return meta
+
+
+def shape_copy(model: nn.Module) -> nn.Module:
+    """:func:`meta_copy` for a trace of shapes alone (a pipeline's stage boundaries, a head's
+    input size): its norms in eval mode. A BatchNorm in training refuses one value per channel
+    (batch 1 on a 1x1 map), which a tile's last map can be where the whole image's is not:
+    the spatial form normalises over the image, and the trace refused the layout."""
+    meta = meta_copy(model)
+    for m in meta.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            m.eval()
+    return meta
+

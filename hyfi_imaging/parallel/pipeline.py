@@ -48,7 +48,7 @@ from torch import nn
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import ChainModel, CheckpointedBlock, run_chain
 from hyfi_imaging.parallel.chain_form import ChainLayer, chain_layers, mount
-from hyfi_imaging.parallel.meta import meta_copy
+from hyfi_imaging.parallel.meta import shape_copy
 
 __all__ = [
     "StageModule",
@@ -397,7 +397,7 @@ def stage_boundaries(
     tensors are contiguous, like the ones :class:`StageModule` sends.
     """
     dtype = dtype or next((p.dtype for p in model.parameters()), torch.get_default_dtype())
-    layers = model_layers(meta_copy(model), len(balance))
+    layers = model_layers(shape_copy(model), len(balance))
     check_balance(tuple(balance), len(layers), len(balance))
     x: Any = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     out: list[tuple[torch.Tensor, ...]] = [(x,)]

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.geometry.tiles import BoxND
-from hyfi_imaging.parallel.meta import meta_copy
+from hyfi_imaging.parallel.meta import shape_copy
 
 if TYPE_CHECKING:
     from hyfi_imaging.parallel.engine import ParallelModel
@@ -126,7 +126,7 @@ def cam_head(model: nn.Module, *, name: str, image_hw: Sequence[int], in_chans: 
         )
     pool_path, pool = leaves[at]
     sizes: list[tuple[int, int]] = []
-    meta = meta_copy(model)
+    meta = shape_copy(model)
 
     def record(_: nn.Module, args: tuple[Any, ...]) -> None:
         sizes.append((int(args[0].shape[-2]), int(args[0].shape[-1])))
