@@ -229,6 +229,23 @@ def test_train_check_refuses_a_missing_store(
     assert f"slide synth_003: {data / 'synth_003.zarr'}: the store does not exist" in err
 
 
+def test_train_check_refuses_a_level_the_stores_lack(
+    cohort: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--check`` passed a data.level the stores do not have, and the run then called them
+    damaged ("rerun hyfi-preprocess", which writes the same levels again)."""
+    from hyfi_imaging.cli.train import main as train_main
+    from hyfi_imaging.io.zarr_store import store_levels
+
+    levels = store_levels(cohort / "data" / "synth_000.zarr")
+    assert levels is not None
+    args = [*_check_args(cohort / "data", tmp_path / "run"), "--set", f"data.level={levels}"]
+    assert train_main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"data.level: is {levels}, but 4 of 4 stores" in line, line
+    assert f"choose data.level {levels - 1} or lower" in line, line
+
+
 def _drop_inventory(group: Path) -> None:
     meta = json.loads((group / "zarr.json").read_text())
     del meta["attributes"][INVENTORY_ATTR]

@@ -359,12 +359,20 @@ class TileDataset(Dataset[dict[str, Any]]):
             if self.level < reader.level_count
             else None
         )
+        if dims is None:
+            count = reader.level_count
+            reader.close()
+            raise SlideError(
+                sample.path,
+                f"has no pyramid level {self.level} (levels 0-{count - 1}): data.level asks for it",
+                f"choose data.level {count - 1} or lower, or leave this slide out",
+            )
         if dims != expected:
             reader.close()
             raise SlideError(
                 sample.path,
                 f"level {self.level} is {dims} but the manifest says {expected[0]}x{expected[1]}",
-                "rerun hyfi-preprocess for this slide (or choose a level the store has)",
+                "rerun hyfi-preprocess for this slide",
             )
         want = self.pixels
         if want is not None and (reader.channels, str(reader.dtype)) != (want.channels, want.dtype):

@@ -87,6 +87,7 @@ __all__ = [
     "level_hw",
     "level_shapes",
     "multiscales_metadata",
+    "store_levels",
     "read_hyfi_attrs",
     "read_store_pixels",
     "shard_side",
@@ -452,6 +453,18 @@ def write_ome_zarr(
             INVENTORY_ATTR: take_inventory(out, [str(level) for level in range(n_levels)]),
         }
     )
+
+
+def store_levels(path: str | os.PathLike[str]) -> int | None:
+    """How many pyramid levels an OME-Zarr image store lists (its metadata alone), or None
+    where it lists none readable."""
+    attrs = _open_group_attrs(path)
+    if attrs is None:
+        return None
+    try:
+        return len(attrs.get("ome", attrs)["multiscales"][0]["datasets"])
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
 
 
 def _open_group_attrs(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -47,4 +47,3 @@ def shape_copy(model: nn.Module) -> nn.Module:
         if isinstance(m, nn.modules.batchnorm._NormBase):
             m.eval()
     return meta
-

@@ -92,6 +92,7 @@ def preflight(
     facts = run_facts(recipe)
     if stores:
         _check_stores(cohort, recipe.data.manifest)
+        _check_level(cohort, recipe.data.manifest, recipe.data.level)
     if cohort.kind == "slides":
         check_data(recipe, data_pixels(recipe))
     if recipe.data.val_manifest is not None:
@@ -99,6 +100,7 @@ def preflight(
         check_task(recipe, val, recipe.data.val_manifest)
         if stores:
             _check_stores(val, recipe.data.val_manifest)
+            _check_level(val, recipe.data.val_manifest, recipe.data.level)
         if classify:
             val_samples = load_samples(recipe.data.val_manifest, classes=recipe.data.classes)
             _check_labels(recipe.data.val_manifest, val_samples, len(recipe.data.classes))
@@ -392,6 +394,28 @@ def _recorded_range(value: Any) -> tuple[float, float] | None:
     if isinstance(value, list | tuple) and len(value) == 2 and all(map(number, value)):
         return float(value[0]), float(value[1])
     return None
+
+
+def _check_level(cohort: Cohort, manifest: Path, level: int) -> None:
+    """ConfigError unless every slide store holds pyramid level ``level`` (``data.level``):
+    a small slide's pyramid stops early, and a run read it as a damaged store mid-start."""
+    if cohort.kind != "slides" or level == 0:
+        return
+    from hyfi_imaging.io.zarr_store import store_levels
+
+    short = [
+        (i, n)
+        for i, store in zip(cohort.ids, cohort.stores, strict=True)
+        if (n := store_levels(store)) is not None and n <= level
+    ]
+    if short:
+        fewest = min(n for _, n in short)
+        raise ConfigError(
+            "data.level",
+            f"is {level}, but {len(short)} of {len(cohort)} stores of {manifest} have no such "
+            f"level ({short[0][0]}: levels 0-{short[0][1] - 1})",
+            f"choose data.level {fewest - 1} or lower, or leave those slides out",
+        )
 
 
 def _check_stores(cohort: Cohort, manifest: Path) -> None:
