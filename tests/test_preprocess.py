@@ -654,6 +654,39 @@ def test_kill_minus_nine_stops_the_workers_too(tmp_path: Path) -> None:
     assert len(family) >= 3 and not left, (family, left)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_the_run_in_one_line(tmp_path: Path, workers: int) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) printed a KeyboardInterrupt traceback
+    of ~15 lines from the run and its workers: one line now, exit 130, nothing half-written
+    left under a final name, the workers gone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        write_synthetic_slide(src / f"s{i}.svs", seed=40 + i, label=i % 2, size=(768, 768))
+    out = tmp_path / "out"
+    cmd = [*_cli(src, out), "--workers", str(workers)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(out.glob("*.zarr.tmp-*")):
+        time.sleep(0.02)
+    family = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    deadline = time.monotonic() + 5
+    while any(_running(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        f"hyfi-preprocess: interrupted: the slides finished are in {out}; run the same command "
+        "again to convert the rest"
+    ], err
+    assert not [p for p in family if _running(p)]
+    for store in out.glob("*.zarr"):
+        assert read_hyfi_attrs(store) is not None
+
+
 def test_a_run_over_other_slides_keeps_the_earlier_rows(cohort: Path, tmp_path: Path) -> None:
     """A second run into the same folder, over one slide that fails, rewrote the manifest with
     that slide alone: the earlier slides' rows were lost (their stores still on disk). They

@@ -331,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     except HyfiError as err:
         print(f"hyfi-preprocess: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"hyfi-preprocess: interrupted: the slides finished are in {args.out}; run the same "
+            "command again to convert the rest",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         for h in list(log.handlers):
             log.removeHandler(h)

@@ -33,6 +33,8 @@ __all__ = ["EXIT_ORPHANED", "exit_with"]
 
 #: Exit status of a worker whose run has gone.
 EXIT_ORPHANED = 3
+#: Exit status of a worker ended by Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5
@@ -83,3 +85,6 @@ def exit_with(pid: int) -> None:
     """
     _set_parent_death_signal(signal.SIGKILL)
     threading.Thread(target=_watch, args=(pid,), name="hyfi-lifeline", daemon=True).start()
+    # Ctrl-C reaches every process of the terminal's group: a worker ends at once, without a
+    # traceback of its own (its store stays a .tmp the next run removes); the owner says it.
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))

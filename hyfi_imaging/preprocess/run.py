@@ -27,6 +27,7 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
@@ -375,6 +376,7 @@ def _convert_all(
                     "hyfi_imaging.preprocess.lifeline",
                 ]
             )
+            _start_forkserver()
             with ProcessPoolExecutor(
                 max_workers=workers,
                 mp_context=ctx,
@@ -414,6 +416,19 @@ def _convert_all(
     if qc_dir is not None:
         summary.contact_sheet = write_contact_sheet(ordered, labels, out_dir / "contact_sheet.png")
     return summary
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver with Ctrl-C ignored (it and its children inherit that): its
+    preload imports printed a traceback of their own when Ctrl-C reached them; each worker
+    then ends on Ctrl-C without one (:func:`~.lifeline.exit_with`)."""
+    from multiprocessing import forkserver
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _earlier_rows(manifest: Path, this_run: set[str]) -> list[ManifestRow]:
