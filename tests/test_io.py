@@ -446,8 +446,11 @@ def test_zarr_round_trip_levels_and_attributes(tmp_path: Path) -> None:
     ]
     assert [d["path"] for d in ms["datasets"]] == ["0", "1", "2"]
     for level, d in enumerate(ms["datasets"]):
+        # a level-l pixel is centred on its 2**l x 2**l level-0 pixels: (2**l - 1) / 2 of them
+        shift = 0.5 * (2**level - 1) / 2
         assert d["coordinateTransformations"] == [
-            {"type": "scale", "scale": [1.0, 0.5 * 2**level, 0.5 * 2**level]}
+            {"type": "scale", "scale": [1.0, 0.5 * 2**level, 0.5 * 2**level]},
+            *([{"type": "translation", "translation": [0.0, shift, shift]}] if level else []),
         ]
     assert meta["attributes"]["hyfi"] == attrs
     assert read_hyfi_attrs(store) == attrs

@@ -246,8 +246,10 @@ def multiscales_metadata(
     it): the 2x2 mean for images, the 2x2 mode for label images. ``spacing``:
     a level-0 pixel's ``(y, x)`` size in the axes' unit (default ``mpp`` on
     both); ``origin``: where level-0 pixel ``(0, 0)`` lies (a ``translation``;
-    default none). Both serve an image placed on another's frame (a heat map
-    on its slide: :mod:`hyfi_imaging.train.heatmaps`).
+    default the frame's origin). Both serve an image placed on another's frame (a heat
+    map on its slide: :mod:`hyfi_imaging.train.heatmaps`). A level-l pixel is the centre
+    of its 2**l x 2**l level-0 pixels: every level past 0 carries that ``translation``
+    (without it, a viewer drew level l (2**l - 1) / 2 level-0 pixels up and left).
     """
     # Unknown resolution: pixel units (no "unit"), scale 1 per level-0 pixel.
     unit = {"unit": "micrometer"} if mpp is not None else {}
@@ -257,13 +259,11 @@ def multiscales_metadata(
     def transforms(level: int) -> list[dict[str, Any]]:
         f = 2**level
         out: list[dict[str, Any]] = [{"type": "scale", "scale": [1.0, dy * f, dx * f]}]
-        if origin is not None:  # a level-l pixel's centre is 2**l level-0 pixels' centre
+        if origin is not None or level > 0:  # a level-l pixel's centre: 2**l pixels' centre
+            oy, ox = origin if origin is not None else (0.0, 0.0)
             shift = (f - 1) / 2
             out.append(
-                {
-                    "type": "translation",
-                    "translation": [0.0, origin[0] + dy * shift, origin[1] + dx * shift],
-                }
+                {"type": "translation", "translation": [0.0, oy + dy * shift, ox + dx * shift]}
             )
         return out
 
