@@ -302,3 +302,26 @@ def test_hyfi_predict_refuses_heatmaps_of_an_unfit_head_in_one_line(
     assert err.startswith("hyfi-predict: error: hyfi-predict --heatmaps: model 'mymodels:build'")
     assert "1 (AdaptiveAvgPool2d) -> 2 (Flatten) -> 3 (Linear) -> 4 (ReLU) -> 5 (Linear)" in err
     assert not (tmp_path / "p.csv").exists() and not (tmp_path / "heatmaps").exists()
+
+
+def test_pictures_behind_masks_and_maps_show_16_bit_channels_in_their_windows(
+    tmp_path: Path,
+) -> None:
+    """Overlays and heat-map PNGs divided every store's first channels by 255: a uint16
+    fluorescence slide (values to 4095) came out white, over a third of its pixels clipped.
+    They show it as the QC pictures do: each channel over the store's display window."""
+    from hyfi_imaging.io.zarr_store import write_ome_zarr
+    from hyfi_imaging.train.outputs import _background
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 200, size=(5, 64, 64), dtype=np.uint16)  # dark glass
+    image[:, 16:48, 16:48] += 3000  # tissue, bright in every channel
+    store = tmp_path / "fl.zarr"
+    names = ["DAPI", "CD8", "PanCK", "FITC", "Cy5"]
+    write_ome_zarr(store, image, mpp=0.5, hyfi_attrs={}, chunk=32, shard=64, channel_names=names)
+    rgb, factor = _background(str(store), (64, 64), 1024)
+    assert factor == 1 and rgb.shape == (64, 64, 3)
+    assert 0.0 <= rgb.min() and rgb.max() <= 1.0
+    tissue = np.zeros((64, 64), dtype=bool)
+    tissue[16:48, 16:48] = True
+    assert rgb[~tissue].mean() < 0.2 < rgb[tissue].mean(), (rgb[~tissue].mean(), rgb[tissue].mean())

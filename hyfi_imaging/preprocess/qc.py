@@ -42,6 +42,7 @@ __all__ = [
     "COLOR_NAMES",
     "QcChannels",
     "Shown",
+    "picture",
     "composite",
     "write_contact_sheet",
     "write_slide_qc",
@@ -184,6 +185,16 @@ def composite(
             if rgb[k]:
                 out[..., k] += v * np.float32(rgb[k])
     return np.rint(np.clip(out, 0, 1) * 255).astype(np.uint8)
+
+
+def picture(reader: SlideReader, chw: np.ndarray) -> np.ndarray:
+    """An 8-bit ``(h, w, 3)`` picture of ``chw`` read from ``reader`` as the QC pictures show
+    it: 8-bit RGB as it is; other images' first channels (one: grey) in their colours, each
+    over the store's display window (the type's range where it has none)."""
+    windows = getattr(reader, "channel_windows", None) or (dtype_range(reader.dtype),) * (
+        reader.channels
+    )
+    return composite(chw, QcChannels().resolve(reader), windows)
 
 
 def _outline(mask: np.ndarray) -> np.ndarray:

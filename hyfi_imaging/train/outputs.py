@@ -153,7 +153,8 @@ def _colour(mask: np.ndarray) -> np.ndarray:
 
 
 def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.ndarray, int]:
-    """The image (RGB float in [0, 1]) at the coarsest level of at most ``limit`` px, its factor."""
+    """The image (RGB float in [0, 1], as :func:`~hyfi_imaging.preprocess.qc.picture` shows it)
+    at the coarsest level of at most ``limit`` px, and that level's factor."""
     if len(shape) == 3:  # a volume: its middle z-plane, first channel
         from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
 
@@ -164,19 +165,16 @@ def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.
         grey = np.clip((plane - lo) / max(hi - lo, 1e-12), 0, 1)
         return np.repeat(grey[..., None], 3, axis=2), 1
     from hyfi_imaging.io.zarr_store import ZarrReader
+    from hyfi_imaging.preprocess.qc import picture
 
     with ZarrReader(image_store) as reader:
         level = 0
         while level + 1 < reader.level_count and max(reader.level_dimensions[level]) > limit:
             level += 1
         h, w = reader.level_dimensions[level]
-        pixels = reader.read_region(level, 0, 0, h, w).astype(np.float64)
-    if pixels.shape[0] >= 3:
-        rgb = pixels[:3].transpose(1, 2, 0) / 255.0
-    else:
-        grey = pixels[0]
-        lo, hi = np.percentile(grey, [1, 99])
-        rgb = np.repeat(np.clip((grey - lo) / max(hi - lo, 1e-12), 0, 1)[..., None], 3, axis=2)
+        # As the QC pictures show it: 16-bit or float channels over their display windows
+        # (divided by 255 they were white), 8-bit RGB as it is
+        rgb = picture(reader, reader.read_region(level, 0, 0, h, w)).astype(np.float64) / 255.0
     return rgb, 2**level
 
 
