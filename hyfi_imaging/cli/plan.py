@@ -321,12 +321,38 @@ def _predict_all(
     return preds
 
 
+def _unmodelled(args: argparse.Namespace) -> list[str]:
+    """What of a recipe's layout the memory model does not count, with what it was measured to
+    add (``tests/mpi/plan_accuracy.py``'s method, 2026-11-29): said, not left to surprise."""
+    if args.recipe is None:
+        return []
+    from hyfi_imaging.train.config import load_recipe
+
+    r = load_recipe(args.recipe, args.overrides)
+    p, notes = r.parallel, []
+    tiled = any(g > 1 for g in p.spatial)
+    if tiled and p.halo_depth > 1:
+        notes.append(
+            f"the peaks do not count parallel.halo_depth {p.halo_depth} (tiles run its layers "
+            "with the deeper borders): measured 17-30 % above them (ResNet-18 x0.25 on 1x2 "
+            "and 2x2, depth 2 and 4); leave that margin"
+        )
+    if tiled and r.model.memory_format == "channels_last":
+        notes.append(
+            "the peaks do not count channels-last tiles' layout copies: measured 12-16 % "
+            "above them (ResNet-18 x0.25 on 1x2 and 2x2); leave that margin"
+        )
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     what = args.recipe or args.model
     print(f"hyfi-plan: building {what} and listing its layouts ...", file=sys.stderr, flush=True)
     from hyfi_imaging.parallel.candidates import candidates, device_memory, rank
 
     model, hw, devices, batch, optimizer, own, cohort_check = _inputs(args)
+    for note in _unmodelled(args):
+        print(f"hyfi-plan: note: {note}", file=sys.stderr, flush=True)
     dev = choose_device(args, model)
     timed = dev is not None or args.rate is not None  # step times from figures, not invented
     if dev is None:
