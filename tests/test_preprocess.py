@@ -18,6 +18,7 @@ from dicom_files import write_ct_slice, write_wsi_level
 
 from hyfi_imaging.cli.preprocess import main as preprocess_main
 from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
+from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.io.base import ArrayReader
 from hyfi_imaging.io.zarr_store import downsample_2x, read_hyfi_attrs
 from hyfi_imaging.preprocess import (
@@ -341,6 +342,13 @@ def test_labels_file_ids_keep_their_dots(tmp_path: Path) -> None:
         "TCGA-AA-3555-01Z-00-DX1.0a2f3c": "1", "S1.A": "0", "S1.B": "1", "x.v2": "1", "y": "0",
         "z": "1", "scan.raw": "0",
     }  # fmt: skip
+    spaced = tmp_path / "spaced.csv"
+    spaced.write_text('slide_id, label\n"a",  "1"\nb, 0\n')
+    assert read_labels(spaced) == {"a": "1", "b": "0"}  # the quotes were part of the label
+    blank = tmp_path / "blank.csv"
+    blank.write_text("slide_id,label\na,1\nb,\n")
+    with pytest.raises(ConfigError, match=r"blank.csv:3: slide 'b' has an empty label"):
+        read_labels(blank)  # it was a slide "labelled" with the empty class
     found = Discovery(slides=[tmp_path / n for n in ("x.tif", "x.v2.tif", "scan.raw")])
     labels = found.labels_for(read_labels(rows))
     assert "x" not in labels and labels["x.v2"] == "1"

@@ -119,7 +119,7 @@ def read_labels(
         dialect: type[csv.Dialect] | csv.Dialect = csv.Sniffer().sniff(lines[0], delimiters=",;\t")
     except csv.Error:
         dialect = csv.excel
-    rows = list(csv.reader(lines, dialect))
+    rows = list(csv.reader(lines, dialect, skipinitialspace=True))  # "a", "1": the 1, unquoted
     first = [c.strip().lower() for c in rows[0]]
     has_header = bool(set(first) & set(_ID_NAMES + _LABEL_NAMES)) or id_column is not None
     if has_header:
@@ -139,6 +139,12 @@ def read_labels(
         where = f"{path}:{lineno}"
         sid = safe_id(label_id(row[id_col].strip()), where=where, what="slide id")
         label = row[label_col].strip()
+        if not label:
+            raise ConfigError(
+                where,
+                f"slide {sid!r} has an empty label",
+                "fill it in, or remove the row (a slide without a label is not converted)",
+            )
         if sid in labels and labels[sid] != label:
             raise ConfigError(
                 where,
