@@ -321,7 +321,7 @@ def test_pictures_behind_masks_and_maps_show_16_bit_channels_in_their_windows(
     write_ome_zarr(store, image, mpp=0.5, hyfi_attrs={}, chunk=32, shard=64, channel_names=names)
     rgb, factor = _background(str(store), (64, 64), 1024)
     assert factor == 1 and rgb.shape == (64, 64, 3)
-    assert 0.0 <= rgb.min() and rgb.max() <= 1.0
+    assert rgb.min() >= 0.0 and rgb.max() <= 1.0
     tissue = np.zeros((64, 64), dtype=bool)
     tissue[16:48, 16:48] = True
     assert rgb[~tissue].mean() < 0.2 < rgb[tissue].mean(), (rgb[~tissue].mean(), rgb[tissue].mean())
