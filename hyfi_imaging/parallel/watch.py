@@ -836,7 +836,9 @@ class _Sites(SiteMode):
             self.watch.mark(out, _last(out, tuple(int(v) for v in out.shape[-k:])))
         else:
             self.watch.mark_replicated(out, frozenset({name}))
-            if isinstance(out, torch.Tensor):
+            channels = int(x.shape[-1] if site.channels_last else x.shape[1])
+            if isinstance(out, torch.Tensor) and math.prod(tile.hw) != channels:
+                # (a count equal to the channels' is not told apart from them: not followed)
                 self.watch.counts[id(out)] = (out, math.prod(tile.hw))
         return out
 
