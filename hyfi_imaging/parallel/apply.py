@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import EllipsisType
 from typing import Any
 
@@ -155,6 +156,7 @@ def apply_spatial(
     )
     if image_size is not None:
         ctx.set_image_size(tuple(int(v) for v in image_size))
+    model.register_forward_pre_hook(partial(_check_tile, ctx))
     if reduce_grads:
         ctx.grad_sync = TileGradSync(model, ctx.tile_param_names, ctx.group)
     log.info(
@@ -175,11 +177,52 @@ def _pad_end(t: Tensor, size: Sequence[int]) -> Tensor:
 
 def tile_of(images: Tensor, ctx: SpatialContext | None, image_hw: Sequence[int]) -> Tensor:
     """This rank's tile of a whole ``(..., H, W)`` batch (``(..., D, H, W)`` for volumes):
-    padded at the far end of each axis, then cut."""
+    padded at the far end of each axis, then cut. ``image_hw`` must be the images' size; the
+    context is set to it (:meth:`~.spatial.SpatialContext.set_image_size`) where it was set
+    to another: the layers mask and exchange for the image they are given."""
     if ctx is None:
         return images
+    image_hw = tuple(int(v) for v in image_hw)
+    nd = len(image_hw)
+    if tuple(images.shape[-nd:]) != image_hw:
+        raise ConfigError(
+            f"tile_of(images, ctx, {image_hw})",
+            f"images are {'x'.join(map(str, images.shape[-nd:]))}, not the size given "
+            "(a smaller size would crop them, a larger one pad them)",
+            "give the images' own size: tile_of(images, ctx, images.shape[-2:])",
+        )
+    if ctx.image_hw != image_hw:
+        ctx.set_image_size(image_hw)
     padded = _pad_end(images, ctx.padded_size(image_hw))
     return padded[trailing(ctx.tile_slice(image_hw))]
+
+
+def _check_tile(ctx: SpatialContext, _model: nn.Module, args: tuple[Any, ...]) -> None:
+    """Refuse a tile the context's image size does not give: the layers would mask and
+    exchange for another image (31x23 images through a model set for 32x24 gave 0.67 relative
+    error in training, without a word)."""
+    x = args[0] if args else None
+    nd = len(ctx.grid)
+    if not isinstance(x, Tensor) or x.dim() != nd + 2:
+        return
+    if ctx.image_hw is None:
+        raise ConfigError(
+            "apply_spatial",
+            "the model runs before an image size was given",
+            "pass image_size=(H, W) to apply_spatial, or cut the images with "
+            "hyfi.tile_of(images, ctx, (H, W)), which sets it",
+        )
+    want = ctx.tile_size(ctx.image_hw)
+    got = tuple(int(v) for v in x.shape[-nd:])
+    if got != tuple(want):
+        size = "x".join(map(str, ctx.image_hw))
+        raise ConfigError(
+            "apply_spatial",
+            f"the model got a {'x'.join(map(str, got))} tile, but {size} images give tiles of "
+            f"{'x'.join(map(str, want))} on this grid",
+            "cut each batch with hyfi.tile_of(images, ctx, images.shape[-2:]) (it sets the "
+            "size), or call ctx.set_image_size((H, W)) for images of another size",
+        )
 
 
 def output_shape(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from hyfi_imaging.errors import HyfiError
+from hyfi_imaging.errors import ConfigError, HyfiError
 
 __all__ = ["DriftError", "TileGradSync"]
 
@@ -83,24 +83,44 @@ class TileGradSync:
         digest_every: int = 100,
     ) -> None:
         named = list(model.named_parameters())
-        self.names = [n for n, p in named if n in tile_names and p.requires_grad]
-        self._params = [p for n, p in named if n in tile_names and p.requires_grad]
+        # Every tile parameter, frozen ones too: one unfrozen later (fine-tuning) is hooked
+        # at the next forward (:meth:`refresh`); it trained on its tile's share before.
+        self.names = [n for n, _ in named if n in tile_names]
+        self._params = [p for n, p in named if n in tile_names]
         self._everything = named
         self.group = group
         self.digest_every = digest_every
         #: Backwards whose end this object has handled.
         self.backwards = 0
         self._pending: dict[int, Tensor | _Fresh] = {}
+        self._accumulated: set[int] = set()
         self._queued = False
-        self._handles: list[RemovableHandle] = [
-            p.register_hook(partial(self._arrived, i)) for i, p in enumerate(self._params)
-        ]
+        self._hooked: set[int] = set()
+        self._handles: list[RemovableHandle] = []
+        self.refresh()
+        self._handles.append(model.register_forward_pre_hook(lambda *_: self.refresh()))
+
+    def refresh(self) -> None:
+        """Hook the tile parameters that require a gradient and have no hook yet."""
+        for i, p in enumerate(self._params):
+            if p.requires_grad and i not in self._hooked:
+                self._handles += [
+                    p.register_hook(partial(self._arrived, i)),
+                    p.register_post_accumulate_grad_hook(partial(self._accumulate, i)),
+                ]
+                self._hooked.add(i)
 
     def remove(self) -> None:
         """Stop applying the rule (the hooks are removed)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> TileGradSync:
+        """Shared, not copied (it holds a process group): a deep copy of the model (an EMA or
+        teacher copy, for its forward) keeps applying the rule to the model's parameters."""
+        return self
 
     # ------------------------------------------------------------------ hooks
 
@@ -116,11 +136,28 @@ class TileGradSync:
         elif isinstance(seen, Tensor):  # a second time in one backward (re-entrant)
             self._pending[index] = seen + grad
 
+    def _accumulate(self, index: int, _param: Tensor) -> None:
+        """Parameter ``index``'s gradient went into its ``.grad`` (``backward``, not
+        ``torch.autograd.grad``, which leaves ``.grad`` alone)."""
+        self._accumulated.add(index)
+
     def _backward_ended(self) -> None:
         self._queued = False
         pending, self._pending = self._pending, {}
+        accumulated, self._accumulated = self._accumulated, set()
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return
+        returned = sorted(set(pending) - accumulated)
+        if returned:
+            # torch.autograd.grad: the gradients it returns are this tile's shares, and .grad
+            # must stay as it was (the sum was added to it, corrupting the next step)
+            raise ConfigError(
+                f"parameter {self.names[returned[0]]!r}",
+                "torch.autograd.grad returns a tile's share of the gradient of a parameter "
+                "that sees tiles, not the image's",
+                "use loss.backward() (the tiles' sum reaches .grad), or pass "
+                "reduce_grads=False to apply_spatial and all-reduce over ctx.group yourself",
+            )
         if self.digest_every and self.backwards % self.digest_every == 0:
             self.check_agreement()
         self.backwards += 1

@@ -114,6 +114,12 @@ class SpatialContext:
         """Rows and columns (and slabs, for volumes) of the padded image that this rank owns."""
         return self.tiling(image_hw).slices(self.tile)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> SpatialContext:
+        """Shared, not copied (it holds process groups): a deep copy of a spatial model (an
+        EMA or teacher copy) runs its tiles on this context. Deep-copying it failed with
+        "cannot pickle 'ProcessGroup'"."""
+        return self
+
     def set_image_size(self, image_hw: Sequence[int]) -> None:
         """Prepare the layers for images of ``image_hw`` (traced once per size)."""
         if len(image_hw) != self.nd:

@@ -1,0 +1,102 @@
+"""mpiexec worker: what a user's own loop does after ``apply_spatial`` besides the guide's snippet.
+
+Usage: ``mpiexec -n 2 python tests/workers/own_loop_pitfalls.py`` (a 1x2 grid, float64). Each
+check compares the tiled model with the same model in one process (``copy.deepcopy`` before
+``apply_spatial``) and prints one JSON line on rank 0:
+
+* ``other_size``: images of another size than ``apply_spatial(image_size=...)``, cut with
+  ``tile_of`` (which sets the size): the largest relative error (they ran for the old size);
+* ``wrong_tile``: a tile cut for another size fed directly: the one-line refusal;
+* ``unfrozen``: a layer frozen at ``apply_spatial`` and unfrozen before training (fine-tuning),
+  three SGD steps: the largest relative error of its weight (it trained on its tile's share);
+* ``autograd_grad``: ``torch.autograd.grad`` of the tile parameters: the refusal, and whether
+  ``.grad`` kept its value (the tile sum was added to it);
+* ``deepcopy``: an EMA-style ``copy.deepcopy`` of the tiled model: its output's relative error
+  against the model's (it failed with "cannot pickle 'ProcessGroup'").
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.c2 = nn.Conv2d(6, 6, 3, stride=2, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c2(torch.relu(self.bn(self.c1(x)))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / (b.abs().max() + 1e-300))
+
+
+def main() -> int:
+    import hyfi_imaging as hyfi
+    from hyfi_imaging.errors import HyfiError
+    from hyfi_imaging.parallel.launch import shutdown
+
+    torch.set_default_dtype(torch.float64)
+    pc = hyfi.init_parallel(hyfi.Layout(sp=(1, 2)))
+    gen = torch.Generator().manual_seed(3)
+    found: dict[str, object] = {}
+
+    torch.manual_seed(0)
+    model = Net()
+    model.c1.weight.requires_grad_(False)  # frozen when apply_spatial runs
+    ref = copy.deepcopy(model)
+    ctx = hyfi.apply_spatial(model, pc, image_size=(32, 24))
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        errors = []
+        for hw in ((31, 23), (40, 32), (32, 24)):
+            x = torch.randn(2, 3, *hw, generator=gen)
+            errors.append(_rel(model(hyfi.tile_of(x, ctx, hw)), ref(x)))
+        found["other_size"] = max(errors)
+        try:
+            model(torch.randn(2, 3, 32, 16, generator=gen))  # a tile of 32x32 images, not 32x24
+            found["wrong_tile"] = "ran"
+        except HyfiError as err:
+            found["wrong_tile"] = str(err)
+    model.train(), ref.train()
+    model.c1.weight.requires_grad_(True), ref.c1.weight.requires_grad_(True)  # unfrozen
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    x, y = torch.randn(2, 3, 32, 24, generator=gen), torch.tensor([0, 2])
+    for _ in range(3):
+        for m, opt, inp in ((model, opts[0], hyfi.tile_of(x, ctx, (32, 24))), (ref, opts[1], x)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(inp), y).backward()
+            opt.step()
+    found["unfrozen"] = _rel(model.c1.weight.detach(), ref.c1.weight.detach())
+    before = model.c1.weight.grad.clone()
+    try:
+        loss = nn.functional.cross_entropy(model(hyfi.tile_of(x, ctx, (32, 24))), y)
+        torch.autograd.grad(loss, [model.c1.weight])
+        found["autograd_grad"] = "ran"
+    except HyfiError as err:
+        found["autograd_grad"] = str(err)
+    found["grad_kept"] = bool(torch.equal(before, model.c1.weight.grad))
+    model.eval()
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        tile = hyfi.tile_of(x, ctx, (32, 24))
+        found["deepcopy"] = _rel(ema(tile), model(tile))
+    if pc.rank == 0:
+        print(json.dumps(found))
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
