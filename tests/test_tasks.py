@@ -163,6 +163,8 @@ def test_integer_volumes_are_read_over_their_types_maximum(tmp_path: Path) -> No
             "is percentile, but the volumes of",
         ),
         ("cosmoflow-synthetic.yaml", "grf", ["data.augment.brightness=0.5"], "is for slides"),
+        # a count that fits no channel count failed after set-up with a traceback
+        ("cosmoflow-synthetic.yaml", "grf", ["data.mean=[0.0, 0.0]"], "data.mean: has 2 values"),
     ],
 )
 def test_volume_task_refusals_are_one_line(
@@ -261,3 +263,12 @@ def test_hyfi_predict_refuses_volumes_without_the_targets(
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "has no target spectral_index" in err
+
+
+def test_a_negative_label_is_refused_in_one_line() -> None:
+    """A signed label image's -1 reached the loss (an IndexError traceback)."""
+    from hyfi_imaging.errors import HyfiError
+    from hyfi_imaging.train.tasks import _MaskTarget
+
+    with pytest.raises(HyfiError, match=r"holds label -1 but data.classes names 2 classes"):
+        _MaskTarget(2, False, "v0")(np.array([[0, 1], [-1, 0]], dtype=np.int8))

@@ -111,3 +111,14 @@ def test_identity_and_shape_checks(cube: tuple[np.ndarray, VolumeStore]) -> None
     )
     with pytest.raises(ConfigError, match="was drawn for"):
         read_augmented_volume(store, 1, params, (0, 0, 0, 2, 2, 2))
+
+
+def test_rot90_of_voxels_that_are_not_cubes_is_refused() -> None:
+    """A quarter turn in the zy plane of 2 x 0.5 x 0.5 µm voxels stretched an object 4x along
+    one axis and shrank it 4x along the other ('a cube's 24 rotations' of a cube in voxels,
+    not in µm); yx turns of the same voxels are rotations."""
+    with pytest.raises(ConfigError, match=r"2 µm along z and 0.5 µm along y: .* stretch") as err:
+        VolumeAugment(rot90=("zy",)).check((16, 16, 16), (2.0, 0.5, 0.5))
+    assert "\n" not in str(err.value)
+    VolumeAugment(rot90=("yx",)).check((16, 16, 16), (2.0, 0.5, 0.5))
+    VolumeAugment(rot90=True).check((16, 16, 16), (0.5, 0.502, 0.5))  # one size, rounded

@@ -89,3 +89,26 @@ def test_configuration_errors_surface_at_construction(cohorts: tuple[Path, Path]
         VolumeDataset(blobs, grid=(2, 1, 1), rank=(2, 0, 0))
     with pytest.raises(ConfigError, match="one mean and one std"):
         VolumeDataset(blobs, normalize=((0.0,), (0.0,)))
+
+
+def test_a_manifest_of_one_id_twice_or_bad_voxels_is_refused(
+    cohorts: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A volume id on two rows trained and predicted both, and one's mask overwrote the
+    other's (its outputs are named by the id); voxel sizes of -1, nan or 0 were read."""
+    blobs, _ = cohorts
+    text = blobs.read_text().splitlines()  # the cohort's manifest.csv
+    header, first, second = text[0], text[1], text[2]
+    cols = header.split(",")
+    twice = tmp_path / "twice.csv"
+    row = second.split(",")
+    row[cols.index("volume_id")] = first.split(",")[cols.index("volume_id")]
+    twice.write_text("\n".join([header, first, ",".join(row)]) + "\n")
+    with pytest.raises(ConfigError, match=r"twice.csv:3: volume id .* is on line 2 too"):
+        read_volume_manifest(twice)
+    bad = tmp_path / "voxels.csv"
+    row = first.split(",")
+    row[cols.index("voxel_z")] = "nan"
+    bad.write_text("\n".join([header, ",".join(row)]) + "\n")
+    with pytest.raises(ConfigError, match=r"voxels.csv:2: voxel size .* is not three positive"):
+        read_volume_manifest(bad)

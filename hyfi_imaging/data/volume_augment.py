@@ -80,10 +80,20 @@ class VolumeAugment:
         object.__setattr__(self, "flip", _names(self.flip, _AXES, "flip"))
         object.__setattr__(self, "rot90", _names(self.rot90, PLANES, "rot90"))
 
-    def check(self, shape: Sequence[int]) -> None:
-        """ConfigError when a quarter-turn plane of a ``(d, h, w)`` volume is not square."""
+    def check(self, shape: Sequence[int], voxel: Sequence[float] | None = None) -> None:
+        """ConfigError when a quarter-turn plane of a ``(d, h, w)`` volume is not square, in
+        voxels or (``voxel``: µm per voxel, ``(z, y, x)``) in their sizes: turned, 2 x 0.5 µm
+        voxels stretched an object 4x along one axis and shrank it 4x along the other."""
         for plane in _names(self.rot90, PLANES, "rot90"):
             a, b = (_AXES.index(c) for c in plane)
+            if voxel is not None and abs(voxel[a] - voxel[b]) > 0.01 * min(voxel[a], voxel[b]):
+                raise ConfigError(
+                    f"volume augment rot90 in the {plane} plane",
+                    f"the voxels are {voxel[a]:g} µm along {plane[0]} and {voxel[b]:g} µm along "
+                    f"{plane[1]}: a quarter turn would stretch what it turns "
+                    f"{max(voxel[a], voxel[b]) / min(voxel[a], voxel[b]):.3g}x",
+                    "turn only in planes of square voxels (yx for most microscopes)",
+                )
             if int(shape[a]) != int(shape[b]):
                 raise ConfigError(
                     f"volume augment rot90 in the {plane} plane of a "

@@ -54,13 +54,15 @@ VolumeNormalize = Literal["store", "dtype"] | tuple[Sequence[float], Sequence[fl
 
 @dataclass(frozen=True)
 class VolumeSample:
-    """One usable manifest row: the store, its level-0 shape, targets and label image."""
+    """One usable manifest row: the store, its level-0 shape, targets, label image and voxel
+    size (µm, ``(z, y, x)``)."""
 
     volume_id: str
     path: str
     shape: tuple[int, int, int]
     targets: tuple[float, ...]
     labels: str
+    voxel_size: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
 
 def _level_shape(shape: tuple[int, int, int], level: int) -> tuple[int, int, int]:
@@ -143,7 +145,9 @@ class VolumeDataset(Dataset[dict[str, Any]]):
             store = store if store.is_absolute() else path.parent / store
             values = tuple(row.targets[n] for n in names) if target == "regression" else ()
             self.samples.append(
-                VolumeSample(row.volume_id, str(store), row.shape, values, row.labels)
+                VolumeSample(
+                    row.volume_id, str(store), row.shape, values, row.labels, row.voxel_size
+                )
             )
         self.target_names = names if target == "regression" else ()
         self.grid = tuple(int(g) for g in grid)
@@ -178,8 +182,9 @@ class VolumeDataset(Dataset[dict[str, Any]]):
                 "tile volumes of one size",
             )
         for shape in shapes:
-            self.augment.check(shape)
             tile_region_nd(shape, self.grid, self.rank, halo=halo, align=self.align)
+        for s in self.samples:
+            self.augment.check(_level_shape(s.shape, self.level), s.voxel_size)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -131,6 +131,7 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
         )
     names = [c[len(_TARGET) :] for c in header if c.startswith(_TARGET)]
     rows = []
+    seen: dict[str, int] = {}
     for line, d in enumerate(records, start=2):
         try:
             targets = {n: float(d[_TARGET + n]) for n in names}
@@ -155,5 +156,20 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
             safe_id(row.labels, where=f"{p}:{line}", what="label image")
         if row.status == "ok" and not all(math.isfinite(v) for v in targets.values()):
             raise ConfigError(f"{p}:{line}", "a target is not a finite number", "fix the row")
+        if row.status == "ok" and not all(math.isfinite(v) and v > 0 for v in row.voxel_size):
+            raise ConfigError(
+                f"{p}:{line}",
+                f"voxel size {row.voxel_size} is not three positive numbers (µm, z y x)",
+                "fix the row",
+            )
+        first = seen.setdefault(row.volume_id, line)
+        if first != line:
+            # its outputs (masks, rows of per_image.csv) are named by the id: one would
+            # overwrite the other's
+            raise ConfigError(
+                f"{p}:{line}",
+                f"volume id {row.volume_id!r} is on line {first} too",
+                "give every volume its own id",
+            )
         rows.append(row)
     return rows

@@ -70,19 +70,24 @@ def normalization(recipe: Recipe) -> Normalization:
     )
 
 
+def check_stats(recipe: Recipe, channels: int) -> None:
+    """ConfigError unless ``data.mean`` and ``data.std`` hold one value, or one per channel."""
+    for key in ("mean", "std"):
+        values = getattr(recipe.data, key)
+        if values is not None and len(values) not in (1, channels):
+            raise ConfigError(
+                f"data.{key}",
+                f"has {len(values)} values but the images have {channels} channels",
+                "give one value for all channels or one per channel (or leave it out)",
+            )
+
+
 def check_data(recipe: Recipe, pixels: StorePixels) -> None:
     """ConfigError (one line) when the recipe's data options do not fit images like ``pixels``."""
     from hyfi_imaging.io.pixels import is_rgb
 
     d, c = recipe.data, pixels.channels
-    for key in ("mean", "std"):
-        values = getattr(d, key)
-        if values is not None and len(values) not in (1, c):
-            raise ConfigError(
-                f"data.{key}",
-                f"has {len(values)} values but the images have {c} channels",
-                "give one value for all channels or one per channel (or leave it out)",
-            )
+    check_stats(recipe, c)
     a = d.augment
     if (a.saturation or a.hue) and not is_rgb(pixels.channel_names):
         raise ConfigError(

@@ -79,7 +79,7 @@ def preflight(
     and the readers check the shards of each region they read anyway.
     """
     from hyfi_imaging.data.dataset import load_samples
-    from hyfi_imaging.train.inputs import check_data, data_pixels
+    from hyfi_imaging.train.inputs import check_data, check_stats, data_pixels
     from hyfi_imaging.train.rundir import check_start
     from hyfi_imaging.train.tasks import check_task, load_cohort, manifest_kind, num_outputs
 
@@ -95,6 +95,8 @@ def preflight(
         _check_level(cohort, recipe.data.manifest, recipe.data.level)
     if cohort.kind == "slides":
         check_data(recipe, data_pixels(recipe))
+    else:  # a wrong count failed after set-up with a traceback
+        check_stats(recipe, cohort.channels)
     if recipe.data.val_manifest is not None:
         val = load_cohort(recipe, recipe.data.val_manifest)
         check_task(recipe, val, recipe.data.val_manifest)

@@ -130,6 +130,16 @@ def load_cohort(recipe: Recipe, manifest: Path) -> Cohort:
                 f"volumes have different sizes {sorted(sizes)[:3]}",
                 "train on volumes of one size",
             )
+        channels: dict[int, str] = {}
+        for s in ds.samples:  # the metadata of each store (the model takes one count)
+            channels.setdefault(VolumeStore(s.path).channels, s.volume_id)
+        if len(channels) != 1:
+            said = ", ".join(f"{v} has {c}" for c, v in sorted(channels.items()))
+            raise ConfigError(
+                manifest,
+                f"volumes have different channel counts ({said})",
+                "train on volumes of one kind",
+            )
         names = list(ds.target_names)
         targets = (
             torch.tensor([s.targets for s in ds.samples], dtype=torch.float32)
@@ -141,7 +151,7 @@ def load_cohort(recipe: Recipe, manifest: Path) -> Cohort:
             [s.volume_id for s in ds.samples],
             [s.path for s in ds.samples],
             next(iter(sizes)),
-            VolumeStore(ds.samples[0].path).channels,
+            next(iter(channels)),
             [0] * len(ds.samples),
             targets,
             names,
@@ -332,12 +342,14 @@ class _MaskTarget:
         if self.foreground:
             return (m > 0).long()
         top = int(m.max()) if m.numel() else 0
-        if top >= self.classes:
+        low = int(m.min()) if m.numel() else 0
+        if top >= self.classes or low < 0:
             from hyfi_imaging.errors import HyfiError
 
             raise HyfiError(
                 self.where,
-                f"a mask holds label {top} but data.classes names {self.classes} classes",
+                f"a mask holds label {top if low >= 0 else low} but data.classes names "
+                f"{self.classes} classes (labels 0-{self.classes - 1})",
                 "list a class per label value, or set task.foreground=true",
             )
         return m
