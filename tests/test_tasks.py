@@ -272,3 +272,34 @@ def test_a_negative_label_is_refused_in_one_line() -> None:
 
     with pytest.raises(HyfiError, match=r"holds label -1 but data.classes names 2 classes"):
         _MaskTarget(2, False, "v0")(np.array([[0, 1], [-1, 0]], dtype=np.int8))
+
+
+def test_a_volume_model_refuses_volumes_of_other_voxels(
+    tmp_path: Path, volumes: dict[str, Path]
+) -> None:
+    """A model trained on 2 x 0.5 x 0.5 µm voxels predicted 0.5 µm ones without a word (slides
+    have their µm/px checked): the checkpoint records its voxel sizes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "unet3d-synthetic.yaml"),
+             "--set", f"data.manifest={volumes['blobs']}", "--set", f"train.out_dir={run}",
+             "--set", "train.max_steps=1", "--set", "train.epochs=1", "--set", "train.progress=false"]  # fmt: skip
+    job = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    lines = volumes["blobs"].read_text().splitlines()
+    cols = lines[0].split(",")
+    rows = [r.split(",") for r in lines[1:]]
+    for r in rows:
+        r[cols.index("voxel_z")] = str(2 * float(r[cols.index("voxel_z")]))
+        r[cols.index("path")] = str((volumes["blobs"].parent / r[cols.index("path")]).resolve())
+    other = tmp_path / "other.csv"
+    other.write_text("\n".join([lines[0], *(",".join(r) for r in rows)]) + "\n")
+    predict = [sys.executable, "-m", "hyfi_imaging.cli.predict", str(run), "--manifest",
+               str(other), "--out", str(tmp_path / "pred")]  # fmt: skip
+    job = subprocess.run(predict, capture_output=True, text=True, env=env, timeout=300)
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert "trained with another voxel sizes" in job.stderr, job.stderr

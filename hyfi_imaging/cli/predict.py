@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                     else []
                 ),
                 "model.weights=null",  # the run's checkpoint replaces them: not read again
+                # prediction draws no augmentation: its checks (quarter turns of voxels that
+                # are not square) are the training's
+                "data.augment.flip=false",
+                "data.augment.rot90=false",
                 f"train.batch_size={args.batch}",
                 f"train.out_dir={run_dir}",
             ],
