@@ -6,6 +6,7 @@ whole runs of the task recipes are tests/test_task_recipes_mpi.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -248,6 +249,27 @@ def test_mask_writer_roundtrip(tmp_path: Path) -> None:
     assert VolumeStore(out).voxel_size == (2.0, 0.5, 0.5) and VolumeStore(out).attrs["level"] == 1
     with ZarrReader(tmp_path / "s.zarr") as reader:
         assert reader.mpp == 2.0 and reader.attrs["level"] == 0
+    # Placed on the image: a map of level 1 is centred on 2x2(x2) level-0 pixels (voxels): a
+    # viewer drew it half a level-0 pixel up and left (volume stores' levels as well)
+    a = json.loads((tmp_path / "a.zarr" / "zarr.json").read_text())["attributes"]["ome"]
+    first = a["multiscales"][0]["datasets"][0]
+    assert first["coordinateTransformations"][1]["translation"] == [0.0, 0.5, 0.125, 0.125]
+    from hyfi_imaging.io.volume_store import _multiscales
+
+    mean, nearest = (_multiscales("v", (2.0, 0.5, 0.5), 2, m) for m in ("mean", "nearest"))
+    assert mean["datasets"][1]["coordinateTransformations"][1]["translation"] == [
+        0.0, 1.0, 0.25, 0.25,
+    ]  # fmt: skip
+    assert len(nearest["datasets"][1]["coordinateTransformations"]) == 1  # its first voxel
+    flat = write_mask(tmp_path / "f.zarr", mask, classes=["background", "lesion"], image="x",
+                      scale=2.0, level=1)  # fmt: skip
+    for group in (flat, flat / "labels" / "prediction"):
+        ms = json.loads((group / "zarr.json").read_text())["attributes"]["ome"]["multiscales"]
+        assert ms[0]["datasets"][0]["coordinateTransformations"][1]["translation"] == [
+            0.0,
+            0.5,
+            0.5,
+        ]
 
 
 def test_hyfi_predict_refuses_volumes_without_the_targets(

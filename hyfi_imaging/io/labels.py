@@ -115,8 +115,10 @@ def write_label_image(
     chunk: int = 512,
     shard: int = 4096,
     pyramid_levels: int = 3,
+    origin: tuple[float, float] | None = None,
 ) -> Path:
-    """Write a ``(1, H, W)`` uint8 label image as ``labels/<name>`` of the image group ``store``.
+    """Write a ``(1, H, W)`` uint8 label image as ``labels/<name>`` of the image group ``store``
+    (``origin``: where level-0 pixel ``(0, 0)``'s centre lies, as its image's).
 
     ``labels`` is produced one shard at a time (memory stays a few shards);
     the levels, chunks and shards are those :func:`write_ome_zarr` gives an
@@ -155,6 +157,7 @@ def write_label_image(
                         np.dtype(np.uint8),
                         method="mode",
                         description="2x2 mode per level (ties to the larger label)",
+                        origin=origin,
                     )
                 ],
                 "image-label": {

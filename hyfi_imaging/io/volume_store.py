@@ -125,8 +125,28 @@ def _triple(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
 
 
 def _multiscales(
-    name: str, voxel_size: tuple[float, float, float], n_levels: int, method: str
+    name: str,
+    voxel_size: tuple[float, float, float],
+    n_levels: int,
+    method: str,
+    origin: Sequence[float] = (0.0, 0.0, 0.0),
 ) -> dict[str, Any]:
+    """The NGFF ``multiscales`` of a ``c, z, y, x`` pyramid. ``origin``: where level-0 voxel
+    ``(0, 0, 0)``'s centre lies (µm). A ``mean`` level's voxel is centred on its 2**l block
+    (a translation of (2**l - 1) / 2 voxels: without it a viewer drew level l that far off);
+    a ``nearest`` level's is its block's first voxel."""
+
+    def transforms(level: int) -> list[dict[str, Any]]:
+        f = 2**level
+        out: list[dict[str, Any]] = [
+            {"type": "scale", "scale": [1.0, *(v * f for v in voxel_size)]}
+        ]
+        shift = (f - 1) / 2 if method == "mean" else 0.0
+        moved = [o + v * shift for o, v in zip(origin, voxel_size, strict=True)]
+        if any(moved):
+            out.append({"type": "translation", "translation": [0.0, *moved]})
+        return out
+
     return {
         "name": name,
         "axes": [
@@ -134,12 +154,7 @@ def _multiscales(
             *({"name": a, "type": "space", "unit": "micrometer"} for a in _AXES[1:]),
         ],
         "datasets": [
-            {
-                "path": str(level),
-                "coordinateTransformations": [
-                    {"type": "scale", "scale": [1.0, *(v * 2**level for v in voxel_size)]}
-                ],
-            }
+            {"path": str(level), "coordinateTransformations": transforms(level)}
             for level in range(n_levels)
         ],
         "type": method,
@@ -199,6 +214,7 @@ def write_ome_zarr_volume(
     name: str = "",
     attrs: Mapping[str, Any] | None = None,
     labels: Mapping[str, np.ndarray] | None = None,
+    origin: Sequence[float] = (0.0, 0.0, 0.0),
 ) -> Path:
     """Write a ``(C, Z, Y, X)`` volume (its dtype kept) as an OME-Zarr 0.5 group, atomically.
 
@@ -215,6 +231,8 @@ def write_ome_zarr_volume(
         attrs: JSON-able provenance stored as ``attributes["hyfi"]``.
         labels: ``name -> (Z, Y, X)`` integer label volumes of the same shape,
             written as NGFF label images ``labels/<name>`` (nearest downsampling).
+        origin: where level-0 voxel ``(0, 0, 0)``'s centre lies, µm ``(z, y, x)`` (a map of
+            a coarser level of another volume: :func:`~hyfi_imaging.train.outputs.write_mask`).
 
     Returns ``path``. Raises :class:`SlideError` when ``path`` exists and
     :class:`ConfigError` for bad arguments; nothing is left behind either way.
@@ -280,7 +298,7 @@ def write_ome_zarr_volume(
                     {
                         "ome": {
                             "version": NGFF_VERSION,
-                            "multiscales": [_multiscales(key, vs, n_lab, "nearest")],
+                            "multiscales": [_multiscales(key, vs, n_lab, "nearest", origin)],
                             "image-label": {"version": NGFF_VERSION, "source": {"image": "../../"}},
                         },
                         INVENTORY_ATTR: take_inventory(
@@ -294,7 +312,7 @@ def write_ome_zarr_volume(
             {
                 "ome": {
                     "version": NGFF_VERSION,
-                    "multiscales": [_multiscales(name, vs, n_levels, "mean")],
+                    "multiscales": [_multiscales(name, vs, n_levels, "mean", origin)],
                     "omero": omero_metadata(names, colors, volume.dtype, stats),
                 },
                 "hyfi": {**hyfi, "kind": "volume"},

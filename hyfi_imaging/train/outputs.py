@@ -113,10 +113,12 @@ def write_mask(
         from hyfi_imaging.io.volume_store import write_ome_zarr_volume
 
         voxel = tuple(scale) if isinstance(scale, Sequence) else (scale or 1.0,) * 3
+        f = 2**level  # a map of level l: its voxel is the centre of 2**l image voxels
         return write_ome_zarr_volume(
             out,
             mask[None].astype(np.uint8),
             voxel_size=voxel,
+            origin=tuple(v / f * (f - 1) / 2 for v in voxel),
             chunks=32,
             channel_names=["class"],
             name=out.stem,
@@ -124,6 +126,8 @@ def write_mask(
             labels={"prediction": mask.astype(np.uint8)},
         )
     mpp = scale[-1] if isinstance(scale, Sequence) else scale
+    f = 2**level  # a map of level l: its pixel is the centre of 2**l image pixels
+    origin = None if mpp is None or level == 0 else (mpp / f * (f - 1) / 2,) * 2
     write_ome_zarr(
         out,
         mask[None].astype(np.uint8),
@@ -131,6 +135,7 @@ def write_mask(
         hyfi_attrs=attrs,
         name=out.stem,
         channel_names=["class"],
+        origin=origin,
     )
     write_label_image(
         out,
@@ -139,6 +144,7 @@ def write_mask(
         classes={name: value for value, name in enumerate(classes) if value},
         attrs=attrs,
         name="prediction",
+        origin=origin,
     )
     return out
 
