@@ -98,3 +98,4 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     assert "the model got a 32x16 tile, but 32x24 images give tiles of 32x12" in got["wrong_tile"]
     assert "torch.autograd.grad returns a tile's share" in got["autograd_grad"], got
     assert got["grad_kept"] is True, got
+    assert "module 'c2' (Conv2d): was put into the model after apply_spatial" in got["replaced"]
