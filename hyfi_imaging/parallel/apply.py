@@ -156,7 +156,8 @@ def apply_spatial(
     )
     if image_size is not None:
         ctx.set_image_size(tuple(int(v) for v in image_size))
-    model.register_forward_pre_hook(partial(_check_tile, ctx, {id(m) for m in model.modules()}))
+    plain = {path for path, m in model.named_modules() if not hasattr(m, "hyfi_ctx")}
+    model.register_forward_pre_hook(partial(_check_tile, ctx, plain))
     if reduce_grads:
         ctx.grad_sync = TileGradSync(model, ctx.tile_param_names, ctx.group)
     log.info(
@@ -198,17 +199,18 @@ def tile_of(images: Tensor, ctx: SpatialContext | None, image_hw: Sequence[int])
 
 
 def _check_tile(
-    ctx: SpatialContext, known: set[int], model: nn.Module, args: tuple[Any, ...]
+    ctx: SpatialContext, plain: set[str], model: nn.Module, args: tuple[Any, ...]
 ) -> None:
     """Refuse a tile the context's image size does not give: the layers would mask and
     exchange for another image (31x23 images through a model set for 32x24 gave 0.67 relative
     error in training, without a word); and a layer with a tiled form put into the model
-    after ``apply_spatial`` (``known``: the modules it made), which would run on the tile as
-    a plain layer (0.47 relative)."""
+    after ``apply_spatial`` (``plain``: the paths of the modules it left plain, such as a
+    squeeze-excite's 1x1 convolution on the pooled vector), which would run on the tile as a
+    plain layer (0.47 relative). By path, so that a deep copy of the model passes."""
     from hyfi_imaging.parallel.spatial.kinds import _has_spatial_form
 
     for path, m in model.named_modules():
-        if id(m) not in known and _has_spatial_form(m):
+        if path not in plain and not hasattr(m, "hyfi_ctx") and _has_spatial_form(m):
             raise ConfigError(
                 f"module {path!r} ({type(m).__name__})",
                 "was put into the model after apply_spatial: it would run on the tile as a "
