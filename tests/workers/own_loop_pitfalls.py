@@ -107,4 +107,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hyfi_imaging.parallel.launch import exit_now
+
+    exit_now(main())  # every rank ends alike (a rank that ends first got the job killed)
