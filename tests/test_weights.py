@@ -207,6 +207,12 @@ def test_bad_files_are_refused_in_one_line(tmp_path: Path) -> None:
         r"99 tensors have other shapes than the model's \(bn1.weight \[16\] -> \[64\], .*"
         r"weights of another architecture",
     )
+    # Another depth: loaded halfway, a partly random model trained as if pretrained
+    torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "deeper.pth")
+    _one_line(tmp_path / "deeper.pth", r"96 tensors of the file are not in the model \(layer1.2")
+    torch.save(create_model("resnet18").state_dict(), tmp_path / "shallower.pth")
+    with pytest.raises(ConfigError, match=r"80 of the model's are not in the file"):
+        load_weights(create_model("resnet34", num_classes=2), tmp_path / "shallower.pth")
     torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "cut.pth")
     data = (tmp_path / "cut.pth").read_bytes()
     (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])

@@ -390,14 +390,40 @@ def load_weights(model: nn.Module, path: Path, *, where: str = "model.weights") 
             skipped.append((name, have, want))
     new = _new_parts(model, first_conv)
     foreign = [f"{n} {list(a)} -> {list(b)}" for n, a, b in skipped if n not in new]
-    if foreign or not any(not n.endswith("num_batches_tracked") for n in take):
-        why = (
-            f"{len(foreign)} tensors have other shapes than the model's "
-            f"({', '.join(foreign[:_SHOWN])}{', ...' if len(foreign) > _SHOWN else ''})"
-            if foreign
-            else f"no weight of the file fits the model ({len(state)} tensors, e.g. "
-            f"{', '.join(list(state)[:_SHOWN])}; the model has {', '.join(list(wanted)[:_SHOWN])}, ...)"
-        )
+    head = {n.rsplit(".", 1)[0] for n, part in new.items() if part == "head"}
+    # Tensors of the file the model has no place for, and weights of the model the file
+    # lacks (but the head's, which may be another): another depth. Loaded halfway, a
+    # ResNet-34's weights made a ResNet-18 and the reverse a model partly random, as if
+    # pretrained.
+    extra = [k for k in unexpected if mapping[k].rsplit(".", 1)[0] not in head]
+    lacking = [
+        n
+        for n in wanted
+        if n not in take
+        and n not in new
+        and n not in {s[0] for s in skipped}
+        and not n.endswith("num_batches_tracked")
+    ]
+    fits = any(not n.endswith("num_batches_tracked") for n in take)
+    if foreign or extra or lacking or not fits:
+        if foreign:
+            why = (
+                f"{len(foreign)} tensors have other shapes than the model's "
+                f"({', '.join(foreign[:_SHOWN])}{', ...' if len(foreign) > _SHOWN else ''})"
+            )
+        elif fits:
+            why = (
+                f"{len(extra)} tensors of the file are not in the model"
+                f"{' (' + ', '.join(extra[:_SHOWN]) + ', ...)' if extra else ''} and "
+                f"{len(lacking)} of the model's are not in the file"
+                f"{' (' + ', '.join(lacking[:_SHOWN]) + ', ...)' if lacking else ''}"
+            )
+        else:
+            why = (
+                f"no weight of the file fits the model ({len(state)} tensors, e.g. "
+                f"{', '.join(list(state)[:_SHOWN])}; the model has "
+                f"{', '.join(list(wanted)[:_SHOWN])}, ...)"
+            )
         raise ConfigError(
             path,
             f"{why}: weights of another architecture (depth, width)",
