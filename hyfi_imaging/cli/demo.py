@@ -26,7 +26,7 @@ __all__ = ["main"]
 
 EXAMPLES = """\
 examples:
-  hyfi-demo --out demo_out                 # the full demo (about 5 minutes on 2 CPU cores)
+  hyfi-demo --out demo_out                 # the full demo (2-3 minutes on 2 CPU cores)
   hyfi-demo --out /tmp/demo --quick        # a 1-minute smoke run (too short to learn anything)
 """
 

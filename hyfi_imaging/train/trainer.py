@@ -346,8 +346,7 @@ class Trainer:
             raise NonFiniteError(
                 f"step {pos.step}",
                 "the model or optimiser state holds NaN or inf; not checkpointed",
-                f"lower optim.lr or set optim.grad_clip; {self._newest() or 'no checkpoint'} "
-                "stays the newest checkpoint: relaunch to resume from it",
+                f"lower optim.lr or set optim.grad_clip; {self._kept_line()}",
             )
         save_checkpoint(
             self.ckpt_root,
@@ -402,6 +401,14 @@ class Trainer:
         ]
         sizes = {tuple(float(f"{v:.3g}") for v in row.voxel_size) for row in rows}
         return [list(v) for v in sorted(sizes)]
+
+    def _kept_line(self) -> str:
+        """What a run that stops on NaN leaves to resume from (it said "no checkpoint stays the
+        newest checkpoint" where none existed)."""
+        newest = self._newest()
+        if newest is None:
+            return "no checkpoint was written yet: relaunch to start again"
+        return f"{newest} stays the newest checkpoint: relaunch to resume from it"
 
     def _global_batch(self) -> int:
         """Images a step trains: the per-replica batch times the data replicas."""
@@ -746,8 +753,7 @@ class Trainer:
             raise NonFiniteError(
                 "evaluation",
                 "the model's outputs are NaN or inf (its weights diverged)",
-                f"lower optim.lr or set optim.grad_clip; {self._newest() or 'no checkpoint'} "
-                "is the newest checkpoint: relaunch to resume from it",
+                f"lower optim.lr or set optim.grad_clip; {self._kept_line()}",
             )
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
         # Scores are log-probabilities: the ranking and the loss of the logits, which float32
