@@ -166,10 +166,13 @@ class TileGradSync:
 
     def _buckets(self) -> Iterator[list[int]]:
         """Parameter indices in fixed order, cut where the dtype or device changes or a
-        bucket is full."""
+        bucket is full; frozen ones left out (every rank freezes alike: no zeros all-reduced
+        for a frozen backbone)."""
         bucket: list[int] = []
         numel = 0
         for i, p in enumerate(self._params):
+            if not p.requires_grad:
+                continue
             if bucket and (
                 numel + p.numel() > BUCKET_NUMEL
                 or (p.dtype, p.device)
