@@ -45,6 +45,14 @@ def _spatialize(body: Fn) -> object:
     return spatialize(Net(body), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
 
 
+def _written(h: int, device: torch.device) -> torch.Tensor:
+    """An empty (1, 1, h, 1) map whose rows are written one by one with their coordinates."""
+    out = torch.empty(1, 1, h, 1, device=device)
+    out[:, :, : h // 2].copy_(torch.zeros(1, 1, h // 2, 1, device=device))
+    out[:, :, h // 2 :].copy_(torch.ones(1, 1, h - h // 2, 1, device=device))
+    return out
+
+
 REFUSED: dict[str, tuple[Fn, str]] = {
     "x.sum()": (lambda m, x: x * x.sum(), "aten.sum"),
     "x.std((2, 3))": (lambda m, x: x.std((2, 3)), "aten.std"),
@@ -100,6 +108,10 @@ REFUSED: dict[str, tuple[Fn, str]] = {
             F.avg_pool2d(x, 3, 1, 1)
             / F.avg_pool2d(torch.ones(1, 1, *x.shape[-2:], device=x.device), 3, 1, 1)
         ),
+        "not computed from it",
+    ),
+    "coordinates written into an empty map": (
+        lambda m, x: x + _written(x.shape[-2], x.device),
         "not computed from it",
     ),
     # The sum is global; a count read off x.shape is the tile's.

@@ -394,6 +394,9 @@ class _Watch(TorchDispatchMode):
         does)."""
         name = str(func.overloadpacket.__name__)
         sources = [a for a in flat if isinstance(a, torch.Tensor)]
+        dst = sources[0] if sources and name.endswith("_") and name not in _CONSTANTS else None
+        if dst is not None and dst._base is not None:
+            self.flat.pop(id(dst._base), None)  # written in part: no longer known to be flat
         for o in outs:
             if not isinstance(o, torch.Tensor):
                 continue
