@@ -662,7 +662,7 @@ def test_kill_minus_nine_stops_the_workers_too(tmp_path: Path) -> None:
     assert len(family) >= 3 and not left, (family, left)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_ctrl_c_stops_the_run_in_one_line(tmp_path: Path, workers: int) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) printed a KeyboardInterrupt traceback
     of ~15 lines from the run and its workers: one line now, exit 130, nothing half-written

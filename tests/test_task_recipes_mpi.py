@@ -127,6 +127,7 @@ def test_segmentation_val_loss_does_not_count_the_padded_images(
         assert image.mpp is not None and mask.mpp == image.mpp and mask.attrs["level"] == 0
 
 
+@pytest.mark.slow  # hyfi-plan ranks every layout (the suite's time)
 def test_the_planner_plans_a_segmentation_recipe_as_training_runs_it(
     slides: Path, tmp_path: Path
 ) -> None:

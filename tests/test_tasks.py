@@ -296,6 +296,7 @@ def test_a_negative_label_is_refused_in_one_line() -> None:
         _MaskTarget(2, False, "v0")(np.array([[0, 1], [-1, 0]], dtype=np.int8))
 
 
+@pytest.mark.slow  # a training and a prediction (the suite's time)
 def test_a_volume_model_refuses_volumes_of_other_voxels(
     tmp_path: Path, volumes: dict[str, Path]
 ) -> None:
