@@ -88,13 +88,13 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     float64): images of another size (cut by tile_of, which sets it) ran for the old size
     (0.67 relative in training); a layer unfrozen after apply_spatial trained on its tile's
     share; torch.autograd.grad returned tile shares and added the sum to .grad; a deep copy
-    (EMA) failed on the process group. Each is exact now, or refused in one line."""
+    (EMA) failed on the process group, and one that trains had no gradient rule. Each is exact now, or refused in one line."""
     worker = Path(__file__).resolve().parent / "workers" / "own_loop_pitfalls.py"
     job = mpiexec(2, str(worker), timeout=240)
     assert job.returncode == 0, job.describe()
     got = json_line(job)
     assert got["other_size"] < 1e-12 and got["unfrozen"] < 1e-12, got
-    assert got["deepcopy"] == 0.0, got
+    assert got["deepcopy"] == 0.0 and got["student"] < 1e-12, got
     assert "the model got a 32x16 tile, but 32x24 images give tiles of 32x12" in got["wrong_tile"]
     assert "torch.autograd.grad returns a tile's share" in got["autograd_grad"], got
     assert got["grad_kept"] is True, got

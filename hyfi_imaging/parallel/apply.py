@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -159,7 +160,9 @@ def apply_spatial(
     plain = {path for path, m in model.named_modules() if not hasattr(m, "hyfi_ctx")}
     model.register_forward_pre_hook(partial(_check_tile, ctx, plain))
     if reduce_grads:
-        ctx.grad_sync = TileGradSync(model, ctx.tile_param_names, ctx.group)
+        ctx.grad_syncs = weakref.WeakKeyDictionary(
+            {model: TileGradSync(model, ctx.tile_param_names, ctx.group)}
+        )
     log.info(
         "apply_spatial: %s on a %s grid, tile %s, tiles aligned to %d px, %d parameters "
         "summed over tiles, %d deep-halo runs",
@@ -206,9 +209,14 @@ def _check_tile(
     error in training, without a word); and a layer with a tiled form put into the model
     after ``apply_spatial`` (``plain``: the paths of the modules it left plain, such as a
     squeeze-excite's 1x1 convolution on the pooled vector), which would run on the tile as a
-    plain layer (0.47 relative). By path, so that a deep copy of the model passes."""
+    plain layer (0.47 relative). By path, so that a deep copy of the model passes; a deep copy
+    gets the gradient rule of its own parameters."""
     from hyfi_imaging.parallel.spatial.kinds import _has_spatial_form
 
+    if ctx.grad_syncs is not None and model not in ctx.grad_syncs:
+        # A deep copy of the model (it shares the context): its parameters are others, and a
+        # copy that trains (a student) trained on its tiles' shares (0.2 relative)
+        ctx.grad_syncs[model] = TileGradSync(model, ctx.tile_param_names, ctx.group)
     for path, m in model.named_modules():
         if path not in plain and not hasattr(m, "hyfi_ctx") and _has_spatial_form(m):
             raise ConfigError(

@@ -118,8 +118,8 @@ class TileGradSync:
         self._hooked.clear()
 
     def __deepcopy__(self, memo: dict[int, object]) -> TileGradSync:
-        """Shared, not copied (it holds a process group): a deep copy of the model (an EMA or
-        teacher copy, for its forward) keeps applying the rule to the model's parameters."""
+        """Not copied (it holds a process group; a deep copy of the model is given its own at
+        its first forward: :func:`~.apply.apply_spatial`)."""
         return self
 
     # ------------------------------------------------------------------ hooks

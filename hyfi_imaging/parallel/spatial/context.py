@@ -8,6 +8,7 @@ how to cut an image (``padded_size``, ``tile_slice``).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -73,9 +74,10 @@ class SpatialContext:
         self.image_hw: tuple[int, ...] | None = None
         self.sizes: dict[str, tuple[int, ...]] = {}
         self.tile_param_names: set[str] = set()
-        #: The gradient rule for a user's own loop (apply_spatial), None where an engine
-        #: reduces the gradients itself.
-        self.grad_sync: TileGradSync | None = None
+        #: The gradient rule for a user's own loop (apply_spatial), by the model it applies to
+        #: (a deep copy that trains, a student or EMA copy, gets its own at its first forward);
+        #: None where an engine reduces the gradients itself.
+        self.grad_syncs: weakref.WeakKeyDictionary[nn.Module, TileGradSync] | None = None
         #: Global pools whose output is used again on the tiles (squeeze-excite).
         self.rejoined_pools: set[str] = set()
         #: Modules that draw random numbers in training (drop-path), synchronised over the
