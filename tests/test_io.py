@@ -387,6 +387,13 @@ def test_pixels_that_are_not_square_are_refused(tmp_path: Path) -> None:
     (store / "zarr.json").write_text(json.dumps(meta))
     with open_slide(store) as r:
         assert r.mpp == pytest.approx(0.5)  # 500 nm, not 500 µm
+    for ds in meta["attributes"]["ome"]["multiscales"][0]["datasets"]:
+        ds["coordinateTransformations"][0]["scale"][-2] *= 2  # rows twice as tall
+    (store / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(SlideError, match=r"pixels are not square \(0.5 µm wide, 1 µm high\)"):
+        open_slide(store)
+    with open_slide(store, mpp_override=0.5) as r:  # the override wins here too
+        assert (r.mpp, r.mpp_source) == (0.5, "override")
 
 
 # ---------------------------------------------------------------- PNG / JPEG

@@ -590,10 +590,12 @@ class ZarrReader:
             float(scales[0][k]) * um if um is not None else None
             for k, um in zip((-2, -1), per_um, strict=True)
         )
-        self.mpp: float | None = square_mpp(self.path, x, y)
-        self.mpp_source = "ome" if self.mpp is not None else "none"
-        if mpp_override is not None:
+        self.mpp: float | None
+        if mpp_override is not None:  # it wins, also over pixels that are not square
             self.mpp, self.mpp_source = float(mpp_override), "override"
+        else:
+            self.mpp = square_mpp(self.path, x, y)
+            self.mpp_source = "ome" if self.mpp is not None else "none"
         self.background = self.attrs.get(
             "background", default_background(self.dtype, rgb=is_rgb(self.channel_names))
         )

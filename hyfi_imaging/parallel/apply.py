@@ -193,7 +193,7 @@ def tile_of(images: Tensor, ctx: SpatialContext | None, image_hw: Sequence[int])
             f"tile_of(images, ctx, {image_hw})",
             f"images are {'x'.join(map(str, images.shape[-nd:]))}, not the size given "
             "(a smaller size would crop them, a larger one pad them)",
-            "give the images' own size: tile_of(images, ctx, images.shape[-2:])",
+            "give the images' own size: tile_of(images, ctx, images.shape[2:])",
         )
     if ctx.image_hw != image_hw:
         ctx.set_image_size(image_hw)
@@ -244,7 +244,7 @@ def _check_tile(
             "apply_spatial",
             f"the model got a {'x'.join(map(str, got))} tile, but {size} images give tiles of "
             f"{'x'.join(map(str, want))} on this grid",
-            "cut each batch with hyfi.tile_of(images, ctx, images.shape[-2:]) (it sets the "
+            "cut each batch with hyfi.tile_of(images, ctx, images.shape[2:]) (it sets the "
             "size), or call ctx.set_image_size((H, W)) for images of another size",
         )
 
