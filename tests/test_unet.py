@@ -202,3 +202,7 @@ def test_a_dense_output_off_the_tiles_grid_is_refused(
     assert "\n" not in str(err.value)
     same = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, stride=2), nn.ConvTranspose2d(8, 3, 2, 2))
     assert output_map(meta_copy(same), 3, (32, 32), (32, 16)) is not None
+    # A tile where the pixels an unpadded convolution takes off look like a stride (4 -> 2)
+    valid = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 3, 1))
+    with pytest.raises(ConfigError, match="not to the tile over a stride"):
+        output_map(meta_copy(valid), 3, (4, 8), (4, 4))

@@ -317,7 +317,7 @@ def output_map(
         ) from None
     if whole is None or tile is None or len(whole) < nd + 1 or whole[-nd:] == tile[-nd:]:
         return None
-    if not all(_scaled(t, o) for t, o in zip(tile_hw, tile[-nd:], strict=True)):
+    if not _keeps_grid(meta_model, in_chans, tuple(tile_hw), tuple(tile[-nd:])):
         path, seen, made = _first_unscaled(meta_model, (1, in_chans, *tile_hw))
         raise ConfigError(
             f"module {path!r}",
@@ -329,6 +329,22 @@ def output_map(
             "multiple of its stride), pool the output globally, or run without tiles",
         )
     return OutputMap(tuple(whole[-nd:]), tuple(tile[-nd:]))
+
+
+def _keeps_grid(
+    meta_model: nn.Module, in_chans: int, tile_hw: tuple[int, ...], out: tuple[int, ...]
+) -> bool:
+    """Whether the model maps a tile to the tile over a stride (or times a scale): its output
+    on a tile of twice the side is twice as large (an unpadded convolution takes pixels off,
+    16 -> 14 but 32 -> 30; on a 4-px tile 4 -> 2 looked like a stride of 2), and each side
+    is a whole stride or scale of the tile's."""
+    if not all(_scaled(t, o) for t, o in zip(tile_hw, out, strict=True)):
+        return False
+    try:
+        double = output_shape(meta_model, (1, in_chans, *(2 * t for t in tile_hw)))
+    except RuntimeError:  # the model does not run at that size: judged on the one size
+        return True
+    return double is not None and tuple(double[-len(out) :]) == tuple(2 * o for o in out)
 
 
 def _scaled(n_in: int, n_out: int) -> bool:
