@@ -76,7 +76,8 @@ ckpt full+stem: every block checkpointed and the stem streamed in row bands (par
 deep+stem: and in the first two layers of several blocks the inputs of blocks computed again, blocks
 in units (parallel.checkpointing: deep: less memory than full+stem for more forwards of them);
 +bands: each convolution's backward in bands of rows (parallel.backward_bands: less memory,
-more kernel calls; offered with full checkpointing on tiles, chosen only where it is needed to fit).
+more kernel calls; offered with full checkpointing on tiles, chosen only where it is needed to fit);
++halo2: a recipe's parallel.halo_depth (its runs' deeper borders counted; never picked here).
 step s / bubble: the schedule's own order replayed; a stage's forward and backward are each
 layer's counted FLOPs at the device's rate (each convolution call's fixed cost included),
 its other ops' bytes at its memory bandwidth and its kernel launches, plus halo exchanges,
@@ -209,11 +210,13 @@ def recipe_lines(cand: Any, balance: tuple[int, ...]) -> str:
 
 
 def _ckpt_text(c: Any) -> str:
-    """The checkpointing column: the mode, ``+stem`` (streamed stem), ``+bands`` (banded backward)."""
+    """The checkpointing column: the mode, ``+stem`` (streamed stem), ``+bands`` (banded
+    backward), ``+haloN`` (a recipe's deep halos)."""
     return (
         c.checkpointing
         + ("+stem" if c.streaming == "stem" else "")
         + ("+bands" if c.backward_bands else "")
+        + (f"+halo{c.halo_depth}" if c.halo_depth > 1 else "")
     )
 
 
@@ -236,6 +239,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
         from hyfi_imaging.train.autoplan import cohort_check, slide_size
         from hyfi_imaging.train.config import load_recipe
         from hyfi_imaging.train.inputs import build_model, data_pixels
+        from hyfi_imaging.train.preflight import plan_of
 
         r = load_recipe(args.recipe, args.overrides)
         hw = args.image_size or slide_size(r, f"hyfi-plan {args.recipe}")
@@ -248,12 +252,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, tuple[int, int], int, int, s
         # What training refuses for the cohort (without a manifest at hand: nothing known).
         check = cohort_check(r, args.batch) if channels is not None else None
         model = build_model(r, channels)
-        p = r.parallel
-        own = Candidate(
-            p.layout(), p.microbatches,
-            p.checkpointing, p.schedule, tuple(p.balance) if p.balance else None, p.streaming,
-            p.backward_bands,
-        )  # fmt: skip
+        own = Candidate.of(plan_of(r.parallel, r.parallel.layout()))
         devices = args.devices or own.world_size
         return (
             model,
@@ -331,12 +330,6 @@ def _unmodelled(args: argparse.Namespace) -> list[str]:
     r = load_recipe(args.recipe, args.overrides)
     p, notes = r.parallel, []
     tiled = any(g > 1 for g in p.spatial)
-    if tiled and p.halo_depth > 1:
-        notes.append(
-            f"the peaks do not count parallel.halo_depth {p.halo_depth} (tiles run its layers "
-            "with the deeper borders): measured 17-30 % above them (ResNet-18 x0.25 on 1x2 "
-            "and 2x2, depth 2 and 4); leave that margin"
-        )
     if tiled and r.model.memory_format == "channels_last":
         notes.append(
             "the peaks do not count channels-last tiles' layout copies: measured 12-16 % "

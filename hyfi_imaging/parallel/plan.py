@@ -62,6 +62,7 @@ from hyfi_imaging.geometry.grid import TileGrid
 from hyfi_imaging.models.registry import chain_run
 from hyfi_imaging.parallel.balance import partition
 from hyfi_imaging.parallel.branches import rank_model, sync_bytes
+from hyfi_imaging.parallel.deep_borders import Borders, deep_borders, deepen
 from hyfi_imaging.parallel.devices import Device, Link
 from hyfi_imaging.parallel.engine import ParallelPlan, Schedule
 from hyfi_imaging.parallel.geometry import layer_geom
@@ -140,6 +141,25 @@ class Candidate:
     balance: tuple[int, ...] | None = None
     streaming: str = "none"
     backward_bands: bool = False
+    #: The runtime's ``halo_depth``: one exchange serves up to that many windowed layers, which
+    #: compute (and keep) the deeper borders the rest of their run reads.
+    halo_depth: int = 1
+
+    @staticmethod
+    def of(plan: ParallelPlan) -> Candidate:
+        """The candidate an engine plan (a recipe's ``parallel`` section) runs; the inverse of
+        :func:`candidate_plan` (``overlap`` and ``compile`` change no memory: they are the
+        planner's arguments or not modelled)."""
+        return Candidate(
+            plan.layout,
+            microbatches=plan.microbatches,
+            checkpointing=plan.checkpointing,
+            schedule=plan.schedule,
+            balance=tuple(plan.balance) if plan.balance else None,
+            streaming=plan.streaming,
+            backward_bands=plan.backward_bands,
+            halo_depth=plan.halo_depth,
+        )
 
     @property
     def world_size(self) -> int:
@@ -153,6 +173,7 @@ class Candidate:
             f"ckpt {self.checkpointing}"
             + (", stem streamed" if self.streaming == "stem" else "")
             + (", banded backward" if self.backward_bands else "")
+            + (f", halo depth {self.halo_depth}" if self.halo_depth > 1 else "")
         )
 
 
@@ -188,9 +209,15 @@ def _in_block(path: str, blocks: Sequence[str]) -> str | None:
     return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
 
 
-def _strips(modules: dict[str, nn.Module], trace: SavedActivations, grid: Sequence[int]) -> int:
+def _strips(
+    modules: dict[str, nn.Module],
+    trace: SavedActivations,
+    grid: Sequence[int],
+    borders: Borders | None = None,
+) -> int:
     """Bytes of halo strips the busiest rank receives for every windowed layer (``modules``:
-    the stage's, by path)."""
+    the stage's, by path); with deep halos (``borders``) a run's first layer receives the run's
+    deeper halo and the rest of the run none."""
     if all(g == 1 for g in grid):
         return 0
     nd = len(grid)
@@ -200,8 +227,13 @@ def _strips(modules: dict[str, nn.Module], trace: SavedActivations, grid: Sequen
         if not isinstance(m, WINDOWED_LAYERS) or len(shape) != nd + 2:
             continue
         side: list[int] = []
-        for g, tiles in zip(layer_geom(m, shape[-nd:]), grid, strict=True):
-            before, after = g.halo()
+        halos = [g.halo() for g in layer_geom(m, shape[-nd:])]
+        if borders and path in borders.heads:
+            head = borders.heads[path]
+            halos = [(head[2 * a], head[2 * a + 1]) for a in range(nd)]
+        elif borders and path in borders.carried and any(borders.carried[path][0]):
+            continue  # its input carries the run's border: nothing received
+        for (before, after), tiles in zip(halos, grid, strict=True):
             side.append(0 if tiles == 1 else before + after if tiles > 2 else max(before, after))
         tile = shape[-nd:]
         grown = math.prod(t + s for t, s in zip(tile, side, strict=True)) - math.prod(tile)
@@ -380,6 +412,7 @@ def candidate_plan(candidate: Candidate) -> ParallelPlan:
         checkpointing=candidate.checkpointing,
         streaming=candidate.streaming,
         backward_bands=candidate.backward_bands,
+        halo_depth=candidate.halo_depth,
     )
 
 
@@ -771,7 +804,7 @@ def _stage_costs(
     lay = candidate.layout
     grids = [lay.grid_of(s) if lay.junction else lay.sp for s in range(n_stages)]
     key = (image_hw, tuple(grids), mb, candidate.checkpointing, n_stages, candidate.balance,
-           dev, modes, candidate.streaming)  # fmt: skip
+           dev, modes, candidate.streaming, candidate.halo_depth)  # fmt: skip
     cache = _COSTS.setdefault(model, {})
     if key in cache:
         return cast(tuple[tuple[int, ...], list[StageCost]], cache[key])
@@ -785,6 +818,25 @@ def _stage_costs(
     blocks = meta.blocks(candidate.checkpointing)
     policy = "selective" if candidate.checkpointing == "selective" else "full"
     deep = deep_layers(meta.module, candidate.checkpointing)
+
+    def borders_of(grid: Sequence[int]) -> Borders:
+        key = ("borders", tuple(grid), shape_of(grid), candidate.halo_depth, n_stages > 1)
+        if key not in cache:
+            tile = shape_of(grid)[2:]
+            found = deep_borders(
+                model, grid, tile, candidate.halo_depth, n_stages > 1, meta.in_chans
+            )
+            # The trace names a module by the layer holding it (a U-Net's one layer: "UNet.").
+            path_of = {id(m): p for p, m in meta.module.named_modules()}
+            traced = {
+                path_of[id(m)]: f"{name}.{sub}" if sub else name
+                for name, layer in meta.layers
+                for sub, m in layer.named_modules()
+                if id(m) in path_of
+            }
+            cache[key] = found.renamed(traced)
+        return cast(Borders, cache[key])
+
     # The cut evens out per-rank memory: with per-stage grids, a stage's layers traced on the
     # whole image over its grid's tiles.
     first = (1, 1) if lay.junction else grids[0]
@@ -798,7 +850,8 @@ def _stage_costs(
     for s, (start, stop) in enumerate(cuts):
         shape = shape_of(grids[s])
         stage_key = ("stage", shape, candidate.streaming, splits, start, stop,
-                     candidate.checkpointing, grids[s], dev, modes, meta.traced)  # fmt: skip
+                     candidate.checkpointing, grids[s], dev, modes, meta.traced,
+                     candidate.halo_depth)  # fmt: skip
         if stage_key not in cache:
             facts_key = ("stage facts", candidate.streaming, start, stop, meta.traced)
             if facts_key not in cache:
@@ -806,7 +859,7 @@ def _stage_costs(
             whole = trace_model(model, shape, candidate.streaming, splits, n_stages)
             cache[stage_key] = _stage_cost(
                 whole, start, stop, cast(_StageFacts, cache[facts_key]), blocks, policy,
-                grids[s], dev, modes, deep,
+                grids[s], dev, modes, deep, borders_of(grids[s]),
             )  # fmt: skip
         costs.append(cast(StageCost, cache[stage_key]))
     cache[key] = (tuple(balance), costs)
@@ -854,14 +907,18 @@ def _stage_cost(
     dev: Device,
     modes: tuple[bool, bool, bool],
     deep: Sequence[str] = (),
+    borders: Borders | None = None,
 ) -> StageCost:
     """Memory and time of the stage of layers ``start:stop`` on one micro-batch's tile, read
     from ``whole`` (the model traced on that tile); ``modes``: the runtime's ``(overlap,
     backward_bands)``, and whether it runs on the CPU; ``deep``: the layers ``checkpointing:
-    deep`` runs as deep chains (:func:`~.pipeline.deep_layers`)."""
+    deep`` runs as deep chains (:func:`~.pipeline.deep_layers`); ``borders``: the deep halos'
+    runs (:mod:`.deep_borders`), whose carried borders the stage's tensors keep."""
     overlap, banded, on_cpu = modes
     layers = whole.layers
     trace, held = whole.stage_held(start, stop)  # held: boundary tensors no layer saves
+    if borders:
+        trace = deepen(trace, borders, facts.modules)
     block_layer = {b: layer_of(layers, b) for b in blocks}
     mine = [b for b in blocks if (at := block_layer[b]) is not None and start <= at < stop]
     spatial = any(g > 1 for g in grid)
@@ -881,7 +938,7 @@ def _stage_cost(
         trace, mine, policy, spatial=spatial, bands=banded, workspaces=unfolds,
         replayed={b for chain in chains.values() for b in chain[1:]}, units=units,
     )  # fmt: skip
-    strips = _strips(weighted, trace, grid)
+    strips = _strips(weighted, trace, grid, borders)
     # Each layer's forward and backward counted on the meta device (:mod:`.speed`), one by one
     # (a streamed stem's layers too: they run plainly once per pass), plus the forward again
     # for recomputed blocks (convolutions kept by selective checkpointing are not recomputed:

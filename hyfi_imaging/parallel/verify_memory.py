@@ -94,15 +94,7 @@ def estimate_memory(
     """Predict a verification of ``model`` (built, in the dtype it runs in) on ``plan``'s layout
     with per-replica ``batch`` and images of ``image_hw``; the layout on ``device_type``."""
     size = tuple(int(v) for v in image_hw)
-    layout = Candidate(
-        plan.layout,
-        microbatches=plan.microbatches,
-        checkpointing=plan.checkpointing,
-        schedule=plan.schedule,
-        balance=plan.balance,
-        streaming=plan.streaming,
-        backward_bands=plan.backward_bands,
-    )
+    layout = Candidate.of(plan)
     on_device = device_type != "cpu"
     rank = predict(
         model,

@@ -154,15 +154,12 @@ def fit_warning(recipe: Recipe, memory: int | None = None) -> str | None:
     """
     from hyfi_imaging.parallel.candidates import device_memory
     from hyfi_imaging.parallel.plan import Candidate, predict
+    from hyfi_imaging.train.preflight import plan_of
     from hyfi_imaging.train.tasks import manifest_kind
 
     if manifest_kind(recipe.data.manifest) == "volumes":
         return None  # the planner predicts 2-D slides only
-    p = recipe.parallel
-    cand = Candidate(
-        p.layout(), p.microbatches, p.checkpointing,
-        p.schedule, tuple(p.balance) if p.balance else None, p.streaming, p.backward_bands,
-    )  # fmt: skip
+    cand = Candidate.of(plan_of(recipe.parallel, recipe.parallel.layout()))
     model, hw, rate, optimizer = _setting(recipe)
     pred = predict(model, hw, recipe.train.batch_size, cand, optimizer=optimizer, flops_per_s=rate)
     memory = memory or device_memory(cand.world_size)

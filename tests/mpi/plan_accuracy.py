@@ -34,7 +34,7 @@ from hyfi_imaging.parallel.plan import Candidate, predict
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--width", type=float, default=0.25)
+    p.add_argument("--width", type=float, default=0.25, help="0: the model's own (no option)")
     p.add_argument("--image", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--layout", default="1,1,1,1")
@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--ck", default="none")
     p.add_argument("--streaming", default="none")
+    p.add_argument("--halo-depth", type=int, default=1)
     p.add_argument("--grids", help="per-stage grids, e.g. 1x2,1x1 (GY,GX of --layout ignored)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -49,11 +50,14 @@ def main() -> None:
     grids = Layout.parse_grids(args.grids) if args.grids else None
     layout = Layout(dp=dp, pp=pp, sp=(gy, gx), grids=grids)
     hw = (args.image, args.image)
-    cand = Candidate(layout, args.m, args.ck, args.schedule, streaming=args.streaming)
+    cand = Candidate(
+        layout, args.m, args.ck, args.schedule, streaming=args.streaming, halo_depth=args.halo_depth
+    )
 
     def build() -> Any:
         torch.manual_seed(0)
-        return create_model(args.model, num_classes=2, width=args.width)
+        width = {"width": args.width} if args.width else {}
+        return create_model(args.model, num_classes=2, **width)
 
     pred = predict(build(), hw, args.batch, cand)
     pc = init_parallel(layout, schedule=args.schedule)
@@ -64,6 +68,7 @@ def main() -> None:
         balance=pred.balance,
         checkpointing=args.ck,
         streaming=args.streaming,
+        halo_depth=args.halo_depth,
     )
     pm = ParallelModel(build(), pc, plan, image_hw=hw)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-3, momentum=0.9)
