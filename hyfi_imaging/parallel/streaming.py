@@ -211,7 +211,10 @@ class _Plan:
         ResNet-50's stem, counted), which a GPU pays in launches (16 rows a band, as before,
         was 64 bands at 4096^2; ``docs/benchmarks.md``)."""
         n = len(self.layers)
-        chans = int(self.layers[0].module.in_channels)  # type: ignore[arg-type]
+        # Until the first convolution (a stem may start with a BatchNorm, a pool or an
+        # activation) the maps have the input's channels, the first convolution's in_channels.
+        first = next((ly for ly in self.layers if ly.kind == "conv"), None)
+        chans = int(first.module.in_channels) if first is not None else 1  # type: ignore[arg-type]
         maps = 0.0
         for lvl, ly in enumerate(self.layers, start=1):
             if ly.kind == "conv":
