@@ -312,3 +312,25 @@ def test_deep_checkpointing_lowers_the_peak_of_a_step() -> None:
             F.cross_entropy(model(x), torch.tensor([1])).backward()
         peaks[mode] = live.peak
     assert peaks["deep"] < 0.95 * peaks["full"], peaks
+
+
+def test_a_stem_layer_that_outgrows_the_tiles_is_refused_on_every_tile() -> None:
+    """A first convolution padded (1, 2) makes a 64-px image 66 px wide (a 62-px one 64: fits):
+    the plain spatial layer refuses it; the streamed stem wrote the last tile's 34 columns into 32 (a shape
+    error on that rank, its neighbour waiting for a message until Gloo's timeout). Every rank
+    plans every tile's bands before the exchange: each refuses, naming the layer and the fix."""
+    from hyfi_imaging.parallel.streaming import _Frame, _Plan
+
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=(1, 2)), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    )
+    stream_stem(model)
+    layers = chain_run(model[0]).layers
+    first = _Frame((64, 64), (0, 0), (64, 32), (True, False), True)
+    _Plan(layers, first, None)  # the first tile's own bands fit
+    with pytest.raises(ConfigError) as err:
+        for frame in first.others((1, 2)):
+            _Plan(layers, frame, None)
+    assert str(err.value).startswith("module '0' (Conv2d): produces 66 outputs")
+    assert "pad it by no more than its window takes back" in str(err.value)
+    _Plan(layers, _Frame((64, 62), (0, 32), (64, 32), (True, True), True), None)  # room: fits

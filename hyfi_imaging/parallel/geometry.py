@@ -327,6 +327,27 @@ def _window_dims(module: nn.Module) -> int:
     return spatial_dims(module) or 2
 
 
+def outgrows_tiles(path: str, module: object, outs: str, held: str) -> ConfigError:
+    """The refusal of a windowed layer whose map outgrows its tiles (``outs`` outputs where the
+    tiles hold ``held``), with the fix for its cause: a pool's ``ceil_mode`` adds a window past
+    the image, a convolution padded by more than its window takes back grows the map."""
+    kind = next(
+        (c.__name__ for c in type(module).__mro__ if c.__module__.startswith("torch.nn.")),
+        type(module).__name__,
+    )
+    ceil = any(g.ceil_mode for g in getattr(module, "hyfi_geoms", ()) or ())
+    cause = (
+        "or use ceil_mode=False"
+        if ceil
+        else "or pad it by no more than its window takes back (a 3x3 window: padding 1)"
+    )
+    return ConfigError(
+        f"module {path!r} ({kind})",
+        f"produces {outs} outputs but the tiles hold {held}",
+        f"change the image size by a few pixels, {cause}",
+    )
+
+
 def dynamic_same(module: nn.Module) -> bool:
     """Whether ``module`` pads TensorFlow-style by its input's size (timm's ``Conv2dSame``)."""
     return type(module).__name__ == "Conv2dSame" and type(module).__module__.startswith("timm.")

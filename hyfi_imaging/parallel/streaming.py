@@ -52,7 +52,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import set_chain_run
-from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom
+from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom, outgrows_tiles
 from hyfi_imaging.parallel.halo import exchange_strips, new_like, return_halo_grads, window_of
 from hyfi_imaging.parallel.spatial.kinds import streaming_classes
 
@@ -191,6 +191,8 @@ class _Plan:
                 per.append(Span(min(lo, m), min(hi, m)))
             self.owned.append(per)
             self.out_len.append(frame.tile[a] // self.jump[a][n] if frame.spatial else per[n].stop)
+            if frame.spatial and frame.last[a]:
+                self._check_room(a)
         top = self.owned[0][n]
         band_rows = band_rows or self.band_rows(top.stop - top.start)
         cuts = list(range(top.start, top.stop, band_rows))[1:]
@@ -200,6 +202,19 @@ class _Plan:
             self._boxes(0, [self._own_rows(lvl, b0, b1, i) for lvl in range(n + 1)])
             for i, (b0, b1) in enumerate(self.bands)
         ]
+
+    def _check_room(self, a: int) -> None:
+        """Refuse a layer whose map outgrows the tiles along axis ``a`` (a convolution padded
+        by more than its window takes back): the last tile would own more outputs than a
+        tile holds. The plain spatial layers refuse the same (``_window``); every rank plans
+        every tile's bands before any exchange, so all refuse together."""
+        f = self.frame
+        for lvl, ly in enumerate(self.layers, start=1):
+            own, j = self.owned[a][lvl], self.jump[a][lvl]
+            if own.stop - own.start > f.tile[a] // j:
+                axis = ("height", "width")[a]
+                held = f"{(f.start[a] + f.tile[a]) // j} along the {axis}"
+                raise outgrows_tiles(ly.path, ly.module, str(self.length[a][lvl]), held)
 
     def band_rows(self, rows: int) -> int:
         """Output rows per band of a tile with ``rows`` output rows: as many bands as make one

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.parallel.geometry import LayerGeom
+from hyfi_imaging.parallel.geometry import LayerGeom, outgrows_tiles
 from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.windowed import Window
 
@@ -165,11 +165,7 @@ class _SpatialMixin:
                     str(tt // gg.stride * n)
                     for tt, gg, n in zip(tiles_hw, geoms, tiles, strict=True)
                 )
-                raise ConfigError(
-                    self.hyfi_path,
-                    f"produces {'x'.join(map(str, outs))} outputs but the tiles hold {held}",
-                    "change the image size by a few pixels, or use ceil_mode=False",
-                )
+                raise outgrows_tiles(self.hyfi_path, self, "x".join(map(str, outs)), held)
             # Rows read around the tile for outputs that keep the border carry_out.
             ob, oa = carry_out[2 * a], carry_out[2 * a + 1]
             before, after = g.halo((ob, oa), surplus=True)
