@@ -240,6 +240,14 @@ def test_skipped_steps_are_counted_and_a_run_of_them_stops(manifest: Path, tmp_p
     ("change", "named"),
     [
         ('data.classes=["1", "0"]', "data.classes ['0', '1'] -> now ['1', '0']"),
+        # Another seed or validation fraction moved images between training and validation:
+        # the resumed run trained on the images its first epoch validated on, without a word.
+        ("train.seed=3", "moved between training and validation"),
+        pytest.param(
+            "data.val_fraction=0.5",
+            "moved between training and validation",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             "model.kwargs.width=0.25",
             "model.kwargs {'width': 0.125} -> now {'width': 0.25}",

@@ -18,6 +18,7 @@ is needed to continue bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -340,6 +341,7 @@ class Trainer:
             "global_batch": self._global_batch(),  # what "batch" counts in (see _restore)
             "classes": r.data.classes,
             "meaning": self._meaning(),
+            "split": self._split_record(),
         }
         state = self._state(False)
         if not finite_everywhere(state, self.pc.device):
@@ -389,6 +391,48 @@ class Trainer:
         loaded: dict[str, Any] = json.loads(json.dumps(meaning, default=str))
         return loaded
 
+    def _split_record(self) -> dict[str, Any]:
+        """Which images the run validates on and which it trains on, in which epoch order (the
+        seed): a resume with another ``train.seed``, ``data.val_fraction`` or manifest trained
+        on the images its earlier epochs had validated on, without a word. The training images
+        as a digest of their ids (a cohort may hold thousands); the validation ids themselves,
+        to name what changed."""
+        train_ids = "\n".join(str(self.cohort.ids[i]) for i in self.train_idx)
+        return {
+            "train.seed": self.recipe.train.seed,
+            "validation": sorted(str(self.val_cohort.ids[i]) for i in self.val_idx),
+            "training": hashlib.sha256(train_ids.encode()).hexdigest(),
+        }
+
+    def _same_split(self, path: Path, was: Any, fix: str) -> None:
+        """Refuse a resume whose split or epoch order is not the checkpoint's (see
+        :meth:`_split_record`)."""
+        now = self._split_record()
+        if not isinstance(was, dict) or was == now:
+            return  # written before splits were recorded, or the same
+        r = self.recipe
+        keep = (
+            f"keep train.seed {was.get('train.seed')}, data.val_fraction and the manifests as "
+            f"the run had them, or {fix}"
+        )
+        if was.get("validation") != now["validation"]:
+            old, new = set(was.get("validation") or ()), set(now["validation"])
+            moved = sorted(old ^ new)
+            raise ConfigError(
+                path,
+                f"this checkpoint's run validated on {len(old)} image(s), this one would on "
+                f"{len(new)}, {len(moved)} moved between training and validation (e.g. "
+                f"{', '.join(moved[:3])}; now train.seed {r.train.seed}, data.val_fraction "
+                f"{r.data.val_fraction}): validation would score images the model trained on",
+                keep,
+            )
+        raise ConfigError(
+            path,
+            "this checkpoint's run trained on other images or in another order (its "
+            f"train.seed {was.get('train.seed')}, now {r.train.seed}; or the manifest changed)",
+            keep,
+        )
+
     def _voxel_sizes(self) -> list[list[float]] | None:
         """The volumes' voxel sizes (µm, ``(z, y, x)``, 3 significant digits), each once; None
         for slides. A model of 2 x 0.5 x 0.5 µm voxels predicted 0.5 µm ones without a word."""
@@ -424,6 +468,7 @@ class Trainer:
 
         def check(path: Path, marker: dict[str, Any]) -> None:
             same_meaning(path, marker)
+            self._same_split(path, marker.get("split"), fix)
             was = marker.get("global_batch")
             if isinstance(was, int) and was != now:
                 dp = r.parallel.data
