@@ -9,6 +9,7 @@ process may not mount one).
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import math
 import os
@@ -413,6 +414,82 @@ def test_a_signal_stops_at_a_step_with_one_checkpoint_and_the_resume_is_exact(
     # Started again, it resumes from that checkpoint and ends as the uninterrupted run did.
     _train(manifest, run, 2, *sets)
     assert _losses(run) == _losses(reference)
+
+
+#: hyfi-train whose ``N``th training step receives SIGUSR1 while it runs (sent from inside the
+#: step, before its all-reduce: a scheduler's signal at a known moment).
+SIGNAL_AT_STEP = """
+import os, signal, sys
+from hyfi_imaging.parallel.engine import ParallelModel
+from hyfi_imaging.cli.train import main
+at, calls, step = int(sys.argv[1]), [0], ParallelModel.train_step
+def signalled(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == at:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return step(self, *args, **kwargs)
+ParallelModel.train_step = signalled
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_signal_during_an_epochs_last_step_stops_there_before_the_evaluation(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The stop flag was read when a step began: a signal during step 3 (the epoch's last)
+    stopped after step 4, and the epoch's whole evaluation ran first, a scheduler's grace
+    period spent on them. Now the step it arrives in is the last, the evaluation is left to
+    the resumed run, and that run ends as the uninterrupted one did."""
+    sets = ("parallel.spatial=1x1", "train.checkpoint_every_steps=0", "train.epochs=2")
+    reference = tmp_path / "reference"
+    _train(manifest, reference, 1, *sets)
+    with (reference / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    last = max(int(r["step"]) for r in rows if r["loss"] and r["epoch"] == rows[0]["epoch"])
+    run = tmp_path / "run"
+    cmd = _train_cmd(manifest, run, *sets, fork=False)
+    args = cmd[cmd.index("hyfi_imaging.cli.train") + 1 :]
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT_STEP, str(last), *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert f"stopped by SIGUSR1 after step {last}:" in proc.stderr, proc.stderr[-2000:]
+    with (run / "metrics.csv").open() as f:
+        assert not [r for r in csv.DictReader(f) if r.get("val_loss")]  # no evaluation ran
+    assert _steps(run) == [f"step_{last:08d}"]
+    _train(manifest, run, 1, *sets)  # resumed: the evaluation, then the next epoch
+    assert (run / "metrics.csv").read_text().count("\n") == len(rows) + 1
+    assert _losses(run) == _losses(reference)
+    with (run / "metrics.csv").open() as f, (reference / "metrics.csv").open() as g:
+        evals = [[r["val_loss"] for r in csv.DictReader(h) if r["val_loss"]] for h in (f, g)]
+    assert evals[0] == evals[1] and evals[0]
+
+
+def test_a_signal_before_training_starts_stops_at_the_first_step(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The handler was installed when the loop began: a scheduler's SIGUSR1 while PyTorch was
+    imported or the recipe and stores checked (seconds) killed the process (exit 138), which
+    no job requeues. hyfi-train installs it on its first line (at 0.2 s here; PyTorch's
+    import alone takes 3 s): the run stops at its first step with a checkpoint, exit 75."""
+    import signal
+
+    run = tmp_path / "run"
+    cmd = _train_cmd(manifest, run, "parallel.spatial=1x1", fork=False)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    time.sleep(2.0)
+    assert not (run / "metrics.csv").exists()  # still starting
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "stopped by SIGUSR1 after step 1:" in stderr, stderr[-2000:]
+    assert _steps(run) == ["step_00000001"]
 
 
 def test_a_stop_signal_to_the_data_workers_leaves_them_running(

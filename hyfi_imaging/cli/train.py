@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -187,6 +189,23 @@ def _print_sbatch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
+    from hyfi_imaging.train.preempt import StopSignals
+
+    # Caught from the first line (importing PyTorch takes seconds; checking the recipe and
+    # the stores, minutes): a scheduler's signal before the loop killed the rank (exit 138
+    # for SIGUSR1), which no job requeues; now the run stops at its first step with a
+    # checkpoint and exit 75. What ends before training (--check, --print-sbatch, an error)
+    # puts the handlers back and takes a signal it received as it would have.
+    signals = StopSignals().install()
+    try:
+        return _main(argv, signals)
+    finally:
+        signals.restore()
+        if signals.received is not None:
+            signal.raise_signal(signals.received)
+
+
+def _main(argv: list[str] | None, signals: Any) -> int:
     from hyfi_imaging.parallel.memory import configure_allocator
 
     configure_allocator()  # first: PyTorch decides on huge pages at its first tensor
@@ -232,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def run() -> int:
-        summary = Trainer(recipe, start=start).run()
+        summary = Trainer(recipe, start=start).run(signals)
         if summary.get("stopped_by"):  # a scheduler's signal: checkpointed, said once
             shutdown()
             return REQUEUE_EXIT

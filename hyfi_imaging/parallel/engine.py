@@ -155,7 +155,9 @@ class ParallelModel:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, tiles: Tensor | None, labels: Tensor, *, stop: bool = False) -> float:
+    def train_step(
+        self, tiles: Tensor | None, labels: Tensor, *, stop: bool | Callable[[], bool] = False
+    ) -> float:
         """Forward and backward of every micro-batch; returns the global batch's mean loss.
 
         ``tiles``: this rank's tiles of the per-replica batch (first-stage ranks;
@@ -167,7 +169,9 @@ class ParallelModel:
 
         The step's one all-reduce also tells every rank whether every gradient is
         finite (:attr:`grads_finite`) and whether any rank passed ``stop`` (a
-        signal asked it to stop: :attr:`stop_requested`), without another sync.
+        signal asked it to stop: :attr:`stop_requested`), without another sync. A callable
+        ``stop`` is read just before that all-reduce: a signal that arrives during the step
+        stops at this step, not the next.
         """
         batch = int(labels.shape[0])
         self.plan.check_batch(batch)
@@ -193,7 +197,7 @@ class ParallelModel:
                 [v.detach().to(torch.float64).reshape(()) for v in losses]
             ).sum()
         total[1] = self._owned_grad_norm()  # summed over the world: finite iff all are
-        total[2] = float(stop)
+        total[2] = float(stop() if callable(stop) else stop)
         # The world: the loss terms live on the last stage of every replica and tile,
         # and every rank returns the step's loss.
         dist.all_reduce(total, group=dist.group.WORLD)

@@ -847,17 +847,30 @@ class Trainer:
         return torch.tensor([s.label for s in self.samples])
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def run(self, signals: StopSignals | None = None) -> dict[str, Any]:
         """Train to the end (or ``max_steps``), evaluating and checkpointing on the way.
 
-        The stop signals are caught from the start: one that arrives while the process group
-        forms, a checkpoint loads or the data opens is acted on at the first step (a
-        checkpoint, exit 75) instead of killing the rank, which a job does not requeue."""
-        signals = StopSignals().install()
+        ``signals``: the stop signals' handler, installed by the caller from the start
+        (``hyfi-train`` installs it before it reads the recipe): one that arrives while the
+        recipe is checked, the process group forms, a checkpoint loads or the data opens is
+        acted on at the first step (a checkpoint, exit 75) instead of killing the rank,
+        which a job does not requeue. Without one, it is installed here."""
+        own = signals is None
+        signals = signals or StopSignals().install()
         try:
             return self._train(signals)
         finally:
-            signals.restore()
+            if own:
+                signals.restore()
+
+    def _stop_agreed(self, signals: StopSignals) -> bool:
+        """Whether any rank received a stop signal (every rank learns the same: one small
+        all-reduce, where an evaluation is about to start)."""
+        if not dist.is_initialized():
+            return signals.requested
+        flag = torch.tensor([float(signals.requested)], device=self.pc.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     def _train(self, signals: StopSignals) -> dict[str, Any]:
         from tqdm import tqdm
@@ -915,7 +928,7 @@ class Trainer:
                         labels = target if labels_all is None else labels_all[batch]
                         assert labels is not None  # segmentation is one stage: tiles and masks
                         loss = self.pm.train_step(
-                            tiles, labels.to(self.pc.device), stop=signals.requested
+                            tiles, labels.to(self.pc.device), stop=lambda: signals.requested
                         )
                     if guard.accept(pos.step + 1, loss, self.pm.grads_finite):
                         if r.optim.grad_clip > 0:
@@ -950,11 +963,21 @@ class Trainer:
                 if self.pm.stop_requested:  # a signal: the step's checkpoint is written
                     break
                 epoch_done = pos.batch >= len(batches)
+                ended = dataclasses.replace(pos)  # the epoch's end, before it counts as done
                 if epoch_done:
                     pos.epoch += 1
                     pos.batch = 0
                 last = pos.step >= self.total_steps or pos.epoch >= r.train.epochs
                 due = (epoch_done and pos.epoch % r.train.eval_every_epochs == 0) or last
+                if due and self.val_idx and self._stop_agreed(signals):
+                    # A signal during the epoch's last step: a scheduler's grace period is not
+                    # spent on an evaluation. The checkpoint at the epoch's end (before the
+                    # evaluation, which the resumed run does) is written, once.
+                    every = r.train.checkpoint_every_steps
+                    if not (every and ended.step % every == 0):
+                        self._save(ended)
+                    pos, self.pm.stop_requested = ended, True
+                    break
                 if due and self.val_idx:
                     # The last evaluation also writes the predictions (masks, overlays, CSV).
                     metrics = self.evaluate(self.out if last else None)
@@ -975,6 +998,12 @@ class Trainer:
                                 self.out / "confusion_matrix.png",
                                 title=f"{r.name}, step {pos.step}",
                             )
+                    if not last and self._stop_agreed(signals):
+                        # A signal during the evaluation: stop before the next step, with a
+                        # checkpoint after the evaluation (the resumed run does not redo it).
+                        self._save(pos)
+                        self.pm.stop_requested = True
+                        break
             if self.pm.stop_requested:
                 return self._stopped(pos, signals.received)
             if not summary and self.val_idx:  # relaunched after the end: still report
