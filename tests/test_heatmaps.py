@@ -142,6 +142,43 @@ def test_slide_frame_places_map_pixels_through_the_stores_crop() -> None:
     assert own.translation == (pytest.approx((16 - 0.5) * 0.5),) * 2
 
 
+def test_hyfi_predict_replaces_nothing_but_earlier_predictions(
+    tmp_path: Path, manifest: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``--heatmaps`` given the data's own folder replaced every preprocessed slide by its heat
+    map (exit 0, the cohort lost), and ``--out`` given the manifest's path overwrote it with
+    predictions: both refused before any rank starts, the data untouched; the writers refuse
+    to replace what is not their own kind of store too."""
+    import shutil
+    import subprocess
+    import sys
+
+    def main(argv: list[str]) -> int:  # a process of its own: past its checks it would launch
+        cmd = [sys.executable, "-m", "hyfi_imaging.cli.predict", *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+
+    data = tmp_path / "data"
+    shutil.copytree(manifest.parent, data)
+    files = {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}
+    run = _recipe_yaml(tmp_path, name="resnet18")
+    args = [str(run), "--manifest", str(data / "manifest.csv")]
+    assert main([*args, "--out", str(tmp_path / "p.csv"), "--heatmaps", str(data)]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "exists and is other data" in err, err
+    assert "never the data's own" in err
+    assert main([*args, "--out", str(data / "manifest.csv")]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "is the manifest the images are read from" in err, err
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file()} == files
+    slide = next(data.glob("*.zarr"))
+    with pytest.raises(ConfigError, match="exists and is other data"):
+        write_heatmap(slide, np.zeros((2, 2, 2)), image=str(slide), level=0, stride=(32, 32),
+                      pool="avg", classes=["a", "b"])  # fmt: skip
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file()} == files
+
+
 @pytest.fixture()
 def store(tmp_path: Path) -> Path:
     """A 256 x 384 grey store with the provenance hyfi-preprocess records."""

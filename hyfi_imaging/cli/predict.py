@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from hyfi_imaging.train.trainer import Trainer
 
 __all__ = ["main"]
@@ -112,6 +114,28 @@ def _check_out(out: Path, task: str) -> None:
             f"is a folder; a {task} run writes one CSV file",
             f"give a file's path, e.g. {out / 'predictions.csv'}",
         )
+
+
+def _check_not_inputs(
+    out: Path, manifest: Path, heat_dir: Path | None, task: str, ids: Sequence[str]
+) -> None:
+    """Before any rank starts: the outputs replace nothing but earlier predictions. ``--out``
+    given the manifest's own path overwrote it with predictions; ``--heatmaps`` given the data's
+    folder replaced every slide's store by its heat map (exit 0, the cohort lost)."""
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.train.outputs import HEATMAP_KIND, MASK_KIND, check_replaceable
+
+    listed = manifest / "manifest.csv" if manifest.is_dir() else manifest
+    if out.resolve() == listed.resolve():
+        raise ConfigError(
+            f"--out {out}", "is the manifest the images are read from; it would be replaced",
+            "write the predictions to another file",
+        )  # fmt: skip
+    for image_id in ids:
+        if heat_dir is not None:
+            check_replaceable(heat_dir / f"{image_id}.zarr", HEATMAP_KIND)
+        if task == "segmentation":
+            check_replaceable(out / "masks" / f"{image_id}.zarr", MASK_KIND)
 
 
 def _predict_dense(
@@ -215,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
             head = heatmap_head(recipe, cohort)  # the head's shape, refused in one line
             heat_dir = Path(args.heatmaps) if args.heatmaps else args.out.parent / "heatmaps"
+        _check_not_inputs(args.out, args.manifest, heat_dir, recipe.task.name, cohort.ids)
     except HyfiError as err:
         if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-predict: error: {err}", file=sys.stderr)

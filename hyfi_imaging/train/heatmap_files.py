@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hyfi_imaging.train.outputs import HEATMAP_KIND, check_replaceable
+
 __all__ = ["SlideFrame", "slide_frame", "write_heatmap", "write_heatmap_png"]
 
 
@@ -121,7 +123,7 @@ def write_heatmap(
     frame = slide_frame(attrs, canvas_stride)
     canvas = slide_frame({"mpp": attrs.get("mpp")}, canvas_stride)
     hyfi = {
-        "kind": "class activation map",
+        "kind": HEATMAP_KIND,
         "image": image,
         "slide_id": attrs.get("slide_id"),
         "source": attrs.get("source"),
@@ -139,6 +141,7 @@ def write_heatmap(
         "logits": None if logits is None else [float(v) for v in logits],
         "background": 0.0,
     }
+    check_replaceable(out, HEATMAP_KIND)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:

@@ -44,6 +44,9 @@ from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.paths import confined
 
 __all__ = [
+    "HEATMAP_KIND",
+    "MASK_KIND",
+    "check_replaceable",
     "OUTLINE_RGB",
     "gather_masks",
     "outline",
@@ -82,6 +85,32 @@ def gather_masks(
     return whole[(slice(None), *(slice(0, int(n)) for n in size))].cpu().numpy()
 
 
+#: The ``hyfi.kind`` of each store a prediction writes (one per image), which it may replace.
+MASK_KIND = "prediction"
+HEATMAP_KIND = "class activation map"
+
+
+def check_replaceable(out: Path, kind: str) -> None:
+    """Refuse to replace ``out`` unless it is absent or a store of ``kind`` (an earlier
+    prediction of the same image). ``--heatmaps`` given the data's own folder replaced every
+    preprocessed slide by its heat map, exit 0: a prediction never removes other data."""
+    if not out.exists() and not out.is_symlink():
+        return
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.io.zarr_store import read_hyfi_attrs
+
+    found = (read_hyfi_attrs(out) or {}).get("kind") if out.is_dir() else None
+    if found == kind:
+        return
+    what = f"a {found} store" if found else "a file" if out.is_file() else "other data"
+    raise ConfigError(
+        str(out),
+        f"exists and is {what} (not a {kind} an earlier prediction wrote): it would be "
+        "replaced",
+        "write the predictions to another folder, never the data's own",
+    )
+
+
 def write_mask(
     out: Path,
     mask: np.ndarray,
@@ -104,8 +133,9 @@ def write_mask(
     from hyfi_imaging.io.zarr_store import _ArraySource, write_ome_zarr
 
     confined(out)  # before anything is removed or written: an id must not climb out
-    attrs = {"kind": "prediction", "image": image, "level": level, "classes": list(classes),
+    attrs = {"kind": MASK_KIND, "image": image, "level": level, "classes": list(classes),
              "background": 0}  # fmt: skip
+    check_replaceable(out, MASK_KIND)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
