@@ -291,3 +291,30 @@ def test_overlay_outlines_the_truth_in_its_own_colour(tmp_path: Path) -> None:
         return float(((px[..., 0] > 0.95) & (px[..., 1] > 0.95) & (px[..., 2] < 0.05)).mean())
 
     assert yellow_share(truth) > 0.05 and yellow_share(None) == 0.0
+
+
+def test_an_overlay_of_a_coarser_levels_map_is_drawn_over_that_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A map predicted at data.level 1 was drawn over level 0's top-left quarter (the picture
+    chose its level from 0 and sampled the map by that level's factor): the truth outlined
+    empty glass. It is drawn over its own level, or a coarser one sampled by the difference."""
+    import hyfi_imaging.train.outputs as outputs
+    from hyfi_imaging.io.zarr_store import ZarrReader, write_ome_zarr
+
+    y, x = np.mgrid[0:64, 0:96]
+    image = np.stack([(x * 2 + y) % 256, (x * 3) % 256, y * 4 % 256]).astype(np.uint8)
+    store = tmp_path / "image.zarr"
+    write_ome_zarr(store, image, mpp=1.0, hyfi_attrs={}, pyramid_levels=3, chunk=16)
+    seen: list[np.ndarray] = []
+    drawn = outputs.overlay_picture
+    monkeypatch.setattr(
+        outputs, "overlay_picture", lambda rgb, *a: seen.append(rgb) or drawn(rgb, *a)
+    )
+    with ZarrReader(store) as reader:
+        levels = [reader.read_region(k, 0, 0, *reader.level_dimensions[k]) for k in range(3)]
+    mask = np.zeros((32, 48), np.uint8)  # level 1's size
+    outputs.write_overlay(tmp_path / "a.png", mask, image=str(store), title="t", level=1)
+    np.testing.assert_allclose(seen[-1], levels[1].transpose(1, 2, 0) / 255.0)
+    outputs.write_overlay(tmp_path / "b.png", mask, image=str(store), title="t", level=1, limit=30)
+    np.testing.assert_allclose(seen[-1], levels[2].transpose(1, 2, 0) / 255.0)  # coarser

@@ -105,8 +105,7 @@ def check_replaceable(out: Path, kind: str) -> None:
     what = f"a {found} store" if found else "a file" if out.is_file() else "other data"
     raise ConfigError(
         str(out),
-        f"exists and is {what} (not a {kind} an earlier prediction wrote): it would be "
-        "replaced",
+        f"exists and is {what} (not a {kind} an earlier prediction wrote): it would be replaced",
         "write the predictions to another folder, never the data's own",
     )
 
@@ -188,15 +187,19 @@ def _colour(mask: np.ndarray) -> np.ndarray:
     return palette[index]
 
 
-def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.ndarray, int]:
+def _background(
+    image_store: str, shape: Sequence[int], limit: int, level: int = 0
+) -> tuple[np.ndarray, int]:
     """The image (RGB float in [0, 1], as :func:`~hyfi_imaging.preprocess.qc.picture` shows it)
-    at the coarsest level of at most ``limit`` px, and that level's factor."""
-    if len(shape) == 3:  # a volume: its middle z-plane, first channel
+    behind a map of pyramid level ``level``: that level's, or a coarser one of at most
+    ``limit`` px, and how many of the map's pixels one of its pixels covers per side. (The
+    level-1 map of a ``data.level: 1`` run was drawn over level 0's top-left quarter.)"""
+    if len(shape) == 3:  # a volume: its middle z-plane, first channel, of the map's level
         from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
 
         store = VolumeStore(image_store)
-        d, h, w = store.shapes[0]
-        plane = read_subvolume(store, 0, (d // 2, 0, 0, 1, h, w))[0, 0].astype(np.float64)
+        d, h, w = store.shapes[level]
+        plane = read_subvolume(store, level, (d // 2, 0, 0, 1, h, w))[0, 0].astype(np.float64)
         lo, hi = np.percentile(plane, [1, 99])
         grey = np.clip((plane - lo) / max(hi - lo, 1e-12), 0, 1)
         return np.repeat(grey[..., None], 3, axis=2), 1
@@ -204,14 +207,14 @@ def _background(image_store: str, shape: Sequence[int], limit: int) -> tuple[np.
     from hyfi_imaging.preprocess.qc import picture
 
     with ZarrReader(image_store) as reader:
-        level = 0
-        while level + 1 < reader.level_count and max(reader.level_dimensions[level]) > limit:
-            level += 1
-        h, w = reader.level_dimensions[level]
+        shown = level
+        while shown + 1 < reader.level_count and max(reader.level_dimensions[shown]) > limit:
+            shown += 1
+        h, w = reader.level_dimensions[shown]
         # As the QC pictures show it: 16-bit or float channels over their display windows
         # (divided by 255 they were white), 8-bit RGB as it is
-        rgb = picture(reader, reader.read_region(level, 0, 0, h, w)).astype(np.float64) / 255.0
-    return rgb, 2**level
+        rgb = picture(reader, reader.read_region(shown, 0, 0, h, w)).astype(np.float64) / 255.0
+    return rgb, 2 ** (shown - level)
 
 
 def outline(labels: np.ndarray) -> np.ndarray:
@@ -253,11 +256,13 @@ def write_overlay(
     title: str,
     truth: np.ndarray | None = None,
     limit: int = 1024,
+    level: int = 0,
 ) -> Path:
     """A PNG of the image with the predicted class map over it (see the module docstring).
 
     ``truth``: the ground-truth class map of the same size as ``mask``, drawn as an
-    outline. Refused like :func:`write_mask` when ``out`` climbs out of its folder.
+    outline. ``level``: the image's pyramid level the map is of (``data.level``).
+    Refused like :func:`write_mask` when ``out`` climbs out of its folder.
     """
     confined(out)
     import matplotlib
@@ -267,7 +272,7 @@ def write_overlay(
 
     if truth is not None and truth.shape != mask.shape:
         raise ValueError(f"write_overlay: truth {truth.shape} and mask {mask.shape} differ")
-    rgb, factor = _background(image, mask.shape, limit)
+    rgb, factor = _background(image, mask.shape, limit, level)
 
     def small(m: np.ndarray) -> np.ndarray:
         plane = m[m.shape[0] // 2] if m.ndim == 3 else m

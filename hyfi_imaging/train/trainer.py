@@ -733,6 +733,7 @@ class Trainer:
                         image=store,
                         title=f"{sid}: predicted {', '.join(r.data.classes[1:])}{score}",
                         truth=None if truth is None else truth[k],
+                        level=r.data.level,
                     )
                     written += 1
         if not self.has_truth:  # no label images to score against
