@@ -122,6 +122,27 @@ def test_missing_sections_and_bad_yaml(tmp_path: Path) -> None:
         parse_overrides(["train.epochs=[1"])  # was a 20-line YAML traceback
 
 
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("train.seed=-1", "train.seed: Input should be greater than or equal to 0"),
+        ("train.seed=99999999999999999999999", "train.seed: Input should be less than"),
+        ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
+        ("optim.lr=1e400", "optim.lr: Input should be a finite number"),
+        ("optim.momentum=.nan", "optim.momentum: Input should be a finite number"),
+        ("train.epochs=true", "train.epochs: Value error, is true, not a number"),
+    ],
+)
+def test_values_that_passed_the_check_and_failed_the_run_are_refused(
+    tmp_path: Path, setting: str, said: str
+) -> None:
+    """A negative or 64-bit-overflowing seed was a traceback (numpy, torch) after the run
+    folder was made; an infinite rate passed --check and --print-sbatch and made the first
+    steps' loss nan after a job's queue wait; true trained 1 epoch."""
+    with pytest.raises(ConfigError, match=said):
+        load_recipe(_recipe(tmp_path, BASIC), [setting])
+
+
 def test_learning_rate_schedule(tmp_path: Path) -> None:
     r = load_recipe(
         _recipe(tmp_path, BASIC), ["optim.warmup_steps=4", "optim.lr=1.0", "optim.min_lr=0.1"]

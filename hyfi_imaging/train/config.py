@@ -37,7 +37,19 @@ __all__ = [
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and nan are no setting (optim.lr=inf passed --check and --print-sbatch, then the
+    # first steps' loss was nan, after a job's queue wait)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_truth_for_numbers(cls, value: Any, info: Any) -> Any:
+        """``train.epochs=true`` trained 1 epoch: true/false is no count or rate."""
+        field = cls.model_fields.get(info.field_name)
+        numbers = (int, float, int | None, float | None)
+        if isinstance(value, bool) and field is not None and field.annotation in numbers:
+            raise ValueError(f"is {str(value).lower()}, not a number")
+        return value
 
 
 class AugmentSection(_Strict):
@@ -257,7 +269,7 @@ class TrainConfig(_Strict):
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)  # numpy's generators take no negative seed
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     eval_every_epochs: int = Field(1, ge=1)
     checkpoint_every_steps: int = Field(0, ge=0)
