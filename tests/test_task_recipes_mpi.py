@@ -188,6 +188,23 @@ def test_slide_segmentation_on_a_grid_writes_masks(slides: Path, tmp_path: Path)
     for sid, mask in grid.items():
         with open_labels(pred / "masks" / f"{sid}.zarr", "prediction") as reader:
             assert (reader.read_region(0, 0, 0, 90, 75)[0] == mask).mean() > 0.99
+    # Again into the same folder, on two of the slides without their label images: the
+    # earlier per_image.csv (scores of masks now replaced) went on standing beside them.
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    data = slides.parent if slides.is_file() else slides
+    lines = (data / "manifest.csv").read_text().splitlines()
+    for line in lines[1:3]:
+        store = line.split(",")[1]
+        shutil.copytree(data / store, bare / store)
+        shutil.rmtree(bare / store / "labels")
+    (bare / "manifest.csv").write_text("\n".join(lines[:3]) + "\n")
+    again = _run([sys.executable, "-m", "hyfi_imaging.cli.predict", str(run), "--manifest",
+                  str(bare), "--out", str(pred), "--overlays", "0"])  # fmt: skip
+    assert not (pred / "per_image.csv").exists(), again.stdout
+    assert "removed" in again.stdout and "also holds 6 mask(s) of an earlier" in again.stdout
 
 
 @pytest.mark.slow

@@ -153,13 +153,24 @@ def _predict_dense(
         trainer.has_truth = has_label_images(trainer.recipe, cohort)
         m = trainer.predict_masks(manifest, every, out, overlays=overlays)
         if rank0:
+            scores = out / "per_image.csv"
             if m["per_image"]:
-                write_scores(out / "per_image.csv", m["per_image"])
+                write_scores(scores, m["per_image"])
+            elif scores.exists():  # an earlier prediction's scores, of masks just replaced
+                scores.unlink()
+                print(f"hyfi-predict: removed {scores}: an earlier prediction's scores (no "
+                      "label images here to score the new masks against)")  # fmt: skip
             score = f"; {segmentation_line(m)}" if m["dice"] is not None else ""
             print(
                 f"hyfi-predict: {len(cohort)} masks -> {out / 'masks'}{score} "
                 f"(checkpoint step {meta['step']})"
             )
+            ours = {f"{i}.zarr" for i in cohort.ids}
+            earlier = sorted(p.name for p in (out / "masks").glob("*.zarr") if p.name not in ours)
+            if earlier:
+                print(f"hyfi-predict: note: {out / 'masks'} also holds {len(earlier)} mask(s) "
+                      f"of an earlier prediction, of images not in this manifest (e.g. "
+                      f"{earlier[0]}); left as they were")  # fmt: skip
         return
     pred = trainer.predict(manifest, every)
     if rank0:
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyfi_imaging.errors import ConfigError, HyfiError
     from hyfi_imaging.parallel.launch import exit_now, fail_fast, launch_rank, shutdown
     from hyfi_imaging.train.config import load_recipe
-    from hyfi_imaging.train.preflight import run_facts
+    from hyfi_imaging.train.preflight import check_layout, run_facts
     from hyfi_imaging.train.tasks import check_task_layout, load_cohort, manifest_kind
     from hyfi_imaging.train.trainer import Trainer
 
@@ -232,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         cohort = load_cohort(recipe, args.manifest)  # targets, label images, sizes: before ranks
         check_task_layout(recipe, cohort, args.manifest)
         run_facts(recipe)  # one kind of image at one µm/px (against the checkpoint: on load)
+        check_layout(recipe, cohort)  # the layout's tiles on these images, before any rank
         _check_out(args.out, recipe.task.name)  # before the long part, not at its end
         heat_dir: Path | None = None
         if args.heatmaps is not None:

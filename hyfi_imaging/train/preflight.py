@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from hyfi_imaging.train.tasks import Cohort
 
 __all__ = [
+    "check_layout",
     "FACT_KEYS",
     "MPP_TOLERANCE",
     "CohortFacts",
@@ -81,7 +82,7 @@ def preflight(
     from hyfi_imaging.data.dataset import load_samples
     from hyfi_imaging.train.inputs import check_data, check_stats, data_pixels
     from hyfi_imaging.train.rundir import check_start
-    from hyfi_imaging.train.tasks import check_task, load_cohort, manifest_kind, num_outputs
+    from hyfi_imaging.train.tasks import check_task, load_cohort, manifest_kind
 
     classify = recipe.task.name == "classification"
     if classify and manifest_kind(recipe.data.manifest) == "slides":  # labels first, as always
@@ -135,7 +136,7 @@ def preflight(
     from hyfi_imaging.train.split import check_full_batch, training_count
 
     check_full_batch(training_count(recipe, cohort), p.data, recipe.train.batch_size)
-    _check_layout(recipe, cohort.size, cohort.channels, num_outputs(recipe, cohort))
+    check_layout(recipe, cohort)
     out = recipe.train.out_dir
     check_start(out, start)
     try:
@@ -467,15 +468,18 @@ def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
         )
 
 
-def _check_layout(
-    recipe: Recipe, image_hw: tuple[int, ...], channels: int, num_classes: int
-) -> None:
-    """The engine's checks that need no process group, on a meta-device model."""
+def check_layout(recipe: Recipe, cohort: Cohort) -> None:
+    """The engine's checks of the recipe's layout on ``cohort``'s images that need no process
+    group, on a meta-device model: run before any rank starts (``hyfi-train``, and
+    ``hyfi-predict`` for its own layout: found by the ranks, the refusal raced MPICH's
+    teardown and exited 9 in 1 run of 3)."""
     from hyfi_imaging.geometry.spans import padded_hw
     from hyfi_imaging.parallel.spatial import tile_alignment
     from hyfi_imaging.train.inputs import build_model
+    from hyfi_imaging.train.tasks import num_outputs
 
     r, p = recipe, recipe.parallel
+    image_hw, channels, num_classes = cohort.size, cohort.channels, num_outputs(recipe, cohort)
     with torch.device("meta"):
         model = build_model(r, channels, num_classes, pretrained=True)  # reads model.weights
     dims = 3 if any(isinstance(m, torch.nn.Conv3d) for m in model.modules()) else 2
