@@ -281,3 +281,22 @@ def test_a_manifest_with_one_slide_on_two_rows_is_refused(tmp_path: Path) -> Non
     manifest.write_text(f"{header}\n{line}\n{line}\n")
     with pytest.raises(ConfigError, match="slide id 's1' is on 2 rows"):
         manifest_rows(manifest)
+
+
+def test_left_out_line_counts_volumes_too(tmp_path: Path) -> None:
+    """A volume manifest's failed rows were dropped by hyfi-train and hyfi-predict without a
+    word ("5 volumes predicted" of 6, the failed one missing from the CSV)."""
+    import csv
+
+    from hyfi_imaging.data.volumes import write_grf_cohort
+
+    manifest = write_grf_cohort(tmp_path / "grf", 3, size=8)
+    assert left_out_line(manifest) is None
+    with manifest.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    rows[1]["status"] = "failed"
+    with manifest.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert left_out_line(manifest) == f"1 of 3 volumes left out: status failed (see {manifest})"

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         volumes = manifest_kind(args.manifest) == "volumes"
         rows = [] if volumes else manifest_rows(args.manifest)[1]
-        left_out = None if volumes else left_out_line(args.manifest)
+        left_out = left_out_line(args.manifest)
         if not (run_dir / "recipe.yaml").exists():
             raise ConfigError(
                 run_dir, "no recipe.yaml here", "give the train.out_dir of a hyfi-train run"

@@ -217,7 +217,6 @@ def _main(argv: list[str] | None, signals: Any) -> int:
     from hyfi_imaging.train.preempt import REQUEUE_EXIT
     from hyfi_imaging.train.preflight import preflight
     from hyfi_imaging.train.rundir import StartMode
-    from hyfi_imaging.train.tasks import manifest_kind
     from hyfi_imaging.train.trainer import Trainer
 
     args = build_parser().parse_args(argv)
@@ -231,11 +230,7 @@ def _main(argv: list[str] | None, signals: Any) -> int:
         warning = fit_warning(recipe)
         mixed = None if facts is None else facts.mixed_warning()
         manifests = (recipe.data.manifest, recipe.data.val_manifest)
-        left_out = [
-            line
-            for m in manifests
-            if m and manifest_kind(m) == "slides" and (line := left_out_line(m))
-        ]
+        left_out = [line for m in manifests if m and (line := left_out_line(m))]
     except HyfiError as err:
         if launch_rank() in (None, 0):  # every rank found the same: say it once
             print(f"hyfi-train: error: {err}", file=sys.stderr)

@@ -146,15 +146,27 @@ def manifest_rows(manifest: str | Path) -> tuple[Path, list[ManifestRow]]:
 
 
 def left_out_line(manifest: str | Path) -> str | None:
-    """One line saying how many slides :func:`load_samples` leaves out and why; None if none.
+    """One line saying how many slides :func:`load_samples` (or volumes) leaves out and why;
+    None if none.
 
     Why: a slide that failed preprocessing is still a row of the manifest, and
     a cohort that silently shrinks changes what a metric means. E.g.
     ``"3 of 40 slides left out: status failed (see data/manifest.csv)"``; with
     several statuses ``"... left out: 2 status failed, 1 status pending (...)"``.
     """
-    path, rows = manifest_rows(manifest)
-    statuses = Counter(r.status or "(empty)" for r in rows if r.status != "ok")
+    from hyfi_imaging.train.tasks import manifest_kind
+
+    kind = manifest_kind(manifest)
+    if kind == "volumes":  # said for volumes too: they were dropped without a word
+        from hyfi_imaging.data.volume_manifest import read_volume_manifest
+
+        path = Path(manifest)
+        path = path / "manifest.csv" if path.is_dir() else path
+        all_status = [r.status for r in read_volume_manifest(path)]
+    else:
+        path, rows = manifest_rows(manifest)
+        all_status = [r.status for r in rows]
+    statuses = Counter(s or "(empty)" for s in all_status if s != "ok")
     n = sum(statuses.values())
     if not n:
         return None
@@ -162,7 +174,7 @@ def left_out_line(manifest: str | Path) -> str | None:
         why = f"status {next(iter(statuses))}"
     else:
         why = ", ".join(f"{k} status {s}" for s, k in sorted(statuses.items()))
-    return f"{n} of {len(rows)} slides left out: {why} (see {path})"
+    return f"{n} of {len(all_status)} {kind} left out: {why} (see {path})"
 
 
 def load_samples(
