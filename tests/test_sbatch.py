@@ -139,6 +139,21 @@ def test_job_script_refuses_values_sbatch_would_split() -> None:
         job_script(["x"], job_shape(1), job_name="j", account="my lab")
 
 
+def test_a_working_folder_with_white_space_is_entered_by_the_jobs_shell(tmp_path: Path) -> None:
+    """--print-sbatch from a folder with a space was refused with "give --chdir one word", an
+    option hyfi-train does not have: the job's shell enters the folder (it reads quotes)."""
+    folder = tmp_path / "my project"
+    folder.mkdir()
+    script = job_script(["python", "-m", "x"], job_shape(1), job_name="j", workdir=str(folder))
+    assert "--chdir" not in sbatch_options(script)
+    body = script.split(REQUEUE_BLOCK)[0].splitlines()
+    cd = next(i for i, ln in enumerate(body) if ln.startswith("cd "))
+    assert body[cd + 1].startswith("srun ") and shlex.split(body[cd])[1] == str(folder)
+    probe = script.split("srun ")[0] + "pwd\n"  # the lines before srun, then where it runs
+    ran = subprocess.run(["bash"], input=probe, capture_output=True, text=True, cwd=tmp_path)
+    assert ran.stdout.strip() == str(folder), ran.stderr
+
+
 def test_shipped_template_keeps_the_preemption_contract() -> None:
     text = TEMPLATE.read_text()
     opts = sbatch_options(text)

@@ -128,7 +128,7 @@ def job_script(
     a job name is reduced to letters, digits, ``.``, ``_`` and ``-``; each of ``comments``
     is one ``#`` line, its white space (line breaks too) made single spaces.
     """
-    for flag, value in (("--partition", partition), ("--account", account), ("--chdir", workdir)):
+    for flag, value in (("--partition", partition), ("--account", account)):
         if value is not None and (not value or re.search(r"\s", value)):
             raise ConfigError(
                 f"{flag} {value!r}", "is empty or has white space", f"give {flag} one word"
@@ -145,7 +145,11 @@ def job_script(
     opt.append(f"--time={parse_time(time_limit)}")
     opt += [f"--partition={partition}"] if partition else []
     opt += [f"--account={account}"] if account else []
-    opt += [f"--chdir={workdir}"] if workdir else []
+    # A folder with white space (refused: hyfi-train has no --chdir to give another) is
+    # entered by the job's shell instead, which reads quotes; the log then lands where
+    # sbatch was run.
+    spaced = workdir is not None and bool(re.search(r"\s", workdir))
+    opt += [f"--chdir={workdir}"] if workdir and not spaced else []
     opt += [
         "--output=%x-%j.out",
         "--open-mode=append",  # a requeued run appends to the same log
@@ -160,6 +164,7 @@ def job_script(
     lines += [
         "",
         'echo "hyfi: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST" >&2',
+        *([f"cd {shlex.quote(workdir)} || exit 1"] if spaced and workdir else []),
         f"srun {shlex.join(command)}",
     ]
     return "\n".join(lines) + "\n" + REQUEUE_BLOCK
