@@ -627,8 +627,10 @@ def test_errors_name_numbers_and_fix() -> None:
 def test_module_errors() -> None:
     with pytest.raises(ConfigError, match=r"^ReLU\(\): ReLU has no window geometry"):
         layer_geom(nn.ReLU())
-    with pytest.raises(ConfigError, match="padding_mode='reflect'"):
+    with pytest.raises(ConfigError, match="padding_mode='reflect'") as err:
         layer_geom(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
+    # the fix keeps the layer's meaning: its reflection as a pad layer, which runs tiled
+    assert "or the same layer as an nn.ReflectionPad2d of its padding" in str(err.value)
     with pytest.raises(
         ConfigError, match=r"^AvgPool2d\(kernel_size=3.*ceil_mode=True, padding and count_"
     ):

@@ -386,10 +386,18 @@ def layer_geom(
     nd = _window_dims(module)
     if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
         if module.padding_mode != "zeros":
+            mode = module.padding_mode
+            # (2-D only: the 1-D and 3-D pad layers have no tiled form)
+            pad = (
+                {"reflect": "Reflection", "replicate": "Replication"}.get(mode) if nd == 2 else None
+            )
             raise ConfigError(
                 where(),
-                f"padding_mode={module.padding_mode!r} is not supported by spatial tiling",
-                "use padding_mode='zeros'",
+                f"padding_mode={mode!r} is not supported by spatial tiling",
+                f"use padding_mode='zeros', or the same layer as an nn.{pad}Pad{nd}d of its "
+                "padding before it and padding=0 (such pads run tiled)"
+                if pad
+                else "use padding_mode='zeros'",
             )
         kernel, stride, dilation = (
             _ntuple(module.kernel_size, nd),

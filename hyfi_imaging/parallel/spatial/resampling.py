@@ -124,8 +124,9 @@ def _no_room(
         fix = f"use an image of at most {n - short} px along the {axis} (it leaves the tiles room)"
     else:  # no image size pads to tiles with room at this layer
         fix = (
-            f"pass a larger align (apply_spatial(..., align={2 * ctx.align})): tiles of "
-            f"that multiple leave room at some image sizes"
+            f"align tiles to a larger multiple: total_stride = {2 * ctx.align} on the model "
+            f"(hyfi-train, hyfi-verify) or apply_spatial(..., align={2 * ctx.align}); tiles "
+            "of that multiple leave room at some image sizes"
         )
     return ConfigError(
         where,
