@@ -38,6 +38,26 @@ def test_counts_that_must_be_positive_are_refused_in_one_line(
     assert "--chunk and --shard must be >= 1" in capsys.readouterr().err.splitlines()[-1]
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--overlays", "-3"], "--overlays: must be 0 or more"),
+        (["--batch", "0"], "--batch: must be 1 or more"),
+        (["--pipeline", "0"], "--pipeline: must be 1 or more"),
+    ],
+)
+def test_predict_counts_are_checked_as_options(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--overlays -3`` was taken; ``--batch 0`` was refused as a recipe's train.batch_size
+    with the fix "--set", which hyfi-predict does not have."""
+    from hyfi_imaging.cli.predict import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", "--manifest", "m", "--out", "o", *args])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_synth_refuses_what_it_cannot_make_and_leaves_nothing(tmp_path: object) -> None:
     """``hyfi-synth --size 10000000`` died in a numpy MemoryError traceback and left an empty
     folder; ``--lesions -2`` was taken. One line each, exit 2, no folder."""

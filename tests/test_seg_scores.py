@@ -318,3 +318,18 @@ def test_an_overlay_of_a_coarser_levels_map_is_drawn_over_that_level(
     np.testing.assert_allclose(seen[-1], levels[1].transpose(1, 2, 0) / 255.0)
     outputs.write_overlay(tmp_path / "b.png", mask, image=str(store), title="t", level=1, limit=30)
     np.testing.assert_allclose(seen[-1], levels[2].transpose(1, 2, 0) / 255.0)  # coarser
+
+
+def test_regression_rows_keep_every_digit(tmp_path: Path) -> None:
+    """``%.6g`` wrote a manifest's target 0.123456789 as 0.123457 (and the prediction beside
+    it): what is read back is what was predicted and given."""
+    import csv
+
+    from hyfi_imaging.train.outputs import write_regressions
+
+    pred = np.array([[0.30000001192092896, -1.5e-9]], dtype=np.float32)
+    truth = np.array([[0.123456789, 12345678.9]])
+    out = write_regressions(tmp_path / "r.csv", ["v1"], pred, ["a", "b"], truth)
+    (row,) = csv.DictReader(out.open())
+    assert [float(row[k]) for k in ("true_a", "true_b")] == [0.123456789, 12345678.9]
+    assert [np.float32(row[k]) for k in ("pred_a", "pred_b")] == list(pred[0])

@@ -9,7 +9,15 @@ from collections.abc import Callable
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.shapes import parse_shape, parse_shapes
 
-__all__ = ["grids_type", "memory_size", "positive_float", "positive_int", "shape_type", "size_type"]
+__all__ = [
+    "count_int",
+    "grids_type",
+    "memory_size",
+    "positive_float",
+    "positive_int",
+    "shape_type",
+    "size_type",
+]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -31,6 +39,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return value
+
+
+def count_int(text: str) -> int:
+    """A whole number >= 0 (``--overlays``: how many, none allowed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 

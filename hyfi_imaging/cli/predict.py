@@ -48,7 +48,7 @@ one checkpoint directory. The recipe is read from RUN/recipe.yaml.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyfi_imaging.cli.options import shape_type
+    from hyfi_imaging.cli.options import count_int, positive_int, shape_type
 
     p = argparse.ArgumentParser(
         prog="hyfi-predict",
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--overlays",
-        type=int,
+        type=count_int,
         default=8,
         help="segmentation: overlay pictures for this many images (default: %(default)s)",
     )
@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--spatial", type=shape_type("--spatial"), default=(1, 1), metavar="GYxGX",
                    help="tile grid: GYxGX for slides, GZxGYxGX for volumes (default 1x1)")  # fmt: skip
-    p.add_argument("--pipeline", type=int, default=1)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pipeline", type=positive_int, default=1)
+    p.add_argument("--batch", type=positive_int, default=1)
     return p
 
 

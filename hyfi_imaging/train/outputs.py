@@ -314,9 +314,11 @@ def write_regressions(
     w.writerow(header)
     for i, vid in enumerate(ids):
         row = [vid, *([splits[i]] if splits is not None else [])]
-        row += [f"{float(v):.6g}" for v in pred[i]]
+        # Every digit a float holds (repr round-trips): "%.6g" cut a manifest's target
+        # 0.123456789 to 0.123457, and the prediction beside it.
+        row += [repr(float(v)) for v in pred[i]]
         if truth is not None:
-            row += [f"{float(v):.6g}" for v in truth[i]]
+            row += [repr(float(v)) for v in truth[i]]
         w.writerow(row)
     out.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(out, buf.getvalue())
