@@ -566,6 +566,25 @@ def test_canvas_regions_join_without_seams(monkeypatch: pytest.MonkeyPatch) -> N
     assert np.abs(pieces.astype(int) - whole).max() <= 1
 
 
+def test_a_flat_image_reduced_by_any_factor_stays_flat() -> None:
+    """Box reduction by a factor that is no whole number (101 -> 50 columns, a level of 255
+    rows read for 512): where an interval's edge fell on a pixel centre, an output's run was
+    computed one pixel short or long of where the next began, and a run's sum was divided by
+    the other count: a column of 120 in a flat 180 image (7 % of width pairs scanned)."""
+    from hyfi_imaging.preprocess.canvas import _resample, _taps
+
+    flat = np.full((1, 80, 101), 180, np.uint8)
+    out = _resample(flat, _taps(0, 80 / 40, 0, 40, 0, 80, downscale=True),
+                    _taps(0, 101 / 50, 0, 50, 0, 101, downscale=True), box=True)  # fmt: skip
+    assert out.shape == (1, 40, 50) and (out == 180).all()
+    for width in range(101, 400, 2):  # every odd width to 2 and 7 fewer output columns
+        for n in (width // 2, width // 7):
+            idx, weights = _taps(0, width / n, 0, n, 0, width, downscale=True)
+            counts = np.count_nonzero(weights, axis=1)
+            runs = idx[:, 0] + counts  # where each run ends: the next one starts there
+            assert (runs[:-1] == idx[1:, 0]).all() and runs[-1] <= width, (width, n)
+
+
 def test_a_large_canvas_is_written_in_bounded_memory(cohort: Path, tmp_path: Path) -> None:
     """Peak memory grows by a few shards, not by the canvas.
 

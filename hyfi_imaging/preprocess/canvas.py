@@ -184,9 +184,15 @@ def _taps(
     centre."""
     j = np.arange(first, first + n, dtype=np.float64)
     if downscale:
-        a = start + j * per
-        i0 = np.ceil(a - 0.5).astype(np.int64)  # the first centre (i + 1/2) at or after a
-        count = np.maximum(np.ceil(a + per - 0.5).astype(np.int64) - i0, 1)
+        # The n + 1 interval edges, each computed once: an output's run ends where the next
+        # one's starts. (Its end taken as ``a + per`` could round apart from the next start
+        # ``start + (j + 1) per`` where an edge fell on a pixel centre: a run one pixel short
+        # or long, and the sum of one run divided by the other's count -- a column of 120 in
+        # a flat 180 image, in about 7 % of width pairs.)
+        edges = start + np.arange(first, first + n + 1, dtype=np.float64) * per
+        firsts = np.ceil(edges - 0.5).astype(np.int64)  # first centre (i + 1/2) at or after
+        i0 = firsts[:-1]
+        count = np.maximum(firsts[1:] - i0, 1)
         k = np.arange(int(count.max()))
         idx = i0[:, None] + k
         weights = (k < count[:, None]) / count[:, None]
