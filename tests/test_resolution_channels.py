@@ -421,3 +421,23 @@ def test_predict_and_resume_refuse_what_the_model_was_not_trained_on(tmp_path: P
     assert (
         "it has 3 (red, green, blue)" in line and "hold 3 uint16 channels (DAPI, FITC, Cy3)" in line
     )
+
+
+def test_an_ome_tiffs_main_image_gives_its_own_resolution_and_channels(tmp_path: Path) -> None:
+    """The OME-XML's first image was read for µm/px and channel names, whichever series was
+    converted: a label image listed first (30 µm/px) made a 0.65 µm/px multiplex image 30 and
+    its channels c0..c2 (--tissue DAPI could not work), exit 0."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "s.ome.tif"
+    with tifffile.TiffWriter(path, ome=True) as tif:
+        tif.write(rng.integers(0, 256, (50, 50, 3), dtype=np.uint8), photometric="rgb",
+                  metadata={"Name": "label", "axes": "YXS", "PhysicalSizeX": 30.0,
+                            "PhysicalSizeY": 30.0})  # fmt: skip
+        tif.write(rng.integers(0, 4000, (3, 200, 296), dtype=np.uint16), tile=(64, 64),
+                  photometric="minisblack",
+                  metadata={"Name": "main", "axes": "CYX", "PhysicalSizeX": 0.65,
+                            "PhysicalSizeY": 0.65, "Channel": {"Name": ["DAPI", "CD8", "PanCK"]}})  # fmt: skip
+    with open_slide(path) as slide:
+        assert slide.level_dimensions[0] == (200, 296)
+        assert slide.mpp == pytest.approx(0.65)
+        assert list(slide.channel_names) == ["DAPI", "CD8", "PanCK"]

@@ -63,10 +63,18 @@ _ASSOCIATED = {"thumbnail", "label", "macro", "overview"}
 _OME_UNIT_UM = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e6, "Å": 1e-4}
 
 
-def ome_mpp(ome_xml: str | None, where: object = "the OME-XML") -> float | None:
-    """Microns per pixel from the first image's OME ``PhysicalSizeX/Y``, or ``None``
-    (SlideError where they differ: :func:`square_mpp`)."""
-    pixels = _ome_pixels(ome_xml)
+#: Which OME image a reader reads: its index among the document's images (the series'), and
+#: its ``(height, width)`` at full resolution.
+OmeImage = tuple[int, tuple[int, int]]
+
+
+def ome_mpp(
+    ome_xml: str | None, where: object = "the OME-XML", image: OmeImage | None = None
+) -> float | None:
+    """Microns per pixel from the OME ``PhysicalSizeX/Y`` of the image read (``image``, see
+    :func:`_ome_pixels`; default the first), or ``None`` (SlideError where they differ:
+    :func:`square_mpp`)."""
+    pixels = _ome_pixels(ome_xml, image)
     if pixels is None:
         return None
     values: list[float | None] = []
@@ -90,17 +98,28 @@ def _ratio(tag: Any) -> float | None:
     return num / den if den else None
 
 
-def _ome_pixels(ome_xml: str | None) -> ET.Element | None:
-    """The first image's ``Pixels`` element of an OME-XML document, or ``None``."""
+def _ome_pixels(ome_xml: str | None, image: OmeImage | None = None) -> ET.Element | None:
+    """The ``Pixels`` element of the OME image read (``image``: its index among the document's
+    images and its ``(height, width)``), or ``None``. The image at that index where its size
+    agrees, else the first of that size, else the first: a label image listed before the
+    main one gave the slide its 30 µm/px and its channels no names."""
     if not ome_xml:
         return None
     try:
         root = ET.fromstring(ome_xml)
     except ET.ParseError:
         return None
-    return next(
-        (el for el in root.iter() if el.tag.endswith("}Pixels") or el.tag == "Pixels"), None
-    )
+    found = [el for el in root.iter() if el.tag.endswith("}Pixels") or el.tag == "Pixels"]
+    if not found or image is None:
+        return found[0] if found else None
+    index, (h, w) = image
+
+    def sized(el: ET.Element) -> bool:
+        return el.get("SizeY") == str(h) and el.get("SizeX") == str(w)
+
+    if 0 <= index < len(found) and sized(found[index]):
+        return found[index]
+    return next((el for el in found if sized(el)), found[0])
 
 
 def _ome_color(value: str | None) -> str | None:
@@ -112,12 +131,15 @@ def _ome_color(value: str | None) -> str | None:
     return None if rgba is None else f"{rgba >> 8:06X}"
 
 
-def ome_channels(ome_xml: str | None, channels: int) -> tuple[list[str | None], list[str | None]]:
-    """Names and ``RRGGBB`` colours of the first image's OME channels (``None`` where unsaid).
+def ome_channels(
+    ome_xml: str | None, channels: int, image: OmeImage | None = None
+) -> tuple[list[str | None], list[str | None]]:
+    """Names and ``RRGGBB`` colours of the OME channels of the image read (``image``, see
+    :func:`_ome_pixels`; default the first); ``None`` where unsaid.
 
     Both lists are empty unless the document lists exactly ``channels`` channels.
     """
-    pixels = _ome_pixels(ome_xml)
+    pixels = _ome_pixels(ome_xml, image)
     if pixels is None:
         return [], []
     found = [el for el in pixels if el.tag.endswith("}Channel") or el.tag == "Channel"]
@@ -318,7 +340,9 @@ class TiffReader:
         found: list[str | None] = []
         found_colors: list[str | None] = []
         if self._tif.is_ome:
-            found, found_colors = ome_channels(self._tif.ome_metadata, self.channels)
+            found, found_colors = ome_channels(
+                self._tif.ome_metadata, self.channels, self._ome_image
+            )
         elif self._tif.is_qpi and len(base.pages) == self.channels:
             found, found_colors = _qpi_channels(base.pages)
         named = tuple(n or d for n, d in zip(found, names, strict=False)) or names
@@ -336,6 +360,7 @@ class TiffReader:
         index = max(range(len(series)), key=lambda i: int(np.prod(_yx_shape(series[i]))))
         base = series[index]
         full = self._tif.series.index(base)
+        self._ome_image: OmeImage = (full, _yx_shape(base))  # its OME image, not the first
         levels = list(base.levels)
         self._level_keys = [(full, i) for i in range(len(levels))]
         if len(levels) == 1:
@@ -360,7 +385,8 @@ class TiffReader:
     def _mpp(self, override: float | None) -> tuple[float | None, str]:
         if override is not None:
             return float(override), "override"
-        mpp = ome_mpp(self._tif.ome_metadata, self.path) if self._tif.is_ome else None
+        ome = self._tif.ome_metadata if self._tif.is_ome else None
+        mpp = ome_mpp(ome, self.path, self._ome_image) if ome else None
         if mpp is not None:
             return mpp, "ome"
         page = self._tif.pages.first
