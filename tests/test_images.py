@@ -479,3 +479,30 @@ def test_a_resampled_crop_is_the_same_whatever_tiles_render_it(
     if out_hw == (64, 60):
         means = source.reshape(3, 64, 2, 60, 2).astype(np.float64).mean(axis=(2, 4))
         assert np.array_equal(whole, np.rint(means).astype(dtype))
+
+
+@pytest.mark.parametrize(
+    ("axes", "shape", "said"),
+    [
+        ("IYX", (3, 40, 56), "hold 3 along [IQ]"),  # fluorescence channels saved as pages
+        ("ZYX", (2, 40, 56), "hold 2 along Z"),  # a z-stack
+    ],
+)
+def test_a_stack_of_planes_is_refused_not_cut_to_its_first(
+    tmp_path: Path, axes: str, shape: tuple[int, ...], said: str
+) -> None:
+    """Every plane but the first was dropped, exit 0: three channels saved as three pages
+    became a one-channel slide."""
+    from hyfi_imaging.errors import SlideError
+    from hyfi_imaging.io import open_slide
+
+    path = tmp_path / "stack.ome.tif"
+    data = np.arange(np.prod(shape), dtype=np.uint16).reshape(shape)
+    if axes == "IYX":
+        path = tmp_path / "stack.tif"
+        tifffile.imwrite(path, data, photometric="minisblack")
+    else:
+        tifffile.imwrite(path, data, ome=True, metadata={"axes": axes})
+    with pytest.raises(SlideError, match=said) as err:
+        open_slide(path)
+    assert "save the planes as channels" in str(err.value)

@@ -166,6 +166,24 @@ def _qpi_channels(pages: Any) -> tuple[list[str | None], list[str | None]]:
     return names, colors
 
 
+def _check_one_plane(path: str, series: Any) -> None:
+    """Refuse a series of several planes besides its channels (pages of a stack ``I``, a
+    z-stack ``Z``, time ``T``): the first plane alone was read, the rest dropped, exit 0 (three
+    fluorescence channels saved as three pages became one)."""
+    channel = "S" if "S" in series.axes else "C" if "C" in series.axes else None
+    extra = [(a, int(n)) for a, n in zip(series.axes, series.shape, strict=True)
+             if a not in ("Y", "X", channel) and int(n) > 1]  # fmt: skip
+    if extra:
+        planes = " x ".join(f"{n} along {a}" for a, n in extra)
+        raise SlideError(
+            path,
+            f"series axes {series.axes} hold {planes} besides its channels; a slide is one "
+            "plane (its channels are read, nothing else)",
+            "save the planes as channels (OME-TIFF axes CYX, or an ImageJ hyperstack of "
+            "channels), or one plane per file",
+        )
+
+
 def _yx_shape(series: Any) -> tuple[int, int]:
     axes, shape = series.axes, series.shape
     return int(shape[axes.index("Y")]), int(shape[axes.index("X")])
@@ -231,6 +249,7 @@ class TiffReader:
             self._axes = base.axes
             if "Y" not in self._axes or "X" not in self._axes:
                 raise ValueError(f"series axes {self._axes!r} have no Y and X")
+            _check_one_plane(self.path, base)
             dtype = supported_dtype(base.dtype)
             if dtype is None:
                 raise SlideError(
