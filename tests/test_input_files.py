@@ -441,3 +441,23 @@ def test_svs_levels_below_the_first_are_read_as_stored(tmp_path: Path) -> None:
             for y, x in ((0, 0), (3, 5), (117, 201), (200, 220)):
                 got = reader.read_region(k, y, x, 16, 24)
                 assert np.array_equal(got, page[:, y : y + 16, x : x + 24]), (k, y, x)
+
+
+def test_eight_bit_grey_pictures_are_one_intensity_channel(tmp_path: Path) -> None:
+    """An 8-bit grey PNG or JPEG was made RGB (a 16-bit grey PNG and a grey TIFF are one
+    channel): its light glass then went the bright-field tissue rule, whose grey Otsu cut
+    away faint tissue and isolated cells without a word. One channel now, an alpha over 0."""
+    rng = np.random.default_rng(5)
+    grey = rng.integers(0, 256, (31, 47), dtype=np.uint8)
+    alpha = rng.integers(0, 256, (31, 47), dtype=np.uint8)
+    Image.fromarray(grey).save(tmp_path / "grey.png")
+    Image.fromarray(np.stack([grey, alpha], -1), mode="LA").save(tmp_path / "grey-alpha.png")
+    Image.fromarray(grey).save(tmp_path / "grey.jpg", quality=100)
+    with open_slide(tmp_path / "grey.png") as r:
+        assert r.channels == 1 and np.array_equal(r.read_region(0, 0, 0, 31, 47), grey[None])
+    over_zero = (grey.astype(np.uint16) * alpha + 127) // 255
+    with open_slide(tmp_path / "grey-alpha.png") as r:
+        assert np.array_equal(r.read_region(0, 0, 0, 31, 47), over_zero[None])
+    with open_slide(tmp_path / "grey.jpg") as r:
+        assert r.channels == 1 and r.format == "jpeg"
+        assert np.abs(r.read_region(0, 0, 0, 31, 47).astype(int) - grey).max() <= 8

@@ -83,13 +83,20 @@ def open_image(
                     array, names = _png16(where, "transparency" in img.info)
                 else:
                     img.load()
-                    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+                    if img.mode in ("L", "LA"):
+                        # Grey: one intensity channel, as a 16-bit grey PNG and a grey TIFF
+                        # are (made RGB, a light-background grey image went the bright-field
+                        # tissue rule, which cut away faint tissue without a word); an alpha
+                        # over 0, the intensity background.
+                        la = np.asarray(img.convert("LA"), dtype=np.uint16)
+                        grey = (la[..., 0] * la[..., 1] + 127) // 255
+                        array = grey.astype(np.uint8)[..., None]
+                    elif img.mode in ("RGBA", "PA") or "transparency" in img.info:
                         rgba = img.convert("RGBA")
                         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                        rgb = Image.alpha_composite(white, rgba).convert("RGB")
+                        array = np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
                     else:
-                        rgb = img.convert("RGB")
-                    array = np.asarray(rgb)
+                        array = np.asarray(img.convert("RGB"))
                 array = _ORIENT.get(orientation, lambda a: a)(array)
     except SlideError:
         raise
