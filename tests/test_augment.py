@@ -263,3 +263,22 @@ def test_read_augmented_fill_and_checks(image: np.ndarray) -> None:
         assert np.array_equal(read_augmented(reader, p, box, fill=0), _window(whole, box, 0))
     with pytest.raises(ConfigError, match="drawn for"):
         read_augmented(ArrayReader(image[:, :-1]), p, (0, 0, 4, 4))
+
+
+def test_options_do_not_shift_the_colour_draws_of_a_non_square_image() -> None:
+    """The window offset of a turned non-square image drew first, by its range: switching
+    rot90 on moved that image's brightness and contrast (a square image's stayed)."""
+    from hyfi_imaging.data.augment import AugmentConfig, draw_augment
+
+    for hw in ((96, 96), (96, 128)):
+        on, off = (
+            draw_augment(
+                AugmentConfig(rot90=turns, out_size=hw, brightness=0.3, contrast=0.3),
+                hw,
+                seed=3,
+                epoch=1,
+                index=0,
+            )
+            for turns in (True, False)
+        )
+        assert (on.brightness, on.contrast) == (off.brightness, off.contrast), hw

@@ -199,9 +199,12 @@ def draw_augment(
     h, w = image_hw
     transformed = (w, h) if k % 2 else (h, w)
     out_hw = config.out_size if config.out_size is not None else transformed
+    # The colour draws before the window's: an offset's draws depend on its range (0 for a
+    # square image, which draws nothing), so they came first and shifted the colour stream
+    # of a non-square image with rot90 on or off.
+    u = rng.uniform(-1.0, 1.0, size=4)
     oy = _window_offset(rng, transformed[0], out_hw[0])
     ox = _window_offset(rng, transformed[1], out_hw[1])
-    u = rng.uniform(-1.0, 1.0, size=4)
     return AugmentParams(
         image_hw=image_hw,
         out_hw=out_hw,

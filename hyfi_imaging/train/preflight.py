@@ -24,6 +24,7 @@ two recorded values can disagree.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -96,6 +97,7 @@ def preflight(
         _check_level(cohort, recipe.data.manifest, recipe.data.level)
     if cohort.kind == "slides":
         check_data(recipe, data_pixels(recipe))
+        _check_turns(recipe, cohort.size)
     else:  # a wrong count failed after set-up with a traceback
         check_stats(recipe, cohort.channels)
     if recipe.data.val_manifest is not None:
@@ -454,6 +456,28 @@ def _check_stores(cohort: Cohort, manifest: Path) -> None:
         f"{first.store}: {first.what()})",
         fix,
     )
+
+
+def _check_turns(recipe: Recipe, size: tuple[int, ...]) -> None:
+    """Say, once, that a quarter turn of a non-square slide is cropped back to the slide's
+    shape at a random offset (the rest filled with background): a segmentation's mask is cut
+    alike, but a slide's label can lose what it is about. It was done without a word (a
+    quarter of a 96x128 slide cut away in every odd turn); the guide says it too."""
+    from hyfi_imaging.parallel.launch import launch_rank
+
+    h, w = size[-2], size[-1]
+    if recipe.data.augment.rot90 and h != w and launch_rank() in (None, 0):
+        cut = abs(h - w)
+        logging.getLogger("hyfi_imaging.train").warning(
+            "warning: data.augment.rot90 turns the %dx%d slides by quarter turns, each cropped "
+            "back to "
+            "%dx%d at a random offset (up to %d px of the turned slide cut away, the rest "
+            "filled with background)%s; set data.augment.rot90=false to keep every pixel "
+            "(flips still give half turns), or preprocess to a square --size",
+            h, w, h, w, cut,
+            "" if recipe.task.name == "segmentation" else ": it can cut away what a slide's "
+            "label is about",
+        )  # fmt: skip
 
 
 def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
