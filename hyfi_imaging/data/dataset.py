@@ -154,12 +154,10 @@ def left_out_line(manifest: str | Path) -> str | None:
     ``"3 of 40 slides left out: status failed (see data/manifest.csv)"``; with
     several statuses ``"... left out: 2 status failed, 1 status pending (...)"``.
     """
-    from hyfi_imaging.train.tasks import manifest_kind
+    from hyfi_imaging.data.volume_manifest import manifest_kind, read_volume_manifest
 
     kind = manifest_kind(manifest)
     if kind == "volumes":  # said for volumes too: they were dropped without a word
-        from hyfi_imaging.data.volume_manifest import read_volume_manifest
-
         path = Path(manifest)
         path = path / "manifest.csv" if path.is_dir() else path
         all_status = [r.status for r in read_volume_manifest(path)]

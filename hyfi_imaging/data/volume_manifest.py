@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from hyfi_imaging.atomic import write_atomic
 from hyfi_imaging.errors import ConfigError
@@ -28,6 +29,7 @@ from hyfi_imaging.paths import safe_id
 __all__ = [
     "VOLUME_COLUMNS",
     "VolumeRow",
+    "manifest_kind",
     "read_volume_manifest",
     "write_volume_manifest",
 ]
@@ -173,3 +175,20 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
             )
         rows.append(row)
     return rows
+
+
+def manifest_kind(manifest: str | Path) -> Literal["slides", "volumes"]:
+    """``"volumes"`` for a volume manifest (a ``volume_id`` column), else ``"slides"`` (here,
+    with the data: the loaders and the trainer ask it alike)."""
+    path = Path(manifest)
+    path = path / "manifest.csv" if path.is_dir() else path
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+    except OSError:
+        return "slides"  # the slide reader says what is wrong with the file
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            path, f"is not UTF-8 text (byte {err.start})", "save the manifest as UTF-8"
+        ) from None
+    return "volumes" if "volume_id" in header else "slides"

@@ -17,7 +17,6 @@ tiles, with data replicas alike (:func:`check_task_layout` refuses the wrong kin
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hyfi_imaging.data.volume_manifest import manifest_kind
 from hyfi_imaging.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,23 +47,7 @@ __all__ = [
     "task_loss",
 ]
 
-Kind = Literal["slides", "volumes"]
-
-
-def manifest_kind(manifest: str | Path) -> Kind:
-    """``"volumes"`` for a volume manifest (a ``volume_id`` column), else ``"slides"``."""
-    path = Path(manifest)
-    path = path / "manifest.csv" if path.is_dir() else path
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f), [])
-    except OSError:
-        return "slides"  # the slide reader says what is wrong with the file
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            path, f"is not UTF-8 text (byte {err.start})", "save the manifest as UTF-8"
-        ) from None
-    return "volumes" if "volume_id" in header else "slides"
+Kind = Literal["slides", "volumes"]  # what manifest_kind answers (hyfi_imaging.data)
 
 
 @dataclass(frozen=True)
