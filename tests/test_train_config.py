@@ -377,19 +377,15 @@ def test_recipe_integers_are_decimal_and_recipes_utf8(
         manifest_kind(manifest)
 
 
-def test_quarter_turns_of_non_square_slides_are_said(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_quarter_turns_of_non_square_slides_are_said(train_manifest: Path, tmp_path: Path) -> None:
     """A quarter turn of a non-square slide is cropped back to its shape at a random offset:
     a quarter of a 96x128 slide cut away in every odd turn, without a word."""
-    from hyfi_imaging.train.preflight import _check_turns
+    from hyfi_imaging.train.preflight import turn_warning
 
-    recipe = load_recipe(_recipe(tmp_path, BASIC), ["data.augment.rot90=true"])
-    with caplog.at_level("WARNING", logger="hyfi_imaging.train"):
-        _check_turns(recipe, (96, 128))
-        _check_turns(recipe, (128, 128))  # square: a turn keeps every pixel
-        _check_turns(load_recipe(_recipe(tmp_path, BASIC), ["data.augment.rot90=false"]),
-                     (96, 128))  # fmt: skip
-    (said,) = [r.getMessage() for r in caplog.records]
-    assert "cropped back to 96x128 at a random offset (up to 32 px" in said
-    assert "set data.augment.rot90=false" in said
+    def said(*sets: str) -> str | None:
+        sets = (f"data.manifest={train_manifest}", *sets)
+        return turn_warning(load_recipe(_recipe(tmp_path, BASIC), list(sets)))
+
+    line = said("data.augment.rot90=true")  # the cohort is 192x160
+    assert line is not None and "cropped back to 192x160 at a random offset (up to 32 px" in line
+    assert "set data.augment.rot90=false" in line and said("data.augment.rot90=false") is None

@@ -215,7 +215,7 @@ def _main(argv: list[str] | None, signals: Any) -> int:
     from hyfi_imaging.train.autoplan import fit_warning
     from hyfi_imaging.train.config import load_recipe
     from hyfi_imaging.train.preempt import REQUEUE_EXIT
-    from hyfi_imaging.train.preflight import preflight
+    from hyfi_imaging.train.preflight import preflight, turn_warning
     from hyfi_imaging.train.rundir import StartMode
     from hyfi_imaging.train.trainer import Trainer
 
@@ -229,6 +229,7 @@ def _main(argv: list[str] | None, signals: Any) -> int:
         facts = preflight(recipe, start=start, stores=args.check)
         warning = fit_warning(recipe)
         mixed = None if facts is None else facts.mixed_warning()
+        turns = turn_warning(recipe)
         manifests = (recipe.data.manifest, recipe.data.val_manifest)
         left_out = [line for m in manifests if m and (line := left_out_line(m))]
     except HyfiError as err:
@@ -237,7 +238,7 @@ def _main(argv: list[str] | None, signals: Any) -> int:
         return 2
     for line in left_out if launch_rank() in (None, 0) else []:  # failed slides are not trained on
         print(f"hyfi-train: {line}", file=sys.stderr, flush=True)
-    for said in (warning, mixed) if launch_rank() in (None, 0) else ():  # once, before ranks
+    for said in (warning, mixed, turns) if launch_rank() in (None, 0) else ():  # once
         if said:
             print(f"hyfi-train: warning: {said}", file=sys.stderr, flush=True)
     if args.check:

@@ -24,7 +24,6 @@ two recorded values can disagree.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import shutil
@@ -55,6 +54,7 @@ __all__ = [
     "plan_of",
     "preflight",
     "run_facts",
+    "turn_warning",
 ]
 
 #: How far two µm/px may lie apart and still be one resolution: 5 % of the smaller.
@@ -97,7 +97,6 @@ def preflight(
         _check_level(cohort, recipe.data.manifest, recipe.data.level)
     if cohort.kind == "slides":
         check_data(recipe, data_pixels(recipe))
-        _check_turns(recipe, cohort.size)
     else:  # a wrong count failed after set-up with a traceback
         check_stats(recipe, cohort.channels)
     if recipe.data.val_manifest is not None:
@@ -458,26 +457,29 @@ def _check_stores(cohort: Cohort, manifest: Path) -> None:
     )
 
 
-def _check_turns(recipe: Recipe, size: tuple[int, ...]) -> None:
-    """Say, once, that a quarter turn of a non-square slide is cropped back to the slide's
-    shape at a random offset (the rest filled with background): a segmentation's mask is cut
-    alike, but a slide's label can lose what it is about. It was done without a word (a
+def turn_warning(recipe: Recipe) -> str | None:
+    """One line when quarter turns of non-square slides are cropped back to the slide's shape
+    at a random offset (the rest filled with background), else None: a segmentation's mask is
+    cut alike, but a slide's label can lose what it is about. It was done without a word (a
     quarter of a 96x128 slide cut away in every odd turn); the guide says it too."""
-    from hyfi_imaging.parallel.launch import launch_rank
+    from hyfi_imaging.train.tasks import load_cohort, manifest_kind
 
-    h, w = size[-2], size[-1]
-    if recipe.data.augment.rot90 and h != w and launch_rank() in (None, 0):
-        cut = abs(h - w)
-        logging.getLogger("hyfi_imaging.train").warning(
-            "warning: data.augment.rot90 turns the %dx%d slides by quarter turns, each cropped "
-            "back to "
-            "%dx%d at a random offset (up to %d px of the turned slide cut away, the rest "
-            "filled with background)%s; set data.augment.rot90=false to keep every pixel "
-            "(flips still give half turns), or preprocess to a square --size",
-            h, w, h, w, cut,
-            "" if recipe.task.name == "segmentation" else ": it can cut away what a slide's "
-            "label is about",
-        )  # fmt: skip
+    if not recipe.data.augment.rot90 or manifest_kind(recipe.data.manifest) != "slides":
+        return None
+    h, w = load_cohort(recipe, recipe.data.manifest).size[-2:]
+    if h == w:
+        return None
+    label = (
+        ""
+        if recipe.task.name == "segmentation"
+        else ": it can cut away what a slide's label is about"
+    )
+    return (
+        f"data.augment.rot90 turns the {h}x{w} slides by quarter turns, each cropped back to "
+        f"{h}x{w} at a random offset (up to {abs(h - w)} px of the turned slide cut away, the "
+        f"rest filled with background){label}; set data.augment.rot90=false to keep every "
+        "pixel (flips still give half turns), or preprocess to a square --size"
+    )
 
 
 def _check_labels(manifest: Path, samples: Sequence[Any], classes: int) -> None:
