@@ -433,6 +433,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow  # the suite's time (25 s on the 2 cores)
 def test_a_signal_during_an_epochs_last_step_stops_there_before_the_evaluation(
     manifest: Path,  # noqa: F811
     tmp_path: Path,
