@@ -31,26 +31,24 @@ def positive_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """A whole number >= 1 (``--devices``, ``--batch``, ``--gpus-per-node``, ...)."""
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1 (``--devices``, ``--batch``, ``--gpus-per-node``, ...)."""
+    return _whole(text, 1)
 
 
 def count_int(text: str) -> int:
     """A whole number >= 0 (``--overlays``: how many, none allowed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+    return _whole(text, 0)
 
 
 def shape_type(what: str, minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
