@@ -199,13 +199,14 @@ def store(tmp_path: Path) -> Path:
 
 
 def test_write_heatmap_records_the_slide_frame_and_draws_the_overlay(
-    store: Path, tmp_path: Path
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cam = np.stack([np.full((8, 12), -1.5), np.arange(96.0).reshape(8, 12)])
+    monkeypatch.chdir(store.parent)  # the store named relative to where the command ran
     out = write_heatmap(
         tmp_path / "maps" / "s1.zarr",
         cam,
-        image=str(store),
+        image=store.name,
         level=0,
         stride=(32, 32),
         pool="avg",
@@ -226,6 +227,7 @@ def test_write_heatmap_records_the_slide_frame_and_draws_the_overlay(
     assert hyfi["stride"] == [32.0, 32.0] and hyfi["frame"] == "slide"
     assert hyfi["canvas_transform"]["scale"] == [32.0, 32.0]  # the store is 1 µm/px
     assert hyfi["slide_id"] == "s1" and hyfi["mean_is_logit"] is True
+    assert hyfi["image"] == str(store)  # absolute: read from any folder
     with ZarrReader(out) as reader:
         back = reader.read_region(0, 0, 0, 8, 12)
     np.testing.assert_array_equal(back, cam.astype(np.float32))

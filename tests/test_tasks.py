@@ -7,6 +7,7 @@ whole runs of the task recipes are tests/test_task_recipes_mpi.py.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -249,6 +250,9 @@ def test_mask_writer_roundtrip(tmp_path: Path) -> None:
     assert VolumeStore(out).voxel_size == (2.0, 0.5, 0.5) and VolumeStore(out).attrs["level"] == 1
     with ZarrReader(tmp_path / "s.zarr") as reader:
         assert reader.mpp == 2.0 and reader.attrs["level"] == 0
+        # the image as an absolute path: 'x' relative to where the command ran named
+        # nothing from the mask's folder or any other
+        assert reader.attrs["image"] == os.path.abspath("x")
     # Placed on the image: a map of level 1 is centred on 2x2(x2) level-0 pixels (voxels): a
     # viewer drew it half a level-0 pixel up and left (volume stores' levels as well)
     a = json.loads((tmp_path / "a.zarr" / "zarr.json").read_text())["attributes"]["ome"]

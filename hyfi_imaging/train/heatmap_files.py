@@ -124,7 +124,7 @@ def write_heatmap(
     canvas = slide_frame({"mpp": attrs.get("mpp")}, canvas_stride)
     hyfi = {
         "kind": HEATMAP_KIND,
-        "image": image,
+        "image": os.path.abspath(image),  # as a mask's: from any folder
         "slide_id": attrs.get("slide_id"),
         "source": attrs.get("source"),
         "frame": frame.frame,

@@ -10,7 +10,7 @@ Why here and not in the loop: ``hyfi-train`` (after its last evaluation) and
   class map (one uint8 channel) and whose ``labels/prediction`` is the same
   map as an NGFF label image (colours and class names, like the annotation
   masks of :mod:`hyfi_imaging.io.labels`), so viewers that know NGFF show it
-  coloured. ``attributes.hyfi.image`` names the image it was predicted from.
+  coloured. ``attributes.hyfi.image`` names the image it was predicted from (its absolute path).
   Volumes get the same layout with axes ``c, z, y, x``.
 * **Overlays.** ``<out>/overlays/<id>.png``: the slide at its coarsest level
   of at most 1024 px (a volume: its middle z-plane) with the predicted mask in
@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -132,8 +133,10 @@ def write_mask(
     from hyfi_imaging.io.zarr_store import _ArraySource, write_ome_zarr
 
     confined(out)  # before anything is removed or written: an id must not climb out
-    attrs = {"kind": MASK_KIND, "image": image, "level": level, "classes": list(classes),
-             "background": 0}  # fmt: skip
+    # the image's absolute path: one relative to where the command ran named nothing from
+    # any other folder (a viewer opening the mask, a script beside the masks)
+    attrs = {"kind": MASK_KIND, "image": os.path.abspath(image), "level": level,
+             "classes": list(classes), "background": 0}  # fmt: skip
     check_replaceable(out, MASK_KIND)
     if out.exists():
         shutil.rmtree(out)
