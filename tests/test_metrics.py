@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyfi_imaging.train.metrics import EvalResult, evaluate_predictions
+from hyfi_imaging.train.metrics import EvalResult, evaluate_predictions, log_odds
 
 
 def _binary(pos: list[float], neg: list[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +60,55 @@ def test_binary_accepts_one_score_per_sample_and_logits() -> None:
     assert one_column.auc == pytest.approx(5 / 6)
     logits = np.log(probs)  # monotone per column: the ranking, hence the AUC, is unchanged
     assert evaluate_predictions(logits, labels, task="binary").auc == pytest.approx(5 / 6)
+
+
+def test_a_confident_models_ranking_survives_rounding() -> None:
+    """Log-probabilities of logit margins past 37 round to 0.0 in float64: ranked on them the
+    slides tied (AUC 0.5 for 1.0, a 3-class macro AUC 0.9375 for 0.979); the log-odds (the
+    trainer's scores) keep the margins."""
+    import torch
+
+    margins = torch.tensor([38.0, 40.0, 45.0, 60.0])  # negatives 38, 40; positives 45, 60
+    z = torch.stack([torch.zeros(4), margins], 1).double()
+    lp = torch.log_softmax(z, 1).numpy()
+    assert (lp[:, 1] == 0).all()  # the rounding: column 1 alone ties every slide
+    y = np.array([0, 0, 1, 1])
+    assert evaluate_predictions(lp, y, task="binary").auc == 0.5
+    assert evaluate_predictions(log_odds(lp), y, task="binary").auc == 1.0
+    np.testing.assert_allclose(log_odds(lp)[:, 1], margins.numpy(), rtol=1e-12)
+    logits = torch.tensor(
+        [[45.0, 0, 1], [52, 0, 0], [40, 0, 2], [0, 2, 55], [0, 50, 0], [0, 0, 40]]
+    ).double()
+    y3 = np.array([0, 0, 1, 2, 1, 2])
+    # each class's one-vs-rest ranking by its exact log-odds, from the logits
+    want = np.mean(
+        [
+            _auc_by_pairs(
+                (
+                    logits[:, c] - torch.logsumexp(logits[:, [j for j in range(3) if j != c]], 1)
+                ).numpy(),
+                y3 == c,
+            )
+            for c in range(3)
+        ]
+    )
+    lp3 = torch.log_softmax(logits, 1).numpy()
+    got = evaluate_predictions(log_odds(lp3), y3, task="multiclass").macro_auc
+    assert got == pytest.approx(want, rel=1e-12) and want > 0.97
+
+
+def _auc_by_pairs(scores: np.ndarray, positive: np.ndarray) -> float:
+    """The share of (positive, negative) pairs ordered right, a tie counting one half."""
+    pos, neg = scores[positive], scores[~positive]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(wins / (pos.size * neg.size))
+
+
+def test_a_macro_auc_over_fewer_classes_says_so() -> None:
+    r = evaluate_predictions(np.eye(4)[[0, 1, 2, 0]], np.array([0, 1, 2, 0]), task="multiclass")
+    assert r.line() == "n=4 accuracy=1.0000 macro_auc=1.0000 (3/4 classes)"
+    whole = evaluate_predictions(np.eye(3)[[0, 1, 2]], np.array([0, 1, 2]), task="multiclass")
+    assert whole.line() == "n=3 accuracy=1.0000 macro_auc=1.0000"
 
 
 def test_multiclass_macro_auc_and_confusion_by_hand() -> None:
@@ -184,6 +233,9 @@ def test_result_renders_for_logs_and_json() -> None:
         (np.ones((2, 1)), np.array([0, 0]), {"task": "multiclass"}, "K = 1"),
         (np.eye(2), np.array([0, 1]), {"class_names": ["a"]}, "1 class names for K = 2"),
         (np.eye(2), np.array([0, 1]), {"task": "ordinal"}, "unknown task"),
+        # a sigmoid head's logits are not its probabilities: read as them, the threshold
+        # was 0.5 (accuracy 0.5 where it was 1.0)
+        (np.log([0.1, 0.4, 0.6, 0.9]), np.array([0, 0, 1, 1]), {}, r"outside \[0, 1\]"),
     ],
 )
 def test_bad_input_is_one_clear_error(
@@ -197,7 +249,9 @@ def test_bad_input_is_one_clear_error(
 def test_a_confident_models_metrics_are_its_logits(train_manifest: Path, tmp_path: Path) -> None:
     """The trainer scores log-probabilities in float64: float32 probabilities round to 1.0 past
     a logit gap of ~17, so a confident model's slides tied in the AUC (0.44 reported for 0.38)
-    and each slide's loss was capped at -log(1e-12) (13.8 reported for 190.9)."""
+    and each slide's loss was capped at -log(1e-12) (13.8 reported for 190.9); its
+    log-probabilities round to 0.0 past a gap of ~37, where the AUC is now taken on the
+    log-odds (0.375 reported for 0.5)."""
     worker = Path(__file__).parent / "workers" / "confident_eval.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     job = subprocess.run(
@@ -209,6 +263,17 @@ def test_a_confident_models_metrics_are_its_logits(train_manifest: Path, tmp_pat
     )
     assert job.returncode == 0, job.stderr[-3000:]
     got = json.loads(job.stdout.strip().splitlines()[-1])
-    assert sum(abs(g) > 17 for g in got["gaps"]) >= 2, got  # float32 saturates on these slides
+    assert sum(abs(g) > 37 for g in got["gaps"]) >= 2, got  # float64 saturates on these slides
     assert got["auc"] == got["auc_logits"], got
     assert got["val_loss"] == pytest.approx(got["loss_logits"], rel=1e-9), got
+
+
+def test_prediction_tables_keep_every_digit() -> None:
+    """With 6 decimals a confident model's probabilities were all 1.000000 from a logit
+    margin of 14.6, and an AUC taken from the file 0.83 where the run logged 1.0."""
+    from hyfi_imaging.train.predictions import class_cells
+
+    p = np.exp(-np.array([15.0, 16.0]))  # the negative class's probability at margins 15, 16
+    cells = [class_cells(np.array([q, 1.0 - q]), ["normal", "tumour"]) for q in p]
+    assert [float(c[1]) for c in cells] == p.tolist()
+    assert cells[0][2] != cells[1][2]  # 1 - 3.1e-7 and 1 - 1.1e-7 stay apart

@@ -274,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
 
             probs = predict_heatmaps(trainer, args.manifest, every, heat_dir, head)
         else:
-            probs = trainer.predict(args.manifest, every)
+            probs = trainer.predict(args.manifest, every, log=True)
+        import numpy as np
+
+        # in float64 from the log-probabilities: float32's round to 1.0 from a margin of 17
+        probs = np.exp(probs)
         if trainer.pc.rank == 0:
             from hyfi_imaging.train.predictions import class_cells, class_columns, write_rows
 

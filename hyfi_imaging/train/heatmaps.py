@@ -378,7 +378,7 @@ def predict_heatmaps(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
-    """Class probabilities of ``indices`` (as :meth:`Trainer.predict`) and, on rank 0, each
+    """Class log-probabilities of ``indices`` (:meth:`Trainer.predict` with ``log``) and, on rank 0, each
     slide's map as ``out_dir/<id>.zarr`` and ``out_dir/<id>.png``.
 
     Collective: every rank calls it. ``progress`` (rank 0) hears the number of
@@ -424,4 +424,4 @@ def predict_heatmaps(
                 progress(written)
 
     with CamRecorder(trainer.pm, head) as rec:
-        return trainer.predict(manifest, indices, on_batch=each)
+        return trainer.predict(manifest, indices, on_batch=each, log=True)

@@ -1,8 +1,8 @@
 """Evaluation metrics for whole-slide classification, in one frozen value.
 
-Why one function and one result type: the trainer evaluates on every data
-parallel replica, gathers the scores on rank 0 and then needs the same handful
-of numbers in four places — the log line, ``metrics.csv``, TensorBoard and the
+Why one function and one result type: the trainer's evaluation gives every rank
+the same ``(N, K)`` scores (each data replica predicts the whole validation set)
+and then needs the same handful of numbers in four places — the log line, ``metrics.csv``, TensorBoard and the
 checkpoint's metadata. :func:`evaluate_predictions` computes them once from
 the gathered ``(N, K)`` scores, and :class:`EvalResult` renders them for each
 place (:meth:`EvalResult.line`, :meth:`EvalResult.scalars`,
@@ -13,13 +13,15 @@ Which numbers, and why:
 * ``accuracy`` — on the argmax prediction, for every task.
 * ``auc`` — ROC AUC of the positive class (column 1) when ``K == 2``: the
   headline metric of slide-level detection (CAMELYON16). It is rank based, so
-  any increasing function of column 1's probability gives the same value: its
-  log-probability too, which the trainer passes (float32 probabilities of a
-  confident model round to 1.0 and tie). Not raw logits: column 1's logit alone
-  is not the log-odds.
-* ``macro_auc`` — one-vs-rest ROC AUC averaged over the classes present, when
-  ``K > 2`` (TCGA subtyping). Each class is scored on its own column, so the
-  scores need not sum to one.
+  any increasing function of each probability gives the same value: the
+  log-odds, which the trainer passes (:func:`log_odds`: probabilities, even
+  their logarithms, of a confident model round to 1.0 and 0.0 and tie, from a
+  logit margin of 17 in float32 and 37 in float64; column 1's log-odds is the
+  margin). Not raw logits: column 1's logit alone is not the log-odds.
+* ``macro_auc`` — one-vs-rest ROC AUC averaged over the classes present in the
+  labels, when ``K > 2`` (TCGA subtyping): a class without samples has no AUC,
+  and :meth:`EvalResult.line` says how many classes the mean is of. Each class
+  is scored on its own column, so the scores need not sum to one.
 * ``qwk`` — quadratic weighted Cohen's kappa on the argmax prediction for
   ``task="graded"`` (PANDA ISUP grades 0-5), the metric of the PANDA challenge.
 * ``confusion`` — ``K x K`` counts, rows = true class, columns = prediction.
@@ -42,7 +44,7 @@ import numpy as np
 
 from hyfi_imaging.errors import problem
 
-__all__ = ["TASKS", "EvalResult", "Task", "evaluate_predictions"]
+__all__ = ["TASKS", "EvalResult", "Task", "evaluate_predictions", "log_odds"]
 
 Task = Literal["binary", "graded", "multiclass"]
 TASKS: tuple[Task, ...] = ("binary", "graded", "multiclass")
@@ -71,6 +73,11 @@ class EvalResult:
     def num_classes(self) -> int:
         """``K``, the number of classes."""
         return len(self.class_names)
+
+    @property
+    def classes_present(self) -> int:
+        """How many classes have samples (the confusion matrix's non-empty rows)."""
+        return int((self.confusion.sum(axis=1) > 0).sum())
 
     def scalars(self) -> dict[str, float]:
         """The defined numeric metrics (``n``, ``accuracy``, ``auc``, ...) for CSV and TensorBoard."""
@@ -119,7 +126,9 @@ class EvalResult:
         """One line for the log, e.g. ``n=40 accuracy=0.8750 auc=0.9125``.
 
         Shows the metrics that apply to this task and ``K``; an undefined one
-        is shown as ``n/a`` rather than hidden, so a missing class is noticed.
+        is shown as ``n/a`` rather than hidden, and a macro AUC over fewer than
+        ``K`` classes says of how many (``macro_auc=0.7500 (3/4 classes)``), so
+        a missing class is noticed.
         """
 
         def fmt(value: float | None) -> str:
@@ -130,6 +139,9 @@ class EvalResult:
             parts.append(f"auc={fmt(self.auc)}")
         else:
             parts.append(f"macro_auc={fmt(self.macro_auc)}")
+            present = self.classes_present
+            if self.macro_auc is not None and present < self.num_classes:
+                parts[-1] += f" ({present}/{self.num_classes} classes)"
         if self.task == "graded":
             parts.append(f"qwk={fmt(self.qwk)}")
         return " ".join(parts)
@@ -153,7 +165,19 @@ def _check_inputs(
     p = np.asarray(probs)
     y = np.asarray(labels)
     if p.ndim == 1 and task == "binary":
-        # A sigmoid head gives one score per sample: that of the positive class.
+        # A sigmoid head gives one score per sample: its probability of the positive class.
+        # A logit read as one put the threshold at 0.5 (accuracy 0.5 where it was 1.0).
+        q = p.astype(np.float64)
+        outside = ~((q >= 0) & (q <= 1))
+        if outside.any():
+            raise ValueError(
+                problem(
+                    _WHERE,
+                    f"1-D binary scores outside [0, 1] (e.g. {float(q[outside][0])})",
+                    "pass the positive class's probabilities (a sigmoid of the logits), "
+                    "or (N, 2) scores",
+                )
+            )
         p = np.stack([1.0 - p.astype(np.float64), p.astype(np.float64)], axis=1)
     if p.ndim != 2:
         raise ValueError(
@@ -334,3 +358,24 @@ def evaluate_predictions(
         class_names=names,
         task=task,
     )
+
+
+def log_odds(log_probs: np.ndarray) -> np.ndarray:
+    """Each class's log-odds ``log p_c - log(1 - p_c)`` from ``(N, K)`` log-probabilities.
+
+    The scores to rank a confident model by: its log-probabilities round to 0.0 from a
+    logit margin of 37 (float64), and tied slides' AUC fell to one half, but the rest's
+    ``log(1 - p_c) = logsumexp_{j != c} log p_j`` keeps the margin (``K = 2``: the
+    margin itself). The logit of ``p``, one increasing function of every column: the
+    argmax and each column's ranking are the probabilities'.
+    """
+    lp = np.asarray(log_probs, dtype=np.float64)
+    k = lp.shape[1]
+    rest = np.empty_like(lp)
+    for c in range(k):
+        others = np.delete(lp, c, axis=1)
+        top = others.max(axis=1, keepdims=True)
+        safe = np.where(np.isfinite(top), top, 0.0)  # every other class -inf: log 0
+        with np.errstate(divide="ignore"):
+            rest[:, c] = (safe + np.log(np.exp(others - safe).sum(axis=1, keepdims=True)))[:, 0]
+    return lp - rest

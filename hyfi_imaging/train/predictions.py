@@ -26,10 +26,12 @@ def class_columns(classes: Sequence[str]) -> list[str]:
 
 
 def class_cells(probs: np.ndarray | None, classes: Sequence[str]) -> list[str]:
-    """The predicted class and each class's probability (6 decimals); empty cells for None."""
+    """The predicted class and each class's probability (every digit: with 6 decimals, a
+    confident model's were all 1.000000 from a logit margin of 14.6, and an AUC taken from
+    the file 0.83 where the run logged 1.0); empty cells for None."""
     if probs is None:
         return [""] * (1 + len(classes))
-    return [classes[int(np.argmax(probs))], *(f"{float(v):.6f}" for v in probs)]
+    return [classes[int(np.argmax(probs))], *(repr(float(v)) for v in probs)]
 
 
 def write_rows(path: Path, header: Sequence[str], rows: Sequence[Sequence[object]]) -> Path:

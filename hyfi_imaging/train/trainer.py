@@ -755,7 +755,7 @@ class Trainer:
         now; classification: :meth:`_write_split_predictions`). Regression: MSE and MAE
         (and per target).
         """
-        from hyfi_imaging.train.metrics import evaluate_predictions
+        from hyfi_imaging.train.metrics import evaluate_predictions, log_odds
         from hyfi_imaging.train.seg_scores import segmentation_line
 
         r = self.recipe
@@ -802,9 +802,13 @@ class Trainer:
                 f"lower optim.lr or set optim.grad_clip; {self._kept_line()}",
             )
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
-        # Scores are log-probabilities: the ranking and the loss of the logits, which float32
-        # probabilities lose where they round to 1.0 (AUC 0.44 for 0.38, a loss capped at 27.6)
-        result = evaluate_predictions(p, labels, task=r.data.task, class_names=r.data.classes)
+        # Scores are the log-odds: the ranking of the logits, which float32 probabilities lose
+        # where they round to 1.0 (AUC 0.44 for 0.38) and log-probabilities where they round
+        # to 0.0 (a margin of 37: AUC 0.5 for 1.0); the loss takes the log-probabilities
+        # (with probabilities it was capped at 27.6).
+        result = evaluate_predictions(
+            log_odds(p), labels, task=r.data.task, class_names=r.data.classes
+        )
         if out_dir is not None:
             self._write_split_predictions(out_dir / "val_predictions.csv", np.exp(p))
         loss = float(F.nll_loss(torch.from_numpy(p), torch.from_numpy(labels)))
@@ -820,7 +824,7 @@ class Trainer:
         from hyfi_imaging.train.predictions import class_cells, class_columns, write_rows
 
         r = self.recipe
-        train_probs = self.predict(r.data.manifest, self.train_idx)
+        train_probs = np.exp(self.predict(r.data.manifest, self.train_idx, log=True))
         if not self.rank0:
             return
         classes = r.data.classes

@@ -2,8 +2,9 @@
 
 Usage: ``python tests/workers/confident_eval.py MANIFEST OUT_DIR``. A ResNet-18 x0.125 on one
 process whose classifier is scaled until the logit gaps reach tens (float32 probabilities
-round to 1.0 there), centred so that it is confident both ways; prints one JSON line: the
-trainer's reported AUC and val_loss, and both computed in float64 from the logits.
+round to 1.0 there, float64 log-probabilities to 0.0 past 37), centred so that it is
+confident both ways; prints one JSON line: the trainer's reported AUC and val_loss, and
+both computed in float64 from the logits.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(manifest: str, out_dir: str) -> int:
         return torch.cat([o[: len(rows)] for o, _, rows in outs]).double()
 
     with torch.no_grad():
-        fc.weight.mul_(300.0)
+        fc.weight.mul_(1000.0)  # logit gaps past 37: float64 log-probabilities round to 0
         fc.bias.zero_()
         gap = logits()
         fc.bias[1] = -float((gap[:, 1] - gap[:, 0]).median())
@@ -54,8 +55,11 @@ def main(manifest: str, out_dir: str) -> int:
                 "labels": labels.tolist(),
                 "auc": got["auc"],
                 "val_loss": got["val_loss"],
+                # ranked by the margin itself (log-probabilities round to 0 past 37)
                 "auc_logits": evaluate_predictions(
-                    torch.log_softmax(z, 1).numpy(), labels, task="binary"
+                    torch.stack([torch.zeros_like(z[:, 0]), z[:, 1] - z[:, 0]], 1).numpy(),
+                    labels,
+                    task="binary",
                 ).auc,
                 "loss_logits": float(F.cross_entropy(z, torch.from_numpy(labels))),
             }
