@@ -70,6 +70,9 @@ def test_synth_refuses_what_it_cannot_make_and_leaves_nothing(tmp_path: object) 
     assert not out.exists()
     assert main(["--out", str(out), "--n", "1", "--lesions", "-2"]) == 2
     assert not out.exists()
+    with pytest.raises(SystemExit) as bad:  # numpy's "expected non-negative integer" traceback
+        main(["--out", str(out), "--n", "1", "--seed", "-1"])
+    assert bad.value.code == 2 and not out.exists()
 
 
 def test_predict_out_of_the_wrong_kind_is_refused_before_predicting(

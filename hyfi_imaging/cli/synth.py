@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from hyfi_imaging.cli.options import positive_float, size_type
+from hyfi_imaging.cli.options import count_int, positive_float, size_type
 from hyfi_imaging.errors import HyfiError
 
 __all__ = ["build_parser", "main"]
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--size", type=size_type(256), default=(4096, 4096), help="N or HxW pixels (default: 4096)"
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=count_int, default=0, help="random seed, 0 or more (default: 0)")
     p.add_argument(
         "--kind", choices=sorted(KINDS), default="aperio", help="file layout (default: aperio)"
     )
