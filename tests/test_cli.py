@@ -73,6 +73,9 @@ def test_synth_refuses_what_it_cannot_make_and_leaves_nothing(tmp_path: object) 
     with pytest.raises(SystemExit) as bad:  # numpy's "expected non-negative integer" traceback
         main(["--out", str(out), "--n", "1", "--seed", "-1"])
     assert bad.value.code == 2 and not out.exists()
+    # more lesions than the slide holds: 50 tries per lesion and erosion ran for hours
+    assert main(["--out", str(out), "--n", "1", "--size", "256", "--lesions", "100000"]) == 2
+    assert not out.exists()
 
 
 def test_predict_out_of_the_wrong_kind_is_refused_before_predicting(

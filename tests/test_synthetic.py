@@ -228,3 +228,13 @@ def test_cohort_lesion_count_applies_to_positive_slides_only(tmp_path: Path) -> 
             pixels = np.moveaxis(slide.read_region(0, 0, 0, 384, 384), 0, -1)
         plain = render_synthetic(seed=1 * 100003 + i, label=0, size=(384, 384), lesions=0).image
         assert np.array_equal(pixels, plain) == (label == "0"), (sid, label)
+
+
+def test_fewer_lesions_than_asked_are_said(caplog: pytest.LogCaptureFixture) -> None:
+    """A small slide holds fewer lesions than ``--lesions`` asks: drawn without a word."""
+    from hyfi_imaging.data.synthetic import render_synthetic
+
+    with caplog.at_level("WARNING", logger="hyfi_imaging.data.synthetic"):
+        got = render_synthetic(seed=0, label=1, size=(256, 256), lesions=200)
+    assert 0 < len(got.lesion_boxes) < 200
+    assert f"room for {len(got.lesion_boxes)} of the 200 lesions" in caplog.text

@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=True,
         )
     except (OSError, HyfiError) as err:
+        if created:  # nothing half-written left behind: the folder was this run's
+            shutil.rmtree(args.out, ignore_errors=True)
         print(f"hyfi-synth: {err}", file=sys.stderr)
         return 2
     except MemoryError as err:

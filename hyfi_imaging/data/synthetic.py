@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.io.zarr_store import downsample_2x
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,20 @@ def _place_lesions(
     return lesions
 
 
+def check_lesion_room(lesions: int, size: tuple[int, int], lesion_cell: int = 4) -> None:
+    """Refuse more lesions than a ``size`` slide can hold, each covering 2x2 blocks of
+    ``2 * lesion_cell`` px or more (50 tries per lesion of each of three erosions:
+    ``--lesions 100000`` on a 256² slide ran for hours)."""
+    block = 2 * lesion_cell
+    room = (size[0] // block) * (size[1] // block) // 4
+    if lesions > room:
+        raise ConfigError(
+            "--lesions",
+            f"{lesions} lesions cannot fit in a {size[0]}x{size[1]} slide (at most {room})",
+            "use a larger --size or fewer --lesions",
+        )
+
+
 def render_synthetic(
     *,
     seed: int,
@@ -262,6 +277,7 @@ def render_synthetic(
     outlines: list[np.ndarray] = []
     if n:
         block = 2 * lesion_cell
+        check_lesion_room(n, size, lesion_cell)
         from scipy.ndimage import binary_erosion
 
         # Centres well inside the tissue (alpha is 1 where cover > 0.25), 48 px from
@@ -275,9 +291,15 @@ def render_synthetic(
             if len(placed) == n:
                 break
         if not placed:
-            raise ValueError(
-                f"seed {seed}: no room for lesions in a {h}x{w} slide; use a larger size"
+            raise ConfigError(
+                f"seed {seed}", f"no room for lesions in a {h}x{w} slide", "use a larger --size"
             )
+        if lesions is not None and len(placed) < n:  # asked for: say what was drawn instead
+            log.warning(
+                "seed %d: room for %d of the %d lesions asked in a %dx%d slide (its outlines "
+                "list them); use a larger --size for more",
+                seed, len(placed), n, h, w,
+            )  # fmt: skip
         for by, bx, disk in placed:
             y0, x0 = by * block, bx * block
             lh, lw = disk.shape[0] * block, disk.shape[1] * block
@@ -441,6 +463,8 @@ def write_synthetic_cohort(
         raise ValueError(f"n_slides must be >= 1, got {n_slides}")
     if not 0.0 <= positive_fraction <= 1.0:
         raise ValueError(f"positive_fraction must be in [0, 1], got {positive_fraction}")
+    if lesions:
+        check_lesion_room(lesions, size)  # before any file is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_pos = round(n_slides * positive_fraction)
