@@ -127,6 +127,27 @@ def test_segmentation_val_loss_does_not_count_the_padded_images(
         assert image.mpp is not None and mask.mpp == image.mpp and mask.attrs["level"] == 0
 
 
+def test_a_diverged_segmentation_is_not_scored(slides: Path, tmp_path: Path) -> None:
+    """NaN logits were scored as all background (Dice 1 "by rule" on an empty truth) and their
+    masks written; the evaluation is refused in one line, as a classifier's, before a mask."""
+    script = tmp_path / "nan_eval.py"
+    script.write_text(
+        _VAL_LOSS.replace(
+            "print(json.dumps(",
+            "import torch\nwith torch.no_grad():\n"
+            "    next(trainer.pm.parameters()).fill_(float('nan'))\nprint(json.dumps(",
+        )
+    )
+    recipe = ROOT / "recipes" / "slide-segmentation-synthetic.yaml"
+    run = subprocess.run(
+        [sys.executable, str(script), str(recipe), str(slides), str(tmp_path / "r"), "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "NonFiniteError: evaluation: the model's outputs are NaN or inf" in run.stderr
+    assert not (tmp_path / "r" / "masks").exists()
+
+
 @pytest.mark.slow  # hyfi-plan ranks every layout (the suite's time)
 def test_the_planner_plans_a_segmentation_recipe_as_training_runs_it(
     slides: Path, tmp_path: Path

@@ -47,7 +47,7 @@ import numpy as np
 from hyfi_imaging.atomic import write_atomic
 from hyfi_imaging.train.metrics import EvalResult
 
-__all__ = ["CSV_NAME", "EVALS_NAME", "TENSORBOARD_DIR", "RunLogger", "read_metrics_csv"]
+__all__ = ["CSV_NAME", "EVALS_NAME", "TENSORBOARD_DIR", "RunLogger", "jsonable", "read_metrics_csv"]
 
 CSV_NAME = "metrics.csv"
 EVALS_NAME = "evals.jsonl"
@@ -221,7 +221,7 @@ class RunLogger:
         self._write(row, prefix=prefix)
         record = {"step": int(step), "epoch": epoch, "prefix": prefix, "time": row["time"], **full}
         with self.evals_path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(_jsonable(record)) + "\n")
+            fh.write(json.dumps(jsonable(record)) + "\n")
         return row
 
     def truncate_after(self, step: int, *, evals_at_step: bool = True) -> int:
@@ -378,14 +378,14 @@ def _is_scalar(value: object) -> bool:
     return hasattr(value, "item") and getattr(value, "ndim", None) == 0  # 0-d tensor / array
 
 
-def _jsonable(obj: object) -> Any:
+def jsonable(obj: object) -> Any:
     """Plain JSON types; NaN/inf become ``null`` so the file stays strict JSON."""
     if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
+        return jsonable(obj.tolist())
     if isinstance(obj, np.generic) or _is_scalar(obj):
         obj = getattr(obj, "item", lambda: obj)()
     if isinstance(obj, float) and not math.isfinite(obj):

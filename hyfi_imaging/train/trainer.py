@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -702,6 +702,13 @@ class Trainer:
             if target is None:  # segmentation is one stage: every rank holds both
                 raise ConfigError("predict_masks", "no label tiles were read", "use pipeline=1")
             target = target.to(out.device)
+            # each rank sees its own tile: every rank learns whether any tile is not finite
+            # (before a mask of it is written), one small all-reduce per batch
+            bad = (~torch.isfinite(out)).any().float().reshape(1).to(self.pc.device)
+            if dist.is_initialized():
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item():
+                self._diverged()
             masks = truth = None
             dice: list[float] = []
             if self.has_truth or out_dir is not None:  # collective over the grid
@@ -745,6 +752,18 @@ class Trainer:
             "per_image": [s.row() for s in scores],
         }
 
+    def _diverged(self) -> NoReturn:
+        """Refuse an evaluation of NaN or inf outputs (decided alike on every rank): scored,
+        a segmentation's NaN logits were all background (Dice 1 "by rule" on an empty truth)
+        and a regression's errors NaN."""
+        from hyfi_imaging.train.guard import NonFiniteError
+
+        raise NonFiniteError(
+            "evaluation",
+            "the model's outputs are NaN or inf (its weights diverged)",
+            f"lower optim.lr or set optim.grad_clip; {self._kept_line()}",
+        )
+
     def evaluate(self, out_dir: Path | None = None) -> dict[str, Any]:
         """Validation metrics (identical on every rank); a classification's EvalResult under ``"_result"``.
 
@@ -766,6 +785,8 @@ class Trainer:
             line = f"{segmentation_line(m)}  val_loss {m['val_loss']:.4f}"
             return {**m, "_per_image": per_image, "_line": line}
         p = self.predict(manifest, self.val_idx, log=self.task != "regression")
+        if not np.isfinite(p).all():  # the same on every rank: the outputs are gathered
+            self._diverged()
         if self.task == "regression":
             from hyfi_imaging.train.losses import regression_errors
 
@@ -793,14 +814,6 @@ class Trainer:
                     )
             line = "  ".join(f"{k} {v:.4f}" for k, v in errors.items())
             return {**errors, "n": len(self.val_idx), "_line": line}
-        if not np.isfinite(p).all():
-            from hyfi_imaging.train.guard import NonFiniteError
-
-            raise NonFiniteError(
-                "evaluation",
-                "the model's outputs are NaN or inf (its weights diverged)",
-                f"lower optim.lr or set optim.grad_clip; {self._kept_line()}",
-            )
         labels = np.array([self.val_samples[i].label for i in self.val_idx])
         # Scores are the log-odds: the ranking of the logits, which float32 probabilities lose
         # where they round to 1.0 (AUC 0.44 for 0.38) and log-probabilities where they round
@@ -1037,7 +1050,11 @@ class Trainer:
         if self.facts is not None:  # each slide's final µm/px, and which --fit fit changed
             summary["cohort"] = self.facts.record()
         if self.rank0:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+            from hyfi_imaging.train.logs import jsonable
+
+            # strict JSON, as evals.jsonl: NaN/inf as null (json.dumps wrote the token NaN)
+            text = json.dumps(jsonable(summary), indent=2)
+            (self.out / "summary.json").write_text(text)
         if dist.is_initialized():
             dist.barrier()
         return summary
