@@ -276,6 +276,27 @@ def test_mask_writer_roundtrip(tmp_path: Path) -> None:
         ]
 
 
+def test_a_volume_mask_is_a_prediction_with_class_levels(tmp_path: Path) -> None:
+    """A volume mask was marked a 'volume' store, so predicting again into the same folder
+    (and a resumed 3-D segmentation's final masks) was refused; its image's coarser levels
+    were means of class numbers (classes 0 and 2 made a level of class 1)."""
+    import zarr
+
+    from hyfi_imaging.train.outputs import write_mask
+
+    cube = np.zeros((32, 32, 32), np.uint8)
+    cube[:, :, ::2] = 2  # classes 0 and 2 side by side: their mean is 1
+    for _ in range(2):  # the second replaces the first: a new prediction of the same volume
+        out = write_mask(tmp_path / "m.zarr", cube, classes=["bg", "a", "b"], image="v",
+                         scale=None)  # fmt: skip
+    group = zarr.open_group(str(out), mode="r")
+    assert group.attrs["hyfi"]["kind"] == "prediction"
+    levels = sorted(k for k in group.array_keys())
+    assert len(levels) > 1  # a pyramid: its levels hold the classes there are, nothing else
+    for key in levels:
+        assert set(np.unique(group[key][:]).tolist()) <= {0, 2}, key
+
+
 def test_hyfi_predict_refuses_volumes_without_the_targets(
     tmp_path: Path, volumes: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

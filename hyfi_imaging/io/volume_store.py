@@ -36,7 +36,7 @@ import secrets
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -215,6 +215,7 @@ def write_ome_zarr_volume(
     attrs: Mapping[str, Any] | None = None,
     labels: Mapping[str, np.ndarray] | None = None,
     origin: Sequence[float] = (0.0, 0.0, 0.0),
+    method: Literal["mean", "nearest"] = "mean",
 ) -> Path:
     """Write a ``(C, Z, Y, X)`` volume (its dtype kept) as an OME-Zarr 0.5 group, atomically.
 
@@ -233,6 +234,8 @@ def write_ome_zarr_volume(
             written as NGFF label images ``labels/<name>`` (nearest downsampling).
         origin: where level-0 voxel ``(0, 0, 0)``'s centre lies, µm ``(z, y, x)`` (a map of
             a coarser level of another volume: :func:`~hyfi_imaging.train.outputs.write_mask`).
+        method: how the image's coarser levels are made: ``mean`` of 2x2x2 voxels, or
+            ``nearest`` for class numbers (a mean of classes 0 and 2 is class 1).
 
     Returns ``path``. Raises :class:`SlideError` when ``path`` exists and
     :class:`ConfigError` for bad arguments; nothing is left behind either way.
@@ -278,7 +281,7 @@ def write_ome_zarr_volume(
     try:
         group = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w-", zarr_format=3)
         n_levels, coarsest = _write_pyramid(
-            group, volume, chunks=chunk, shards=shard, pyramid_levels=pyramid_levels, method="mean"
+            group, volume, chunks=chunk, shards=shard, pyramid_levels=pyramid_levels, method=method
         )
         # The 2-D statistics over the coarsest level, its z-planes stacked along y.
         stats = channel_stats(coarsest.reshape(c, -1, coarsest.shape[-1]), None, n_levels - 1)
@@ -312,10 +315,10 @@ def write_ome_zarr_volume(
             {
                 "ome": {
                     "version": NGFF_VERSION,
-                    "multiscales": [_multiscales(name, vs, n_levels, "mean", origin)],
+                    "multiscales": [_multiscales(name, vs, n_levels, method, origin)],
                     "omero": omero_metadata(names, colors, volume.dtype, stats),
                 },
-                "hyfi": {**hyfi, "kind": "volume"},
+                "hyfi": {"kind": "volume", **hyfi},  # a mask's own kind: "prediction"
                 "hyfi_stats": stats,
                 INVENTORY_ATTR: take_inventory(tmp, [str(level) for level in range(n_levels)]),
             }

@@ -156,6 +156,7 @@ def write_mask(
             name=out.stem,
             attrs=attrs,
             labels={"prediction": mask.astype(np.uint8)},
+            method="nearest",  # class numbers: a mean of classes 0 and 2 made class 1
         )
     mpp = scale[-1] if isinstance(scale, Sequence) else scale
     f = 2**level  # a map of level l: its pixel is the centre of 2**l image pixels
