@@ -148,6 +148,34 @@ def test_a_diverged_segmentation_is_not_scored(slides: Path, tmp_path: Path) -> 
     assert not (tmp_path / "r" / "masks").exists()
 
 
+def test_a_run_whose_last_outputs_fail_keeps_its_last_step(slides: Path, tmp_path: Path) -> None:
+    """The last checkpoint was written after the last evaluation's masks: a mask that could
+    not be written (here: a store of another kind in its place) lost every step since the
+    last checkpoint. It is written first now."""
+    import json as _json
+
+    from hyfi_imaging.data.dataset import load_samples
+
+    run = tmp_path / "run"
+    for s in load_samples(slides):  # each slide's mask place taken by a store not a mask
+        (run / "masks" / f"{s.slide_id}.zarr").mkdir(parents=True)
+        (run / "masks" / f"{s.slide_id}.zarr" / "zarr.json").write_text(
+            _json.dumps({"zarr_format": 3, "node_type": "group",
+                         "attributes": {"hyfi": {"kind": "slide"}}})
+        )  # fmt: skip
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.train",
+           str(ROOT / "recipes" / "slide-segmentation-synthetic.yaml")]  # fmt: skip
+    for s in (f"train.out_dir={run}", *QUICK, f"data.manifest={slides}", "model.kwargs.width=4",
+              "model.kwargs.depth=2", "parallel.spatial=1x1", "train.epochs=1",
+              "train.checkpoint_every_steps=0"):  # fmt: skip
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 2 and "is a slide store" in proc.stderr, proc.stderr[-2000:]
+    steps = len(_losses(run))
+    assert steps > 0 and (run / "checkpoints" / f"step_{steps:08d}").is_dir()
+
+
 @pytest.mark.slow  # hyfi-plan ranks every layout (the suite's time)
 def test_the_planner_plans_a_segmentation_recipe_as_training_runs_it(
     slides: Path, tmp_path: Path

@@ -916,6 +916,7 @@ class Trainer:
             r.train.nonfinite, r.train.max_skipped_steps, newest=self._newest, say=self.rank0
         )
         summary: dict[str, Any] = {}
+        final_saved = False  # the last step checkpointed before the last evaluation
         start = time.monotonic()
         data_wait = 0.0  # seconds first-stage ranks waited for tiles (0 elsewhere)
         bar = tqdm(
@@ -997,6 +998,9 @@ class Trainer:
                     pos, self.pm.stop_requested = ended, True
                     break
                 if due and self.val_idx:
+                    if last:  # first: an evaluation or output that fails keeps the steps
+                        self._save(pos)
+                        final_saved = True
                     # The last evaluation also writes the predictions (masks, overlays, CSV).
                     metrics = self.evaluate(self.out if last else None)
                     result = metrics.pop("_result", None)
@@ -1024,9 +1028,10 @@ class Trainer:
                         break
             if self.pm.stop_requested:
                 return self._stopped(pos, signals.received)
+            if not final_saved:
+                self._save(pos)
             if not summary and self.val_idx:  # relaunched after the end: still report
                 summary = self.evaluate(self.out)
-            self._save(pos)
         finally:
             bar.close()
             logger.close()
