@@ -217,7 +217,21 @@ def test_bad_files_are_refused_in_one_line(tmp_path: Path) -> None:
     data = (tmp_path / "cut.pth").read_bytes()
     (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])
     _one_line(tmp_path / "cut.pth", "cannot be read as PyTorch weights")
-    _one_line(tmp_path / "a" / ".." / ".." / "x.pth", "lies outside")
+    # Damaged tensor data: torch.load reads a zip without its CRCs (values off by 1e4, loaded
+    # without a word); the file's own CRCs refuse it
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "flipped.pth")
+    data = bytearray((tmp_path / "flipped.pth").read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 300] = bytes(300)
+    (tmp_path / "flipped.pth").write_bytes(bytes(data))
+    _one_line(tmp_path / "flipped.pth", r"is damaged \(its entry .* fails its CRC check\)")
+    diverged = torchvision.models.resnet18().state_dict()
+    diverged["layer1.0.conv1.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(diverged, tmp_path / "nan.pth")
+    _one_line(tmp_path / "nan.pth", r"holds NaN or inf in layer1.0.conv1.weight")
+    # The user's own path, '..' and all (refused as an id climbing out of its folder)
+    (tmp_path / "sub").mkdir()
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "fine.pth")
+    assert load_weights(create_model("resnet18"), tmp_path / "sub" / ".." / "fine.pth").loaded
 
 
 #: The weights a user's builder loads (real tensors, filled by the test).

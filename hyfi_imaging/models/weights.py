@@ -23,8 +23,11 @@ Decisions:
   (the ``args`` of timm's and torchvision's training checkpoints) is refused
   in one line, before anything it names is called. The path is checked first
   (missing, a folder, not a regular file, empty, unreadable, not a
-  PyTorch/safetensors file: each its own line), and ``..`` may not climb out
-  of the folder it was written under (:func:`hyfi_imaging.paths.confined`).
+  PyTorch/safetensors file: each its own line). A ``torch.save`` file's CRCs
+  are checked (``torch.load`` reads a zip without them: a file with damaged
+  tensor data loaded, values off by 1e4, without a word), and a tensor holding
+  NaN or inf is refused by name. The path is the user's own (``data/../w.pth``
+  is ``w.pth``): nothing joins an id into it.
 * **Names.** The project's ResNets use torchvision's parameter names, which
   timm's ResNets keep too, so their files map by identity. timm's
   pre-activation ``ResNetV2`` names differ (``stem.conv``,
@@ -63,7 +66,6 @@ import torch
 from torch import Tensor, nn
 
 from hyfi_imaging.errors import ConfigError
-from hyfi_imaging.paths import confined
 
 __all__ = ["NAMINGS", "WeightsReport", "adapt_input_conv", "load_weights", "read_state_dict"]
 
@@ -193,7 +195,6 @@ class WeightsReport:
 
 
 def _check_path(path: Path) -> os.stat_result:
-    confined(path)
     fix = "set model.weights to a state-dict file (a path relative to where the command runs)"
     try:
         st = path.stat()
@@ -249,6 +250,8 @@ def _load_file(path: Path, kind: str) -> object:
             raise ConfigError(
                 path, f"is a damaged safetensors file ({str(err).splitlines()[0]})", "copy it again"
             ) from None
+    if kind == "torch":
+        _check_crcs(path)
     allowed: list[Any] = [
         argparse.Namespace
     ]  # the ``args`` of timm's and torchvision's train checkpoints
@@ -269,6 +272,34 @@ def _load_file(path: Path, kind: str) -> object:
             f"cannot be read as PyTorch weights ({str(err).splitlines()[0][:200]})",
             "check that the file is complete, or save it again with torch.save",
         ) from None
+
+
+def _check_crcs(path: Path) -> None:
+    """Refuse a ``torch.save`` zip whose stored CRCs do not match its bytes (``torch.load``
+    never checks them). Reads the whole file once."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return  # a truncated or odd zip: torch.load's own error names it
+    if bad is not None:
+        raise ConfigError(
+            path, f"is damaged (its entry {bad} fails its CRC check)", "copy the weights file again"
+        )
+
+
+def _check_finite(path: Path, tensors: Mapping[str, Tensor]) -> None:
+    """Refuse a file whose floating tensors hold NaN or inf, naming the first."""
+    for name, value in tensors.items():
+        floating = value.is_floating_point() or value.is_complex()
+        if floating and not bool(torch.isfinite(value).all()):
+            raise ConfigError(
+                path,
+                f"holds NaN or inf in {name} (a diverged or damaged model)",
+                "give weights saved before the training diverged, or copy the file again",
+            )
 
 
 def read_state_dict(path: Path) -> tuple[dict[str, Tensor], tuple[str, ...]]:
@@ -316,6 +347,7 @@ def read_state_dict(path: Path) -> tuple[dict[str, Tensor], tuple[str, ...]]:
         cleaned[key] = value
     if removed:
         notes.append(" and ".join(f"{p!r}" for p in sorted(removed)) + " removed from the names")
+    _check_finite(path, cleaned)
     return cleaned, tuple(notes)
 
 
