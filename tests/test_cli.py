@@ -21,6 +21,61 @@ def test_verify_ships_no_way_to_break_itself() -> None:
     assert exit_.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        # a cross-entropy over one class: every gradient 0, a wrong backward reported OK
+        ("--num-classes", "1", "--num-classes: must be 2 or more"),
+        # NaN on both sides read MISMATCH with an error of 0; -1 turned every gradient round
+        ("--clip-grad", "nan", "--clip-grad: must be > 0"),
+        ("--clip-grad", "-1", "--clip-grad: must be > 0"),
+    ],
+)
+def test_verify_refuses_options_that_make_its_verdict_meaningless(
+    option: str, value: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hyfi_imaging.cli.verify import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--model", "resnet18", "--image-size", "32", option, value])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_diverged_reference_is_said_not_a_zero_error() -> None:
+    import torch
+
+    from hyfi_imaging.parallel.verify import VerifyReport
+
+    report = VerifyReport()
+    report.add("step0/loss", torch.tensor([float("nan")]), torch.tensor([float("nan")]), 1e-6, 0)
+    assert not report.ok and report.max_rel_error == float("inf")
+    assert "step0/loss (reference not finite)" in report.format("x")
+    layout_nan = VerifyReport()
+    layout_nan.add("w", torch.tensor([float("nan"), 1.0]), torch.tensor([2.0, 1.0]), 1e-6, 1e-9)
+    assert not layout_nan.ok and layout_nan.max_rel_error == float("inf")  # max() skipped NaN
+
+
+@pytest.mark.parametrize(
+    ("model", "width", "words"),
+    [
+        ("convchain", "0.5", "ConvChain: width=0.5 is not a whole number"),
+        ("torchvision.models:resnet18", "0.25", "refuses its options (ResNet.__init__() got an"),
+    ],
+)
+def test_verify_refuses_a_models_options_in_one_line(model: str, width: str, words: str) -> None:
+    """A builder's TypeError (or nn.Conv2d's, from --width 8.0 on convchain) was a traceback
+    and exit 1, which hyfi-verify uses for a mismatch."""
+    import subprocess
+    import sys
+
+    job = subprocess.run(
+        [sys.executable, "-m", "hyfi_imaging.cli.verify", "--model", model, "--width", width,
+         "--image-size", "32"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert job.returncode == 2 and words in job.stderr and "Traceback" not in job.stderr
+
+
 def test_counts_that_must_be_positive_are_refused_in_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

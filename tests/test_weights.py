@@ -266,6 +266,13 @@ def test_a_channels_last_recipe_lays_out_each_weight_by_its_dims() -> None:
     assert not both[1].weight.is_contiguous() and both[2].weight.is_contiguous()
 
 
+def test_a_recipes_num_classes_is_the_tasks() -> None:
+    """``model.kwargs.num_classes`` reached the builder twice: a TypeError traceback."""
+    sets = ["data.manifest=m.csv", "train.out_dir=o", "model.kwargs.num_classes=2"]
+    with pytest.raises(ConfigError, match=r"^model.kwargs.num_classes: is set by the task"):
+        build_model(load_recipe(Path("synthetic"), sets), 3)
+
+
 def test_the_recipe_loads_weights_where_the_model_is_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

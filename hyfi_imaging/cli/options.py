@@ -51,6 +51,12 @@ def count_int(text: str) -> int:
     return _whole(text, 0)
 
 
+def classes_int(text: str) -> int:
+    """A whole number >= 2 (``--num-classes``: a cross-entropy over one class is 0 for every
+    weight, so its gradients are 0 and every comparison of them passes)."""
+    return _whole(text, 2)
+
+
 def shape_type(what: str, minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
     """Parser of a size of 1 to 3 sides (``512``, ``512x384``, ``40x48x56``, ``L4096``)."""
 

@@ -84,7 +84,13 @@ rounding, not a bug.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyfi_imaging.cli.options import grids_type, positive_int, shape_type
+    from hyfi_imaging.cli.options import (
+        classes_int,
+        grids_type,
+        positive_float,
+        positive_int,
+        shape_type,
+    )
     from hyfi_imaging.parallel.parallel_plan import COMPILE_BACKENDS
     from hyfi_imaging.parallel.schedules import SCHEDULES
 
@@ -194,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpointing or streaming; default none)",
     )
     p.add_argument(
-        "--clip-grad", type=float, metavar="MAX", help="clip the global gradient norm to MAX"
+        "--clip-grad",
+        type=positive_float,  # -1 turned every gradient round, nan made both sides NaN
+        metavar="MAX",
+        help="clip the global gradient norm to MAX (> 0)",
     )
     p.add_argument(
         "--batch",
@@ -202,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-replica batch (default: max(2, microbatches)); the global batch is data x this",
     )
     p.add_argument("--steps", type=positive_int, default=2)
-    p.add_argument("--num-classes", type=int, default=3)
+    p.add_argument(
+        "--num-classes",
+        type=classes_int,
+        default=3,
+        help="the model's outputs, 2 or more (one makes every gradient 0; default 3)",
+    )
     p.add_argument("--width", type=float, help="width multiplier for the model (if it has one)")
     p.add_argument(
         "--dtype",

@@ -21,6 +21,7 @@ from hyfi_imaging.models.registry import (
     CheckpointedBlock,
     check_positive,
     register_model,
+    whole_number,
 )
 
 __all__ = ["ConvChain", "ConvReLU"]
@@ -48,6 +49,11 @@ class ConvChain(ChainModel):
         self, *, depth: int = 8, width: int = 16, num_classes: int = 2, in_chans: int = 3
     ) -> None:
         super().__init__()
+        # hyfi-verify --width 8 passes 8.0 (nn.Conv2d's traceback), 0.5 is no channel count
+        depth, width = (
+            whole_number("ConvChain", "depth", depth),
+            whole_number("ConvChain", "width", width),
+        )
         check_positive(
             "ConvChain", depth=depth, width=width, num_classes=num_classes, in_chans=in_chans
         )

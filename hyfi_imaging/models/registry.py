@@ -40,6 +40,7 @@ import difflib
 import fnmatch
 import importlib
 import inspect
+import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -181,6 +182,12 @@ def import_builder(path: str) -> Callable[..., nn.Module]:
     return obj
 
 
+#: Python's words for a call whose arguments do not fit the function.
+_ARGUMENT_ERROR = re.compile(
+    r"unexpected keyword argument|missing \d+ required|multiple values for|takes \d+ positional"
+)
+
+
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """Build the registered model ``name``; ``kwargs`` override the variant's defaults.
 
@@ -203,7 +210,16 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
                 f"unknown option {', '.join(unknown)}",
                 f"use one of: {', '.join(sorted(accepted - set(entry.defaults)))}",
             )
-    model = entry.builder(**{**entry.defaults, **kwargs})
+    try:
+        model = entry.builder(**{**entry.defaults, **kwargs})
+    except TypeError as err:
+        # a builder without a signature to check first (timm's create_model(**kwargs)): its
+        # options refused by the call itself, said in one line (other errors keep their trace)
+        if not _ARGUMENT_ERROR.search(str(err)):
+            raise
+        raise ConfigError(
+            f"model {name!r}", f"refuses its options ({err})", "give the options it takes"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model {name!r}",

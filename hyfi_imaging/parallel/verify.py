@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -98,6 +99,9 @@ ImagesFn = Callable[[tuple[int, ...], torch.Generator, torch.dtype], Tensor]
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-6, 1e-9)}
 
 
+_WORST = (float("inf"), float("inf"))  # max|a-b| and rel of a comparison that cannot hold
+
+
 @dataclass
 class Comparison:
     name: str
@@ -131,11 +135,20 @@ class VerifyReport:
             self.ok = False
             self.max_rel_error = float("inf")
             return
+        if not bool(torch.isfinite(want).all()):
+            # the one-process reference diverged: nothing to hold the layout against (both
+            # NaN read "MISMATCH, max relative error 0"); said as such, not passed
+            self.comparisons.append(Comparison(f"{name} (reference not finite)", *_WORST, False))
+            self.ok = False
+            self.max_rel_error = float("inf")
+            return
         diff = float((got - want).abs().max()) if got.numel() else 0.0
         scale = float(want.abs().max()) if want.numel() else 0.0
         # A tensor that is zero up to rounding (a bias before BatchNorm) is measured
         # against the absolute tolerance, not against its own noise.
         rel = diff / max(scale, atol)
+        if not math.isfinite(rel):  # the layout's NaN: the worst error, not max()'s skip
+            rel = diff = float("inf")
         ok = bool(torch.allclose(got, want, rtol=rtol, atol=max(atol, rtol * scale)))
         self.comparisons.append(Comparison(name, diff, rel, ok))
         self.ok &= ok

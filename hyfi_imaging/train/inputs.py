@@ -124,6 +124,12 @@ def build_model(
     kwargs = dict(r.model.kwargs)
     declared = kwargs.get("in_chans")
     where = f"model {r.model.name!r}"
+    if "num_classes" in kwargs:  # passed twice: a TypeError traceback
+        raise ConfigError(
+            "model.kwargs.num_classes",
+            "is set by the task (one output per data.classes entry, or per regression target)",
+            "remove it from model.kwargs",
+        )
     if channels is not None and declared is not None and int(declared) != channels:
         raise ConfigError(
             "model.kwargs.in_chans",
