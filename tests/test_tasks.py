@@ -167,6 +167,8 @@ def test_integer_volumes_are_read_over_their_types_maximum(tmp_path: Path) -> No
         ("cosmoflow-synthetic.yaml", "grf", ["data.augment.brightness=0.5"], "is for slides"),
         # a count that fits no channel count failed after set-up with a traceback
         ("cosmoflow-synthetic.yaml", "grf", ["data.mean=[0.0, 0.0]"], "data.mean: has 2 values"),
+        # a flatten head sized for other volumes: a matmul traceback from the first step
+        ("cosmoflow-synthetic.yaml", "grf", ["model.kwargs.size=16"], "CosmoFlow (head="),
     ],
 )
 def test_volume_task_refusals_are_one_line(

@@ -516,6 +516,11 @@ def check_layout(recipe: Recipe, cohort: Cohort) -> None:
             f"({'x'.join(map(str, image_hw))})",
             "use a 3-D model (cosmoflow, unet3d) for volumes and a 2-D one for slides",
         )
+    from hyfi_imaging.parallel.verify import check_image_size
+
+    # a head sized for one input (cosmoflow's flatten): its own line naming the sizes it
+    # takes, before the meta forward's matmul traceback
+    check_image_size(model, image_hw, trace=False)
     want = {
         "segmentation": (1, num_classes, *image_hw),  # per-pixel logits of the image's size
         "regression": (1, num_classes),
