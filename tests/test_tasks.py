@@ -6,6 +6,7 @@ whole runs of the task recipes are tests/test_task_recipes_mpi.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -321,6 +322,43 @@ def test_a_negative_label_is_refused_in_one_line() -> None:
 
     with pytest.raises(HyfiError, match=r"holds label -1 but data.classes names 2 classes"):
         _MaskTarget(2, False, "v0")(np.array([[0, 1], [-1, 0]], dtype=np.int8))
+
+
+@pytest.mark.slow  # a training and two predictions (the suite's time)
+def test_hyfi_predict_segments_volumes_without_label_images(
+    tmp_path: Path, volumes: dict[str, Path]
+) -> None:
+    """Refused ('names no label image') where the guide says such images are predicted without
+    scores: the masks are those of the labelled rows, and no per_image.csv."""
+    import os
+    import subprocess
+    import sys
+
+    from hyfi_imaging.data.volume_manifest import read_volume_manifest, write_volume_manifest
+    from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "unet3d-synthetic.yaml"),
+             "--set", f"data.manifest={volumes['blobs']}", "--set", f"train.out_dir={run}",
+             "--set", "train.max_steps=1", "--set", "train.epochs=1", "--set", "train.progress=false"]  # fmt: skip
+    job = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    rows = read_volume_manifest(volumes["blobs"])
+    bare = volumes["blobs"].parent / "bare.csv"
+    write_volume_manifest([dataclasses.replace(r, labels="") for r in rows], bare)
+    masks = {}
+    for name, manifest in (("with", volumes["blobs"]), ("without", bare)):
+        out = tmp_path / name
+        predict = [sys.executable, "-m", "hyfi_imaging.cli.predict", str(run), "--manifest",
+                   str(manifest), "--out", str(out), "--spatial", "1x1x2"]  # fmt: skip
+        launch = [str(Path(sys.executable).with_name("mpiexec")), "-n", "2", *predict]
+        job = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=300)
+        assert job.returncode == 0, job.stderr[-3000:]
+        store = VolumeStore(out / "masks" / f"{rows[0].volume_id}.zarr", label="prediction")
+        masks[name] = read_subvolume(store, 0, (0, 0, 0, *rows[0].shape))[0]
+        assert (out / "per_image.csv").exists() == (name == "with")
+    np.testing.assert_array_equal(masks["with"], masks["without"])
 
 
 @pytest.mark.slow  # a training and a prediction (the suite's time)

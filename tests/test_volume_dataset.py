@@ -91,6 +91,16 @@ def test_configuration_errors_surface_at_construction(cohorts: tuple[Path, Path]
         VolumeDataset(blobs, normalize=((0.0,), (0.0,)))
 
 
+def test_volumes_without_label_images_are_read_for_prediction(cohorts: tuple[Path, Path]) -> None:
+    """hyfi-predict refused to segment volumes without label images ('names no label image'),
+    the usual case for prediction: read with ``truth=False``, their targets are zeros."""
+    _, fields = cohorts
+    ds = VolumeDataset(fields, target="labels", truth=False, grid=(1, 1, 2), rank=(0, 0, 1))
+    item = ds[0]
+    assert str(item["target"].dtype) == "torch.int64" and not item["target"].any()
+    assert item["target"].shape == item["image"].shape[1:]
+
+
 def test_a_manifest_of_one_id_twice_or_bad_voxels_is_refused(
     cohorts: tuple[Path, Path], tmp_path: Path
 ) -> None:

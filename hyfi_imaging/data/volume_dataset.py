@@ -90,6 +90,8 @@ class VolumeDataset(Dataset[dict[str, Any]]):
             tile's voxels equal the whole volume's. Voxels outside the volume
             (zero) are normalised like the rest; spatial layers mask the padding.
         max_open: stores kept open per process.
+        truth: with ``target="labels"``, read each row's label image (every row must name
+            one); False: predict volumes without them, ``target`` all zeros.
 
     Items are dicts: ``image`` float32 ``(C, d, h, w)``, ``target`` float32
     ``(T,)`` or int64 ``(d, h, w)``, ``index``, ``volume_id``, ``read`` int64
@@ -112,6 +114,7 @@ class VolumeDataset(Dataset[dict[str, Any]]):
         seed: int = 0,
         normalize: VolumeNormalize | None = None,
         max_open: int = 16,
+        truth: bool = True,
     ) -> None:
         where = f"VolumeDataset({manifest})"
         if level < 0 or seed < 0 or max_open < 1 or target not in ("regression", "labels"):
@@ -135,7 +138,7 @@ class VolumeDataset(Dataset[dict[str, Any]]):
                     f"has no target {', '.join(missing) or '(none at all)'}",
                     "name targets the manifest has (target_<name> columns)",
                 )
-            if target == "labels" and not row.labels:
+            if target == "labels" and truth and not row.labels:
                 raise ConfigError(
                     f"{path} volume {row.volume_id}",
                     "names no label image",
@@ -156,6 +159,7 @@ class VolumeDataset(Dataset[dict[str, Any]]):
         self.align = int(align)
         self.level = int(level)
         self.target: Target = target
+        self.truth = bool(truth)
         self.augment = augment if augment is not None else VolumeAugment()
         self.seed = int(seed)
         self.normalize = normalize
@@ -272,7 +276,9 @@ class VolumeDataset(Dataset[dict[str, Any]]):
         image = self._normalise(
             read_augmented_volume(store, self.level, params, region.read), store
         )
-        if self.target == "labels":
+        if self.target == "labels" and not self.truth:  # prediction of unlabelled volumes
+            target = torch.zeros(image.shape[1:], dtype=torch.int64)
+        elif self.target == "labels":
             labels = self._store(sample.path, sample.labels)
             tile = read_augmented_volume(labels, self.level, params, region.read)[0]
             target = torch.from_numpy(tile.astype(np.int64))

@@ -57,7 +57,8 @@ class Cohort:
     ``size``: ``(H, W)`` at the recipe's level, or ``(D, H, W)``; ``strata``:
     the class of each image for a stratified split (zeros unless
     classification); ``targets``: ``(N, T)`` regression targets or None;
-    ``stores``: each image's store.
+    ``stores``: each image's store; ``labelled``: volumes: whether every one names its label
+    image (slides: see :func:`has_label_images`).
     """
 
     kind: Kind
@@ -68,6 +69,7 @@ class Cohort:
     strata: list[int]
     targets: Tensor | None
     target_names: list[str]
+    labelled: bool = True
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -106,7 +108,8 @@ def load_cohort(recipe: Recipe, manifest: Path) -> Cohort:
             )
         from hyfi_imaging.io.volume_store import VolumeStore
 
-        ds = _volume_dataset(recipe, manifest, augment=True)
+        # volumes without label images are predicted (check_task refuses them for training)
+        ds = _volume_dataset(recipe, manifest, augment=True, truth=False)
         sizes = {ds.shape(i) for i in range(len(ds))}
         if len(sizes) != 1:
             raise ConfigError(
@@ -139,6 +142,7 @@ def load_cohort(recipe: Recipe, manifest: Path) -> Cohort:
             [0] * len(ds.samples),
             targets,
             names,
+            t.name != "segmentation" or all(s.labels for s in ds.samples),
         )
     if t.name == "regression":
         raise ConfigError(
@@ -175,7 +179,7 @@ def load_cohort(recipe: Recipe, manifest: Path) -> Cohort:
 def has_label_images(recipe: Recipe, cohort: Cohort) -> bool:
     """Whether every image of ``cohort`` has its label image (volumes: a ``labels`` column)."""
     if cohort.kind == "volumes":
-        return True  # the VolumeDataset refuses a row without one
+        return cohort.labelled
     from hyfi_imaging.io.labels import label_names
 
     return all(recipe.task.labels in label_names(s) for s in cohort.stores)
@@ -235,6 +239,8 @@ def check_task(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
     check_task_layout(recipe, cohort, manifest)
     if cohort.kind == "volumes":
         _check_volume_inputs(recipe, manifest)
+        if t.name == "segmentation" and not cohort.labelled:
+            _volume_dataset(recipe, manifest, augment=False)  # its line naming the row
     if t.name == "segmentation" and cohort.kind == "slides":
         _check_label_images(recipe, cohort, manifest)
 
@@ -400,7 +406,7 @@ def task_dataset(
 
     ``slides(augment, manifest)`` builds the trainer's slide
     :class:`~hyfi_imaging.data.dataset.TileDataset` (one place for its options).
-    ``truth=False``: slides without label images (prediction only; targets are zeros).
+    ``truth=False``: images without label images (prediction only; targets are zeros).
     """
     t = recipe.task
     target = _MaskTarget(len(recipe.data.classes), t.foreground, str(manifest))
@@ -413,6 +419,7 @@ def task_dataset(
             grid=(1, *grid) if len(grid) == 2 else grid,
             rank=(0, *rank) if len(rank) == 2 else rank,
             align=align,
+            truth=truth,
         )
         return _VolumeTargets(ds, target if t.name == "segmentation" else None)
     tiles = slides(augment, manifest)
