@@ -153,7 +153,12 @@ def test_integer_volumes_are_read_over_their_types_maximum(tmp_path: Path) -> No
         (
             "cosmoflow-synthetic.yaml",
             "blobs",
-            ["task.name=segmentation", "task.loss=auto", "data.classes=[bg, blob]"],
+            [
+                "task.name=segmentation",
+                "task.loss=auto",
+                "data.classes=[bg, blob]",
+                "task.foreground=true",
+            ],
             "gives (1, 2) for one image, but segmentation needs (1, 2, 8, 8, 8)",
         ),
         ("unet3d-synthetic.yaml", "blobs", ["parallel.pipeline=2"], "parallel.pipeline"),
@@ -168,6 +173,13 @@ def test_integer_volumes_are_read_over_their_types_maximum(tmp_path: Path) -> No
         ("cosmoflow-synthetic.yaml", "grf", ["data.augment.brightness=0.5"], "is for slides"),
         # a count that fits no channel count failed after set-up with a traceback
         ("cosmoflow-synthetic.yaml", "grf", ["data.mean=[0.0, 0.0]"], "data.mean: has 2 values"),
+        # a label no class names: refused at the first evaluation (or step) that read it
+        (
+            "unet3d-synthetic.yaml",
+            "blobs",
+            ["task.foreground=false"],
+            "has label value 2 but data.classes names 2 classes (blobs_000)",
+        ),
         # a flatten head sized for other volumes: a matmul traceback from the first step
         ("cosmoflow-synthetic.yaml", "grf", ["model.kwargs.size=16"], "CosmoFlow (head="),
     ],

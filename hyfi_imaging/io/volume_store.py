@@ -302,7 +302,15 @@ def write_ome_zarr_volume(
                         "ome": {
                             "version": NGFF_VERSION,
                             "multiscales": [_multiscales(key, vs, n_lab, "nearest", origin)],
-                            "image-label": {"version": NGFF_VERSION, "source": {"image": "../../"}},
+                            "image-label": {
+                                "version": NGFF_VERSION,
+                                "source": {"image": "../../"},
+                                # the values it holds: a value no class names is refused
+                                # before training starts, from this metadata alone
+                                "properties": [
+                                    {"label-value": int(v)} for v in np.unique(lab).tolist()
+                                ],
+                            },
                         },
                         INVENTORY_ATTR: take_inventory(
                             tmp / "labels" / key, [str(level) for level in range(n_lab)]

@@ -17,7 +17,7 @@ tiles, with data replicas alike (:func:`check_task_layout` refuses the wrong kin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -187,10 +187,9 @@ def has_label_images(recipe: Recipe, cohort: Cohort) -> bool:
 
 def _check_label_images(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
     """Every slide has the label image, with values that are classes (metadata only)."""
-    from hyfi_imaging.io.labels import label_names, label_path
-    from hyfi_imaging.io.zarr_store import _open_group_attrs
+    from hyfi_imaging.io.labels import label_names
 
-    t, k = recipe.task, len(recipe.data.classes)
+    t = recipe.task
     missing = [
         i for i, s in zip(cohort.ids, cohort.stores, strict=True) if t.labels not in label_names(s)
     ]
@@ -203,16 +202,26 @@ def _check_label_images(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
             f"{len(missing)} slide(s) have no label image {t.labels!r} ({shown})",
             "preprocess them with hyfi-preprocess --annotations DIR (or set task.labels)",
         )
-    if t.foreground:
-        return
-    for sid, store in zip(cohort.ids, cohort.stores, strict=True):
-        attrs = _open_group_attrs(label_path(store, t.labels)) or {}
+    if not t.foreground:
+        labels = [t.labels] * len(cohort)
+        _check_label_values(recipe, zip(cohort.ids, cohort.stores, labels, strict=True))
+
+
+def _check_label_values(recipe: Recipe, images: Iterable[tuple[str, str, str]]) -> None:
+    """Each ``(id, store, label image)``'s values, as its NGFF metadata lists them (no pixel
+    read), against ``data.classes``: a value no class names is refused before any rank."""
+    from hyfi_imaging.io.labels import label_path
+    from hyfi_imaging.io.zarr_store import _open_group_attrs
+
+    k = len(recipe.data.classes)
+    for sid, store, name in images:
+        attrs = _open_group_attrs(label_path(store, name)) or {}
         props = attrs.get("ome", attrs).get("image-label", {}).get("properties", [])
         values = [int(p.get("label-value", 0)) for p in props if isinstance(p, dict)]
         if values and max(values) >= k:
             raise ConfigError(
-                f"{store} labels/{t.labels}",
-                f"has label value {max(values)} but data.classes names {k} classes (slide {sid})",
+                f"{store} labels/{name}",
+                f"has label value {max(values)} but data.classes names {k} classes ({sid})",
                 "list a class per label value in data.classes, or set task.foreground=true",
             )
 
@@ -239,8 +248,11 @@ def check_task(recipe: Recipe, cohort: Cohort, manifest: Path) -> None:
     check_task_layout(recipe, cohort, manifest)
     if cohort.kind == "volumes":
         _check_volume_inputs(recipe, manifest)
-        if t.name == "segmentation" and not cohort.labelled:
-            _volume_dataset(recipe, manifest, augment=False)  # its line naming the row
+        if t.name == "segmentation":
+            # a row without its label image: the dataset's line naming the row
+            volumes = _volume_dataset(recipe, manifest, augment=False).samples
+            if not t.foreground:
+                _check_label_values(recipe, ((v.volume_id, v.path, v.labels) for v in volumes))
     if t.name == "segmentation" and cohort.kind == "slides":
         _check_label_images(recipe, cohort, manifest)
 
