@@ -333,3 +333,20 @@ def test_regression_rows_keep_every_digit(tmp_path: Path) -> None:
     (row,) = csv.DictReader(out.open())
     assert [float(row[k]) for k in ("true_a", "true_b")] == [0.123456789, 12345678.9]
     assert [np.float32(row[k]) for k in ("pred_a", "pred_b")] == list(pred[0])
+
+
+def test_hyfi_predicts_regression_rows_account_for_every_volume(tmp_path: Path) -> None:
+    """A volume left out (status not ok) was dropped from the regression CSV (7 rows for 8
+    volumes) where a classifier's keeps it with its status."""
+    import csv
+
+    from hyfi_imaging.train.outputs import write_regressions
+
+    pred = np.array([[1.0], [2.0]], dtype=np.float32)
+    out = write_regressions(tmp_path / "r.csv", ["v0", "v2"], pred, ["a"], np.array([[0.5], [1.5]]),
+                            left_out=[(1, "v1", "failed"), (3, "v3", "missing")])  # fmt: skip
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["id"], r["status"], r["pred_a"], r["true_a"]) for r in rows] == [
+        ("v0", "ok", "1.0", "0.5"), ("v1", "failed", "", ""),
+        ("v2", "ok", "2.0", "1.5"), ("v3", "missing", "", ""),
+    ]  # fmt: skip

@@ -117,6 +117,22 @@ def test_volume_recipes_pass_preflight(tmp_path: Path, volumes: dict[str, Path])
     preflight(unet)  # type: ignore[arg-type]
 
 
+def test_a_regression_cohorts_targets_are_the_manifests(
+    tmp_path: Path, volumes: dict[str, Path]
+) -> None:
+    """The CSVs' true_ columns held float32 roundings (2.273923397064209 for the manifest's
+    2.2739233746429086): the cohort keeps the manifest's float64."""
+    from hyfi_imaging.data.volume_manifest import read_volume_manifest
+    from hyfi_imaging.train.tasks import load_cohort
+
+    r = _load("cosmoflow-synthetic.yaml", tmp_path, f"data.manifest={volumes['grf']}")
+    cohort = load_cohort(r, volumes["grf"])
+    rows = [row for row in read_volume_manifest(volumes["grf"]) if row.status == "ok"]
+    assert cohort.targets is not None
+    want = [[row.targets[n] for n in cohort.target_names] for row in rows]
+    assert cohort.targets.tolist() == want
+
+
 def test_integer_volumes_are_read_over_their_types_maximum(tmp_path: Path) -> None:
     """uint16 voxels reached the model as 0-65535 (slides' default is x / 65535); floats as
     stored."""

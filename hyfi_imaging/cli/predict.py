@@ -174,8 +174,12 @@ def _predict_dense(
         return
     pred = trainer.predict(manifest, every)
     if rank0:
+        from hyfi_imaging.data.volume_manifest import read_volume_manifest
+
         truth = cohort.targets.numpy() if cohort.targets is not None else None
-        write_regressions(out, cohort.ids, pred, cohort.target_names, truth)
+        rows = read_volume_manifest(manifest)
+        left_out = [(k, r.volume_id, r.status) for k, r in enumerate(rows) if r.status != "ok"]
+        write_regressions(out, cohort.ids, pred, cohort.target_names, truth, left_out=left_out)
         print(
             f"hyfi-predict: {len(cohort)} volumes predicted -> {out} "
             f"(checkpoint step {meta['step']})"

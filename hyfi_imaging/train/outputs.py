@@ -305,25 +305,38 @@ def write_regressions(
     names: Sequence[str],
     truth: np.ndarray | None,
     splits: Sequence[str] | None = None,
+    left_out: Sequence[tuple[int, str, str]] | None = None,
 ) -> Path:
-    """One CSV row per image: ``id, [split,] pred_<name>... [, true_<name>...]`` (atomically);
-    ``splits`` (``train``/``val`` per row) is what a training run used each image for."""
+    """One CSV row per image: ``id, [split | status,] pred_<name>... [, true_<name>...]``
+    (atomically); ``splits`` (``train``/``val`` per row) is what a training run used each
+    image for. ``left_out``: ``(position, id, status)`` of the manifest's rows that were not
+    predicted (hyfi-predict: a ``status`` column), written at their place with their status
+    and empty cells, as a classifier's CSV keeps them (the file accounts for every row); the
+    others are ``ok``."""
     from hyfi_imaging.atomic import write_atomic
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    header = ["id", *(["split"] if splits is not None else []), *(f"pred_{n}" for n in names)]
+    kind = ["split"] if splits is not None else ["status"] if left_out is not None else []
+    header = ["id", *kind, *(f"pred_{n}" for n in names)]
     if truth is not None:
         header += [f"true_{n}" for n in names]
     w.writerow(header)
+    rows: list[list[str]] = []
     for i, vid in enumerate(ids):
-        row = [vid, *([splits[i]] if splits is not None else [])]
+        row = [vid]
+        if kind:
+            row.append(splits[i] if splits is not None else "ok")
         # Every digit a float holds (repr round-trips): "%.6g" cut a manifest's target
         # 0.123456789 to 0.123457, and the prediction beside it.
         row += [repr(float(v)) for v in pred[i]]
         if truth is not None:
             row += [repr(float(v)) for v in truth[i]]
-        w.writerow(row)
+        rows.append(row)
+    width = len(header) - 2
+    for at, vid, status in sorted(left_out or ()):
+        rows.insert(at, [vid, status, *[""] * width])
+    w.writerows(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(out, buf.getvalue())
 

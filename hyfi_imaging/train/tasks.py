@@ -129,7 +129,9 @@ def load_cohort(recipe: Recipe, manifest: Path) -> Cohort:
             )
         names = list(ds.target_names)
         targets = (
-            torch.tensor([s.targets for s in ds.samples], dtype=torch.float32)
+            # float64, as the manifest holds them (the CSVs' true_ columns, the errors); the
+            # trainer's targets are float32, as the dataset's
+            torch.tensor([s.targets for s in ds.samples], dtype=torch.float64)
             if t.name == "regression"
             else None
         )

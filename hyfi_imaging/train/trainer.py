@@ -861,7 +861,7 @@ class Trainer:
             return None
         if self.task == "regression":
             assert self.cohort.targets is not None
-            return self.cohort.targets
+            return self.cohort.targets.float()  # the dataset's float32 (the cohort's float64)
         return torch.tensor([s.label for s in self.samples])
 
     # -- the loop ----------------------------------------------------------------------------
