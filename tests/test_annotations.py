@@ -14,6 +14,7 @@ from hyfi_imaging.cli.preprocess import main as preprocess_main
 from hyfi_imaging.data.synthetic import render_synthetic, write_synthetic_slide
 from hyfi_imaging.data.tiles import read_label_tile, tile_region
 from hyfi_imaging.io.annotations import (
+    DEFAULT_CLASSES,
     AnnotationError,
     AnnotationPolygon,
     LabelledPolygon,
@@ -88,6 +89,14 @@ def test_asap_xml_polygons_classes_and_exclusions(tmp_path: Path) -> None:
     assert "\n" not in str(info.value) and str(path) in str(info.value)
     mapping = class_mapping(parse_class_mapping("stroma=2, TUMOR=3"))
     assert [p.label for p in label_polygons(other + polygons[1:2], mapping, path)] == [2, 3]
+    # Tumor moved to 3: its default synonyms at 1 went on drawing 'Tumour' as label 1; now
+    # the group is dropped and such an outline fails its slide, named
+    assert "tumour" not in mapping and "_0" not in mapping and mapping["_2"] == 0
+    # Stroma given 1: the tumour-like names stayed at 1 (drawn as stroma), and the label
+    # image named value 1 'tumour' (the defaults came first)
+    renumbered = class_mapping(parse_class_mapping("Stroma=1,Tumor=2"))
+    assert list(renumbered)[:2] == ["stroma", "tumor"] and "metastasis" not in renumbered
+    assert class_mapping(parse_class_mapping("Stroma=2")) == {"stroma": 2, **DEFAULT_CLASSES}
 
 
 def test_geojson_holes_multipolygons_and_class_names(tmp_path: Path) -> None:

@@ -279,8 +279,24 @@ def parse_class_mapping(text: str) -> dict[str, int]:
 
 
 def class_mapping(overrides: Mapping[str, int] | None = None) -> dict[str, int]:
-    """:data:`DEFAULT_CLASSES` updated with ``overrides`` (keys casefolded)."""
-    return {**DEFAULT_CLASSES, **{k.casefold(): int(v) for k, v in (overrides or {}).items()}}
+    """``overrides`` (keys casefolded, first: the first name of a value names its class in
+    the label image), then the :data:`DEFAULT_CLASSES` that still mean what they say.
+
+    A default group (the names of one default label) is dropped whole when an override
+    moves one of its names to another label, or gives its label (other than 0, the
+    exclusion) to another name: with ``Stroma=1,Tumor=2`` the tumour-like defaults stayed
+    at 1 and drew "Tumour" outlines as stroma, and the label image named 1 "tumour". A
+    polygon of a dropped name then fails its slide, naming it, like any unmapped class.
+    """
+    given = {k.casefold(): int(v) for k, v in (overrides or {}).items()}
+    kept: dict[str, int] = {}
+    for name, value in DEFAULT_CLASSES.items():
+        group = {n for n, v in DEFAULT_CLASSES.items() if v == value}
+        moved = any(given.get(n, value) != value for n in group)
+        taken = value != 0 and any(v == value and n not in group for n, v in given.items())
+        if name not in given and not (moved or taken):
+            kept[name] = value
+    return {**given, **kept}
 
 
 def label_polygons(
