@@ -481,3 +481,22 @@ def test_a_malformed_annotation_file_fails_only_its_slide(
         )
         == 0
     )
+
+
+def test_an_edge_on_a_row_of_pixel_centres_keeps_the_half_open_rule() -> None:
+    """--mpp 0.3 --size 900 on a 512² slide at 0.5 µm/px: canvas row 449's centre maps onto
+    the outline's bottom edge y = 256 exactly, outside by the rule; through the rounded
+    source-rows-per-row it mapped to 449.50000000000006 and the row was labelled (27 px)."""
+    from fractions import Fraction
+
+    from hyfi_imaging.preprocess.canvas import CropPlan
+    from hyfi_imaging.preprocess.rasterize import MaskRenderer
+
+    plan = CropPlan((0, 0, 512, 512), (23, 23, 853, 853), 0, 0.3, (0, 0, 512, 512))
+    ring = np.array([[240, 272], [240, 288], [256, 288], [256, 272]], float)
+    mask = MaskRenderer([LabelledPolygon(1, (ring,))], plan, (900, 900)).read(0, 0, 900, 900)[0]
+    rows = np.nonzero(mask.any(1))[0].tolist()
+    want = [
+        v for v in range(900) if 240 <= (Fraction(2 * v + 1, 2) - 23) * Fraction(512, 853) < 256
+    ]
+    assert rows == want

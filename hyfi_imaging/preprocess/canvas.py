@@ -63,12 +63,30 @@ class CropTransform:
 
     y0: float
     x0: float
-    per_row: float
-    per_col: float
+    #: the crop's extent on the level (source pixels) and on the output (pixels)
+    src_h: float
+    src_w: float
+    out_h: int
+    out_w: int
+
+    @property
+    def per_row(self) -> float:
+        """Source rows per output row."""
+        return self.src_h / self.out_h
+
+    @property
+    def per_col(self) -> float:
+        """Source columns per output column."""
+        return self.src_w / self.out_w
 
     def to_output(self, y: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Level coordinates ``(y, x)`` -> crop-local output coordinates (continuous)."""
-        return (y - self.y0) / self.per_row, (x - self.x0) / self.per_col
+        """Level coordinates ``(y, x)`` -> crop-local output coordinates (continuous).
+
+        Multiplied by the output's extent before the division: exact wherever the result is
+        representable (an outline's edge on a pixel centre stays on it: through the rounded
+        ``per_row`` it came out 449.50000000000006, and a row past the edge was labelled).
+        """
+        return (y - self.y0) * self.out_h / self.src_h, (x - self.x0) * self.out_w / self.src_w
 
 
 @dataclass(frozen=True)
@@ -100,7 +118,7 @@ class CropPlan:
         sy, sx, sh, sw = self.source_box
         _, _, ph, pw = self.placement
         dy, dx = downsample
-        return CropTransform(sy / dy, sx / dx, sh / dy / ph, sw / dx / pw)
+        return CropTransform(sy / dy, sx / dx, sh / dy, sw / dx, ph, pw)
 
     def to_canvas(self, y: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Level-0 source coordinates ``(y, x)`` -> canvas coordinates (continuous)."""
