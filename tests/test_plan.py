@@ -595,7 +595,7 @@ def test_parallel_auto_never_picks_replicas_training_refuses(
     )
     plain = load_recipe(path)
     training = training_count(plain, load_cohort(plain, plain.data.manifest))
-    assert training == 9  # 7 + 6 slides, round(1.75) + round(1.5) = 4 validate
+    assert training == 9  # 7 + 6 slides, 1.75 and 1.5 rounded half up: 2 + 2 validate
     model = create_model("resnet18", num_classes=2, width=0.25)
     offered = {c.layout.dp for c in candidates(model, (256, 256), 4, 4)}
     assert 4 in offered  # what the check, not the candidates, keeps out

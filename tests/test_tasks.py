@@ -113,7 +113,9 @@ def test_volume_recipes_pass_preflight(tmp_path: Path, volumes: dict[str, Path])
         "train.batch_size=1",
     )
     preflight(cosmo)  # type: ignore[arg-type]
-    unet = _load("unet3d-synthetic.yaml", tmp_path, f"data.manifest={volumes['blobs']}")
+    unet = _load(  # 2 volumes: 1 validates (at least one of two), 1 trains
+        "unet3d-synthetic.yaml", tmp_path, f"data.manifest={volumes['blobs']}", "train.batch_size=1"
+    )
     preflight(unet)  # type: ignore[arg-type]
 
 
@@ -213,7 +215,7 @@ def test_volume_task_refusals_are_one_line(
         recipe,
         tmp_path,
         f"data.manifest={volumes[cohort]}",
-        *(base if "cosmoflow" in recipe else []),
+        *(base if "cosmoflow" in recipe else ["train.batch_size=1"]),  # 1 of 2 blobs trains
         *sets,
     )
     with pytest.raises(ConfigError) as err:

@@ -389,3 +389,58 @@ def test_quarter_turns_of_non_square_slides_are_said(train_manifest: Path, tmp_p
     line = said("data.augment.rot90=true")  # the cohort is 192x160
     assert line is not None and "cropped back to 192x160 at a random offset (up to 32 px" in line
     assert "set data.augment.rot90=false" in line and said("data.augment.rot90=false") is None
+
+
+def test_every_class_of_two_or_more_images_validates() -> None:
+    """Python's round (to even) gave 10 slides at 0.1 no validation slide, and 8 negatives and
+    2 positives at 0.25 no positive (AUC undefined, without a word): half up, at least one of
+    each class of two or more, never all of one."""
+    from hyfi_imaging.train.split import unvalidated_strata, validation_count, validation_split
+
+    assert [validation_count(n, 0.1) for n in (1, 2, 5, 10, 14, 15)] == [0, 1, 1, 1, 1, 2]
+    assert [validation_count(n, 0.25) for n in (2, 6, 8, 21)] == [1, 2, 2, 5]
+    assert validation_count(3, 0.9) == 2 and validation_count(10, 0.0) == 0
+    strata = [0] * 8 + [1] * 2
+    train, val = validation_split(strata, 0, 0.25)
+    assert sorted(strata[i] for i in val) == [0, 0, 1] and len(train) == 7
+    assert unvalidated_strata([0, 0, 1, 2, 2], 0.5) == [1]
+
+
+def test_a_validation_manifest_of_training_images_is_refused(
+    train_manifest: Path, tmp_path: Path
+) -> None:
+    """A val_manifest of rows copied from the training manifest, or a row copied and renamed
+    onto another id's store, trained and validated on the same images without a word; a
+    store that does not exist failed at its first read, after the run's folder was made."""
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.train.preflight import preflight
+
+    lines = train_manifest.read_text().splitlines()
+    data = train_manifest.parent
+
+    def manifest(name: str, rows: list[str]) -> Path:
+        path = tmp_path / name
+        absolute = []
+        for row in rows:  # stores named from another folder: absolute paths
+            cells = row.split(",", 2)
+            absolute.append(",".join([cells[0], str(data / cells[1]), cells[2]]))
+        path.write_text("\n".join([lines[0], *absolute]) + "\n")
+        return path
+
+    def check(*sets: str) -> str:
+        recipe = load_recipe(
+            ROOT / "recipes" / "synthetic.yaml",
+            [f"data.manifest={train_manifest}", f"train.out_dir={tmp_path / 'run'}", *sets],
+        )
+        with pytest.raises(ConfigError) as err:
+            preflight(recipe)
+        return str(err.value)
+
+    copied = manifest("copied.csv", lines[1:4])
+    assert "3 of its images are training images of" in check(f"data.val_manifest={copied}")
+    renamed = manifest("renamed.csv", [lines[1].replace("synth_000,", "other_000,", 1)])
+    assert "1 of its images are training images" in check(f"data.val_manifest={renamed}")
+    twice = manifest("twice.csv", [*lines[1:5], lines[1].replace("synth_000,", "again,", 1)])
+    assert "synth_000 and again name one store" in check(f"data.manifest={twice}")
+    gone = manifest("gone.csv", [*lines[1:5], lines[5].replace("synth_004.zarr", "nowhere.zarr")])
+    assert "1 store(s) it names do not exist (synth_004:" in check(f"data.manifest={gone}")

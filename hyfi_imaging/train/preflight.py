@@ -92,9 +92,10 @@ def preflight(
     cohort = load_cohort(recipe, recipe.data.manifest)
     check_task(recipe, cohort, recipe.data.manifest)
     facts = run_facts(recipe)
+    _check_named_stores(cohort, recipe.data.manifest)  # on every launch: a stat a store
+    _check_level(cohort, recipe.data.manifest, recipe.data.level)  # and its JSON
     if stores:
         _check_stores(cohort, recipe.data.manifest)
-        _check_level(cohort, recipe.data.manifest, recipe.data.level)
     if cohort.kind == "slides":
         check_data(recipe, data_pixels(recipe))
     else:  # a wrong count failed after set-up with a traceback
@@ -102,9 +103,11 @@ def preflight(
     if recipe.data.val_manifest is not None:
         val = load_cohort(recipe, recipe.data.val_manifest)
         check_task(recipe, val, recipe.data.val_manifest)
+        _check_named_stores(val, recipe.data.val_manifest)
+        _check_level(val, recipe.data.val_manifest, recipe.data.level)
+        _check_disjoint(cohort, recipe.data.manifest, val, recipe.data.val_manifest)
         if stores:
             _check_stores(val, recipe.data.val_manifest)
-            _check_level(val, recipe.data.val_manifest, recipe.data.level)
         if classify:
             val_samples = load_samples(recipe.data.val_manifest, classes=recipe.data.classes)
             _check_labels(recipe.data.val_manifest, val_samples, len(recipe.data.classes))
@@ -398,6 +401,46 @@ def _recorded_range(value: Any) -> tuple[float, float] | None:
     if isinstance(value, list | tuple) and len(value) == 2 and all(map(number, value)):
         return float(value[0]), float(value[1])
     return None
+
+
+def _check_named_stores(cohort: Cohort, manifest: Path) -> None:
+    """ConfigError unless every store ``manifest`` names exists and is its image's alone (a
+    missing one failed at its first read, after the run's folder was made; two ids on one
+    store, a copied row renamed, could train on one and validate on the other)."""
+    missing = [
+        (i, s) for i, s in zip(cohort.ids, cohort.stores, strict=True) if not os.path.exists(s)
+    ]
+    if missing:
+        raise ConfigError(
+            manifest,
+            f"{len(missing)} store(s) it names do not exist ({missing[0][0]}: {missing[0][1]})",
+            "fix their path column or preprocess them again",
+        )
+    seen: dict[str, str] = {}
+    for sid, store in zip(cohort.ids, cohort.stores, strict=True):
+        key = os.path.realpath(store)
+        if key in seen:
+            raise ConfigError(
+                manifest,
+                f"{seen[key]} and {sid} name one store ({store})",
+                "give each image its own store (a row copied and renamed?)",
+            )
+        seen[key] = sid
+
+
+def _check_disjoint(train: Cohort, manifest: Path, val: Cohort, val_manifest: Path) -> None:
+    """ConfigError when an image of ``val_manifest`` is one of the training manifest's, by id
+    or by store: validation scored images the model trained on, without a word."""
+    ids = set(train.ids) & set(val.ids)
+    stores = {os.path.realpath(s) for s in train.stores}
+    shared = sorted(ids) or [i for i, s in zip(val.ids, val.stores, strict=True)
+                             if os.path.realpath(s) in stores]  # fmt: skip
+    if shared:
+        raise ConfigError(
+            val_manifest,
+            f"{len(shared)} of its images are training images of {manifest} (e.g. {shared[0]})",
+            "validate on images the training manifest does not list",
+        )
 
 
 def _check_level(cohort: Cohort, manifest: Path, level: int) -> None:

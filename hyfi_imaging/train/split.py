@@ -9,6 +9,7 @@ trainer then refused (issue 22).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -20,22 +21,53 @@ if TYPE_CHECKING:
     from hyfi_imaging.train.config import Recipe
     from hyfi_imaging.train.tasks import Cohort
 
-__all__ = ["check_full_batch", "training_count", "validation_split"]
+__all__ = [
+    "check_full_batch",
+    "training_count",
+    "unvalidated_strata",
+    "validation_count",
+    "validation_split",
+]
+
+
+def validation_count(n: int, fraction: float) -> int:
+    """How many of a stratum's ``n`` images validate: ``n x fraction`` rounded half up, at
+    least one and at most ``n - 1`` when ``fraction > 0`` and ``n >= 2`` (none otherwise).
+
+    Python's ``round`` (to even) gave 10 slides at 0.1 no validation slide, and 2 positives
+    at 0.25 none (the run's AUC undefined, its accuracy that of the negatives alone),
+    without a word."""
+    if fraction <= 0 or n < 2:
+        return 0
+    return min(n - 1, max(1, math.floor(n * fraction + 0.5)))
 
 
 def validation_split(
     strata: Sequence[int], seed: int, fraction: float
 ) -> tuple[list[int], list[int]]:
-    """``(training, validation)`` indices: ``round(n x fraction)`` of each stratum validates,
+    """``(training, validation)`` indices: :func:`validation_count` of each stratum validates,
     drawn with the recipe's seed (the same on every rank and every launch)."""
     rng = np.random.default_rng([seed, 7919])
     labels = np.array(strata)
     val: list[int] = []
     for c in np.unique(labels):  # stratified (one stratum unless classification)
         idx = rng.permutation(np.flatnonzero(labels == c))
-        val.extend(int(i) for i in idx[: round(len(idx) * fraction)])
+        val.extend(int(i) for i in idx[: validation_count(len(idx), fraction)])
     val_set = set(val)
     return [i for i in range(len(labels)) if i not in val_set], sorted(val)
+
+
+def unvalidated_strata(strata: Sequence[int], fraction: float) -> list[int]:
+    """The strata (classes) of which no image validates under ``fraction`` > 0: one image
+    alone, which trains."""
+    labels = np.array(strata)
+    if fraction <= 0:
+        return []
+    return [
+        int(c)
+        for c in np.unique(labels)
+        if validation_count(int((labels == c).sum()), fraction) == 0
+    ]
 
 
 def training_count(recipe: Recipe, cohort: Cohort) -> int:

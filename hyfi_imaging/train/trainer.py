@@ -185,8 +185,18 @@ class Trainer:
             return list(range(n)), list(range(len(self.val_cohort)))
         self.val_cohort = self.cohort
         self.val_samples = self.samples
-        from hyfi_imaging.train.split import validation_split
+        from hyfi_imaging.train.split import unvalidated_strata, validation_split
 
+        alone = unvalidated_strata(self.cohort.strata, r.data.val_fraction)
+        if alone and self.rank0:  # said, not skipped: a class the metrics never see
+            named = [r.data.classes[c] for c in alone] if self.task == "classification" else []
+            log.warning(
+                "data.val_fraction %s: %s one image, which trains; no image of %s validates "
+                "(give a data.val_manifest, or more images)",
+                r.data.val_fraction,
+                f"class(es) {', '.join(named)} have" if named else "the manifest has",
+                "them" if named else "it",
+            )
         return validation_split(self.cohort.strata, r.train.seed, r.data.val_fraction)
 
     def _tile_dataset(self, augment: bool, manifest: Path) -> Any:
