@@ -283,6 +283,51 @@ def test_a_manifest_with_one_slide_on_two_rows_is_refused(tmp_path: Path) -> Non
         manifest_rows(manifest)
 
 
+def test_a_manifest_saved_by_a_spreadsheet_reads_as_written(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" (a byte-order mark) was 'not a hyfi-preprocess manifest (KeyError:
+    'slide_id')', its trailing ,,,, row an unsafe slide id '', and a bad row after a blank
+    line was named 2 lines early; a labels file's, likewise."""
+    from hyfi_imaging.data.dataset import manifest_rows
+    from hyfi_imaging.preprocess.manifest import MANIFEST_COLUMNS, read_labels
+
+    manifest = tmp_path / "manifest.csv"
+    row = {c: "" for c in MANIFEST_COLUMNS} | {"slide_id": "s1", "path": "s1.zarr", "status": "ok",
+                                               "height": "8", "width": "8", "label": "0"}  # fmt: skip
+    header = ",".join(MANIFEST_COLUMNS)
+    line = ",".join(str(row[c]) for c in MANIFEST_COLUMNS)
+    empty = "," * (len(MANIFEST_COLUMNS) - 1)
+    manifest.write_bytes(f"\ufeff{header}\r\n{line}\r\n{empty}\r\n".encode())
+    assert [r.slide_id for r in manifest_rows(manifest)[1]] == ["s1"]
+    bad = line.replace("s1,s1.zarr,0,8,8", "s2,s2.zarr,0,0,8")
+    manifest.write_text(f"{header}\n{line}\n\n\n{bad}\n")
+    with pytest.raises(ConfigError, match=r"manifest.csv:5: "):
+        load_samples(manifest, classes=["0", "1"])
+    manifest.write_text("slide,path\ns1,s1.zarr\n")
+    with pytest.raises(
+        ConfigError, match=r"not a hyfi-preprocess manifest \(no column slide_id, label"
+    ):
+        manifest_rows(manifest)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide_id,label\na,1\n\n\nb,\n")
+    with pytest.raises(ConfigError, match=r"labels.csv:5: slide 'b' has an empty label"):
+        read_labels(labels)
+    # a volume manifest with a byte-order mark was taken for a slide manifest
+    from hyfi_imaging.data.volume_manifest import (
+        VolumeRow,
+        manifest_kind,
+        read_volume_manifest,
+        write_volume_manifest,
+    )
+
+    volumes = write_volume_manifest(
+        [VolumeRow("v", "v.zarr", (4, 4, 4), (1.0, 1.0, 1.0), {"x": 1.0}, "", "ok", "", "t")],
+        tmp_path / "volumes.csv",
+    )
+    volumes.write_bytes(b"\xef\xbb\xbf" + volumes.read_bytes() + b",,,,,,,,,,,,\n")
+    assert manifest_kind(volumes) == "volumes"
+    assert [r.volume_id for r in read_volume_manifest(volumes)] == ["v"]
+
+
 def test_left_out_line_counts_volumes_too(tmp_path: Path) -> None:
     """A volume manifest's failed rows were dropped by hyfi-train and hyfi-predict without a
     word ("5 volumes predicted" of 6, the failed one missing from the CSV)."""

@@ -192,10 +192,10 @@ def load_samples(
     """
     path, rows = manifest_rows(manifest)
     samples = []
-    for line, row in enumerate(rows, start=2):
+    for row in rows:
         if row.status != "ok":
             continue
-        where = f"{path}:{line}"
+        where = f"{path}:{row.line}"  # the file's line (blank lines counted)
         if min(row.height, row.width) < 1 or not row.path:
             raise ConfigError(
                 where, f"row {row.slide_id!r} has no store or no size", "rerun hyfi-preprocess"

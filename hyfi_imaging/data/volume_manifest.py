@@ -118,10 +118,13 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
     p = Path(path)
     p = p / "manifest.csv" if p.is_dir() else p
     try:
-        with p.open(newline="", encoding="utf-8") as f:
+        with p.open(newline="", encoding="utf-8-sig") as f:  # a BOM: Excel's "CSV UTF-8"
             reader = csv.DictReader(f)
             header = list(reader.fieldnames or [])
-            records = list(reader)
+            records = []
+            for d in reader:
+                if any((v or "").strip() for v in d.values() if isinstance(v, str)):
+                    records.append((reader.line_num, d))  # a spreadsheet's ,,,, row: none
     except OSError as err:
         raise ConfigError(str(p), f"cannot read the manifest ({err})", "check the path") from err
     missing = [c for c in VOLUME_COLUMNS if c not in header]
@@ -134,7 +137,7 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
     names = [c[len(_TARGET) :] for c in header if c.startswith(_TARGET)]
     rows = []
     seen: dict[str, int] = {}
-    for line, d in enumerate(records, start=2):
+    for line, d in records:
         try:
             targets = {n: float(d[_TARGET + n]) for n in names}
             row = VolumeRow(
@@ -183,7 +186,7 @@ def manifest_kind(manifest: str | Path) -> Literal["slides", "volumes"]:
     path = Path(manifest)
     path = path / "manifest.csv" if path.is_dir() else path
     try:
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:
             header = next(csv.reader(f), [])
     except OSError:
         return "slides"  # the slide reader says what is wrong with the file

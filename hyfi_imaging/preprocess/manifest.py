@@ -18,10 +18,11 @@ Manifests written before these columns existed read as ``fit_scale`` 1.
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyfi_imaging.errors import ConfigError
@@ -119,17 +120,23 @@ def read_labels(
         dialect: type[csv.Dialect] | csv.Dialect = csv.Sniffer().sniff(lines[0], delimiters=",;\t")
     except csv.Error:
         dialect = csv.excel
-    rows = list(csv.reader(lines, dialect, skipinitialspace=True))  # "a", "1": the 1, unquoted
+    reader = csv.reader(io.StringIO(text), dialect, skipinitialspace=True)  # "a", "1": the 1
+    rows: list[list[str]] = []
+    numbers: list[int] = []  # each row's line in the file, blank lines counted
+    for row in reader:
+        if any(c.strip() for c in row):
+            rows.append(row)
+            numbers.append(reader.line_num)
     first = [c.strip().lower() for c in rows[0]]
     has_header = bool(set(first) & set(_ID_NAMES + _LABEL_NAMES)) or id_column is not None
     if has_header:
-        header, body = rows[0], rows[1:]
+        header, body, numbers = rows[0], rows[1:], numbers[1:]
         id_col = _pick(header, id_column, _ID_NAMES, path, "id")
         label_col = _pick(header, label_column, _LABEL_NAMES, path, "label")
     else:  # headerless (CAMELYON16 reference.csv): id, label, ...
         body, id_col, label_col = rows, 0, 1
     labels: dict[str, str] = {}
-    for lineno, row in enumerate(body, start=2 if has_header else 1):
+    for lineno, row in zip(numbers, body, strict=True):
         if len(row) <= max(id_col, label_col):
             raise ConfigError(
                 f"{path}:{lineno}",
@@ -200,6 +207,8 @@ class ManifestRow:
     source: str
     fit_scale: float = 1.0
     warning: str = ""
+    #: the file line it was read from (0: not read from a file), for messages
+    line: int = field(default=0, compare=False)
 
 
 def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
@@ -228,26 +237,47 @@ def write_manifest(rows: Iterable[ManifestRow], path: Path) -> Path:
     return path
 
 
+#: The columns a slide manifest needs (``fit_scale`` and ``warning`` came later: optional).
+_REQUIRED = ("slide_id", "path", "label", "height", "width", "mpp", "status", "error", "source")
+
+
 def read_manifest(path: Path) -> list[ManifestRow]:
     """Read a manifest written by :func:`write_manifest`.
 
     Every row's slide id must be a plain name (:func:`~hyfi_imaging.paths.safe_id`):
     ids become output file names, and a manifest may come from anyone.
     """
-    with path.open(newline="", encoding="utf-8") as f:
-        return [
-            ManifestRow(
-                safe_id(d["slide_id"], where=f"{path}:{line}", what="slide id"),
-                d["path"],
-                d["label"],
-                int(d["height"] or 0),
-                int(d["width"] or 0),
-                float(d["mpp"]) if d["mpp"] else None,
-                d["status"],
-                d["error"],
-                d["source"],
-                float(d.get("fit_scale") or 1.0),
-                d.get("warning") or "",
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") read as part of the first column's
+    # name, and the file as "not a hyfi-preprocess manifest (KeyError: 'slide_id')"
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _REQUIRED if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(
+                path,
+                f"not a hyfi-preprocess manifest (no column {', '.join(missing)}; its columns: "
+                f"{', '.join(reader.fieldnames or [])})",
+                "write it with hyfi-preprocess, or give it those columns",
             )
-            for line, d in enumerate(csv.DictReader(f), start=2)
-        ]
+        rows = []
+        for d in reader:
+            if not any((v or "").strip() for v in d.values() if isinstance(v, str)):
+                continue  # a spreadsheet's empty row (,,,,): no slide
+            line = reader.line_num  # the file's own line, blank lines counted
+            rows.append(
+                ManifestRow(
+                    safe_id(d["slide_id"], where=f"{path}:{line}", what="slide id"),
+                    d["path"],
+                    d["label"],
+                    int(d["height"] or 0),
+                    int(d["width"] or 0),
+                    float(d["mpp"]) if d["mpp"] else None,
+                    d["status"],
+                    d["error"],
+                    d["source"],
+                    float(d.get("fit_scale") or 1.0),
+                    d.get("warning") or "",
+                    line,
+                )
+            )
+        return rows
