@@ -500,3 +500,44 @@ def test_an_edge_on_a_row_of_pixel_centres_keeps_the_half_open_rule() -> None:
         v for v in range(900) if 240 <= (Fraction(2 * v + 1, 2) - 23) * Fraction(512, 853) < 256
     ]
     assert rows == want
+
+
+def test_annotation_files_of_no_slide_are_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tumor_001.geojson beside slide tumor_001: the slide's mask was all background, said only
+    as 'no annotation file'; the unclaimed file is named now, with the slide it nearly is."""
+    from hyfi_imaging.preprocess.run import _match_annotations
+
+    (tmp_path / "Tumor_001.geojson").write_text("{}")
+    (tmp_path / "normal_002.xml").write_text("<x/>")
+    (tmp_path / "notes.txt").write_text("not an annotation")
+    todo = [("tumor_001", tmp_path / "a.tif"), ("normal_002", tmp_path / "b.tif")]
+    with caplog.at_level("WARNING", logger="hyfi_imaging"):
+        _, matched = _match_annotations(tmp_path, PreprocessOptions(), todo, {})
+    assert matched == {"tumor_001": None, "normal_002": tmp_path / "normal_002.xml"}
+    assert "1 annotation file(s)" in caplog.text
+    assert "Tumor_001.geojson (slide tumor_001? ids match by exact name)" in caplog.text
+
+
+def test_annotation_files_as_tools_write_them(tmp_path: Path) -> None:
+    """A UTF-8 byte-order mark (Windows tools) was 'neither ASAP XML nor GeoJSON'; strings and
+    booleans as coordinates were read as numbers ("0" -> 0, true -> 1); JSON nested deep
+    escaped as a RecursionError (the slide's 'report a bug' line)."""
+    square = {"type": "Polygon", "coordinates": [_square(0, 0, 10, 10)]}
+    doc = {"type": "FeatureCollection", "features": [_feature(square)]}
+    bom = tmp_path / "bom.geojson"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(doc).encode())
+    assert len(read_annotations(bom)) == 1
+    wide = tmp_path / "wide.geojson"
+    wide.write_bytes(json.dumps(doc).encode("utf-16"))
+    assert len(read_annotations(wide)) == 1
+    strings = tmp_path / "strings.geojson"
+    shape = {"type": "Polygon", "coordinates": [[["0", "0"], [True, "1e1"], [5, 5], ["0", "0"]]]}
+    strings.write_text(json.dumps(_feature(shape)))
+    with pytest.raises(AnnotationError, match="pairs of numbers"):
+        read_annotations(strings)
+    deep = tmp_path / "deep.geojson"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(AnnotationError, match="nested too deep"):
+        read_annotations(deep)

@@ -34,6 +34,7 @@ than silently dropping what a pathologist drew.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import xml.etree.ElementTree as ET
@@ -110,7 +111,19 @@ class LabelledPolygon:
     rings: tuple[np.ndarray, ...]
 
 
+def _numbers(points: object) -> bool:
+    """Whether ``points`` is a list of lists of JSON numbers (``"0"`` and ``true`` are not:
+    numpy read them as 0 and 1)."""
+    return isinstance(points, list | tuple) and all(
+        isinstance(pt, list | tuple)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in pt)
+        for pt in points
+    )
+
+
 def _ring(points: Sequence[Sequence[float]] | np.ndarray, where: str) -> np.ndarray:
+    if not isinstance(points, np.ndarray) and not _numbers(points):
+        raise ValueError(f"{where}: a ring must be a list of finite [x, y] pairs of numbers")
     try:
         arr = np.asarray(points, dtype=np.float64)
     except (TypeError, ValueError):
@@ -209,7 +222,7 @@ def _geometry_polygons(geometry: Any, class_name: str, where: str) -> list[Annot
 
 
 def _read_geojson(path: Path) -> list[AnnotationPolygon]:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(path.read_bytes())  # UTF-8 (a byte-order mark too), UTF-16 or UTF-32
     if isinstance(data, dict) and data.get("type") == "FeatureCollection":
         features = data.get("features")
     elif isinstance(data, dict) and data.get("type") == "Feature":
@@ -242,7 +255,7 @@ def read_annotations(path: str | Path) -> list[AnnotationPolygon]:
         data = p.read_bytes()
         if not data:
             raise AnnotationError(p, "empty file (0 bytes)", _FIX_FILE)
-        head = data[:512].lstrip()
+        head = _text_start(data[:512])
         if head.startswith(b"<"):
             return _read_asap(p)
         if head[:1] in (b"{", b"["):
@@ -258,6 +271,23 @@ def read_annotations(path: str | Path) -> list[AnnotationPolygon]:
         raise AnnotationError(p, f"not valid JSON ({err})", _FIX_FILE) from err
     except (ValueError, TypeError, KeyError) as err:
         raise AnnotationError(p, f"malformed annotation file ({err})", _FIX_FILE) from err
+    except RecursionError:  # JSON nested thousands deep: the slide's "report a bug" line
+        raise AnnotationError(p, "malformed annotation file (nested too deep)", _FIX_FILE) from None
+
+
+def _text_start(head: bytes) -> bytes:
+    """The first bytes of a text file as ASCII, past a byte-order mark (Excel's and Windows
+    tools' UTF-8 ``EF BB BF``, UTF-16) and leading white space: a BOM read "starts with
+    neither '<' nor '{'"."""
+    for bom, codec in (
+        (codecs.BOM_UTF8, "utf-8"),
+        (codecs.BOM_UTF16_LE, "utf-16-le"),
+        (codecs.BOM_UTF16_BE, "utf-16-be"),
+    ):
+        if head.startswith(bom):
+            text = head[len(bom) :].decode(codec, errors="ignore")
+            return text.lstrip().encode("ascii", errors="replace")
+    return head.lstrip()
 
 
 def parse_class_mapping(text: str) -> dict[str, int]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hyfi_imaging.errors import ConfigError, HyfiError, problem
-from hyfi_imaging.io.annotations import class_mapping, find_annotation
+from hyfi_imaging.io.annotations import ANNOTATION_SUFFIXES, class_mapping, find_annotation
 from hyfi_imaging.io.budget import default_memory_budget
 from hyfi_imaging.preprocess.canvas import fit_warning
 from hyfi_imaging.preprocess.convert import (
@@ -254,7 +254,33 @@ def _match_annotations(
         except HyfiError as err:
             todo.remove((sid, source))
             results[sid] = ConvertResult(sid, str(source), "", "failed", error=str(err))
+    _say_orphans(folder, matched, [sid for sid, _ in todo])
     return options, matched
+
+
+def _say_orphans(folder: Path, matched: dict[str, Path | None], ids: list[str]) -> None:
+    """Warn of annotation files no slide claimed: ``Tumor_001.geojson`` beside a slide
+    ``tumor_001`` drew an all-background mask, said only as "no annotation file"."""
+    claimed = {p.name for p in matched.values() if p is not None}
+    by_case = {sid.casefold(): sid for sid in ids}
+    orphans = sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file() and p.name.lower().endswith(ANNOTATION_SUFFIXES) and p.name not in claimed
+    )
+    if not orphans:
+        return
+    near = [
+        f"{name} (slide {by_case[stem]}? ids match by exact name)"
+        for name in orphans
+        if (stem := name.rsplit(".", 1)[0].casefold()) in by_case
+    ]
+    log.warning(
+        "%d annotation file(s) in %s match no slide id: %s",
+        len(orphans),
+        folder,
+        ", ".join(near[:3] or orphans[:3]) + (" ..." if len(orphans) > 3 else ""),
+    )
 
 
 @contextlib.contextmanager
