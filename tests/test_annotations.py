@@ -89,6 +89,10 @@ def test_asap_xml_polygons_classes_and_exclusions(tmp_path: Path) -> None:
     assert "\n" not in str(info.value) and str(path) in str(info.value)
     mapping = class_mapping(parse_class_mapping("stroma=2, TUMOR=3"))
     assert [p.label for p in label_polygons(other + polygons[1:2], mapping, path)] == [2, 3]
+    # a name with a trailing space (as drawn in a tool) could never be mapped: the option
+    # strips names, the lookup did not
+    spaced = [AnnotationPolygon("Stroma ", polygons[0].rings)]
+    assert [p.label for p in label_polygons(spaced, mapping, path)] == [2]
     # Tumor moved to 3: its default synonyms at 1 went on drawing 'Tumour' as label 1; now
     # the group is dropped and such an outline fails its slide, named
     assert "tumour" not in mapping and "_0" not in mapping and mapping["_2"] == 0

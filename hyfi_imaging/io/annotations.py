@@ -334,15 +334,19 @@ def label_polygons(
 ) -> list[LabelledPolygon]:
     """Give every polygon its label; unknown class names fail the slide (``path`` names it)."""
     polygons = list(polygons)
-    unknown = sorted({p.class_name for p in polygons if p.class_name.casefold() not in classes})
+
+    def key(name: str) -> str:  # as --annotation-classes reads names: "Tumor " is tumor
+        return name.strip().casefold()
+
+    unknown = sorted({p.class_name for p in polygons if key(p.class_name) not in classes})
     if unknown:
-        example = ",".join(f"{n}=1" for n in unknown[:2])
+        example = ",".join(f"{n.strip()}=1" for n in unknown[:2])
         raise AnnotationError(
             path,
             f"class(es) {', '.join(map(repr, unknown))} have no label",
             f"map them with --annotation-classes {example} (0 marks an exclusion)",
         )
-    return [LabelledPolygon(classes[p.class_name.casefold()], p.rings) for p in polygons]
+    return [LabelledPolygon(classes[key(p.class_name)], p.rings) for p in polygons]
 
 
 def find_annotation(folder: Path, slide_id: str) -> Path | None:
