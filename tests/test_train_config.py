@@ -74,6 +74,11 @@ def test_shipped_recipes_are_valid(recipe: Path) -> None:
         (["task.name=detection"], "task.name: Input should be 'classification', 'segmentation'"),
         (["task.lost=mse"], "did you mean task.loss?"),
         (["model.memory_format=nhwc"], "model.memory_format: Input should be 'nchw' or"),
+        # equal grids were never counted against the stages ([1x2, 1x1, 1x1] was refused)
+        (
+            ["parallel.pipeline=2", "parallel.spatial=[1x2,1x2,1x2]"],
+            "3 stage grids for 2 pipeline stages",
+        ),
     ],
 )
 def test_recipe_errors_are_one_line(tmp_path: Path, overrides: list[str], message: str) -> None:

@@ -220,6 +220,14 @@ class ParallelConfig(_Strict):
             data = {**data, "spatial": grids[0]}
             if len(set(grids)) > 1:
                 data["stage_grids"] = grids
+            stages = data.get("pipeline", 1)
+            if len(grids) > 1 and isinstance(stages, int) and len(grids) != stages:
+                # equal grids were taken as one grid without a count: [1x2, 1x2, 1x2] on 2
+                # stages passed where [1x2, 1x1, 1x1] was refused
+                raise ValueError(
+                    f"{len(grids)} stage grids for {stages} pipeline stages; give one grid per "
+                    f"stage (parallel.pipeline {len(grids)}), or one grid for every stage"
+                )
         return data
 
     @field_validator("spatial", mode="before")
