@@ -68,6 +68,8 @@ def test_bidirectional_fills_the_bubble() -> None:
     [
         ("bidirectional", Layout(pp=3), 4, "even number of pipeline ranks"),
         ("bidirectional", Layout(pp=2), 3, "must be even"),
+        # one micro-batch: "use --microbatches 2 or 2"
+        ("bidirectional", Layout(pp=2), 1, "use 2 micro-batches, a count that divides"),
         ("bidirectional", Layout(pp=1), 2, "--pipeline 2 or more"),
         ("zbv", Layout(pp=1), 2, "--pipeline 2 or more"),
         ("dualpipev", Layout(pp=2), 2, "at least as many micro-batches as model stages"),

@@ -152,13 +152,15 @@ def check_schedule(schedule: str, layout: Layout, microbatches: int) -> None:
             raise ConfigError(
                 where,
                 "two mirrored replicas need an even number of pipeline ranks (the middle rank would hold both copies of one stage)",
-                f"use --pipeline {pp + 1} or {pp - 1}",
+                f"use {_either(pp + 1, pp - 1)} pipeline ranks "
+                "(--pipeline, or parallel.pipeline in a recipe)",
             )
         if m % 2:
             raise ConfigError(
                 where,
                 "each of the two replicas takes half of the micro-batches, so their number must be even",
-                f"use --microbatches {m + 1} or {max(2, m - 1)}",
+                f"use {_either(m + 1, m - 1)} micro-batches, a count that divides the batch "
+                "(--microbatches, or parallel.microbatches in a recipe)",
             )
     elif schedule == "interleaved1f1b":
         rounds = max(1, m // pp)
@@ -623,3 +625,8 @@ def _as_tensor(out: Any) -> Tensor:
     if isinstance(out, Tensor):
         return out
     return torch.as_tensor(out[0])
+
+
+def _either(up: int, down: int) -> str:
+    """``"3 or 1"``, or only ``up`` where ``down`` is no count (below 2: "2 or 2" was said)."""
+    return f"{up} or {down}" if down >= 2 else str(up)
