@@ -559,8 +559,10 @@ def test_memoised_meta_kernels_change_no_trace() -> None:
 
 
 def _cohort(manifest: Path, tmp_path: Path, n: int) -> Path:
-    """A manifest of ``n`` slides (the fixture's 4 stores, named again), labels alternating."""
+    """A manifest of ``n`` slides (copies of the fixture's 4 stores: two ids on one store are
+    refused), labels alternating."""
     import csv
+    import shutil
 
     rows = list(csv.DictReader(manifest.open()))
     out = tmp_path / "manifest13.csv"
@@ -570,7 +572,9 @@ def _cohort(manifest: Path, tmp_path: Path, n: int) -> Path:
         for i in range(n):
             row = dict(rows[i % len(rows)])
             row["slide_id"] = f"s{i:02d}"
-            row["path"] = str((manifest.parent / row["path"]).resolve())
+            copy = tmp_path / f"s{i:02d}.zarr"
+            shutil.copytree(manifest.parent / row["path"], copy)
+            row["path"] = str(copy)
             row["label"] = str(i % 2)
             w.writerow(row)
     return out
@@ -606,6 +610,14 @@ def test_parallel_auto_never_picks_replicas_training_refuses(
     monkeypatch.setenv("WORLD_SIZE", "4")
     auto = load_recipe(path, ["parallel=auto"])
     assert auto.world_size == 4 and auto.parallel.data <= 2
+    from hyfi_imaging.train.autoplan import batch_line
+
+    assert batch_line(1, 1, 4) is None
+    assert batch_line(2, 2, 4) == (
+        "2 data replica(s) x train.batch_size 4 = 8 images a step (an epoch has fewer steps; "
+        "the learning-rate schedule counts them), BatchNorm over micro-batches of 2 image(s); "
+        "set parallel to a layout to keep the recipe's batch"
+    )
     check_full_batch(training, auto.parallel.data, 4)  # the trainer's own rule accepts it
 
 

@@ -18,7 +18,14 @@ from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.train.config import ParallelConfig, Recipe
 
-__all__ = ["choose_layout", "cohort_check", "fit_warning", "launch_world_size", "slide_size"]
+__all__ = [
+    "batch_line",
+    "choose_layout",
+    "cohort_check",
+    "fit_warning",
+    "launch_world_size",
+    "slide_size",
+]
 
 #: FLOP/s used to rank layouts when nothing is measured (the ranking barely depends on it).
 NOMINAL_RATE = {"cpu": 5e10, "cuda": 2e14}
@@ -133,6 +140,9 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
         )
     best = ranked[0]
     c = best.candidate
+    said = batch_line(c.layout.dp, c.microbatches, batch)
+    if said and launch_rank() in (None, 0):
+        logging.getLogger("hyfi_imaging.train").warning("parallel=auto: %s", said)
     return ParallelConfig(
         spatial=c.layout.sp,
         stage_grids=c.layout.grids,
@@ -144,6 +154,21 @@ def choose_layout(recipe: Recipe, devices: int) -> ParallelConfig:
         checkpointing=c.checkpointing,
         streaming=c.streaming,
         backward_bands=c.backward_bands,
+    )
+
+
+def batch_line(replicas: int, microbatches: int, batch: int) -> str | None:
+    """What a chosen layout makes of ``train.batch_size`` (per replica): the images a step
+    trains and the images BatchNorm sees at once; None when it is the recipe's own batch
+    (one replica, one micro-batch). A recipe of batch 4 ran 8 images a step on 2 replicas,
+    BatchNorm over 2, its schedule half the steps, and only the plan's line said so."""
+    if replicas == 1 and microbatches == 1:
+        return None
+    return (
+        f"{replicas} data replica(s) x train.batch_size {batch} = {replicas * batch} images a "
+        f"step (an epoch has fewer steps; the learning-rate schedule counts them), BatchNorm "
+        f"over micro-batches of {batch // microbatches} image(s); set parallel to a layout "
+        "to keep the recipe's batch"
     )
 
 
