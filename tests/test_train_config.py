@@ -449,3 +449,15 @@ def test_a_validation_manifest_of_training_images_is_refused(
     assert "synth_000 and again name one store" in check(f"data.manifest={twice}")
     gone = manifest("gone.csv", [*lines[1:5], lines[5].replace("synth_004.zarr", "nowhere.zarr")])
     assert "1 store(s) it names do not exist (synth_004:" in check(f"data.manifest={gone}")
+
+
+def test_a_mapping_given_whole_replaces_the_field(tmp_path: Path) -> None:
+    """``--set model.kwargs={}`` changed nothing (merged into the recipe's kwargs): a user
+    builder was still given the recipe's width. A key path still sets one field."""
+    recipe = ROOT / "recipes" / "synthetic.yaml"
+    base = ["data.manifest=m.csv", f"train.out_dir={tmp_path}"]
+    assert load_recipe(recipe, base).model.kwargs  # the recipe's own (a width)
+    assert load_recipe(recipe, [*base, "model.kwargs={}"]).model.kwargs == {}
+    assert load_recipe(recipe, [*base, "model.kwargs={depth: 2}"]).model.kwargs == {"depth": 2}
+    kept = load_recipe(recipe, [*base, "model.kwargs.depth=2"]).model.kwargs
+    assert kept["depth"] == 2 and len(kept) > 1

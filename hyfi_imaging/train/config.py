@@ -354,7 +354,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                     f"set either {whole} or its fields, not both",
                 )
         try:
-            node[leaf] = yaml.load(value, Loader=RecipeLoader)
+            loaded = yaml.load(value, Loader=RecipeLoader)
+            # a mapping given whole replaces the field (model.kwargs={} clears it); merged
+            # into the recipe's, it could add keys but never remove one
+            node[leaf] = _Whole(loaded) if isinstance(loaded, dict) else loaded
         except yaml.YAMLError as err:
             mark = getattr(err, "problem", None) or "is not valid YAML"
             raise ConfigError(
@@ -363,13 +366,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+class _Whole(dict):
+    """A ``--set`` value that is a mapping: it replaces the field, not merged into it."""
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for k, v in extra.items():
-        merged[k] = (
-            _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
-        )
+        if isinstance(v, dict) and not isinstance(v, _Whole) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = _plain(v)
     return merged
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every :class:`_Whole` a plain dict again (YAML dumps plain dicts)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def read_yaml(path: Path, where: str) -> dict[str, Any]:
@@ -449,7 +464,12 @@ def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
     extra = parse_overrides(overrides or [])
     for key, value in extra.items():
         held = raw.get(key)
-        if isinstance(value, dict) and held is not None and not isinstance(held, dict):
+        if (
+            isinstance(value, dict)
+            and not isinstance(value, _Whole)
+            and held is not None
+            and not isinstance(held, dict)
+        ):
             # ``parallel: auto`` and a --set of one field would have become the default
             # layout with that field, silently.
             raise ConfigError(
