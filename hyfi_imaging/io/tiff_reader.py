@@ -175,12 +175,20 @@ def _check_one_plane(path: str, series: Any) -> None:
              if a not in ("Y", "X", channel) and int(n) > 1]  # fmt: skip
     if extra:
         planes = " x ".join(f"{n} along {a}" for a, n in extra)
+        # a z-stack is a volume: saved as channels it would train as a flat slide
+        fix = (
+            "a z-stack is a volume: write it with write_ome_zarr_volume and "
+            "write_volume_manifest (user guide, section 6. Volumes); channels saved as "
+            "pages: save them as channels (OME-TIFF axes CYX)"
+            if any(a == "Z" for a, _ in extra)
+            else "save the planes as channels (OME-TIFF axes CYX, or an ImageJ hyperstack of "
+            "channels), or one plane per file"
+        )
         raise SlideError(
             path,
             f"series axes {series.axes} hold {planes} besides its channels; a slide is one "
             "plane (its channels are read, nothing else)",
-            "save the planes as channels (OME-TIFF axes CYX, or an ImageJ hyperstack of "
-            "channels), or one plane per file",
+            fix,
         )
 
 
