@@ -96,6 +96,10 @@ def test_asap_xml_polygons_classes_and_exclusions(tmp_path: Path) -> None:
     # Tumor moved to 3: its default synonyms at 1 went on drawing 'Tumour' as label 1; now
     # the group is dropped and such an outline fails its slide, named
     assert "tumour" not in mapping and "_0" not in mapping and mapping["_2"] == 0
+    # the refusal's fix keeps the user's mapping (printed as asked, 'Tumour=1' alone replaced
+    # it and drew tumour as the label the user gave stroma)
+    with pytest.raises(AnnotationError, match=r"stroma=2,tumor=3,Tumour=LABEL \(0 marks"):
+        label_polygons([AnnotationPolygon("Tumour", polygons[0].rings)], mapping, path)
     # Stroma given 1: the tumour-like names stayed at 1 (drawn as stroma), and the label
     # image named value 1 'tumour' (the defaults came first)
     renumbered = class_mapping(parse_class_mapping("Stroma=1,Tumor=2"))

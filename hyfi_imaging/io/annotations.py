@@ -340,7 +340,11 @@ def label_polygons(
 
     unknown = sorted({p.class_name for p in polygons if key(p.class_name) not in classes})
     if unknown:
-        example = ",".join(f"{n.strip()}=1" for n in unknown[:2])
+        # the option as given, with the names added: "Tumour=1" alone replaced a mapping of
+        # Stroma=1,Tumor=2 and drew tumour as label 1, the stroma's
+        given = [f"{n}={v}" for n, v in classes.items() if DEFAULT_CLASSES.get(n) != v]
+        label = "1" if not given else "LABEL"
+        example = ",".join([*given, *(f"{n.strip()}={label}" for n in unknown[:2])])
         raise AnnotationError(
             path,
             f"class(es) {', '.join(map(repr, unknown))} have no label",
