@@ -354,6 +354,29 @@ def test_a_negative_label_is_refused_in_one_line() -> None:
         _MaskTarget(2, False, "v0")(np.array([[0, 1], [-1, 0]], dtype=np.int8))
 
 
+def _train_blobs(tmp_path: Path, volumes: dict[str, Path]) -> Path:
+    """One step of the 3D U-Net recipe on the two blob volumes (one trains, one validates);
+    returns the run's folder."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    train = [
+        sys.executable,
+        "-m",
+        "hyfi_imaging.cli.train",
+        str(ROOT / "recipes" / "unet3d-synthetic.yaml"),
+    ]
+    for item in (f"data.manifest={volumes['blobs']}", f"train.out_dir={run}", "train.max_steps=1",
+                 "train.epochs=1", "train.progress=false", "train.batch_size=1"):  # fmt: skip
+        train += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    return run
+
+
 @pytest.mark.slow  # a training and two predictions (the suite's time)
 def test_hyfi_predict_segments_volumes_without_label_images(
     tmp_path: Path, volumes: dict[str, Path]
@@ -368,12 +391,7 @@ def test_hyfi_predict_segments_volumes_without_label_images(
     from hyfi_imaging.io.volume_store import VolumeStore, read_subvolume
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = tmp_path / "run"
-    train = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "unet3d-synthetic.yaml"),
-             "--set", f"data.manifest={volumes['blobs']}", "--set", f"train.out_dir={run}",
-             "--set", "train.max_steps=1", "--set", "train.epochs=1", "--set", "train.progress=false"]  # fmt: skip
-    job = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300)
-    assert job.returncode == 0, job.stderr[-3000:]
+    run = _train_blobs(tmp_path, volumes)
     rows = read_volume_manifest(volumes["blobs"])
     bare = volumes["blobs"].parent / "bare.csv"
     write_volume_manifest([dataclasses.replace(r, labels="") for r in rows], bare)
@@ -402,12 +420,7 @@ def test_a_volume_model_refuses_volumes_of_other_voxels(
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = tmp_path / "run"
-    train = [sys.executable, "-m", "hyfi_imaging.cli.train", str(ROOT / "recipes" / "unet3d-synthetic.yaml"),
-             "--set", f"data.manifest={volumes['blobs']}", "--set", f"train.out_dir={run}",
-             "--set", "train.max_steps=1", "--set", "train.epochs=1", "--set", "train.progress=false"]  # fmt: skip
-    job = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300)
-    assert job.returncode == 0, job.stderr[-3000:]
+    run = _train_blobs(tmp_path, volumes)
     lines = volumes["blobs"].read_text().splitlines()
     cols = lines[0].split(",")
     rows = [r.split(",") for r in lines[1:]]
