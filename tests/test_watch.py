@@ -73,6 +73,18 @@ REFUSED: dict[str, tuple[Fn, str]] = {
     ),
     "torch.flip": (lambda m, x: torch.flip(x, (3,)), "aten.flip"),
     "torch.roll": (lambda m, x: torch.roll(x, 1, 3), "aten.roll"),
+    "torch.flip of channels and rows": (lambda m, x: torch.flip(x, (1, 2)), "aten.flip"),
+    "torch.roll of the flattened map": (lambda m, x: torch.roll(x, 1), "aten.roll"),
+    # linalg_vector_norm's second argument is its order, not its dims (an order of 1 was read
+    # as "over channels" and each tile normalised by its own L1 norm)
+    "an L1 norm over the image": (
+        lambda m, x: x / x.norm(p=1, dim=(2, 3), keepdim=True),
+        "aten.linalg_vector_norm over dims [2, 3]",
+    ),
+    "an L0 norm over the columns": (
+        lambda m, x: x * torch.linalg.vector_norm(x, ord=0, dim=3, keepdim=True),
+        "aten.linalg_vector_norm over dims [3]",
+    ),
     "bicubic": (lambda m, x: F.interpolate(x, scale_factor=2, mode="bicubic"), "bicubic"),
     "antialias": (
         lambda m, x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True),
@@ -162,6 +174,9 @@ ALLOWED: dict[str, Fn] = {
     )[:, :4],
     "a pooled value expanded": lambda m, x: x * m.squeeze(x).expand_as(x),
     "channels last and back": lambda m, x: x.permute(0, 2, 3, 1).permute(0, 3, 1, 2),
+    "channel L2 normalisation": lambda m, x: F.normalize(x, dim=1),
+    "channel L1 norm": lambda m, x: x * x.norm(p=1, dim=1, keepdim=True),
+    "channel flip and roll": lambda m, x: x.flip(1) + x.roll(1, 1),
 }
 
 

@@ -82,7 +82,10 @@ ROWS: list[tuple[str, str, dict[str, str], bool]] = [
     ("1x2", "64x192", {"tv-convnext": "exact", "timm-convnext_atto": "exact"}, False),
     # functions with a tiled form (F.conv2d, F.avg_pool2d, F.max_pool2d, reflect and
     # replicate pads, a channels-last mean, ECA's Conv1d) and a dense head on the flattened map
-    ("1x2", "29x43", {"fn-windowed": "exact", "fixed-29x43": "exact", "fn-global-context": "exact"}, False),
+    ("1x2", "29x43", {
+        "fn-windowed": "exact", "fixed-29x43": "exact", "fn-global-context": "exact",
+        "fn-channels": "exact",
+    }, False),
     ("2x2", "29x43", {"fn-windowed": "exact", "fixed-29x43": "exact", "fn-global-context": "exact"}, False),
     ("1x2", "29x45", {"fn-windowed": NO_ROOM, "fixed-29x43": "this model does not take 29x45"}, True),
     ("1x2", "45x199", FORMERLY_REFUSED, True),

@@ -84,6 +84,8 @@ _SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.defau
 _SLICES = {_aten.slice.Tensor, _aten.select.int, _aten.narrow.default}
 #: Ops along one dimension (``args[1]``): per pixel when that dimension is not spatial.
 _ALONG = {_aten._softmax.default, _aten._log_softmax.default, _aten.cumsum.default}
+#: Reorders along their ``dims`` (a roll without dims rolls the flattened tensor).
+_REORDERS = {_aten.flip.default, _aten.roll.default}
 #: Matrix products: per pixel when the pixels are the rows of the first factor.
 _MATMUL = {_aten.mm.default, _aten.addmm.default}
 #: Fresh tensors of a given shape (``x.new_empty(shape)``): a tile only if the shape is one.
@@ -628,16 +630,27 @@ class _Watch(TorchDispatchMode):
             return _Tile(moved, tile.hw)
         if func in _ALONG and int(args[1]) % nd not in tile.dims:
             return tile
+        if func in _REORDERS:
+            at = [a.name for a in func._schema.arguments].index("dims")
+            dims = args[at] if len(args) > at else kwargs.get("dims", ())
+            if dims and not {int(d) % nd for d in dims} & set(tile.dims):
+                return tile  # a flip or roll of channels (or of the batch): per pixel
         if torch.Tag.reduction in func.tags or func in _LAYER_NORM:
             dims = _reduced_dims(func, args, kwargs, nd)
             if not dims & set(tile.dims):
                 keep = isinstance(first, torch.Tensor) and first.dim() == nd
                 return _shifted(tile, dims, keep)
+            k = len(tile.hw)
+            spatial = tuple(range(-k, 0))
             raise _refuse(
                 path,
                 f"aten.{name} over dims {sorted(dims)}",
                 "reduces over the spatial dims of a tile as if it were the whole image",
-                "use nn.AdaptiveAvgPool2d(1) / nn.AdaptiveMaxPool2d(1) modules for global pooling",
+                f"write a norm as a global sum (x.abs().sum({spatial}) for p=1, "
+                f"x.pow(2).sum({spatial}).sqrt() for p=2), which has a spatial form"
+                if "norm" in name
+                else f"use nn.AdaptiveAvgPool{k}d(1) / nn.AdaptiveMaxPool{k}d(1) modules for "
+                "global pooling",
             )
         if func in (_aten.cat.default, _aten.stack.default) or func in _SPLITS:
             at = 2 if func in _SPLITS else 1  # split(x, sizes, dim), cat(tensors, dim)
@@ -757,7 +770,13 @@ def _reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], nd: in
     if func in _LAYER_NORM:
         k = len(args[1])
         return set(range(nd - k, nd))
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    # the argument named dim, wherever the overload puts it (linalg_vector_norm's args[1] is
+    # its order: read as dims, an L1 norm over the image passed as one over channels)
+    names = [a.name for a in func._schema.arguments]
+    if "dim" not in names:
+        return set(range(nd))  # an overload without dims (e.g. max of all): everything
+    at = names.index("dim")
+    dim = args[at] if len(args) > at else kwargs.get("dim")
     if dim is None or (isinstance(dim, Sequence) and len(dim) == 0):
         return set(range(nd))
     if isinstance(dim, int):

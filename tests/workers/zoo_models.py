@@ -96,6 +96,25 @@ class _Functional(nn.Module):
         return self.fc(x.permute(0, 2, 3, 1).mean((1, 2)))
 
 
+class _ChannelFunctions(nn.Module):
+    """Functions over channels only, which run on the tiles as they are (an L2 normalisation,
+    a channel flip and roll), and an L1 normalisation over the image written as a global sum
+    (what the refusal of ``x.norm(p=1, dim=(2, 3))`` tells its user to write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, stride=2, padding=1)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        x = self.stem(x)
+        x = F.normalize(x, dim=1) + x.flip(1) * x.norm(p=1, dim=1, keepdim=True) + x.roll(2, 1)
+        x = x / x.abs().sum((-2, -1), keepdim=True)
+        return self.fc(x.amax((2, 3)))
+
+
 def _global_context() -> nn.Module:
     """timm's GCNet block twice: with its softmax attention, a gate and an addend (its zero
     init replaced, so the addend counts), then with the plain mean (``use_attn=False``)
@@ -167,6 +186,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "fixed-29x43": _fixed_size(29, 43),  # flatten -> Linear: takes 29x43 only
     "fn-windowed": _Functional,
     "fn-global-context": _global_context,
+    "fn-channels": _ChannelFunctions,
 }
 
 
