@@ -438,3 +438,22 @@ def test_deep_halo_links_follow_per_pixel_data_flow(
         "pointwise": [["a", "b", "c"]], "residual": [], "residual_inplace": [], "reused": [["a", "b"]]
     }  # fmt: skip
     assert ctx.deep_runs == runs[join]  # type: ignore[attr-defined]
+
+
+class _OnCpu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.ones(1, 4, 1, 1, device="cpu")
+
+
+def test_constants_made_in_forward_are_traced_or_their_module_named() -> None:
+    """A constant made without a device (``torch.tensor([...])``) is made on the meta device
+    of the tracing passes, as on the input's device in a real run (exact on grids:
+    test_zoo_mpi.py, "fn-channels"); one made on another device is refused naming its module
+    and the fix, not blamed on the image size."""
+    ctx = _spatialize(lambda m, x: x * torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1, 1))
+    assert ctx.tile_param_names == {"conv.weight", "conv.bias"}  # type: ignore[attr-defined]
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _OnCpu())
+    with pytest.raises(ConfigError, match=r"^model Sequential, module '1': fails") as err:
+        spatialize(model, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+    assert "make module '1' create its tensors on the input's device" in str(err.value)
+    assert "give it an image size" not in str(err.value)

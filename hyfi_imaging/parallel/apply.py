@@ -261,7 +261,7 @@ def output_shape(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, .
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.device("meta"):
             out = model(torch.empty(input_shape, device="meta", dtype=dtype))
     finally:
         model.train(was_training)

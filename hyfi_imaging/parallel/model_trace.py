@@ -296,7 +296,7 @@ def saved_trace(
             y = run_chain([m for _, m in layers[a:b]], y)
         return y
 
-    with MetaMemo():
+    with torch.device("meta"), MetaMemo():
         found = saved_activations(whole, run, whole.named_layers())
     cache[key] = found
     return found
@@ -314,7 +314,7 @@ def layer_work(model: nn.Module, shape: Sequence[int], stages: int = 1) -> Layer
         return found
     x = torch.empty(tuple(shape), dtype=meta.dtype, device="meta")
     per_layer: list[tuple[SpatialOps, object]] = []
-    with MetaMemo():
+    with torch.device("meta"), MetaMemo():
         counted, _ = count_chain(meta.layers, x, per_layer=per_layer)
     boundaries: list[tuple[torch.Tensor, ...]] = [(x,)] + [
         tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in as_tuple(y))

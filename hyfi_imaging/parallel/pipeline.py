@@ -401,7 +401,7 @@ def stage_boundaries(
     check_balance(tuple(balance), len(layers), len(balance))
     x: Any = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     out: list[tuple[torch.Tensor, ...]] = [(x,)]
-    with torch.no_grad():
+    with torch.no_grad(), torch.device("meta"):
         for start, stop in stage_bounds(balance):
             for _, module in layers[start:stop]:
                 x = module(x)

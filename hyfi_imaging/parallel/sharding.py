@@ -108,7 +108,7 @@ def called_modules(model: nn.Module, input_shape: tuple[int, ...]) -> set[str]:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.device("meta"):
             model(torch.empty(input_shape, device="meta", dtype=dtype))
     finally:
         model.train(was_training)

@@ -289,7 +289,7 @@ def _draws_random(model: nn.Module, shape: tuple[int, ...]) -> bool:
     """Whether ``model``'s training forward on an input of ``shape`` draws random numbers
     (a copy on the meta device: nothing is computed)."""
     meta = meta_copy(model).train()
-    with _Draws() as mode, torch.no_grad():
+    with _Draws() as mode, torch.no_grad(), torch.device("meta"):
         meta(torch.empty(shape, device="meta"))
     return mode.drew
 

@@ -900,11 +900,27 @@ def _watch_once(
     x = torch.empty(shape, device="meta", dtype=dtype)
     watch.mark(x, _last(x, tuple(int(v) for v in shape[2:])))
     try:
-        with torch.no_grad(), _Sites(watch, frames), watch:
+        # tensors the forward makes without a device (torch.tensor([...]) constants) are
+        # made on the meta device too, as they would be on the input's device in a real run
+        with torch.no_grad(), torch.device("meta"), _Sites(watch, frames), watch:
             out = model(x)
     finally:
         frames.remove()
     return watch, out
+
+
+def _failing_module(model: nn.Module, err: BaseException) -> str:
+    """The path (quoted) of the innermost module of ``model`` whose forward raised ``err``,
+    read off its traceback; empty when none of them did."""
+    paths = {id(m): p for p, m in model.named_modules() if p}  # the root is named by its type
+    found = ""
+    tb = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in paths:
+            found = repr(paths[id(owner)])
+        tb = tb.tb_next
+    return found
 
 
 def watch_tiles(
@@ -949,8 +965,13 @@ def watch_tiles(
             except Exception as err:  # the model's own code failed: say so in one line
                 first = str(err).strip().splitlines()[0] if str(err).strip() else ""
                 size = "x".join(map(str, shape[2:]))
+                where = _failing_module(model, err)
                 fix = (
-                    "pass the image size the model takes (apply_spatial(..., image_size=(H, W)),"
+                    f"make {f'module {where}' if where else 'the forward'} create its tensors on the input's device "
+                    "(torch.tensor(..., device=x.device)): the model is first run on the meta "
+                    "device to see what it does with the tiles"
+                    if "device" in first and "meta" in first
+                    else "pass the image size the model takes (apply_spatial(..., image_size=(H, W)),"
                     " or an input_size attribute on the model): a dense head on the flattened "
                     "map takes one size only"
                     if origin.startswith("a probe")
@@ -959,7 +980,7 @@ def watch_tiles(
                     "and make it run on the meta device"
                 )
                 raise ConfigError(
-                    f"model {type(model).__name__}",
+                    f"model {type(model).__name__}" + (f", module {where}" if where else ""),
                     f"fails on a {size} input ({origin}) on the meta device "
                     f"({'training' if training else 'eval'} mode): {type(err).__name__}: {first}",
                     fix,

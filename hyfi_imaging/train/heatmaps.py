@@ -133,7 +133,7 @@ def cam_head(model: nn.Module, *, name: str, image_hw: Sequence[int], in_chans: 
 
     hook = dict(meta.named_modules())[pool_path].register_forward_pre_hook(record)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.device("meta"):
             dtype = next((t.dtype for t in meta.parameters()), torch.get_default_dtype())
             meta(torch.empty(1, in_chans, *image_hw, device="meta", dtype=dtype))
     finally:

@@ -99,7 +99,8 @@ class _Functional(nn.Module):
 class _ChannelFunctions(nn.Module):
     """Functions over channels only, which run on the tiles as they are (an L2 normalisation,
     a channel flip and roll), and an L1 normalisation over the image written as a global sum
-    (what the refusal of ``x.norm(p=1, dim=(2, 3))`` tells its user to write)."""
+    (what the refusal of ``x.norm(p=1, dim=(2, 3))`` tells its user to write), and a constant
+    the forward makes without a device (``torch.tensor([...])``, run on the meta device first)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,6 +113,7 @@ class _ChannelFunctions(nn.Module):
         x = self.stem(x)
         x = F.normalize(x, dim=1) + x.flip(1) * x.norm(p=1, dim=1, keepdim=True) + x.roll(2, 1)
         x = x / x.abs().sum((-2, -1), keepdim=True)
+        x = x * torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0], dtype=x.dtype).view(1, 6, 1, 1)
         return self.fc(x.amax((2, 3)))
 
 

@@ -32,7 +32,7 @@ def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.device("meta"):
             model(torch.empty(shape, device="meta", dtype=dtype))
     finally:
         model.train(was_training)
