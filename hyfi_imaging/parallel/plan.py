@@ -26,7 +26,9 @@ Per-rank peak over the memory a rank holds after building its model:
 * **state**: gradients and optimizer state, ``1/(dp x sp)`` of the stage's
   (``sp``: that stage's own grid, with per-stage grids -- the junction) under
   FSDP2 plus the gathered parameters and unsharded gradients of the units in
-  flight; whole without sharding; summed over a rank's stages.
+  flight; whole without sharding; summed over a rank's stages. A pipeline holds
+  every unit's unsharded gradients to the step's last backward: at the step's
+  end, past the freed activations, they count as a backward transient.
 * **buffers**: pipeline gradient buffers of the stage boundaries (and, after a
   junction under 1F1B, the previous input gradient and its pieces in flight),
   and the runtime's own first-step allocations (:data:`RUNTIME_OVERHEAD`).
@@ -499,6 +501,7 @@ def predict(
         overhead = RUNTIME_OVERHEAD["cuda" if _on_cuda(model) else "cpu"]
     k_opt = OPT_STATE.get(optimizer, 1)
     orders = schedule_actions(schedule, lay.pp, m)
+    accumulates = lay.pp > 1 and (not lay.junction or m > 1)
     worst: Prediction | None = None
     peaks: list[int] = []
     for r in range(lay.pp):
@@ -519,13 +522,19 @@ def predict(
             )
             - act
         )
-        state = buffers = 0
+        state = buffers = accumulated = 0
         for ls in mine:
             c = costs[ls.index]
             n_shard = lay.dp * lay.stage_size(ls.index)
             if n_shard > 1:
                 gathered = c.params  # kept gathered from forward to backward (engine)
                 state += (1 + k_opt) * c.params // n_shard + gathered + max(c.units, default=0)
+                if accumulates:
+                    # A pipeline holds every unit's unsharded gradients to the step's last
+                    # backward (torch's PipelineStage: always; the junction: with m > 1),
+                    # and reduce-scatters them there, one unit's copy at a time: past the
+                    # activations, which are freed by then (measured on CPU, dp 2 x pp 2).
+                    accumulated += c.params
             else:
                 state += (1 + k_opt) * c.params
             own = [a for a in orders[r] if (a[0], a[1]) == (ls.replica, ls.index)]
@@ -552,6 +561,8 @@ def predict(
                 # input gradient until its send completes (measured on CPU, pp 2, m 2 and 4).
                 buffers += c.in_bytes * (runs - flight + int(backward_first))
         held = sum(costs[ls.index].params // (lay.dp * lay.stage_size(ls.index)) for ls in mine)
+        # At the step's end: gradients held unsharded until then (the activations are freed).
+        transient = max(transient, accumulated - act)
         if schedule == "bidirectional":
             # The mirror sum concatenates both copies' gradient shards once the backward is done.
             transient = max(transient, held - act)
