@@ -225,6 +225,32 @@ def test_checkpoints_roundtrip_keep_last_and_skip_corrupt(tmp_path: Path) -> Non
     assert json.loads((found.path / MARKER).read_text())["step"] == 2
 
 
+def test_bytes_flipped_in_a_shard_are_damage_not_other_weights(tmp_path: Path) -> None:
+    """DCP keeps no checksum: a shard whose bytes changed (its size kept) loaded as other
+    weights and a resumed run trained from them. The marker's CRC-32s catch it."""
+    model, opt = _model_and_opt()
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        _step(model, opt)
+        save_checkpoint(root, step, _state_of(model, opt, for_load=False), {}, keep=5)
+    newest = root / "step_00000002"
+    (shard,) = newest.glob("*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x08
+    shard.write_bytes(bytes(data))
+    fresh, fresh_opt = _model_and_opt()
+    found = load_latest(root, _state_of(fresh, fresh_opt, for_load=True))
+    assert found is not None and found.path == root / "step_00000001"
+    ((path, why),) = found.skipped
+    assert path == newest and f"{shard.name} does not match its checksum" in why
+    # a marker of an earlier version (no checksums) still loads
+    marker = json.loads((newest / MARKER).read_text())
+    del marker["crc32"]
+    (newest / MARKER).write_text(json.dumps(marker))
+    found = load_latest(root, _state_of(fresh, fresh_opt, for_load=True))
+    assert found is not None and found.path == newest
+
+
 def test_a_failed_load_leaves_no_trace_and_all_corrupt_raises(tmp_path: Path) -> None:
     model, opt = _model_and_opt()
     root = tmp_path / "ckpt"

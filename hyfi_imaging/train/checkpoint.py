@@ -37,6 +37,7 @@ import pickle
 import re
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,13 +283,14 @@ def save_checkpoint(
                 raise KeyboardInterrupt from err
             reason = _disk_reason(_reason(err), root, state)
     if all_agree(not reason) and rank0:
-        marker = {
-            **meta,
-            "step": step,
-            "run_id": run_id,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
         try:
+            marker = {
+                **meta,
+                "step": step,
+                "run_id": run_id,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "crc32": _checksums(partial),
+            }
             (partial / MARKER).write_text(json.dumps(marker, indent=2, default=str))
             # The step written again (a run's end, a relaunch after it): the old one moves
             # aside, loadable, until the new one is in place; a kill in between leaves one
@@ -320,6 +322,38 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _checksums(path: Path) -> dict[str, str]:
+    """CRC-32 of every file DCP wrote in ``path`` (its shards and ``.metadata``), by name.
+
+    Why: DCP keeps no checksum, so bytes flipped in a shard load as other weights without a
+    word (a resumed run then trains from them); :func:`_damaged` checks them before a load.
+    """
+    sums: dict[str, str] = {}
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.name != MARKER:
+            crc = 0
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 23):
+                    crc = zlib.crc32(chunk, crc)
+            sums[f.name] = f"{crc:08x}"
+    return sums
+
+
+def _damaged(path: Path, meta: dict[str, Any]) -> str:
+    """Why ``path``'s files are not the ones its marker recorded; empty when they are (or
+    when the marker has no checksums: a checkpoint of an earlier version)."""
+    want = meta.get("crc32")
+    if not isinstance(want, dict):
+        return ""
+    got = _checksums(path)
+    for name, crc in sorted(want.items()):
+        if name not in got:
+            return f"its file {name} is missing"
+        if got[name] != crc:
+            return f"its file {name} does not match its checksum (damaged on disk)"
+    return ""
 
 
 def _staged(state: Any) -> Any:
@@ -375,6 +409,14 @@ def load_latest(
         else:
             if expect is not None:  # outside the try: another meaning is not damage
                 expect(path, meta)
+            rank0 = not dist.is_initialized() or dist.get_rank() == 0
+            try:  # checked once (by rank 0) and agreed before DCP's collective load
+                reason = _damaged(path, meta) if rank0 else ""
+            except OSError as err:
+                reason = _reason(err)
+            if not all_agree(not reason):
+                failures.append((path, reason or "damaged (checked by rank 0)"))
+                continue
             reader = SafeReader(path)  # metadata that would run code is refused
             try:
                 staged = _staged(state)
