@@ -282,6 +282,28 @@ def test_a_resume_that_would_change_the_runs_meaning_is_refused(
     assert (run / "metrics.csv").read_text() == history
 
 
+def _resumes_as_uninterrupted(
+    cohort: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """A run of the model ``build`` in ``source`` (its module's text) resumed from step 2
+    gives the uninterrupted run's losses."""
+    import shutil
+
+    (tmp_path / "ownnet.py").write_text(source)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    sets = ("parallel.spatial=1x1", "model.name=ownnet:build", "train.keep_checkpoints=50")
+    whole = tmp_path / "whole"
+    assert _train(cohort, whole, 1, *sets, check=False).returncode == 0
+    resumed = Path(shutil.copytree(whole, tmp_path / "resumed"))
+    for ckpt in sorted((resumed / "checkpoints").iterdir())[2:]:  # from step 2 on
+        shutil.rmtree(ckpt)
+    run = _train(cohort, resumed, 1, *sets, check=False)
+    assert run.returncode == 0 and "resuming run" in run.stderr, run.stderr[-3000:]
+    assert len(_losses(whole)) > 3 and _losses(resumed) == _losses(whole)
+
+
 def test_a_model_that_draws_resumes_as_it_would_have_run(
     manifest: Path,  # noqa: F811
     tmp_path: Path,
@@ -291,27 +313,37 @@ def test_a_model_that_draws_resumes_as_it_would_have_run(
     checkpoint: a resumed run's dropout replayed the masks of the run's first steps (a
     resumed CosmoFlow with dropout 0.5 lost 0.35 in loss at the next step). Every step is
     seeded from the run's seed and the step now: the losses go on as uninterrupted."""
-    import shutil
-
-    (tmp_path / "dropnet.py").write_text(
+    _resumes_as_uninterrupted(
+        manifest,
+        tmp_path,
+        monkeypatch,
         "from torch import nn\n"
         "def build(num_classes=2, in_chans=3, **_):\n"
         "    return nn.Sequential(nn.Conv2d(in_chans, 8, 3, padding=1), nn.ReLU(),\n"
         "                         nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Dropout(0.5),\n"
-        "                         nn.Linear(8, num_classes))\n"
+        "                         nn.Linear(8, num_classes))\n",
     )
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+
+
+@pytest.mark.slow
+def test_a_model_with_a_frozen_layer_resumes(
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frozen layer (fine-tuning) has no optimizer state: the load asked for it, and no
+    checkpoint of such a run could be loaded ("Missing key ... /exp_avg"), on every relaunch."""
+    _resumes_as_uninterrupted(
+        manifest,
+        tmp_path,
+        monkeypatch,
+        "from torch import nn\n"
+        "def build(num_classes=2, in_chans=3, **_):\n"
+        "    net = nn.Sequential(nn.Conv2d(in_chans, 8, 3, padding=1), nn.ReLU(),\n"
+        "                        nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(8, num_classes))\n"
+        "    net[0].requires_grad_(False)\n"
+        "    return net\n",
     )
-    sets = ("parallel.spatial=1x1", "model.name=dropnet:build", "train.keep_checkpoints=50")
-    whole = tmp_path / "whole"
-    assert _train(manifest, whole, 1, *sets, check=False).returncode == 0
-    resumed = Path(shutil.copytree(whole, tmp_path / "resumed"))
-    for ckpt in sorted((resumed / "checkpoints").iterdir())[2:]:  # from step 2 on
-        shutil.rmtree(ckpt)
-    run = _train(manifest, resumed, 1, *sets, check=False)
-    assert run.returncode == 0 and "resuming run" in run.stderr, run.stderr[-3000:]
-    assert len(_losses(whole)) > 3 and _losses(resumed) == _losses(whole)
 
 
 def test_a_resume_reuses_the_pipeline_cut_of_the_runs_first_launch(

@@ -251,6 +251,26 @@ def test_bytes_flipped_in_a_shard_are_damage_not_other_weights(tmp_path: Path) -
     assert found is not None and found.path == newest
 
 
+def test_a_frozen_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
+    """A frozen layer (fine-tuning) never gets optimizer state: the load asked for its zero
+    placeholders, DCP refused them as missing keys and no checkpoint of such a run loaded."""
+    model, opt = _model_and_opt()
+    model[0].weight.requires_grad_(False)
+    root = tmp_path / "ckpt"
+    _step(model, opt)
+    save_checkpoint(root, 1, _state_of(model, opt, for_load=False), {}, keep=2)
+    want = _snapshot(model, opt)
+    fresh, fresh_opt = _model_and_opt()
+    fresh[0].weight.requires_grad_(False)
+    state = _state_of(fresh, fresh_opt, for_load=True)
+    assert "0.weight/exp_avg" in state["optim"]  # the placeholder the load asks for
+    found = load_latest(root, state, optional="optim")
+    assert found is not None and "0.weight/exp_avg" not in state["optim"]
+    install_optimizer_state(fresh.named_parameters(), fresh_opt, state["optim"])
+    assert _same(_snapshot(fresh, fresh_opt), want)
+    assert fresh[0].weight not in fresh_opt.state  # nothing installed for the frozen one
+
+
 def test_a_failed_load_leaves_no_trace_and_all_corrupt_raises(tmp_path: Path) -> None:
     model, opt = _model_and_opt()
     root = tmp_path / "ckpt"

@@ -385,6 +385,7 @@ def load_latest(
     *,
     run_id: str | None = None,
     expect: Callable[[Path, dict[str, Any]], None] | None = None,
+    optional: str | None = None,
 ) -> Loaded | None:
     """Load the newest loadable checkpoint into ``state`` (collectively); None if there is none.
 
@@ -395,7 +396,9 @@ def load_latest(
     checkpoint is intact and must not be passed over. A checkpoint that fails to
     load on any rank leaves no trace in ``state`` and the previous one is
     tried. Raises :class:`CheckpointError` (same line on every rank) when
-    there are checkpoints and none loads.
+    there are checkpoints and none loads. ``optional`` names a key of ``state``
+    whose entries a checkpoint may lack (optimizer state of a parameter that never
+    had a gradient: a frozen one): those are removed from ``state[optional]``.
     """
     root = Path(root_or_checkpoint)
     candidates = [root] if (root / MARKER).exists() else list_checkpoints(root, run_id)
@@ -420,12 +423,20 @@ def load_latest(
             reader = SafeReader(path)  # metadata that would run code is refused
             try:
                 staged = _staged(state)
+                if optional is not None:
+                    saved = reader.read_metadata().state_dict_metadata
+                    staged[optional] = {
+                        k: v for k, v in staged[optional].items() if f"{optional}.{k}" in saved
+                    }
                 dcp.load(staged, storage_reader=reader)
             except _LOAD_ERRORS as err:
                 if reader.refused is not None:  # not damage: never passed over silently
                     raise reader.refused from None
                 reason = _reason(err)
         if all_agree(not reason):
+            if optional is not None:
+                for k in set(state[optional]) - set(staged[optional]):
+                    del state[optional][k]
             _copy_into(state, staged)
             return Loaded(path, meta, failures)
         failures.append((path, reason or "failed on another rank"))

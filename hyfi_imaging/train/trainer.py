@@ -581,6 +581,7 @@ class Trainer:
             self.ckpt_root,
             state,
             run_id=self.run_id,
+            optional="optim",  # a frozen parameter has no optimizer state to load
             expect=self._same_position(
                 "put the recipe back as the run had it, or relaunch with --restart for a new run "
                 "(the old one is kept in previous/)"
