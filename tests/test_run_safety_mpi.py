@@ -45,8 +45,15 @@ def test_corrupt_checkpoints_never_contaminate_a_run(manifest: Path, tmp_path: P
     ckpts = run / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000005", "step_00000006"]
 
-    # The newest is damaged: resume from the one before, and the run goes on exactly.
+    # The newest is damaged: hyfi-predict says which one it uses instead (it said nothing)...
     _corrupt(ckpts / "step_00000006")
+    cmd = [sys.executable, "-m", "hyfi_imaging.cli.predict", str(run),
+           "--manifest", str(manifest), "--out", str(tmp_path / "pred.csv")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step_00000006 could not be loaded" in proc.stderr
+    assert "using step_00000005 (step 5)" in proc.stderr
+    # ... and training resumes from the one before, and the run goes on exactly.
     again = _train(manifest, run, 2, SP)
     assert "step_00000006.unloadable" in again.stderr
     assert _losses(run) == reference

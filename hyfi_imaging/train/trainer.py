@@ -621,6 +621,15 @@ class Trainer:
                 "no checkpoint here",
                 "give a run's checkpoints/step_N directory",
             )
+        if self.rank0:  # an older checkpoint than the newest: said, never silently
+            for path, why in found.skipped:
+                log.warning(
+                    "%s could not be loaded (%s); using %s (step %s)",
+                    path,
+                    why,
+                    found.path.name,
+                    found.meta.get("step"),
+                )
         return found.meta
 
     # -- evaluation --------------------------------------------------------------------------
