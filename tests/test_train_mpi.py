@@ -290,7 +290,9 @@ def test_a_resume_at_an_epoch_end_logs_each_evaluation_once(manifest: Path, tmp_
         writer.writerows(r for r in rows if int(r["step"]) <= end)
     evals = (full / "evals.jsonl").read_text().splitlines(keepends=True)
     (cut / "evals.jsonl").write_text("".join(e for e in evals if json.loads(e)["step"] <= end))
-    assert "resuming run" in _train(manifest, cut, 1, *sets).stderr
+    shorter = shutil.copytree(cut, tmp_path / "shorter")
+    resumed = _train(manifest, cut, 1, *sets).stderr
+    assert "resuming run" in resumed and "learning-rate schedule" not in resumed
     timing = {"time", "images_per_s", "megapixels_per_s", "memory_mib", "data_wait_s"}
 
     def logged(run: Path) -> list[dict[str, str]]:
@@ -301,6 +303,9 @@ def test_a_resume_at_an_epoch_end_logs_each_evaluation_once(manifest: Path, tmp_
     assert len((cut / "evals.jsonl").read_text().splitlines()) == len(evals)
     _train(manifest, tmp_path / "capped", 1, *sets, "train.max_steps=1000")
     assert logged(tmp_path / "capped") == logged(full)
+    # A resume under a new train.max_steps (or train.epochs) plans the schedule anew: said.
+    said = _train(manifest, shorter, 1, *sets, f"train.max_steps={end + 1}").stderr
+    assert f"the learning-rate schedule now runs {end + 1} steps (the run planned" in said
 
 
 def test_config_errors_fail_before_any_rank_starts(manifest: Path, tmp_path: Path) -> None:

@@ -352,6 +352,7 @@ class Trainer:
             "classes": r.data.classes,
             "meaning": self._meaning(),
             "split": self._split_record(),
+            "total_steps": self.total_steps,  # the learning-rate schedule's length
         }
         state = self._state(False)
         if not finite_everywhere(state, self.pc.device):
@@ -599,10 +600,28 @@ class Trainer:
             log.warning(
                 "resuming run %s from %s (step %d)", self.run_id, found.path, found.meta["step"]
             )
+            self._say_schedule(found.meta)
         if dist.is_initialized():
             dist.barrier()
         meta = found.meta
         return _Position(int(meta["step"]), int(meta["epoch"]), int(meta["batch"]))
+
+    def _say_schedule(self, meta: dict[str, Any]) -> None:
+        """One line when a resume plans the learning-rate schedule over another number of
+        steps (train.epochs or train.max_steps changed): its rate moves at once."""
+        was, step = meta.get("total_steps"), int(meta["step"])
+        if not isinstance(was, int) or was == self.total_steps:
+            return
+        r = self.recipe
+        log.warning(
+            "the learning-rate schedule now runs %d steps (the run planned %d: train.epochs or "
+            "train.max_steps changed): its rate at step %d is %.4g instead of %.4g",
+            self.total_steps,
+            was,
+            step,
+            lr_at(step, r, self.total_steps),
+            lr_at(step, r, was),
+        )
 
     def load_weights(self, checkpoint: Path) -> dict[str, Any]:
         """Load only the model (any layout's checkpoint) from a checkpoint or a checkpoint directory."""
