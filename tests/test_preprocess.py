@@ -714,6 +714,65 @@ def test_ctrl_c_stops_the_run_in_one_line(tmp_path: Path, workers: int) -> None:
         assert read_hyfi_attrs(store) is not None
 
 
+def test_one_file_is_one_row_and_another_batch_never_replaces_a_slide(
+    cohort: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slide listed twice in the manifest can be in training and validation both: a file
+    given again under another name (a link) is one slide, and a row of a file converted under
+    a new id is dropped, with a warning naming its store. A later batch's file of the same
+    name replaced the earlier slide's store without a word: it fails, the slide is kept. An
+    output folder read as input turned its QC pictures into slides: refused, or passed over."""
+    from hyfi_imaging.preprocess.discover import discover_slides
+
+    out = tmp_path / "out"
+    opts = PreprocessOptions(mpp=2.0, size=(512, 512))
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "case7.svs").symlink_to(cohort / "a.svs")
+    found = discover_slides([cohort / "a.svs", links / "case7.svs"])
+    assert found.slides == [cohort / "a.svs"]
+    ((skipped,),) = [[s for s in found.skipped if s.path == links / "case7.svs"]]
+    assert skipped.reason == "links to a file given already" and "a.svs" in skipped.detail
+    run_preprocess([cohort / "a.svs", links / "case7.svs"], out, opts, progress=False)
+    assert [r.slide_id for r in read_manifest(out / "manifest.csv")] == ["a"]
+    # the same file alone under its new id: one row for it, the old one dropped and said
+    run_preprocess([links / "case7.svs"], out, opts, progress=False)
+    assert [r.slide_id for r in read_manifest(out / "manifest.csv")] == ["case7"]
+    assert "slide 'a' is dropped from the manifest" in caplog.text
+    # another batch's a.svs (another file): refused, the first a kept with its row
+    run_preprocess([cohort / "a.svs"], out, opts, progress=False)
+    batch2 = tmp_path / "batch2"
+    batch2.mkdir()
+    shutil.copy(cohort / "b.svs", batch2 / "a.svs")
+    run_preprocess([batch2 / "a.svs"], out, opts, progress=False)
+    rows = [r for r in read_manifest(out / "manifest.csv") if r.slide_id == "a"]
+    assert [r.status for r in rows] == ["ok", "failed"]
+    assert Path(rows[0].source).resolve() == (cohort / "a.svs").resolve()
+    assert "is taken in" in rows[1].error and "by another file" in rows[1].error
+    assert (read_hyfi_attrs(out / "a.zarr") or {})["source"] == str((cohort / "a.svs").resolve())
+    # an output folder: refused as --out of its own input, passed over inside another input
+    with pytest.raises(ConfigError, match="is both an input folder and --out"):
+        run_preprocess([out], out, opts, progress=False)
+    found = discover_slides([tmp_path], recursive=True)
+    assert not [p for p in found.slides if out in p.parents]
+    assert any(s.path == out for s in found.skipped)
+
+
+def test_an_output_that_cannot_be_written_is_not_blamed_on_the_slide(
+    cohort: Path, tmp_path: Path
+) -> None:
+    """A QC picture that cannot be written failed each slide with "could not be converted
+    ...; check the file, or report a bug": the output folder is named now."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "qc").write_text("")  # a file where the QC folder goes
+    run_preprocess([cohort / "a.svs"], out, PreprocessOptions(mpp=2.0, size=(512, 512)),
+                   progress=False)  # fmt: skip
+    (row,) = read_manifest(out / "manifest.csv")
+    assert row.status == "failed" and row.error.startswith(f"{out}: cannot write"), row.error
+    assert "make the output folder writable" in row.error and "check the file" not in row.error
+
+
 def test_a_run_over_other_slides_keeps_the_earlier_rows(cohort: Path, tmp_path: Path) -> None:
     """A second run into the same folder, over one slide that fails, rewrote the manifest with
     that slide alone: the earlier slides' rows were lost (their stores still on disk). They

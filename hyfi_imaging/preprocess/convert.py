@@ -228,6 +228,27 @@ def is_done(
     )
 
 
+def check_not_anothers(final: Path, source: Path) -> None:
+    """Refuse to replace a store converted from another file that still exists: a later
+    batch with the same file name (``batch2/x.tif`` after ``batch1/x.tif``) replaced it,
+    and the first slide was gone from the folder without a word. A store whose file moved
+    away is replaced (the same slide, found elsewhere)."""
+    other = (read_hyfi_attrs(final) or {}).get("source") if final.exists() else None
+    if isinstance(other, str) and other != str(source.resolve()) and Path(other).exists():
+        raise ConfigError(
+            source,
+            f"its slide id {final.name.removesuffix('.zarr')!r} is taken in {final.parent} by "
+            f"another file, {other} ({final.name})",
+            f"rename one of the files (or delete {final} to replace that slide)",
+        )
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies in it (links resolved)."""
+    real, top = os.path.realpath(path), os.path.realpath(folder)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
 def _resolution(reader: SlideReader, options: PreprocessOptions) -> tuple[float, int, float | None]:
     """Output pixels per level-0 pixel, the level to read from, and the output mpp."""
     where = reader.path
@@ -479,6 +500,7 @@ def convert_slide(
                 fit_scale=float(attrs.get("fit_scale", 1.0)),
                 tissue_warning=str(attrs.get("tissue_warning") or ""),
             )
+        check_not_anothers(final, source)
         budget = default_memory_budget() if options.memory_budget is None else options.memory_budget
         with open_slide(source, mpp_override=options.mpp_override, memory_budget=budget) as reader:
             shown = (qc_channels or QcChannels()).resolve(reader) if qc_dir is not None else None
@@ -577,6 +599,19 @@ def convert_slide(
                 ),
             )
         what = f"{type(err).__name__}: {err}".replace("\n", " ")
+        target = getattr(err, "filename", None)
+        if isinstance(err, OSError) and isinstance(target, str) and _inside(Path(target), out_dir):
+            return ConvertResult(  # the output's fault, not the slide's
+                slide_id,
+                str(source),
+                "",
+                "failed",
+                error=problem(
+                    out_dir,
+                    f"cannot write {target} ({err.strerror or what})",
+                    "make the output folder writable (or choose another --out) and re-run",
+                ),
+            )
         return ConvertResult(
             slide_id,
             str(source),

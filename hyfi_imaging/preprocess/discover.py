@@ -71,6 +71,8 @@ SLIDE_SUFFIXES = (
 SUBFOLDER = "subfolders, not searched without --recursive"
 _HIDDEN = "hidden files"
 _OUTPUT = "the output folder (--out)"
+_EARLIER_OUTPUT = "output folders of earlier hyfi-preprocess runs"
+_SAME_FILE = "links to a file given already"
 _STORE = "OME-Zarr stores inside a folder (name one on the command line to convert it)"
 _SPECIAL = "not regular files"
 _UNREADABLE = "files that cannot be read"
@@ -148,6 +150,14 @@ def _is_store(path: Path) -> bool:
     return (path / "zarr.json").is_file() or (path / ".zgroup").is_file()
 
 
+def _is_output(path: Path) -> bool:
+    """Whether ``path`` is a folder hyfi-preprocess wrote (its lock, or its manifest and log):
+    its QC pictures and contact sheet are no slides."""
+    return (path / ".hyfi-preprocess.lock").is_file() or (
+        (path / "manifest.csv").is_file() and (path / "preprocess.log").is_file()
+    )
+
+
 def discover_slides(
     inputs: Sequence[Path], *, recursive: bool = False, out_dir: Path | None = None
 ) -> Discovery:
@@ -160,14 +170,17 @@ def discover_slides(
         ConfigError: an input does not exist.
     """
     found = Discovery()
-    seen: set[Path] = set()
+    seen: dict[Path, Path] = {}  # file (links resolved) -> the input that named it first
     series: dict[tuple[Path, str], list[Path]] = defaultdict(list)
     out_real = out_dir.resolve() if out_dir is not None and out_dir.exists() else None
 
     def add(path: Path) -> None:
         real = path.resolve()
-        if real not in seen:
-            seen.add(real)
+        if real in seen:  # one file named twice: one slide (a link to it is said)
+            if path.absolute() != seen[real].absolute():
+                skip(path, _SAME_FILE, f"the same file as {seen[real]}")
+        else:
+            seen[real] = path
             found.slides.append(path)
 
     root = Path()  # the folder being scanned, for the names shown
@@ -192,6 +205,8 @@ def discover_slides(
                 real = path.resolve()
                 if real == out_real:
                     skip(path, _OUTPUT)
+                elif _is_output(path):
+                    skip(path, _EARLIER_OUTPUT)
                 elif _is_store(path):
                     skip(path, _STORE)
                 elif f"{entry.name}.mrxs" in names:
@@ -233,6 +248,13 @@ def discover_slides(
                 skip(path, "files in formats hyfi-imaging does not read", reason)
 
     for item in inputs:
+        if item.is_dir() and out_real is not None and item.resolve() == out_real:
+            raise ConfigError(
+                item,
+                "is both an input folder and --out: this run's stores, QC pictures and "
+                "contact sheet would be read as slides by the next",
+                "choose another --out (e.g. a folder beside the slides)",
+            )
         if item.is_dir() and not _is_store(item):
             root = item
             scan(item, frozenset({item.resolve()}))

@@ -44,6 +44,7 @@ from hyfi_imaging.preprocess.convert import (
     ConvertResult,
     PreprocessOptions,
     check_disk_space,
+    check_not_anothers,
     convert_slide,
     is_done,
     remove_stale_temporaries,
@@ -184,6 +185,7 @@ def run_preprocess(
         labels = {**labels_from_names(found.slides, label_from_name), **labels}
     labels = found.labels_for(labels)  # inputs sharing a stem are named by file, labelled by stem
     results, todo = _assign_ids(found.slides, labels, labels_path, label_from_name, found.ids)
+    todo = _not_taken(todo, results, out_dir)
     options, matched = _match_annotations(annotations, options, todo, results)
     if options.memory_budget is None:  # decided once, here, where the workers are known
         options = replace(options, memory_budget=default_memory_budget(workers))
@@ -298,6 +300,24 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         yield
 
 
+def _not_taken(
+    todo: list[tuple[str, Path]], results: dict[str, ConvertResult], out_dir: Path
+) -> list[tuple[str, Path]]:
+    """``todo`` without the slides whose store in ``out_dir`` holds another file of the same
+    id (an earlier batch's): each fails (its earlier row and store are kept)."""
+    kept = []
+    for sid, source in todo:
+        try:
+            check_not_anothers(store_path(out_dir, sid), source)
+        except ConfigError as err:
+            results[f"{sid}#{source}"] = ConvertResult(
+                sid, str(source), "", "failed", error=str(err)
+            )
+        else:
+            kept.append((sid, source))
+    return kept
+
+
 def _assign_ids(
     slides: list[Path],
     labels: dict[str, str],
@@ -354,7 +374,8 @@ def _convert_all(
 ) -> PreprocessSummary:
     qc_dir = out_dir / "qc" if qc else None
     manifest = out_dir / "manifest.csv"
-    earlier = _earlier_rows(manifest, set(results) | {sid for sid, _ in todo})
+    sources = {_real(p) for _, p in todo} | {_real(Path(r.source)) for r in results.values()}
+    earlier = _earlier_rows(manifest, set(results) | {sid for sid, _ in todo}, sources, out_dir)
 
     def rows() -> list[ManifestRow]:
         return sorted([*earlier, *_rows(results, labels, out_dir)], key=lambda r: r.slide_id)
@@ -457,19 +478,42 @@ def _start_forkserver() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _earlier_rows(manifest: Path, this_run: set[str]) -> list[ManifestRow]:
+def _real(path: Path) -> Path:
+    """``path`` with its links resolved: the file it names."""
+    return Path(os.path.realpath(path))
+
+
+def _earlier_rows(
+    manifest: Path, this_run: set[str], sources: set[Path], out_dir: Path
+) -> list[ManifestRow]:
     """The rows an earlier run into the same folder wrote for slides this run does not
     convert: kept, so that a run over other inputs (or one slide again) loses none of
     them (a rerun rewrote the manifest with its own slides alone, and the stores of the
-    others, still on disk, dropped out of it). A manifest that cannot be read is left to
-    be replaced, with a warning."""
+    others, still on disk, dropped out of it). A row of a file this run converts under
+    another id (``sources``: a new file made its stem ambiguous) is dropped, with a
+    warning naming its store: one slide as two rows could be in training and validation
+    both. A manifest that cannot be read is left to be replaced, with a warning."""
     if not manifest.exists():
         return []
     try:
-        return [row for row in read_manifest(manifest) if row.slide_id not in this_run]
+        rows = [row for row in read_manifest(manifest) if row.slide_id not in this_run]
     except Exception as err:  # a damaged or foreign manifest: this run's rows replace it
         log.warning("%s: earlier rows not kept (%s: %s)", manifest, type(err).__name__, err)
         return []
+    kept = []
+    for row in rows:
+        if row.source and _real(Path(row.source)) in sources:
+            log.warning(
+                "%s: slide %r is dropped from the manifest: its file %s is converted under "
+                "another id now; its store %s is left on disk (delete it)",
+                manifest,
+                row.slide_id,
+                row.source,
+                out_dir / row.path if row.path else "(none)",
+            )
+        else:
+            kept.append(row)
+    return kept
 
 
 def _rows(
