@@ -91,6 +91,16 @@ def test_counts_that_must_be_positive_are_refused_in_one_line(
         preprocess(["slides", "--out", "out", "--chunk", "0"])
     assert exit_.value.code == 2
     assert "--chunk and --shard must be >= 1" in capsys.readouterr().err.splitlines()[-1]
+    # a negative margin cropped inside the tissue (exit 0), nan or -1 failed every slide
+    for option, value, said in (
+        ("--margin-um", "-5", "--margin-um: must be 0 or more, got -5"),
+        ("--margin-um", "nan", "--margin-um: must be a finite number, got nan"),
+        ("--level", "-1", "--level: must be 0 or more, got -1"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            preprocess(["slides", "--out", "out", option, value])
+        assert exit_.value.code == 2
+        assert said in capsys.readouterr().err.splitlines()[-1]
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,12 @@ def test_memory_sizes() -> None:
         (["--devices", "0"], "--devices: must be 1 or more, got 0"),
         (["--devices", "-2"], "--devices: must be 1 or more, got -2"),
         (["--batch", "x"], "--batch: must be a whole number"),
+        # a ZeroDivisionError traceback (exit 1, "none fits"), "nan TFLOP/s" step times, and
+        # a negative latency's negative communication times
+        (["--rate", "0"], "--rate/--flops: must be > 0, got 0"),
+        (["--rate", "nan"], "--rate/--flops: must be a finite number, got nan"),
+        (["--link-latency", "-1"], "--link-latency: must be 0 or more, got -1"),
+        (["--inter-latency", "inf"], "--inter-latency: must be a finite number"),
     ],
 )
 def test_plan_refuses_sizes_and_counts_that_mean_nothing(

@@ -773,6 +773,19 @@ def test_an_output_that_cannot_be_written_is_not_blamed_on_the_slide(
     assert "make the output folder writable" in row.error and "check the file" not in row.error
 
 
+def test_quiet_says_each_warning_once(
+    cohort: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--quiet printed every warning live as well as in the summary (the default: the
+    summary only)."""
+    from hyfi_imaging.cli.preprocess import main
+
+    args = [str(cohort / "a.svs"), "--out", str(tmp_path / "out"), "--level", "0", "--size", "64"]
+    assert main([*args, "--quiet"]) == 0
+    said = capsys.readouterr()
+    assert "shrank" in said.out and "shrank" not in said.err, said.err
+
+
 def test_a_run_over_other_slides_keeps_the_earlier_rows(cohort: Path, tmp_path: Path) -> None:
     """A second run into the same folder, over one slide that fails, rewrote the manifest with
     that slide alone: the earlier slides' rows were lost (their stores still on disk). They

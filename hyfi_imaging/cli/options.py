@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ __all__ = [
     "count_int",
     "grids_type",
     "memory_size",
+    "nonnegative_float",
     "positive_float",
     "positive_int",
     "shape_type",
@@ -23,11 +25,29 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
 
 
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
-    """A float > 0 (``--mpp``, ``--mpp-override``)."""
-    value = float(text)
+    """A finite float > 0 (``--mpp``, ``--mpp-override``, ``--rate``)."""
+    value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0 (``--margin-um``, ``--link-latency``)."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 

@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hyfi_imaging.cli.options import memory_size, positive_int, size_type
+from hyfi_imaging.cli.options import (
+    memory_size,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    size_type,
+)
 from hyfi_imaging.errors import ConfigError, HyfiError
 
 #: Rows of the speed model's device table (kept here so that --help needs no torch import).
@@ -118,15 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
                    + "; cuda: this machine's GPU, its figures measured (a few seconds, cached)"
                    + " (default: this machine's GPU's table row if the table has it, else this "
                    "CPU)")  # fmt: skip
-    p.add_argument("--rate", "--flops", dest="rate", type=float,
+    p.add_argument("--rate", "--flops", dest="rate", type=positive_float,
                    help="sustained FLOP/s per device (default: the device's)")  # fmt: skip
     p.add_argument("--mem-bw", type=memory_size, help="bytes/s of memory-bound ops")
     p.add_argument("--link-bw", "--bandwidth", dest="link_bw", type=memory_size,
                    help="bytes/s per direction between ranks of a node (NVLink)")  # fmt: skip
-    p.add_argument("--link-latency", type=float, help="seconds per message within a node")
+    p.add_argument(
+        "--link-latency", type=nonnegative_float, help="seconds per message within a node"
+    )
     p.add_argument("--inter-bw", type=memory_size,
                    help="bytes/s per GPU across nodes (InfiniBand)")  # fmt: skip
-    p.add_argument("--inter-latency", type=float, help="seconds per message across nodes")
+    p.add_argument(
+        "--inter-latency", type=nonnegative_float, help="seconds per message across nodes"
+    )
     p.add_argument("--gpus-per-node", type=positive_int, help="devices per node")
     p.add_argument("--overlap", action="store_true",
                    help="as parallel.overlap: halos travel while a layer's interior computes")  # fmt: skip
@@ -158,8 +168,14 @@ def choose_device(args: argparse.Namespace, model: Any = None) -> Any:
     dev = get_device(
         name or "cpu", channels_last=model is not None and model_layout(model) is not None
     )
-    intra = Link(args.link_bw or dev.intra.bandwidth, args.link_latency or dev.intra.latency)
-    inter = Link(args.inter_bw or dev.inter.bandwidth, args.inter_latency or dev.inter.latency)
+    intra = Link(
+        args.link_bw or dev.intra.bandwidth,
+        dev.intra.latency if args.link_latency is None else args.link_latency,
+    )
+    inter = Link(
+        args.inter_bw or dev.inter.bandwidth,
+        dev.inter.latency if args.inter_latency is None else args.inter_latency,
+    )
     return dev.with_(
         flops=args.rate, mem_bw=args.mem_bw, per_node=args.gpus_per_node, intra=intra, inter=inter
     )

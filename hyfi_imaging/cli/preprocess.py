@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hyfi_imaging.cli.options import memory_size, positive_float, size_type
+from hyfi_imaging.cli.options import (
+    count_int,
+    memory_size,
+    nonnegative_float,
+    positive_float,
+    size_type,
+)
 from hyfi_imaging.errors import HyfiError
 
 if TYPE_CHECKING:
@@ -130,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     res = p.add_mutually_exclusive_group()
     res.add_argument("--mpp", type=positive_float, help="target microns per pixel (resample)")
-    res.add_argument("--level", type=int, help="use this pyramid level as it is (default: 0)")
+    res.add_argument("--level", type=count_int, help="use this pyramid level as it is (default: 0)")
     p.add_argument(
         "--size", type=size_type(1), default=(8192, 8192), help="canvas N or HxW (default: 8192)"
     )
@@ -143,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--margin-um",
-        type=float,
+        type=nonnegative_float,
         default=100.0,
         help="margin around tissue in microns (default: 100)",
     )
@@ -212,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="channels the QC pictures show and their colours, e.g. DAPI:blue,CD8:green,3:red "
         "(default: RGB as it is, else the first 3 channels in their colours, grey for 1)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar, warnings and errors only")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar (the summary at the end only)"
+    )
     return p
 
 
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("hyfi_imaging")
     log.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING if args.quiet else logging.ERROR)
+    console.setLevel(logging.ERROR)  # warnings are in the summary (said twice with --quiet)
     console.setFormatter(logging.Formatter("hyfi-preprocess: %(message)s"))
     log.addHandler(console)
     options = PreprocessOptions(
