@@ -681,6 +681,41 @@ def test_kill_minus_nine_stops_the_workers_too(tmp_path: Path) -> None:
     assert len(family) >= 3 and not left, (family, left)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc"
+)
+def test_a_worker_killed_fails_no_slide_it_was_not_converting(tmp_path: Path) -> None:
+    """A worker killed (as the kernel's OOM killer does) broke the pool, and every slide of
+    the run failed as "the worker process died", the ones never started too. The slides
+    left are converted again, one worker each: here all of them, since none kills its own."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        write_synthetic_slide(src / f"s{i}.svs", seed=60 + i, label=i % 2, size=(768, 768))
+    out = tmp_path / "out"
+    cmd = [*_cli(src, out), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(out.glob("*.zarr.tmp-*")):
+        time.sleep(0.02)
+    servers = [p for p in _descendants(proc.pid) if b"forkserver" in _cmdline(p)]
+    workers = [p for s in servers for p in _descendants(s)]
+    assert workers, "no worker found"
+    os.kill(workers[0], signal.SIGKILL)
+    said, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "4 slides: 4 converted, 0 already done, 0 failed" in said, said
+    assert "a worker process died" in (out / "preprocess.log").read_text()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 @pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_ctrl_c_stops_the_run_in_one_line(tmp_path: Path, workers: int) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) printed a KeyboardInterrupt traceback

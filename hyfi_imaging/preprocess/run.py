@@ -31,6 +31,7 @@ import signal
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -424,37 +425,57 @@ def _convert_all(
                 ]
             )
             _start_forkserver()
-            with ProcessPoolExecutor(
-                max_workers=workers,
-                mp_context=ctx,
-                initializer=exit_with,
-                initargs=(os.getpid(),),
-            ) as pool:
-                futures: dict[Future[ConvertResult], tuple[str, Path]] = {
-                    pool.submit(
-                        convert_slide,
-                        source,
-                        out_dir,
-                        sid,
-                        options,
-                        qc_dir=qc_dir,
-                        qc_channels=qc_channels,
-                        annotation=matched.get(sid),
-                    ): (sid, source)
-                    for sid, source in todo
-                }
-                for fut in as_completed(futures):
-                    sid, source = futures[fut]
-                    try:
-                        res = fut.result()
-                    except Exception as err:  # a worker died (e.g. out of memory)
-                        res = _failed(
+
+            def in_pool(items: list[tuple[str, Path]], size: int) -> list[tuple[str, Path]]:
+                """Convert ``items`` in a pool of ``size`` workers; the ones a dead worker
+                left (every unfinished one: a dead worker breaks the whole pool)."""
+                left = []
+                with ProcessPoolExecutor(
+                    max_workers=size,
+                    mp_context=ctx,
+                    initializer=exit_with,
+                    initargs=(os.getpid(),),
+                ) as pool:
+                    futures: dict[Future[ConvertResult], tuple[str, Path]] = {
+                        pool.submit(
+                            convert_slide,
+                            source,
+                            out_dir,
+                            sid,
+                            options,
+                            qc_dir=qc_dir,
+                            qc_channels=qc_channels,
+                            annotation=matched.get(sid),
+                        ): (sid, source)
+                        for sid, source in items
+                    }
+                    for fut in as_completed(futures):
+                        try:
+                            res = fut.result()
+                        except BrokenProcessPool:  # a worker died (e.g. out of memory)
+                            left.append(futures[fut])
+                            continue
+                        record(res)
+                        bar.update()
+                return sorted(left, key=items.index)
+
+            left = in_pool(todo, workers)
+            if left:  # which slide's worker died is not known: each again, alone
+                log.warning(
+                    "a worker process died; the %d slide(s) not finished are converted again, "
+                    "one worker each",
+                    len(left),
+                )
+            for sid, source in left:
+                if in_pool([(sid, source)], 1):
+                    record(
+                        _failed(
                             sid,
                             source,
-                            f"the worker process died ({type(err).__name__}: {err})",
-                            "re-run with fewer --workers or a smaller --size",
+                            "the worker process converting it died (out of memory? dmesg says)",
+                            "re-run with a smaller --size, or convert it on a larger machine",
                         )
-                    record(res)
+                    )
                     bar.update()
     finally:
         bar.close()
