@@ -158,6 +158,16 @@ def test_check_refuses_what_training_would_refuse(
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_check_under_a_launcher_counts_its_ranks(manifest: Path, tmp_path: Path) -> None:  # noqa: F811
+    """``mpiexec -n 3 hyfi-train ... --check`` of a 2x2 layout said "valid (4 ranks)", where
+    the run is refused: the launcher's ranks are checked, with the run's own line."""
+    proc = _train(manifest, tmp_path / "run", 3, "parallel.spatial=2x2", check=False,
+                  args=("--check",))  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "needs 4 ranks but the job has 3" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_check_refuses_an_ok_slide_without_a_label(manifest: Path, tmp_path: Path) -> None:  # noqa: F811
     rows = manifest.read_text().splitlines()
     header = rows[0].split(",")

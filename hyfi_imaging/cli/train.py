@@ -187,6 +187,17 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_launch_world(recipe: Any) -> None:
+    """ConfigError unless a launcher's job (none: one process, nothing to check) has the
+    ranks ``recipe``'s layout takes."""
+    from hyfi_imaging.parallel.launcher_env import launch_env
+    from hyfi_imaging.parallel.mirrored import check_placed_world
+
+    env = launch_env()
+    if env.launcher != "single":
+        check_placed_world(recipe.parallel.layout(), recipe.parallel.schedule, env.world_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hyfi-train``."""
     from hyfi_imaging.train.preempt import StopSignals
@@ -227,6 +238,8 @@ def _main(argv: list[str] | None, signals: Any) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         facts = preflight(recipe, start=start, stores=args.check)
+        if args.check:  # under a launcher, its ranks are checked too (as the run's are)
+            _check_launch_world(recipe)
         warning = fit_warning(recipe)
         mixed = None if facts is None else facts.mixed_warning()
         turns = turn_warning(recipe)

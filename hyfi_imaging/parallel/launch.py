@@ -284,13 +284,10 @@ def init_parallel(
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(local_size),
         )
-    from hyfi_imaging.parallel.mirrored import mirrored, mirrored_context
+    from hyfi_imaging.parallel.mirrored import check_placed_world, mirrored, mirrored_context
 
+    check_placed_world(layout, schedule, world)
     placement = mirrored(layout, schedule)
-    if placement is not None:
-        placement.check_world(world)
-    else:
-        layout.check_world(world)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     # SLURM's --gpus-per-task or --gpu-bind can leave each rank a single visible device.

@@ -54,6 +54,7 @@ __all__ = [
     "MirroredPlacement",
     "mirrored",
     "mirrored_context",
+    "check_placed_world",
     "placed_world_size",
 ]
 
@@ -62,6 +63,13 @@ def mirrored(layout: Layout, schedule: str | None) -> MirroredPlacement | None:
     """The placement of two mirrored replicas where ``schedule`` asks for them on per-stage
     grids (None elsewhere: every layout rank is its global rank)."""
     return MirroredPlacement(layout) if layout.junction and schedule == "bidirectional" else None
+
+
+def check_placed_world(layout: Layout, schedule: str | None, world_size: int) -> None:
+    """Raise ConfigError (one line) unless a job of ``world_size`` ranks runs ``layout`` under
+    ``schedule`` (the mirrored placement's count where it has one)."""
+    place = mirrored(layout, schedule)
+    (layout if place is None else place).check_world(world_size)
 
 
 def placed_world_size(layout: Layout, schedule: str | None) -> int:
