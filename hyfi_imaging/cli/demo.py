@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from hyfi_imaging.cli.options import positive_int
+
 __all__ = ["main"]
 
 EXAMPLES = """\
@@ -31,16 +33,19 @@ examples:
 """
 
 
+_LESIONS = 12  # per tumour slide
+
+
 def _print_manifest(path: Path) -> None:
     from hyfi_imaging.preprocess import read_manifest
 
     rows = read_manifest(path)
-    print(f"  {'slide_id':<12}{'label':>6}{'size':>12}{'mpp':>6}  status  store")
+    print(f"  {'slide_id':<12}{'label':>6}{'size':>12}{'mpp':>8}  status  store")
     for r in rows[:6]:
         size = f"{r.height}x{r.width}"
-        mpp = "" if r.mpp is None else f"{r.mpp:g}"
+        mpp = "" if r.mpp is None else f"{r.mpp:.3g}"
         print(
-            f"  {r.slide_id:<12}{r.label:>6}{size:>12}{mpp:>6}  {r.status:<6}  {r.path or r.error}"
+            f"  {r.slide_id:<12}{r.label:>6}{size:>12}{mpp:>8}  {r.status:<6}  {r.path or r.error}"
         )
     if len(rows) > 6:
         print(f"  ... {len(rows) - 6} more in {path}")
@@ -61,6 +66,18 @@ def _tile_grid_figure(manifest: Path, out: Path) -> Path:
     regions = tile_regions((h, w), (2, 2), halo=(13, 10), align=32)
     title = f"{row.slide_id}: 2x2 tiles (solid) and reads with a 13/10 px halo (dashed)"
     return plot_tile_grid(image, regions, out / "tile_grid.png", title=title)
+
+
+def _resolution(manifest: Path) -> str:
+    """The resolution the stores of ``manifest`` hold, as measured ("0.5 um/px", or a range
+    where the canvas shrank slides to fit: a label never states one that was not used)."""
+    from hyfi_imaging.preprocess import read_manifest
+
+    mpps = [r.mpp for r in read_manifest(manifest) if r.status == "ok" and r.mpp is not None]
+    if not mpps:
+        return "unknown um/px"
+    low, high = f"{min(mpps):.3g}", f"{max(mpps):.3g}"
+    return f"{low} um/px" if low == high else f"{low}-{high} um/px"
 
 
 def _launcher(ranks: int) -> list[str]:
@@ -117,22 +134,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=Path("demo_out"), help="output directory (default: demo_out)"
     )
-    p.add_argument("--slides", type=int, default=48, help="synthetic slides (default: 48)")
+    p.add_argument("--slides", type=positive_int, help="synthetic slides (default: 48)")
     p.add_argument(
-        "--slide-size", type=int, default=768, help="slide side in pixels (default: 768)"
+        "--slide-size", type=positive_int, default=768, help="slide side in pixels (default: 768)"
+    )
+    p.add_argument("--size", type=positive_int, help="full-resolution canvas side (default: 768)")
+    p.add_argument("--epochs", type=positive_int, help="training epochs (default: 6)")
+    p.add_argument(
+        "--workers", type=positive_int, default=2, help="preprocess workers (default: 2)"
     )
     p.add_argument(
-        "--size", type=int, default=768, help="full-resolution canvas side (default: 768)"
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: 8 slides of a 512^2 canvas, 1 epoch (where not given)",
     )
-    p.add_argument("--epochs", type=int, default=6, help="training epochs (default: 6)")
-    p.add_argument("--workers", type=int, default=2, help="preprocess workers (default: 2)")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run: 8 slides, 1 epoch")
     p.add_argument("--no-train", action="store_true", help="stop after preprocessing and figures")
     args = p.parse_args(argv)
-    if args.quick:
-        args.slides, args.slide_size, args.size, args.epochs = 8, 768, 512, 1
+    chosen = (8, 512, 1) if args.quick else (48, 768, 6)  # slides, canvas, epochs
+    for name, value in zip(("slides", "size", "epochs"), chosen, strict=True):
+        if getattr(args, name) is None:  # a value given wins over --quick's
+            setattr(args, name, value)
 
-    from hyfi_imaging.data.synthetic import write_synthetic_cohort
+    from hyfi_imaging.data.synthetic import check_lesion_room, write_synthetic_cohort
     from hyfi_imaging.errors import HyfiError
     from hyfi_imaging.preprocess import PreprocessOptions, run_preprocess
     from hyfi_imaging.resources import recipe_path
@@ -143,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the recipe and its dataset card, checked before minutes of work
         recipe = recipe_path("synthetic")
         load_recipe(recipe, _overrides("full", out / "data_full", out, "2x2", args.epochs))
+        check_lesion_room(
+            _LESIONS, (args.slide_size, args.slide_size), options=("--slide-size", "")
+        )
     except HyfiError as err:
         print(f"hyfi-demo: error: {err}", file=sys.stderr)
         return 2
@@ -155,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         args.slides,
         seed=0,
         size=(args.slide_size, args.slide_size),
-        lesions=12,
+        lesions=_LESIONS,
         progress=True,
     )
     print("[2/4] hyfi-preprocess: full resolution (0.5 um/px) and 8x downsampled (4 um/px)")
@@ -179,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         runs[key] = summary
     full = runs["full"]
     assert full.manifest is not None and runs["down8"].manifest is not None
+    shown = {k: _resolution(r.manifest) for k, r in runs.items() if r.manifest is not None}
+    if shown != {"full": "0.5 um/px", "down8": "4 um/px"}:  # a canvas that shrank the slides
+        print(f"  stores at {shown['full']} and {shown['down8']} (the canvas shrank the slides)")
     _print_manifest(full.manifest)
     grid = _tile_grid_figure(full.manifest, out)
     print(f"[3/4] figures: {full.contact_sheet}, {grid}")
@@ -186,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("[4/4] training: full resolution on a 2x2 tile grid (4 ranks), then 8x downsampled")
     results = {
-        f"full resolution\n0.5 um/px, {args.size}^2, 2x2 tiles": _train(
+        f"full resolution\n{shown['full']}, {args.size}^2, 2x2 tiles": _train(
             recipe, "full", full.manifest, out, "2x2", args
         ),
-        f"8x downsampled\n4 um/px, {small}^2": _train(
+        f"8x downsampled\n{shown['down8']}, {small}^2": _train(
             recipe, "down8", runs["down8"].manifest, out, "1x1", args
         ),
     }

@@ -201,17 +201,25 @@ def _place_lesions(
     return lesions
 
 
-def check_lesion_room(lesions: int, size: tuple[int, int], lesion_cell: int = 4) -> None:
+def check_lesion_room(
+    lesions: int,
+    size: tuple[int, int],
+    lesion_cell: int = 4,
+    *,
+    options: tuple[str, str] = ("--size", "--lesions"),
+) -> None:
     """Refuse more lesions than a ``size`` slide can hold, each covering 2x2 blocks of
     ``2 * lesion_cell`` px or more (50 tries per lesion of each of three erosions:
-    ``--lesions 100000`` on a 256² slide ran for hours)."""
+    ``--lesions 100000`` on a 256² slide ran for hours). ``options``: the size's and the
+    count's option, named in the refusal (a count that is no option: "")."""
     block = 2 * lesion_cell
     room = (size[0] // block) * (size[1] // block) // 4
     if lesions > room:
+        size_option, count_option = options
         raise ConfigError(
-            "--lesions",
+            count_option or size_option,
             f"{lesions} lesions cannot fit in a {size[0]}x{size[1]} slide (at most {room})",
-            "use a larger --size or fewer --lesions",
+            f"use a larger {size_option}" + (f" or fewer {count_option}" if count_option else ""),
         )
 
 
