@@ -163,6 +163,14 @@ def test_train_then_predict_heatmaps_on_one_and_four_processes(
         png = tmp_path / "one" / "heatmaps" / f"{sid}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # Predicted again into the same folder for two of the slides: the other four maps are an
+    # earlier prediction's, said (they were left there without a word).
+    two = manifest.with_name("two_of_six.csv")  # beside it: its rows name stores relatively
+    two.write_text("".join(manifest.read_text().splitlines(keepends=True)[:3]))
+    again = [*predict[:3], "--manifest", str(two), "--out", str(tmp_path / "one" / "p.csv")]
+    said = _ok(plain(*again, "--heatmaps", timeout=300)).stdout
+    assert "also holds 4 heat map(s) of an earlier prediction" in said, said
+
 
 @pytest.mark.slow
 def test_heatmaps_at_8192_on_2x2_stay_within_memory() -> None:

@@ -165,12 +165,7 @@ def _predict_dense(
                 f"hyfi-predict: {len(cohort)} masks -> {out / 'masks'}{score} "
                 f"(checkpoint step {meta['step']})"
             )
-            ours = {f"{i}.zarr" for i in cohort.ids}
-            earlier = sorted(p.name for p in (out / "masks").glob("*.zarr") if p.name not in ours)
-            if earlier:
-                print(f"hyfi-predict: note: {out / 'masks'} also holds {len(earlier)} mask(s) "
-                      f"of an earlier prediction, of images not in this manifest (e.g. "
-                      f"{earlier[0]}); left as they were")  # fmt: skip
+            _note_earlier(out / "masks", cohort.ids, "mask(s)")
         return
     pred = trainer.predict(manifest, every)
     if rank0:
@@ -306,10 +301,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             if heat_dir is not None:
                 print(f"hyfi-predict: {len(samples)} heat maps -> {heat_dir}")
+                _note_earlier(heat_dir, [r.slide_id for r in rows], "heat map(s)")
         shutdown()
         return 0
 
     exit_now(fail_fast(run, prog="hyfi-predict"))
+
+
+def _note_earlier(folder: Path, ids: Sequence[str], what: str) -> None:
+    """Say that ``folder`` also holds outputs of an earlier prediction, of images other than
+    ``ids`` (left as they were: they are not this prediction's)."""
+    ours = {f"{i}.zarr" for i in ids}
+    earlier = sorted(p.name for p in folder.glob("*.zarr") if p.name not in ours)
+    if earlier:
+        print(f"hyfi-predict: note: {folder} also holds {len(earlier)} {what} of an earlier "
+              f"prediction, of images not in this manifest (e.g. {earlier[0]}); left as they "
+              "were")  # fmt: skip
 
 
 if __name__ == "__main__":
