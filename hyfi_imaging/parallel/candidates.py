@@ -10,6 +10,7 @@ one's memory and step time; :func:`rank` orders the predictions.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -42,8 +43,12 @@ __all__ = [
 ]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending (cached: the junction's grids ask for the same sizes
+    millions of times at thousands of devices, where they took a minute of a plan's listing)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 #: Per-stage grid sequences offered per (data replicas, pipeline stages): the ones with the most
@@ -69,7 +74,10 @@ def junction_grids(ranks: int, pp: int, *, limit: int = JUNCTION_LIMIT) -> list[
             if left == 0 and len(set(prefix)) > 1 and len(out) < limit:
                 out.append(prefix)
             return
-        for size in range(left - stages_left + 1, 0, -1):  # every later stage needs a rank
+        most = left - stages_left + 1  # every later stage needs a rank
+        if prefix:  # and none has more tiles than the one before it
+            most = min(most, prefix[-1][0] * prefix[-1][1])
+        for size in range(most, 0, -1):
             if left - size > size * (stages_left - 1):
                 break  # the later stages, no larger than this one, cannot take the rest
             for gy in _divisors(size):
@@ -81,6 +89,13 @@ def junction_grids(ranks: int, pp: int, *, limit: int = JUNCTION_LIMIT) -> list[
     if pp >= 2:
         extend((), ranks)
     return out
+
+
+def _widened(grids: tuple[Grid, ...]) -> int:
+    """Ranks of one replica of two mirrored replicas of per-stage ``grids`` (each pipeline
+    position as wide as the larger of its two stages' grids: :class:`~.mirrored.MirroredPlacement`)."""
+    sizes = [math.prod(g) for g in grids]
+    return sum(max(sizes[p], sizes[-1 - p]) for p in range(len(sizes)))
 
 
 def candidates(
@@ -131,8 +146,15 @@ def candidates(
                 layouts += [Layout(dp=dp, pp=pp, sp=(gy, sp // gy)) for gy in _divisors(sp)]
             if pooled and pp <= JUNCTION_STAGES:  # per-stage grids: splits of the replica's ranks
                 # (and, for two mirrored replicas, of fewer ranks that the placement widens
-                # to these: each position as wide as the larger of its two stages' grids)
-                splits = (g for k in range(ranks, pp - 1, -1) for g in junction_grids(k, pp))
+                # to these: each position as wide as the larger of its two stages' grids, so
+                # between half of them and all, and only splits that widen to all of them)
+                fewest = max(pp, (ranks + 1) // 2)
+                splits = (
+                    g
+                    for k in range(ranks, fewest - 1, -1)
+                    for g in junction_grids(k, pp)
+                    if k == ranks or _widened(g) == ranks
+                )
                 for grids in dict.fromkeys(splits):
                     try:
                         layouts.append(Layout(dp=dp, pp=pp, grids=grids))
