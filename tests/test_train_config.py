@@ -271,6 +271,26 @@ def test_a_frozen_parameter_without_optimizer_state_resumes(tmp_path: Path) -> N
     assert fresh[0].weight not in fresh_opt.state  # nothing installed for the frozen one
 
 
+def test_a_checkpoint_without_metadata_is_passed_over_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DCP's loader logs on the root logger: a missing ``.metadata`` (of a marker without
+    checksums, an earlier version's) printed its traceback before the one line."""
+    model, opt = _model_and_opt()
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        _step(model, opt)
+        save_checkpoint(root, step, _state_of(model, opt, for_load=False), {}, keep=5)
+    newest = root / "step_00000002"
+    marker = json.loads((newest / MARKER).read_text())
+    del marker["crc32"]
+    (newest / MARKER).write_text(json.dumps(marker))
+    (newest / ".metadata").unlink()
+    found = load_latest(root, _state_of(model, opt, for_load=True))
+    assert found is not None and found.path.name == "step_00000001"
+    assert "metadata is not found" not in caplog.text  # logged with its traceback
+
+
 def test_a_failed_load_leaves_no_trace_and_all_corrupt_raises(tmp_path: Path) -> None:
     model, opt = _model_and_opt()
     root = tmp_path / "ckpt"

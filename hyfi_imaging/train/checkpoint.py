@@ -30,15 +30,17 @@ survives a change of layout.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,6 +358,20 @@ def _damaged(path: Path, meta: dict[str, Any]) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP's loader silenced: it logs on the *root* logger (torch 2.13's
+    ``state_dict_loader``), and printed a traceback for a missing ``.metadata`` before the
+    one line that says which checkpoint was passed over and why."""
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _staged(state: Any) -> Any:
     """A copy of ``state`` (nested dicts of tensors) for DCP to load into."""
     if isinstance(state, dict):
@@ -428,7 +444,8 @@ def load_latest(
                     staged[optional] = {
                         k: v for k, v in staged[optional].items() if f"{optional}.{k}" in saved
                     }
-                dcp.load(staged, storage_reader=reader)
+                with _quiet_dcp():  # a damaged file is said in one line, below
+                    dcp.load(staged, storage_reader=reader)
             except _LOAD_ERRORS as err:
                 if reader.refused is not None:  # not damage: never passed over silently
                     raise reader.refused from None

@@ -1066,6 +1066,7 @@ class Trainer:
                         self.pm.stop_requested = True
                         break
             if self.pm.stop_requested:
+                bar.close()  # its last line ended before the signal's own line is said
                 return self._stopped(pos, signals.received)
             if not final_saved:
                 self._save(pos)
