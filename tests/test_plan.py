@@ -814,3 +814,11 @@ def test_deep_halos_grow_what_their_runs_keep_by_hand() -> None:
     assert deep.by_module["3"] == grown  # the masked copy (the plain run reads ReLU's output)
     assert deep.by_module["0"] == plain.by_module["0"] == 1 * 8 * 8 * 4  # the head's own tile
     assert deep.activations - plain.activations == 3 * grown - 2 * tile
+
+
+def test_the_h200s_memory_is_cudas_capacity_not_its_decimal_name() -> None:
+    """141 GB (decimal) was read as 141 GiB: 1.2 GiB more than the 139.8 GiB CUDA gives, so a
+    layout predicted at 140 GiB was marked as fitting."""
+    from hyfi_imaging.parallel.devices import DEVICES
+
+    assert DEVICES["h200"].memory == int(139.8 * 2**30)

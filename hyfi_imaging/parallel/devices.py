@@ -199,7 +199,8 @@ DEVICES: dict[str, Device] = {
         ib=50 * GB, per_node=8, px_half=4096, note="bf16 dense 989 TFLOP/s; NVLink4 900 GB/s; NDR 400 Gb/s per GPU",
     ),
     "h200": _gpu(
-        "H200 SXM 141GB", peak=989e12, hbm=4800 * GB, memory_gb=141, nvlink=450 * GB,
+        # 141 GB is decimal: CUDA's total capacity is 139.8 GiB (measured, docs/gpu/)
+        "H200 SXM 141GB", peak=989e12, hbm=4800 * GB, memory_gb=139.8, nvlink=450 * GB,
         ib=50 * GB, per_node=8, px_half=4096, note="bf16 dense 989 TFLOP/s; NVLink4 900 GB/s; NDR 400 Gb/s per GPU",
     ),
     "mi300a": _gpu(
