@@ -185,3 +185,34 @@ def test_slurm_rendezvous_without_a_node_list_says_what_to_set() -> None:
     env = {k: v for k, v in step(0, node=0, local=0).items() if "NODELIST" not in k}
     with pytest.raises(ConfigError, match="set MASTER_ADDR"):
         slurm_rendezvous(env)
+
+
+def test_a_rank_alone_at_the_rendezvous_says_so_in_one_line() -> None:
+    """Rank 0 of two whose partner never came ended as "another rank stopped answering ...
+    raise parallel.timeout_s if a step legitimately takes longer": no step had run."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "from hyfi_imaging import HyfiError, Layout, init_parallel\n"
+        "try:\n"
+        "    init_parallel(Layout(sp=(1, 2)), timeout_s=3)\n"
+        "except HyfiError as err:\n"
+        "    print(err)\n"
+    )
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
+    env = {**keep, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    said = proc.stdout.strip()
+    assert said.startswith(f"rendezvous 127.0.0.1:{port}: not every one of the job's 2 ranks"), (
+        said + proc.stderr[-2000:]
+    )
+    assert "within 3 s" in said and "no step ran" in said

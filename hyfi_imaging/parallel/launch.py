@@ -325,6 +325,18 @@ def init_parallel(
                         f"{which} is in use on rank 0's node (another job?)",
                         "export MASTER_PORT=<a free port> in the job script and relaunch",
                     ) from err
+                text = " ".join(str(e) for e in error_chain(err)).lower()
+                if any(k in text for k in (*_TIMED_OUT, *_PEER_GONE)):  # never all met
+                    where = (
+                        f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+                    )
+                    raise HyfiError(
+                        f"rendezvous {where}",
+                        f"not every one of the job's {world} ranks reached it within "
+                        f"{timeout_s:g} s (parallel.timeout_s; no step ran)",
+                        "start every rank the layout takes, each able to reach rank 0 at that "
+                        "address, and relaunch",
+                    ) from err
                 raise
     table: list[Any] = [None] * world
 
