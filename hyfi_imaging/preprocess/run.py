@@ -457,7 +457,8 @@ def _convert_all(
                             continue
                         record(res)
                         bar.update()
-                return sorted(left, key=items.index)
+                order = {item: i for i, item in enumerate(items)}
+                return sorted(left, key=order.__getitem__)
 
             left = in_pool(todo, workers)
             if left:  # which slide's worker died is not known: each again, alone
