@@ -27,7 +27,7 @@ def test_verify_ships_no_way_to_break_itself() -> None:
         # a cross-entropy over one class: every gradient 0, a wrong backward reported OK
         ("--num-classes", "1", "--num-classes: must be 2 or more"),
         # NaN on both sides read MISMATCH with an error of 0; -1 turned every gradient round
-        ("--clip-grad", "nan", "--clip-grad: must be > 0"),
+        ("--clip-grad", "nan", "--clip-grad: must be a finite number"),
         ("--clip-grad", "-1", "--clip-grad: must be > 0"),
     ],
 )
