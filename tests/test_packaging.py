@@ -116,7 +116,7 @@ def test_installed_wheel_finds_the_recipes(wheel: Path, tmp_path: Path) -> None:
     # The demo itself, from its console script: it checks its recipe before any work.
     demo = _run(
         [str(venv / "bin" / "hyfi-demo"), "--out", str(tmp_path / "demo"), "--slides", "1",
-         "--slide-size", "256", "--size", "128", "--workers", "0", "--no-train"],
+         "--slide-size", "256", "--size", "128", "--workers", "1", "--no-train"],
         cwd=tmp_path,
     )  # fmt: skip
     assert f"recipe: {got['recipe']}" in demo.stdout, demo.stdout
