@@ -586,40 +586,28 @@ def convert_slide(
     except HyfiError as err:
         return ConvertResult(slide_id, str(source), "", "failed", error=str(err))
     except Exception as err:  # one bad slide must never stop the others
-        if _disk_full(err):
-            return ConvertResult(
-                slide_id,
-                str(source),
-                "",
-                "failed",
-                error=problem(
-                    out_dir,
-                    f"the disk filled up while writing {slide_id} (nothing of it was kept)",
-                    "free some space and re-run the same command to resume",
-                ),
-            )
         what = f"{type(err).__name__}: {err}".replace("\n", " ")
         target = getattr(err, "filename", None)
-        if isinstance(err, OSError) and isinstance(target, str) and _inside(Path(target), out_dir):
-            return ConvertResult(  # the output's fault, not the slide's
-                slide_id,
-                str(source),
-                "",
-                "failed",
-                error=problem(
-                    out_dir,
-                    f"cannot write {target} ({err.strerror or what})",
-                    "make the output folder writable (or choose another --out) and re-run",
-                ),
+        if _disk_full(err):
+            error = problem(
+                out_dir,
+                f"the disk filled up while writing {slide_id} (nothing of it was kept)",
+                "free some space and re-run the same command to resume",
             )
-        return ConvertResult(
-            slide_id,
-            str(source),
-            "",
-            "failed",
-            error=f"{source}: could not be converted ({what}); check the file, or report a bug "
-            "with this line if the file opens in other tools.",
-        )
+        elif (
+            isinstance(err, OSError) and isinstance(target, str) and _inside(Path(target), out_dir)
+        ):
+            error = problem(  # the output's fault, not the slide's
+                out_dir,
+                f"cannot write {target} ({err.strerror or what})",
+                "make the output folder writable (or choose another --out) and re-run",
+            )
+        else:
+            error = (
+                f"{source}: could not be converted ({what}); check the file, or report a bug "
+                "with this line if the file opens in other tools."
+            )
+        return ConvertResult(slide_id, str(source), "", "failed", error=error)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

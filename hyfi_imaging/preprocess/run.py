@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -397,21 +398,15 @@ def _convert_all(
         if res.status == "failed":
             log.error("FAILED %s", res.error)
 
+    # one slide's conversion, in this process or a worker's (a partial pickles)
+    convert = functools.partial(
+        convert_slide, out_dir=out_dir, options=options, qc_dir=qc_dir, qc_channels=qc_channels
+    )
     bar = tqdm(total=len(todo), unit="slide", desc="preprocess", disable=not progress)
     try:
         if workers <= 1:
             for sid, source in todo:
-                record(
-                    convert_slide(
-                        source,
-                        out_dir,
-                        sid,
-                        options,
-                        qc_dir=qc_dir,
-                        qc_channels=qc_channels,
-                        annotation=matched.get(sid),
-                    )
-                )
+                record(convert(source, slide_id=sid, annotation=matched.get(sid)))
                 bar.update()
         else:
             # forkserver, not fork: zarr's event-loop thread must not be inherited; the
@@ -437,16 +432,10 @@ def _convert_all(
                     initargs=(os.getpid(),),
                 ) as pool:
                     futures: dict[Future[ConvertResult], tuple[str, Path]] = {
-                        pool.submit(
-                            convert_slide,
-                            source,
-                            out_dir,
+                        pool.submit(convert, source, slide_id=sid, annotation=matched.get(sid)): (
                             sid,
-                            options,
-                            qc_dir=qc_dir,
-                            qc_channels=qc_channels,
-                            annotation=matched.get(sid),
-                        ): (sid, source)
+                            source,
+                        )
                         for sid, source in items
                     }
                     for fut in as_completed(futures):
