@@ -349,7 +349,7 @@ def test_a_model_with_a_frozen_layer_resumes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A frozen layer (fine-tuning) has no optimizer state: the load asked for it, and no
-    checkpoint of such a run could be loaded ("Missing key ... /exp_avg"), on every relaunch."""
+    checkpoint of such a run could be loaded ("Missing key ... /exp_avg"), each time the run was started again."""
     _resumes_as_uninterrupted(
         manifest,
         tmp_path,
