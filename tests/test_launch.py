@@ -82,6 +82,32 @@ def test_layout_check_world_names_the_numbers() -> None:
     assert "-np 8" in msg
 
 
+def test_layout_check_world_names_the_launcher_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun or srun, the fix names that launcher's option, not mpirun's -np."""
+    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "SLURM_STEP_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ConfigError) as err:
+        Layout(dp=2, sp=(2, 2)).check_world(6)
+    assert "--nproc-per-node = 8" in str(err.value) and "mpirun" not in str(err.value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.delenv("WORLD_SIZE")
+    for name, value in {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_STEP_NUM_TASKS": "6",
+        "SLURM_NTASKS": "6",
+    }.items():
+        monkeypatch.setenv(name, value)
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError) as err:
+        Layout(dp=2, sp=(2, 2)).check_world(6)
+    assert "srun -n 8" in str(err.value)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"sp": (0, 2)}, {"sp": (2, -1)}, {"dp": 0}, {"pp": -3}, {"dp": 1.5}, {"sp": (2.0, 2)}],

@@ -52,6 +52,7 @@ __all__ = [
     "expand_hostlist",
     "expand_tasks_per_node",
     "launch_env",
+    "launch_with",
     "slurm_port",
     "slurm_rendezvous",
     "threads_per_rank",
@@ -180,6 +181,20 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if mpi is not None:
         return mpi
     return LaunchEnv("single", 0, 1, 0, 1)
+
+
+def launch_with(ranks: int, environ: Mapping[str, str] | None = None) -> str:
+    """How to start ``ranks`` ranks with the launcher that started this process (for messages).
+
+    OK: under torchrun, ``launch_with(4)`` names ``--nnodes x --nproc-per-node = 4``;
+    under ``srun``, ``srun -n 4``; under MPI or alone, ``mpirun -np 4``.
+    """
+    launcher = launch_env(environ).launcher
+    if launcher == "torchrun":
+        return f"launch {ranks} ranks (torchrun with --nnodes x --nproc-per-node = {ranks})"
+    if launcher == "slurm":
+        return f"launch {ranks} ranks (srun -n {ranks})"
+    return f"launch with -np {ranks} (mpirun -np {ranks})"
 
 
 def threads_per_rank(environ: Mapping[str, str] | None = None, *, cpus: int | None = None) -> int:

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.parallel.launcher_env import launch_with
 from hyfi_imaging.shapes import parse_shape, parse_shapes
 
 __all__ = ["MESH_DIMS", "SPATIAL_AXES", "Grid", "Layout", "grid_text"]
@@ -205,7 +206,7 @@ class Layout:
             raise ConfigError(
                 "layout",
                 f"{self.describe()} needs {self.world_size} ranks but the job has {world_size}",
-                f"launch with -np {self.world_size}, or change the layout so that "
+                f"{launch_with(self.world_size)}, or change the layout so that "
                 + (
                     f"dp*(sum of the stage grids) = {world_size}"
                     if self.junction

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.junction import JunctionSchedule, junction_meshes
+from hyfi_imaging.parallel.launcher_env import launch_with
 from hyfi_imaging.parallel.layout import Layout
 from hyfi_imaging.parallel.schedules import (
     ScheduleAction,
@@ -187,7 +188,7 @@ class MirroredPlacement:
                 "layout",
                 f"{self.layout.describe()} with two mirrored replicas needs {self.world_size} "
                 f"ranks (dp {self.layout.dp} x positions {widths}) but the job has {world_size}",
-                f"launch with -np {self.world_size}",
+                launch_with(self.world_size),
             )
 
     def check(self, world_size: int, *, microbatches: int) -> None:
