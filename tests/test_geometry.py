@@ -698,8 +698,9 @@ def test_tiled_resampling_equals_the_whole_image(op: str, options: dict[str, obj
                     continue
                 try:
                     t_out = g.resampled_tile(
-                        t_in, n_in[a], n_out[a], scales=op == "interpolate", where="t"
-                    )
+                        t_in, n_in[a], n_out[a], scales=op == "interpolate", where="t",
+                        tiles=tiles, align=2,
+                    )  # fmt: skip
                     plans = [
                         g.resample_1d(coords[a], n_in[a], t_in, t_out, tiles, k, where="t")
                         for k in range(tiles)
@@ -729,6 +730,9 @@ def test_a_flip_or_a_map_that_outgrows_its_tiles_is_refused() -> None:
     with pytest.raises(ConfigError, match="3-fold"):
         g.resampled_tile(5, 45, 15, scales=True, where="m")
     assert g.resampled_tile(19, 37, 75, scales=True, where="m") == 38
+    # 1.4x of 2 x 16 px is 44 px: round(1.4) = 1 leaves 32, so the tiles grow to hold it
+    # (a multiple of the align, 4): 2 x 24 px, not a refusal no align could satisfy.
+    assert g.resampled_tile(16, 32, 44, scales=True, where="m", tiles=2, align=4) == 24
 
 
 def test_carried_halos_are_the_chain_halos_of_each_suffix() -> None:

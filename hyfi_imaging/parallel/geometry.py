@@ -789,7 +789,15 @@ def plan_chain(
 
 
 def resampled_tile(
-    t_in: int, n_in: int, n_out: int, *, scales: bool, where: str, axis: str = "axis"
+    t_in: int,
+    n_in: int,
+    n_out: int,
+    *,
+    scales: bool,
+    where: str,
+    axis: str = "axis",
+    tiles: int = 1,
+    align: int = 1,
 ) -> int:
     """Tile length of a pad's (``scales`` False) or interpolation's output along one axis.
 
@@ -805,7 +813,10 @@ def resampled_tile(
     if not scales or n_out == n_in:
         return t_in
     if n_out > n_in:
-        return t_in * round(n_out / n_in)
+        t_out = t_in * round(n_out / n_in)
+        if tiles * t_out >= n_out:
+            return t_out
+        return -(-n_out // (tiles * align)) * align
     factor = round(n_in / n_out)
     if t_in % factor:
         raise ConfigError(

@@ -15,7 +15,10 @@ parameter gradients, weights after training); one JSON line per case on rank 0.
 * ``pads``: ``nn.ZeroPad2d`` and ``nn.ConstantPad2d`` (asymmetric, a non-zero
   fill) after a valid convolution, a crop by negative ``F.pad``,
   ``nn.Upsample(scale_factor=2, mode="bilinear")`` and a downsampling
-  ``F.interpolate(scale_factor=0.5)``, pooled by a classifier head.
+  ``F.interpolate(scale_factor=0.5)``, pooled by a classifier head;
+* ``fractional``: upsamplings by 1.4 (nearest) and 2.5 (bilinear) after a strided
+  convolution, each followed by a strided layer: the tiles of a non-integer scale hold the
+  whole map (refused before as needing "a larger align", which no align gave).
 """
 
 from __future__ import annotations
@@ -98,6 +101,25 @@ class Pads(nn.Module):
         return self.fc(torch.flatten(pooled, 1))
 
 
+class Fractional(nn.Module):
+    """Non-integer upsamplings (1.4 nearest, 2.5 bilinear), each before a strided layer."""
+
+    def __init__(self, width: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, stride=2, padding=1)
+        self.up = nn.Upsample(scale_factor=1.4)
+        self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.smooth = nn.Conv2d(width, width, 3, padding=1)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(self.stem(x))))
+        y = F.interpolate(torch.relu(self.bn(y)), scale_factor=2.5, mode="bilinear")
+        y = F.max_pool2d(self.smooth(y), 3, 2, 1)
+        return self.fc(y.mean((2, 3)))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "unet-nearest": partial(UNet, "nearest"),
     "unet-nearest-exact": partial(UNet, "nearest-exact"),
@@ -106,6 +128,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "unet-pad": partial(UNet, "pad"),
     "unet-transposed": partial(UNet, "transposed"),
     "pads": Pads,
+    "fractional": Fractional,
 }
 
 

@@ -89,7 +89,7 @@ def _resample_plan(
         for a, axis in enumerate(_AXES[ctx.nd]):
             t_out = out_tiles[a] if out_tiles is not None else resampled_tile(
                 tile_hw[a], n_in[a], n_out[a], scales=res.op == "interpolate", where=where,
-                axis=axis,
+                axis=axis, tiles=ctx.grid[a], align=ctx.align,
             )  # fmt: skip
             if res.op == "pad" and ctx.grid[a] * t_out < n_out[a]:
                 raise _no_room(ctx, where, axis, a, n_out[a], ctx.grid[a] * t_out, tile_hw[a])
