@@ -88,7 +88,10 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     float64): images of another size (cut by tile_of, which sets it) ran for the old size
     (0.67 relative in training); a layer unfrozen after apply_spatial trained on its tile's
     share; torch.autograd.grad returned tile shares and added the sum to .grad; a deep copy
-    (EMA) failed on the process group, and one that trains had no gradient rule. Each is exact now, or refused in one line."""
+    (EMA) failed on the process group, and one that trains had no gradient rule; a user's
+    gradient hook added after apply_spatial, with .grad zeroed rather than freed, and weights
+    loaded with load_state_dict(assign=True) trained silently wrong. Each is exact now, or
+    refused in one line."""
     worker = Path(__file__).resolve().parent / "workers" / "own_loop_pitfalls.py"
     job = mpiexec(2, str(worker), timeout=240)
     assert job.returncode == 0, job.describe()
@@ -99,3 +102,4 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     assert "torch.autograd.grad returns a tile's share" in got["autograd_grad"], got
     assert got["grad_kept"] is True, got
     assert "module 'c2' (Conv2d): was put into the model after apply_spatial" in got["replaced"]
+    assert got["user_hook"] < 1e-12 and got["assigned"] < 1e-12, got

@@ -19,9 +19,14 @@ what this backward added to each tile parameter's ``.grad`` over the spatial
 group, in flat buckets, in the parameters' fixed order (the same collectives on
 every rank, whatever order autograd visited them in). Only what *this* backward
 added is summed, so accumulating gradients over several backwards before a step
-stays exact; a parameter that received no gradient on some rank takes part
+stays exact: it is read from ``.grad`` after the accumulation, less a copy of
+``.grad`` taken before it (a user's own gradient hook, registered after ours,
+changes what is accumulated, not what our hook saw); an empty ``.grad`` needs no
+copy. A parameter that received no gradient on some rank takes part
 with zeros and a presence flag, so the ranks never disagree about the
-collectives they issue.
+collectives they issue. Parameters are looked up by name before every forward:
+one replaced after :func:`~.apply.apply_spatial` (``load_state_dict(...,
+assign=True)``, a new ``nn.Parameter``) is hooked in its turn.
 
 Why a digest: the rule keeps replicas equal only if they started equal. Ranks
 seeded differently, or a second reduction written by hand, make them differ;
@@ -32,6 +37,7 @@ and a difference is refused in one line naming the parameter.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from functools import partial
 
@@ -88,6 +94,7 @@ class TileGradSync:
         self.names = [n for n, _ in named if n in tile_names]
         self._params = [p for n, p in named if n in tile_names]
         self._everything = named
+        self._model = weakref.ref(model)  # weak: the context's registry is keyed by the model
         self.group = group
         self.digest_every = digest_every
         #: Backwards whose end this object has handled.
@@ -95,24 +102,36 @@ class TileGradSync:
         self._pending: dict[int, Tensor | _Fresh] = {}
         self._accumulated: set[int] = set()
         self._queued = False
-        self._hooked: set[int] = set()
+        self._hooked: dict[int, list[RemovableHandle]] = {}
         self._handles: list[RemovableHandle] = []
         self.refresh()
         self._handles.append(model.register_forward_pre_hook(lambda *_: self.refresh()))
 
     def refresh(self) -> None:
-        """Hook the tile parameters that require a gradient and have no hook yet."""
+        """Hook the tile parameters that require a gradient and have no hook yet; a parameter
+        replaced since (``load_state_dict(..., assign=True)``) is followed to its new object."""
+        model = self._model()
+        now = list(model.named_parameters()) if model is not None else self._everything
+        if len(now) != len(self._everything) or any(
+            p is not q for (_, p), (_, q) in zip(now, self._everything, strict=True)
+        ):
+            named = dict(now)
+            self._everything = now
+            for i, name in enumerate(self.names):
+                if name in named and named[name] is not self._params[i]:
+                    for handle in self._hooked.pop(i, []):
+                        handle.remove()
+                    self._params[i] = named[name]
         for i, p in enumerate(self._params):
             if p.requires_grad and i not in self._hooked:
-                self._handles += [
+                self._hooked[i] = [
                     p.register_hook(partial(self._arrived, i)),
                     p.register_post_accumulate_grad_hook(partial(self._accumulate, i)),
                 ]
-                self._hooked.add(i)
 
     def remove(self) -> None:
         """Stop applying the rule (the hooks are removed)."""
-        for handle in self._handles:
+        for handle in [*self._handles, *(h for hs in self._hooked.values() for h in hs)]:
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
@@ -129,12 +148,11 @@ class TileGradSync:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             self._queued = True
-        seen = self._pending.get(index)
-        if seen is None:
-            # An empty .grad will hold exactly what this backward adds: keep no copy.
-            self._pending[index] = _FRESH if self._params[index].grad is None else grad
-        elif isinstance(seen, Tensor):  # a second time in one backward (re-entrant)
-            self._pending[index] = seen + grad
+        if index not in self._pending:
+            # An empty .grad will hold exactly what this backward adds: keep no copy. Else
+            # what it held before this backward (a second arrival in one backward keeps it).
+            held = self._params[index].grad
+            self._pending[index] = _FRESH if held is None else held.detach().clone()
 
     def _accumulate(self, index: int, _param: Tensor) -> None:
         """Parameter ``index``'s gradient went into its ``.grad`` (``backward``, not
@@ -162,7 +180,7 @@ class TileGradSync:
             self.check_agreement()
         self.backwards += 1
         for bucket in self._buckets():
-            self._reduce(bucket, pending)
+            self._reduce(bucket, pending, accumulated)
 
     def _buckets(self) -> Iterator[list[int]]:
         """Parameter indices in fixed order, cut where the dtype or device changes or a
@@ -185,7 +203,9 @@ class TileGradSync:
         if bucket:
             yield bucket
 
-    def _reduce(self, bucket: list[int], pending: dict[int, Tensor | _Fresh]) -> None:
+    def _reduce(
+        self, bucket: list[int], pending: dict[int, Tensor | _Fresh], accumulated: set[int]
+    ) -> None:
         params = [self._params[i] for i in bucket]
         sizes = [p.numel() for p in params]
         total = sum(sizes)
@@ -194,7 +214,7 @@ class TileGradSync:
         parts = list(flat[:total].split(sizes))
         flags = flat[total:]
         for k, (i, p, part) in enumerate(zip(bucket, params, parts, strict=True)):
-            added = self._added(p, pending.get(i))
+            added = self._added(p, pending.get(i), i in accumulated)
             if added is None:
                 part.zero_()
                 flags[k] = 0
@@ -204,7 +224,7 @@ class TileGradSync:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         # Read the flags on the host only where this rank had no gradient (a sync): a
         # parameter with a gradient here has one in the sum.
-        absent = [k for k, i in enumerate(bucket) if self._added(params[k], pending.get(i)) is None]
+        absent = [k for k, i in enumerate(bucket) if i not in pending or i not in accumulated]
         elsewhere = set(absent) & set((flags > 0).nonzero().flatten().tolist()) if absent else set()
         for k, (i, p, part) in enumerate(zip(bucket, params, parts, strict=True)):
             if k in absent and k not in elsewhere:
@@ -216,16 +236,17 @@ class TileGradSync:
             elif isinstance(seen, _Fresh):
                 p.grad.copy_(summed)
             elif isinstance(seen, Tensor):
-                p.grad.add_(summed).sub_(seen)
+                p.grad.copy_(summed).add_(seen)
             else:  # no gradient here this time, some on other tiles
                 p.grad.add_(summed)
 
     @staticmethod
-    def _added(p: nn.Parameter, seen: Tensor | _Fresh | None) -> Tensor | None:
-        """What this backward added to ``p.grad`` (None: nothing)."""
-        if isinstance(seen, _Fresh):
-            return p.grad
-        return seen
+    def _added(p: nn.Parameter, seen: Tensor | _Fresh | None, accumulated: bool) -> Tensor | None:
+        """What this backward added to ``p.grad`` (None: nothing): ``.grad`` less what it
+        held before (``seen``; an empty one held nothing)."""
+        if seen is None or not accumulated or p.grad is None:
+            return None
+        return p.grad if isinstance(seen, _Fresh) else p.grad - seen
 
     # ------------------------------------------------------------------ drift
 
