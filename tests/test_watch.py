@@ -294,6 +294,32 @@ def test_a_pool_used_by_both_the_tiles_and_the_head_is_refused() -> None:
         )
 
 
+def test_a_parameter_used_on_the_tiles_and_by_the_head_is_refused() -> None:
+    """One PReLU in the body and the head, or a CAM (the classifier's weight applied to the
+    map): the gradient is a tile's share plus a whole one, and summing it over the tiles
+    counted the head's once per tile (0.64 relative on 1x2, 1.0 for a CAM's weight)."""
+
+    class Reused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.act = nn.Conv2d(3, 4, 3, padding=1), nn.PReLU()
+            self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.fc(torch.flatten(self.pool(self.act(self.conv(x))), 1)))
+
+    class Cam(Reused):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            f = torch.relu(self.conv(x))
+            return self.fc(torch.flatten(self.pool(f), 1)), F.conv2d(
+                f, self.fc.weight[..., None, None]
+            )
+
+    for net, name in ((Reused(), "act.weight"), (Cam(), "fc.weight")):
+        with pytest.raises(ConfigError, match=rf"^parameter '{name}': is used both on the tiles"):
+            spatialize(net, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+
+
 class LayerNorm2d(nn.LayerNorm):
     """timm's channels-first LayerNorm: normalises each pixel over its channels."""
 

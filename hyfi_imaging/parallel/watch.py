@@ -1003,6 +1003,19 @@ def watch_tiles(
             "its pooled output is used both on the tiles and by the head",
             "give the head its own global pool module",
         )
+    head = set().union(*(lineage.get(pool, set()) for pool in reaching - use.rejoined_pools))
+    shared = sorted(head & use.tile_params)
+    if shared:
+        # Its gradient is a tile's share (summed over the tiles) plus a whole one (the head's,
+        # on every rank): summing it all counted the head's once per tile (0.64 relative).
+        raise ConfigError(
+            f"parameter {shared[0]!r}",
+            "is used both on the tiles and on the value of a global pool that every rank "
+            "holds whole (a module reused in the head, or a head's weight applied to the "
+            "map): its gradient is neither a tile's share nor whole",
+            "give the head its own module (parameters), or apply a detached copy "
+            "(w.detach()) on the map",
+        )
     for pool in use.rejoined_pools:
         use.tile_params |= lineage.get(pool, set())
     return use
