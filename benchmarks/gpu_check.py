@@ -1280,8 +1280,9 @@ def main(argv: list[str] | None = None) -> int:
         default=Path("gpu_check.json"),
         help="the JSON result (default %(default)s)",
     )
-    p.add_argument("--markdown", type=Path, default=ROOT / "docs" / "benchmarks.md",
-                   help="the markdown file the dated section is appended to (default docs/benchmarks.md)")  # fmt: skip
+    p.add_argument("--markdown", type=Path,
+                   help="the markdown file the dated section is appended to (default "
+                        "docs/benchmarks.md; none on a --dry-run: plumbing is not a record)")  # fmt: skip
     p.add_argument(
         "--items", default="abcde", help="the items to run, e.g. c,d (default %(default)s)"
     )
@@ -1381,15 +1382,16 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(args.out, json.dumps(report, indent=1, default=str) + "\n")
     report["verdicts"] = lines = verdicts(items, peak, info["name"])
     write_atomic(args.out, json.dumps(report, indent=1, default=str) + "\n")
-    old = args.markdown.read_text() if args.markdown.exists() else ""
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.markdown, old + _markdown(report, args.out))
+    markdown = args.markdown or (None if args.dry_run else ROOT / "docs" / "benchmarks.md")
+    if markdown is not None:
+        old = markdown.read_text() if markdown.exists() else ""
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(markdown, old + _markdown(report, args.out))
     print()
     for line in lines:
         print(line)
-    print(
-        f"gpu_check: {report['seconds']:.0f} s; wrote {args.out} and a section of {args.markdown}"
-    )
+    section = f" and a section of {markdown}" if markdown is not None else ""
+    print(f"gpu_check: {report['seconds']:.0f} s; wrote {args.out}{section}")
     return 0
 
 
