@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap-gib", type=float, default=1.0, help="per-rank memory cap (part 2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per probe (part 2)")
     args = p.parse_args(argv)
-    parts = set(args.part.split(","))
+    parts = {"train", "largest"} if args.part == "both" else set(args.part.split(","))
+    if not parts <= {"train", "largest"}:
+        p.error(f"--part {args.part!r}: give train, largest or both")
     verdicts = []
     if "train" in parts:
         sizes = [int(s) for s in args.sizes.split(",")]

@@ -698,7 +698,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=900.0,
         help="seconds allowed per run (default: %(default)s)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.parts != "both" and not set(args.parts.split(",")) <= {"memory", "time", "none"}:
+        p.error(f"--parts {args.parts!r}: give memory, time, both or none")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -723,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     t_grid: list[dict[str, Any]] = []
     pairs: dict[str, list[dict[str, Any]]] = {}
     timing = ["--time-image", str(cfg.time_image), "--warmup", str(cfg.warmup), "--time-steps", str(cfg.time_steps)]  # fmt: skip
-    parts = set(args.parts.split(","))
+    parts = {"memory", "time"} if args.parts == "both" else set(args.parts.split(","))
     if "memory" in parts:
         if args.quick:  # one process per layout for all sizes: startup dominates at these sizes
             csv = ",".join(map(str, sizes))
