@@ -153,6 +153,8 @@ def write_wsi_level(
     positions: bool = False,
     organization: str | None = "TILED_FULL",
     total_matrix: bool = True,
+    optical_paths: int = 1,
+    shift: tuple[int, int] = (0, 0),
 ) -> Path:
     """One pyramid level of a whole-slide image series: ``(h, w, 3)`` uint8 RGB or ``(h, w)`` uint16.
 
@@ -164,7 +166,10 @@ def write_wsi_level(
     RGB images only; ``"jpeg-rgb"``: RGB-coded ones without markers); ``positions`` adds each frame's Plane Position (Slide) in the
     per-frame functional groups; ``organization=None`` leaves
     DimensionOrganizationType out; ``total_matrix=False`` leaves
-    TotalPixelMatrixRows/Columns out (a single-image instance).
+    TotalPixelMatrixRows/Columns out (a single-image instance). ``optical_paths > 1``
+    states NumberOfOpticalPaths and stores every tile once per path (path ``k > 0``: the
+    tile inverted, ``255 - tile``, or halved if grey), path after path; ``shift``
+    ``(rows, columns)`` moves every frame's plane position (with ``positions``).
     """
     e = _Encoder(implicit)
     th, tw = (tile, tile) if isinstance(tile, int) else tile
@@ -180,6 +185,10 @@ def write_wsi_level(
         .transpose(0, 2, 1, 3, 4)
         .reshape(-1, th, tw, samples)
     )
+    if optical_paths > 1:
+        other = tiles // 2 if grey else 255 - tiles
+        tiles = np.concatenate([tiles] + [other] * (optical_paths - 1))
+    frames = len(tiles)
     if compression in ("jpeg", "jpeg-rgb"):
         rgb = compression == "jpeg-rgb"
         pixels = e.encapsulated([jpeg_frame(t, rgb=rgb) for t in tiles])
@@ -201,9 +210,10 @@ def write_wsi_level(
             e.sequence(
                 0x0048,
                 0x021A,
-                e.sl(0x0048, 0x021E, 1 + (i % gx) * tw) + e.sl(0x0048, 0x021F, 1 + (i // gx) * th),
+                e.sl(0x0048, 0x021E, 1 + shift[1] + (i % gx) * tw)
+                + e.sl(0x0048, 0x021F, 1 + shift[0] + (i // gx % gy) * th),
             )
-            for i in range(gy * gx)
+            for i in range(frames)
         ),
     )
     dataset = b"".join(
@@ -225,7 +235,7 @@ def write_wsi_level(
             e.us(0x0028, 0x0002, samples),
             e.text(0x0028, 0x0004, "CS", photometric),
             e.us(0x0028, 0x0006, 0) if not grey else b"",
-            e.text(0x0028, 0x0008, "IS", str(gy * gx)),
+            e.text(0x0028, 0x0008, "IS", str(frames)),
             e.us(0x0028, 0x0010, th),
             e.us(0x0028, 0x0011, tw),
             e.us(0x0028, 0x0100, bits),
@@ -234,6 +244,7 @@ def write_wsi_level(
             e.us(0x0028, 0x0103, 0),
             e.ul(0x0048, 0x0006, w) if total_matrix else b"",
             e.ul(0x0048, 0x0007, h) if total_matrix else b"",
+            e.ul(0x0048, 0x0302, optical_paths) if optical_paths > 1 else b"",
             e.sequence(0x5200, 0x9229, pixel_measures),
             per_frame if positions else b"",
             pixels,

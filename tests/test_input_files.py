@@ -461,3 +461,158 @@ def test_eight_bit_grey_pictures_are_one_intensity_channel(tmp_path: Path) -> No
     with open_slide(tmp_path / "grey.jpg") as r:
         assert r.channels == 1 and r.format == "jpeg"
         assert np.abs(r.read_region(0, 0, 0, 31, 47).astype(int) - grey).max() <= 8
+
+
+def test_a_tiff_is_read_by_its_base_page_not_its_first(tmp_path: Path) -> None:
+    """A generic TIFF whose page 0 is a small preview at 2 µm/px and whose larger page is the
+    image at 0.5 µm/px: the resolution was taken from page 0 (the 0.5 µm/px image stored as
+    2 µm/px); it is the base page's, the one read."""
+    import tifffile
+
+    rgb = _image((48, 64), seed=21)
+    with tifffile.TiffWriter(tmp_path / "preview-first.tif") as tif:
+        tif.write(rgb[::4, ::4], photometric="rgb", resolution=(1e4 / 2.0, 1e4 / 2.0),
+                  resolutionunit="CENTIMETER", metadata=None)  # fmt: skip
+        tif.write(rgb, photometric="rgb", resolution=(1e4 / 0.5, 1e4 / 0.5),
+                  resolutionunit="CENTIMETER", metadata=None, tile=(16, 16))  # fmt: skip
+    with open_slide(tmp_path / "preview-first.tif") as reader:
+        assert reader.level_dimensions[0] == (48, 64)
+        assert (reader.mpp, reader.mpp_source) == (pytest.approx(0.5), "tiff-resolution")
+        assert np.array_equal(reader.read_region(0, 0, 0, 48, 64), np.moveaxis(rgb, -1, 0))
+
+
+def test_an_unspecified_fourth_tiff_sample_is_not_an_alpha(tmp_path: Path) -> None:
+    """RGBX: a 4th sample that ExtraSamples calls unspecified (0) was composited as alpha,
+    and its 0 pad made the whole slide white; it is dropped (as Pillow reads it), while
+    ExtraSamples 2 stays an alpha."""
+    import tifffile
+
+    rgbx = np.random.default_rng(22).integers(0, 256, (24, 40, 4), dtype=np.uint8)
+    rgbx[..., 3] = 0
+    tifffile.imwrite(tmp_path / "rgbx.tif", rgbx, photometric="rgb", extrasamples=[0])
+    with open_slide(tmp_path / "rgbx.tif") as reader:
+        assert reader.channels == 3
+        assert np.array_equal(
+            reader.read_region(0, 0, 0, 24, 40), np.moveaxis(rgbx[..., :3], -1, 0)
+        )
+    tifffile.imwrite(tmp_path / "rgba.tif", rgbx, photometric="rgb", extrasamples=[2])
+    with open_slide(tmp_path / "rgba.tif") as reader:  # alpha 0 everywhere: white glass
+        assert (reader.read_region(0, 0, 0, 24, 40) == 255).all()
+
+
+@pytest.mark.parametrize("orientation", [2, 3, 6, 8])
+def test_a_turned_tiff_is_refused_not_read_as_stored(tmp_path: Path, orientation: int) -> None:
+    """A TIFF Orientation (tag 274) other than top-left was ignored (PNG/JPEG EXIF is applied):
+    the slide was stored turned or mirrored without a word. It is refused in one line that
+    names the value and the fix; Orientation 1 written out reads as before."""
+    import tifffile
+
+    rgb = _image((24, 40), seed=orientation)
+    tifffile.imwrite(tmp_path / "turned.tif", rgb, photometric="rgb",
+                     extratags=[(274, "H", 1, orientation, True)])  # fmt: skip
+    with pytest.raises(SlideError, match=rf"Orientation \(tag 274\) is {orientation} ") as info:
+        open_slide(tmp_path / "turned.tif")
+    assert "\n" not in str(info.value) and "rewrite the file upright" in str(info.value)
+    tifffile.imwrite(tmp_path / "upright.tif", rgb, photometric="rgb",
+                     extratags=[(274, "H", 1, 1, True)])  # fmt: skip
+    with open_slide(tmp_path / "upright.tif") as reader:
+        assert np.array_equal(reader.read_region(0, 0, 0, 24, 40), np.moveaxis(rgb, -1, 0))
+
+
+def _level(folder: Path, name: str, image: np.ndarray, n: int, **options: Any) -> Path:
+    """One level of the series ``5.1`` in ``folder``, with ImageType unless told."""
+    options = {"mpp": 0.25, "tile": 32, **options}
+    return write_wsi_level(
+        folder / name, np.ascontiguousarray(image), series="5.1", instance=f"5.1.{n}", **options
+    )
+
+
+def test_dicom_optical_paths_are_refused_not_mixed(tmp_path: Path) -> None:
+    """A level of two optical paths (its frames: every tile once per path) was read by
+    OpenSlide as one tile-by-tile mix of the paths; it is refused in one line, with
+    ImageType (OpenSlide's series) or without (hyfi-imaging's reader)."""
+    image = _image((80, 104), seed=31)
+    for folder, image_type in ((tmp_path / "it", "DERIVED\\PRIMARY\\VOLUME\\NONE"),
+                               (tmp_path / "no-it", None)):  # fmt: skip
+        folder.mkdir()
+        path = _level(folder, "l0.dcm", image, 1, optical_paths=2, positions=True,
+                      organization="TILED_SPARSE", image_type=image_type)  # fmt: skip
+        with pytest.raises(SlideError, match=r"2 optical path\(s\) and 1 focal plane") as info:
+            open_slide(path)
+        assert "\n" not in str(info.value) and "export one focal plane" in str(info.value)
+
+
+def test_dicom_levels_below_the_first_are_read_as_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 161 x 201 level 0 over an 81 x 101 level 1 (not an exact half): OpenSlide
+    interpolated level 1 (98 % of a read differed from its frames, by up to 54); it is read
+    from the level's own frames. Where those cannot be read, a level OpenSlide would
+    interpolate is refused in one line, and one of a whole factor is still read."""
+    from hyfi_imaging.io import dicom_reader
+    from hyfi_imaging.io.openslide_reader import OpenSlideReader
+
+    rng = np.random.default_rng(32)
+    l0 = rng.integers(0, 256, (161, 201, 3), dtype=np.uint8)
+    l1 = rng.integers(0, 256, (81, 101, 3), dtype=np.uint8)
+    _level(tmp_path, "l0.dcm", l0, 1)
+    _level(tmp_path, "l1.dcm", l1, 2, mpp=0.5)
+    with open_slide(tmp_path / "l0.dcm") as reader:
+        assert isinstance(reader, OpenSlideReader) and reader.level_dimensions[1] == (81, 101)
+        for y, x in ((0, 0), (19, 24), (50, 70)):
+            got = reader.read_region(1, y, x, 31, 31)
+            assert np.array_equal(got, np.moveaxis(l1[y : y + 31, x : x + 31], -1, 0)), (y, x)
+
+    def unreadable(*args: Any, **kwargs: Any) -> None:
+        raise SlideError("x", "frames hyfi-imaging cannot read", "none")
+
+    monkeypatch.setattr(dicom_reader, "DicomReader", unreadable)
+    with open_slide(tmp_path / "l0.dcm") as reader:
+        assert np.array_equal(reader.read_region(0, 0, 0, 161, 201), np.moveaxis(l0, -1, 0))
+        with pytest.raises(SlideError, match="OpenSlide would interpolate") as info:
+            reader.read_region(1, 19, 24, 31, 31)
+        assert "\n" not in str(info.value) and "--level 0" in str(info.value)
+    exact = tmp_path / "exact"
+    exact.mkdir()
+    _level(exact, "l0.dcm", l0[:160, :192], 1)
+    _level(exact, "l1.dcm", l1[:80, :96], 2, mpp=0.5)
+    with open_slide(exact / "l0.dcm") as reader:
+        got = reader.read_region(1, 19, 24, 31, 31)
+        assert np.array_equal(got, np.moveaxis(l1[19:50, 24:55], -1, 0))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_grey_dicom_with_image_type_reads_exactly(tmp_path: Path, dtype: type) -> None:
+    """MONOCHROME2 levels with ImageType went to OpenSlide, which cannot read them
+    ("Couldn't read PlanarConfiguration"); without ImageType they read exactly. Both do now."""
+    grey = np.random.default_rng(33).integers(0, np.iinfo(dtype).max + 1, (80, 104), dtype=dtype)
+    path = _level(tmp_path, "grey.dcm", grey, 1)
+    with open_slide(path) as reader:
+        assert (reader.format, reader.channels, reader.dtype, reader.mpp) == (
+            "dicom",
+            1,
+            dtype,
+            0.25,
+        )
+        assert np.array_equal(reader.read_region(0, 0, 0, 80, 104), grey[None])
+
+
+def test_dicom_frames_without_pixels_or_outside_the_image_are_refused(tmp_path: Path) -> None:
+    """Rows 0 raised ZeroDivisionError; frames placed wholly outside the total pixel matrix
+    read as a white slide, exit 0. Both are refused in one line."""
+    image = _image((64, 96), seed=34)
+    path = _level(tmp_path, "rows0.dcm", image, 1, image_type=None)
+    rows = b"\x28\x00\x10\x00US\x02\x00\x20\x00"  # (0028,0010) Rows = 32
+    data = path.read_bytes()
+    assert data.count(rows) == 1
+    path.write_bytes(data.replace(rows, rows[:-2] + b"\x00\x00"))
+    with pytest.raises(SlideError, match=r"frames of 0 x 32 px \(Rows, Columns\)") as info:
+        open_slide(path)
+    assert "\n" not in str(info.value)
+    path.unlink()
+    path = _level(tmp_path, "outside.dcm", image, 1, image_type=None, positions=True,
+                  organization="TILED_SPARSE", shift=(0, 96))  # fmt: skip
+    with pytest.raises(SlideError, match="outside the 64 x 96 px total pixel matrix") as info:
+        open_slide(path)
+    assert "frame 1 starts at row 1, column 97" in str(info.value)
+    assert "\n" not in str(info.value)

@@ -238,3 +238,24 @@ def test_fewer_lesions_than_asked_are_said(caplog: pytest.LogCaptureFixture) -> 
         got = render_synthetic(seed=0, label=1, size=(256, 256), lesions=200)
     assert 0 < len(got.lesion_boxes) < 200
     assert f"room for {len(got.lesion_boxes)} of the 200 lesions" in caplog.text
+
+
+def test_cli_refuses_positives_without_lesions_and_an_unbelievable_mpp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--lesions 0`` labelled slides 1 that were identical to their negative twins, and
+    ``--mpp 500`` wrote slides the readers then said record no resolution: both are refused
+    in one line, before any file; ``--lesions 0`` stays allowed for a cohort of negatives."""
+    out = tmp_path / "c"
+    base = ["--out", str(out), "--n", "2", "--size", "256", "--kind", "generic-tiff"]
+    assert synth_main([*base, "--lesions", "0", "--positive-fraction", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--lesions: 0 lesions per positive slide" in err
+    assert "--positive-fraction 0" in err and not out.exists()
+    for mpp in ("500", "0.0001"):
+        assert synth_main([*base, "--mpp", mpp]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"--mpp: {float(mpp):g} µm/px is outside" in err
+        assert not out.exists()
+    assert synth_main([*base, "--lesions", "0", "--positive-fraction", "0"]) == 0
+    assert (out / "labels.csv").read_text().split()[1:] == ["synth_000,0", "synth_001,0"]

@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--kind", choices=sorted(KINDS), default="aperio", help="file layout (default: aperio)"
     )
     p.add_argument(
-        "--mpp", type=positive_float, default=0.5, help="microns per pixel (default: 0.5)"
+        "--mpp",
+        type=positive_float,
+        default=0.5,
+        help="microns per pixel, 0.001 to 100 as the readers believe (default: 0.5)",
     )
     p.add_argument(
         "--positive-fraction",
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lesions",
         type=int,
         default=None,
-        help="lesions per positive slide (default: 3-6; the demo uses 12)",
+        help="lesions per positive slide (default: 3-6; the demo uses 12; 0 only with "
+        "--positive-fraction 0)",
     )
     return p
 

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.io.openslide_reader import MPP_PLAUSIBLE
 from hyfi_imaging.io.zarr_store import downsample_2x
 
 log = logging.getLogger(__name__)
@@ -455,7 +456,10 @@ def write_synthetic_cohort(
     seeded random order; slide ``i`` uses seed ``seed * 100003 + i``. The same
     arguments give byte-identical files. Returns the labels CSV path (columns
     ``slide_id,label``; ``slide_id`` is the file name without its suffix).
-    ``lesions`` fixes the number of lesions per positive slide (default: 3-6).
+    ``lesions`` fixes the number of lesions per positive slide (default: 3-6; 0 only
+    where ``positive_fraction`` is 0: a positive slide without lesions is mislabelled).
+    ``mpp`` must lie within the pixel sizes the readers believe (``MPP_PLAUSIBLE``), or
+    the slides would read back without a resolution (ConfigError before any file).
     ``progress`` shows a progress bar on stderr. ``annotations`` writes each
     positive slide's lesion outlines as ``<slide id>.geojson`` beside it
     (negatives get none, as in CAMELYON16), for ``hyfi-preprocess --annotations``.
@@ -471,6 +475,20 @@ def write_synthetic_cohort(
         raise ValueError(f"n_slides must be >= 1, got {n_slides}")
     if not 0.0 <= positive_fraction <= 1.0:
         raise ValueError(f"positive_fraction must be in [0, 1], got {positive_fraction}")
+    if lesions == 0 and positive_fraction > 0:  # positives identical to their negative twins
+        raise ConfigError(
+            "--lesions",
+            f"0 lesions per positive slide, while --positive-fraction {positive_fraction:g} "
+            "labels slides 1 that would carry no lesion",
+            "pass --lesions 1 or more, or --positive-fraction 0 for a cohort of negatives",
+        )
+    if not MPP_PLAUSIBLE[0] <= mpp <= MPP_PLAUSIBLE[1]:  # the readers would not believe it
+        raise ConfigError(
+            "--mpp",
+            f"{mpp:g} µm/px is outside the pixel sizes the slide readers believe "
+            f"({MPP_PLAUSIBLE[0]:g} to {MPP_PLAUSIBLE[1]:g} µm/px)",
+            "pass a microscope's pixel size, e.g. 0.25 or 0.5",
+        )
     if lesions:
         check_lesion_room(lesions, size)  # before any file is written
     out = Path(out_dir)

@@ -14,6 +14,7 @@ TIFF / BigTIFF, vendor format          :class:`OpenSlideReader`
 TIFF / BigTIFF, generic or OME         :class:`TiffReader` (tifffile)
 DICOM whole-slide image (``DICM``)     :class:`OpenSlideReader` (OpenSlide >= 4)
 DICOM WSI series without ImageType     :class:`DicomReader` (its own frame index)
+DICOM WSI, grey or multi-path levels   :class:`DicomReader` (OpenSlide misreads them)
 anything else OpenSlide detects        :class:`OpenSlideReader` (e.g. MRXS)
 =====================================  ===============================
 
@@ -205,20 +206,38 @@ def _openslide_vendor(path: Path) -> str | None:
 
 
 def _own_dicom_reader(path: Path, vendor: str | None) -> bool:
-    """A DICOM whole-slide series OpenSlide cannot read: it does not detect it, or an instance lacks ImageType.
+    """A DICOM whole-slide series OpenSlide cannot read, or would misread: it does not detect
+    it, an instance lacks ImageType, or a pyramid level is not colour or holds several
+    optical paths or focal planes.
 
     OpenSlide 4 refuses the whole series when any instance has no ImageType
     ("Couldn't get image flavor"); :class:`DicomReader` reads it by its other attributes.
+    It refuses MONOCHROME2 levels ("Couldn't read PlanarConfiguration"), which
+    :class:`DicomReader` reads exactly; and it reads the frames of several optical paths
+    or focal planes (NumberOfOpticalPaths, TotalPixelMatrixFocalPlanes) as one tile-by-tile
+    mix of them, which :class:`DicomReader` refuses in one line.
     """
     from hyfi_imaging.io.dicom import read_dicom_header
-    from hyfi_imaging.io.dicom_instance import series_members
+    from hyfi_imaging.io.dicom_instance import read_instance, series_members
 
     header = read_dicom_header(path)
     if header is None or not header.is_wsi:
         return False
     if vendor != "dicom":
         return True
-    return any(h.image_type is None for _, h in series_members(path, header))
+    members = series_members(path, header)
+    if any(h.image_type is None for _, h in members):
+        return True
+    for member, _ in members:
+        try:
+            inst = read_instance(member)
+        except Exception:  # a damaged instance: OpenSlide says what is wrong with it
+            continue
+        if inst.size is None or inst.flavor not in (None, "VOLUME"):
+            continue  # a label or overview: not read
+        if inst.planes > 1 or not inst.photometric.startswith(("RGB", "YBR")):
+            return True
+    return False
 
 
 def _check_tiff_complete(path: Path) -> None:

@@ -65,7 +65,9 @@ class DicomInstance:
     instance has none, so it is a single image, not a level); ``tile`` is one
     frame's ``(rows, columns)``; ``positions`` the top-left ``(row, column)``
     of each frame in the total pixel matrix (0-based), when the file lists
-    them; ``frames`` the byte ranges ``(offset, length)`` of each frame.
+    them; ``frames`` the byte ranges ``(offset, length)`` of each frame;
+    ``optical_paths`` and ``focal_planes`` the instance's NumberOfOpticalPaths and
+    TotalPixelMatrixFocalPlanes (``planes`` their product).
     """
 
     path: Path
@@ -83,6 +85,8 @@ class DicomInstance:
     planes: int
     positions: tuple[tuple[int, int], ...] | None
     frames: tuple[tuple[tuple[int, int], ...], ...]
+    optical_paths: int = 1
+    focal_planes: int = 1
 
     @property
     def flavor(self) -> str | None:
@@ -241,6 +245,8 @@ def read_instance(path: Path) -> DicomInstance:
         size = (total_rows, total_cols) if total_rows and total_cols else None
         count = _number(ds, _FRAMES) or 1
         image_type = _value(ds, _IMAGE_TYPE)
+        optical_paths = _uint(ds, _OPTICAL_PATHS, "<I") or 1
+        focal_planes = _uint(ds, _FOCAL_PLANES, "<I") or 1
         _, _, _, start, length = element_at(buf, pos, explicit)
         return DicomInstance(
             path=path,
@@ -255,11 +261,13 @@ def read_instance(path: Path) -> DicomInstance:
             syntax=syntax,
             spacing_mm=_spacing(ds, size),
             organization=text_of(_value(ds, _ORGANIZATION) or b"") or None,
-            planes=(_uint(ds, _FOCAL_PLANES, "<I") or 1) * (_uint(ds, _OPTICAL_PATHS, "<I") or 1),
+            planes=focal_planes * optical_paths,
             positions=_positions(ds),
             frames=_frame_ranges(
                 buf, ds, start, length, count, rows * cols * samples * bits // 8, path
             ),
+            optical_paths=optical_paths,
+            focal_planes=focal_planes,
         )
 
 

@@ -6,8 +6,14 @@ when one instance lacks it ("Couldn't get image flavor"), although ImageType
 is the one attribute some converters leave out and the series is otherwise
 complete: every instance states its total pixel matrix, its tile size and
 where its frames lie. So :func:`~hyfi_imaging.io.detect.open_slide` sends a
-series that lacks ImageType here (and one OpenSlide does not detect), and
-keeps OpenSlide for the rest. The series is read by those other attributes:
+series that lacks ImageType here (and one OpenSlide does not detect), and one
+OpenSlide would misread: MONOCHROME2 levels (OpenSlide 4: "Couldn't read
+PlanarConfiguration") and levels of several optical paths or focal planes
+(OpenSlide reads them as one tile-by-tile mix; refused here in one line). It
+keeps OpenSlide for the rest, whose levels below the first
+:class:`~hyfi_imaging.io.openslide_reader.OpenSlideReader` reads through this
+reader too (their stored frames, not OpenSlide's resampling). The series is
+read by those other attributes:
 
 * **members**: the VL Whole Slide Microscopy instances of the same series UID
   in the same folder (where OpenSlide looks too);
@@ -20,7 +26,9 @@ keeps OpenSlide for the rest. The series is read by those other attributes:
   concatenations) are refused, not picked from;
 * **frames** (:func:`frame_grid`): the per-frame Plane Position (Slide)
   when the file has it (``TILED_SPARSE``), else ``TILED_FULL`` order (row by
-  row); missing tiles read as background;
+  row); missing tiles read as background; a frame wholly outside the total
+  pixel matrix, or an instance of several optical paths or focal planes
+  (NumberOfOpticalPaths, TotalPixelMatrixFocalPlanes), is refused;
 * **pixels**: native 8/16-bit RGB or MONOCHROME2, JPEG baseline and JPEG 2000
   frames through Pillow; other transfer syntaxes are refused in one line at open.
 
@@ -89,11 +97,12 @@ def check_decodable(inst: DicomInstance) -> None:
     elif inst.bits not in (8, 16) or (inst.bits == 16 and inst.samples != 1):
         why = f"{inst.bits}-bit samples"
     if why is not None:
+        # With ImageType the series came here because OpenSlide cannot read it either.
         raise SlideError(
             inst.path,
             f"{why} is not read without OpenSlide (this reader decodes 8-bit RGB or 8/16-bit "
             f"MONOCHROME2 frames, {', '.join(sorted(set(READABLE_SYNTAXES.values())))})",
-            _FIX,
+            _FIX if inst.image_type is None else "convert the slide to TIFF or OME-Zarr",
         )
 
 
@@ -136,14 +145,37 @@ def frame_grid(inst: DicomInstance) -> dict[tuple[int, int], int]:
     """Tile ``(row, column)`` in the grid of ``inst.tile`` -> frame index.
 
     Raises:
-        SlideError: frames off the tile grid, two frames on one tile, or a frame
-            count that ``TILED_FULL`` order cannot place.
+        SlideError: frames without pixels (Rows or Columns 0), several optical paths or
+            focal planes, frames off the tile grid or wholly outside the total pixel
+            matrix, two frames on one tile, or a frame count that ``TILED_FULL`` order
+            cannot place.
     """
     (th, tw), (h, w) = inst.tile, inst.size or inst.tile
+    if not th or not tw:
+        raise SlideError(
+            inst.path,
+            f"frames of {th} x {tw} px (Rows, Columns) hold no pixels",
+            "the file may be corrupt; re-export it, or convert the slide to TIFF or OME-Zarr",
+        )
+    if inst.planes > 1:  # their frames share one tile grid: read as one, a tile-by-tile mix
+        raise SlideError(
+            inst.path,
+            f"{inst.optical_paths} optical path(s) and {inst.focal_planes} focal plane(s) in one "
+            "instance (NumberOfOpticalPaths, TotalPixelMatrixFocalPlanes): its frames of "
+            "different paths or planes lie on one tile grid",
+            "export one focal plane and optical path, or convert the slide to TIFF",
+        )
     gy, gx = -(-h // th), -(-w // tw)
     grid: dict[tuple[int, int], int] = {}
     if inst.positions is not None:
         for i, (r, c) in enumerate(inst.positions):
+            if not (-th < r < h and -tw < c < w):  # wholly outside: no pixel of it is read
+                raise SlideError(
+                    inst.path,
+                    f"frame {i + 1} starts at row {r + 1}, column {c + 1}, outside the "
+                    f"{h} x {w} px total pixel matrix",
+                    "the frame positions are wrong; re-export the slide, or convert it to TIFF",
+                )
             if r % th or c % tw:
                 raise SlideError(
                     inst.path,
@@ -167,12 +199,6 @@ def frame_grid(inst: DicomInstance) -> dict[tuple[int, int], int]:
             f"{inst.organization or 'not stated'}) do not fill the {gy} x {gx} tile grid of a "
             f"{h} x {w} px image",
             _FIX,
-        )
-    if inst.planes > 1:
-        raise SlideError(
-            inst.path,
-            f"{inst.planes} focal planes or optical paths in one instance",
-            "export one focal plane and optical path, or convert the slide to TIFF",
         )
     return {(i // gx, i % gx): i for i in range(gy * gx)}
 

@@ -17,14 +17,19 @@ Channels: RGB (``YXS``) and planar (``CYX``) layouts both come out as
 channel count: a 16-bit grayscale image is one uint16 channel, a 40-channel
 multiplex image 40 channels. RGB (photometric RGB or YCbCr with 3 or 4
 samples) is a bright-field image (:mod:`hyfi_imaging.io.pixels`); RGBA is
-composited over the white background. Channel names (and colours) come from
+composited over the white background, and a 4th sample that ExtraSamples calls
+unspecified (0: RGBX) is dropped. A base page whose Orientation (tag 274) is not
+1 (top-left) is refused at open: its regions would be read as stored, not as a
+viewer shows them. Channel names (and colours) come from
 the OME-XML ``Channel`` elements of an OME-TIFF (``Name``, ``Color``), or the
 ``<Name>`` and ``<Color>`` of each page's PerkinElmer description in a QPTIFF;
 else ``c0, c1, ...`` and a palette.
 
 MPP, in order: the override; OME ``PhysicalSizeX/Y`` (source ``"ome"``);
 Aperio ``MPP`` in an SVS description (``"vendor"``); ``XResolution`` with
-``ResolutionUnit`` inch or centimeter (``"tiff-resolution"``); else unknown.
+``ResolutionUnit`` inch or centimeter (``"tiff-resolution"``); else unknown. The
+description and tags are the base level's page (the one read), not page 0,
+which may be a preview of another resolution.
 """
 
 from __future__ import annotations
@@ -60,6 +65,17 @@ __all__ = ["check_complete", "TiffReader", "ome_channels", "ome_mpp"]
 
 _SVS_MPP = re.compile(r"\|\s*MPP\s*=\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)")
 _ASSOCIATED = {"thumbnail", "label", "macro", "overview"}
+#: TIFF Orientation values (tag 274): where the stored first row and column are shown.
+_ORIENTATIONS = {
+    1: "top-left",
+    2: "top-right: mirrored",
+    3: "bottom-right: turned 180°",
+    4: "bottom-left: flipped",
+    5: "left-top: transposed",
+    6: "right-top: turned 90° clockwise to view",
+    7: "right-bottom: transversed",
+    8: "left-bottom: turned 90° counter-clockwise to view",
+}
 _OME_UNIT_UM = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e6, "Å": 1e-4}
 
 
@@ -290,14 +306,26 @@ class TiffReader:
             int(base.shape[self._axes.index(self._channel_axis)]) if self._channel_axis else 1
         )
         key = base.keyframe
+        self._key = key  # the base level's page: its tags describe the pixels read
+        try:
+            self._check_orientation(key)
+        except SlideError:
+            self._tif.close()
+            raise
         photometric = int(getattr(key, "photometric", 1))
         # PHOTOMETRIC RGB (2) or YCbCr (6, decoded to RGB) with 3 or 4 samples per pixel.
         self._rgb = (
             self._channel_axis == "S" and photometric in (2, 6) and source_channels in (3, 4)
         )
-        self._alpha = self._rgb and source_channels == 4
+        extra = tuple(int(e) for e in getattr(key, "extrasamples", ()))[:1]
+        # ExtraSamples 0 (unspecified) is no alpha but some other sample, e.g. the pad byte of
+        # RGBX (read as alpha, its 0 made the slide white): dropped, as Pillow does. 1
+        # (associated) and 2 (unassociated) are an alpha, and so, as in Pillow, is a 4th
+        # sample whose ExtraSamples is missing.
+        self._extra = self._rgb and source_channels == 4 and extra == (0,)
+        self._alpha = self._rgb and source_channels == 4 and not self._extra
         # ExtraSamples 1: the colour is already multiplied by the alpha (associated).
-        self._premultiplied = self._alpha and tuple(getattr(key, "extrasamples", ()))[:1] == (1,)
+        self._premultiplied = self._alpha and extra == (1,)
         # MINISWHITE (0): 0 is white; read as brightness, the way every viewer shows it.
         self._inverted = photometric == 0
         if self._inverted and self.dtype == np.float32:
@@ -329,6 +357,23 @@ class TiffReader:
         except SlideError:
             self._tif.close()
             raise
+
+    def _check_orientation(self, page: Any) -> None:
+        """Refuse a base page whose Orientation (tag 274) is not 1 (top-left): its stored rows
+        are not the image as a viewer shows it, and a tiled pyramid's regions are read as
+        stored (turning each region read would need the whole level's geometry mirrored)."""
+        tag = page.tags.get(274)
+        orientation = int(tag.value) if tag is not None else 1
+        if orientation != 1:
+            name = _ORIENTATIONS.get(orientation, "not a TIFF orientation")
+            raise SlideError(
+                self.path,
+                f"TIFF Orientation (tag 274) is {orientation} ({name}), not 1 (top-left): the "
+                "stored rows are not the image as a viewer shows it, and this reader reads "
+                "them as stored",
+                "rewrite the file upright with Orientation 1 (e.g. vips autorot, or "
+                "tifffile.imwrite of the turned array)",
+            )
 
     def _chunk_bytes(self, level: int) -> int:
         """Decoded bytes of one strip or tile of ``level`` (a zarr chunk of the TIFF's view)."""
@@ -416,7 +461,7 @@ class TiffReader:
         mpp = ome_mpp(ome, self.path, self._ome_image) if ome else None
         if mpp is not None:
             return mpp, "ome"
-        page = self._tif.pages.first
+        page = self._key  # the base level's page, not page 0 (a preview's 2 µm/px was taken)
         if self._tif.is_svs:
             found = _SVS_MPP.search(page.description or "")
             mpp = float(found.group(1)) if found else None
@@ -460,6 +505,8 @@ class TiffReader:
                 return self._palette[:, data[0]]
             if self._inverted:
                 return np.iinfo(data.dtype).max - data
+            if self._extra:
+                return data[:3]
             return self._composite(data) if self._alpha else data
 
         return read_filled(
