@@ -90,8 +90,9 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     share; torch.autograd.grad returned tile shares and added the sum to .grad; a deep copy
     (EMA) failed on the process group, and one that trains had no gradient rule; a user's
     gradient hook added after apply_spatial, with .grad zeroed rather than freed, and weights
-    loaded with load_state_dict(assign=True) trained silently wrong. Each is exact now, or
-    refused in one line."""
+    loaded with load_state_dict(assign=True) trained silently wrong, and so did a pad made
+    only where shapes differ (the tiles' shapes took the other branch). Each is exact now,
+    or refused in one line."""
     worker = Path(__file__).resolve().parent / "workers" / "own_loop_pitfalls.py"
     job = mpiexec(2, str(worker), timeout=240)
     assert job.returncode == 0, job.describe()
@@ -103,3 +104,9 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     assert got["grad_kept"] is True, got
     assert "module 'c2' (Conv2d): was put into the model after apply_spatial" in got["replaced"]
     assert got["user_hook"] < 1e-12 and got["assigned"] < 1e-12, got
+    assert got["odd_pad"].startswith("module 'ShapePad': calls F.pad (site #0) on a 33x24"), got
+    assert got["tile_pad"].startswith("module 'ShapePad': skipped on its tile the F.pad"), got
+    assert got["mean_sizes"] < 1e-12, got
+    assert (
+        "tile 32x12 is not the 16x6 tile of the last image size set (16x12)" in got["mean_default"]
+    )

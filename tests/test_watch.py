@@ -483,3 +483,23 @@ def test_constants_made_in_forward_are_traced_or_their_module_named() -> None:
         spatialize(model, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
     assert "make module '1' create its tensors on the input's device" in str(err.value)
     assert "give it an image size" not in str(err.value)
+
+
+def test_input_channels_are_those_of_the_first_convolution_called() -> None:
+    """A head registered before the stem (4 channels in, 8 at the head) was traced with 8
+    channels and refused a valid size; a transposed first layer failed at the first step."""
+    from hyfi_imaging.parallel.apply import input_channels
+
+    class HeadFirst(nn.Module):
+        def __init__(self, first: nn.Module) -> None:
+            super().__init__()
+            self.head = nn.Conv3d(8, 2, 1)  # registered first, called last
+            self.enc = first
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.enc(x)))
+
+    assert input_channels(HeadFirst(nn.Conv3d(4, 8, 3, padding=1))) == 4
+    assert input_channels(HeadFirst(nn.ConvTranspose3d(5, 8, 2, stride=2))) == 5
+    assert input_channels(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU())) == 1
+    assert input_channels(nn.Sequential(nn.BatchNorm2d(4))) == 3  # no convolution: 3

@@ -23,6 +23,7 @@ loss (``reduction="none"``), whose mean :func:`reduce_loss` takes exactly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -63,15 +64,36 @@ log = logging.getLogger(__name__)
 
 
 def input_channels(model: nn.Module) -> int:
-    """Channels the model takes: its ``in_chans``, else the first ``Conv2d``'s (or ``Conv3d``'s,
-    or ``Conv1d``'s) input channels, else 3."""
+    """Channels the model takes: its ``in_chans``, else those of the first convolution its
+    forward calls (``Conv1d/2d/3d`` or transposed; traced on the meta device), else 3.
+
+    The first one *registered* was taken before: a head registered before the stem traced
+    the model with the head's channels and refused a valid size, and a transposed first
+    layer failed at the first step.
+    """
     declared = getattr(model, "in_chans", None)
     if isinstance(declared, int):
         return declared
-    conv = next(
-        (m for m in model.modules() if isinstance(m, nn.Conv1d | nn.Conv2d | nn.Conv3d)), None
-    )
-    return int(conv.in_channels) if conv is not None else 3
+    conv = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    if conv is None:
+        return 3
+    meta = meta_copy(model)
+    called: list[int] = []
+
+    def first(m: nn.Module, _args: tuple[Any, ...]) -> None:
+        called.append(int(m.in_channels))  # type: ignore[arg-type]
+        raise _FirstConv
+
+    for m in meta.modules():
+        if isinstance(m, nn.modules.conv._ConvNd):
+            m.register_forward_pre_hook(first)
+    with contextlib.suppress(Exception):  # the model's own code: only the first call is read
+        output_shape(meta, (1, int(conv.in_channels), *(64,) * len(conv.kernel_size)))
+    return called[0] if called else int(conv.in_channels)
+
+
+class _FirstConv(Exception):
+    """Ends :func:`input_channels`'s trace at the first convolution."""
 
 
 def spatialize_for(model: nn.Module, pc: ParallelContext, **kwargs: object) -> SpatialContext:
@@ -391,6 +413,18 @@ def _map_size(values: Tensor, ctx: SpatialContext, size: Sequence[int] | None) -
                 "tiled_mean", "no map size given and no image size set", "pass size=(h, w)"
             )
         size = ctx.image_hw
+        nd = len(ctx.grid)
+        if tuple(values.shape[-nd:]) != ctx.tile_size(size):
+            # A map of another forward (another image size) or of another resolution: the last
+            # size set is not its size (a multi-scale loss was 1.4 % off, silently).
+            raise ConfigError(
+                "tiled_mean",
+                f"no map size given, and the values' tile {'x'.join(map(str, values.shape[-nd:]))} "
+                f"is not the {'x'.join(map(str, ctx.tile_size(size)))} tile of the last image "
+                f"size set ({'x'.join(map(str, size))})",
+                "pass the map's true size as size=(h, w) (the image size of the forward that "
+                "made it, or the map's own size at another resolution)",
+            )
     nd = len(ctx.grid)
     tile = tuple(values.shape[-nd:])
     if any(g * t < s for g, t, s in zip(ctx.grid, tile, size, strict=True)):

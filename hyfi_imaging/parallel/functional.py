@@ -40,7 +40,7 @@ are read at each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from hyfi_imaging.errors import ConfigError
+
 __all__ = [
     "Frames",
     "Resample",
@@ -58,6 +60,7 @@ __all__ = [
     "SpatialFunctions",
     "Windowed",
     "site_of",
+    "site_op_name",
     "source_coords",
 ]
 
@@ -430,6 +433,13 @@ class SiteMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def site_op_name(site: Resample | Windowed | None) -> str:
+    """``F.pad``, ``F.interpolate``, ``F.conv2d`` ... for messages (None: ``nothing``)."""
+    if site is None:
+        return "nothing"
+    return f"F.{site.op}" if isinstance(site, Resample) else f"F.{site.func}"
+
+
 class SpatialFunctions(SiteMode):
     """At run time: the tile sites of a spatialized model, replaced by their spatial form
     (``run(x, site, name, weight, bias)``: ``SpatialContext.run_site``; a convolution's
@@ -446,17 +456,50 @@ class SpatialFunctions(SiteMode):
         known: Callable[[nn.Module], bool],
         sites: set[str],
         run: Callable[..., torch.Tensor],
+        traced: Callable[[], Mapping[str, Resample | Windowed]] = dict,
     ) -> None:
         super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
-        self.sites, self.run = sites, run
+        self.sites, self.run, self.traced = sites, run, traced
+        #: The pad, interpolation and windowed sites on tiles called in this forward.
+        self.called: set[str] = set()
 
     def _entering(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.frames.stack:
             self.__enter__()
+            self.called = set()
 
     def _left(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self.frames.stack:
             self.__exit__(None, None, None)
+        self._check_all_called(path, module)
+
+    def _check_all_called(self, path: str, module: nn.Module) -> None:
+        """Refuse a module that skipped on its tile a pad it made on the whole image: a branch
+        on ``x.shape`` (``if y.shape != skip.shape: y = F.pad(...)``) that the tile's shapes
+        take the other way left a transposed convolution's bias where the image has zeros
+        (0.15 off, silently). In eval mode any skipped site is refused (the whole image was
+        traced in eval mode); in training only a skipped pad (an eval-only interpolation of
+        the output is a model's choice)."""
+        prefix = f"{path}#"
+        missed = [
+            (n, site)
+            for n, site in self.traced().items()
+            if n.startswith(prefix)
+            and "#" not in n[len(prefix) :]
+            and n in self.sites
+            and n not in self.called
+            and (not module.training or (isinstance(site, Resample) and site.op == "pad"))
+        ]
+        if missed:
+            name, site = missed[0]
+            op = site_op_name(site)
+            raise ConfigError(
+                f"module {path or type(module).__name__!r}",
+                f"skipped on its tile the {op} it called on the whole image (site {name}): "
+                "a branch on a shape (if y.shape != skip.shape) goes another way on a tile",
+                f"call the {op} unconditionally (a pad by 0 changes nothing), or compute its "
+                "arguments from the image's size",
+            )
 
     def at_site(
         self,
@@ -466,6 +509,17 @@ class SpatialFunctions(SiteMode):
         site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
+        if name in self.sites and isinstance(site, Resample | Windowed):
+            op, was = site_op_name(site), site_op_name(self.traced().get(name))
+            if op != was:
+                raise ConfigError(
+                    f"site {name}",
+                    f"calls {op} on its tile where the whole image called {was}: a branch on a "
+                    "shape (if y.shape != skip.shape) goes another way on a tile",
+                    "make the calls unconditional (a pad by 0 changes nothing), or compute "
+                    "their arguments from the image's size",
+                )
+            self.called.add(name)
         if name in self.sites:
             x = args[0] if args else kwargs["input"]
             if isinstance(site, Windowed):

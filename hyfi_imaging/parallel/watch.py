@@ -117,6 +117,8 @@ class TileUse:
     tile_params: set[str] = field(default_factory=set)
     rejoined_pools: set[str] = field(default_factory=set)
     functional_sites: set[str] = field(default_factory=set)
+    #: Every functional site called at the size the watch ran at (on tiles or not).
+    seen_sites: set[str] = field(default_factory=set)
     random_modules: set[str] = field(default_factory=set)
     #: ``consumer: (producer, carriers)``: the layer ``consumer`` (a module with a spatial
     #: form) reads the output of the layer ``producer`` and nothing else, through per-pixel
@@ -814,6 +816,7 @@ class _Sites(SiteMode):
         site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
+        self.watch.use.seen_sites.add(name)
         x = args[0] if args else kwargs.get("input")
         tile = self.watch.tile_of(x)
         if isinstance(site, Site) and site.channels_last and tile is not None:

@@ -23,7 +23,16 @@ check compares the tiled model with the same model in one process (``copy.deepco
   took the hook's input for what the backward added to ``.grad``);
 * ``assigned``: weights loaded after ``apply_spatial`` by ``load_state_dict(sd, assign=True)``
   (new parameter objects), three steps: the largest relative error (0.54: the rule kept
-  hooking the old objects).
+  hooking the old objects);
+* ``odd_pad``: a U-Net step that pads only where the shapes differ
+  (``if y.shape != skip.shape``), at a size where the image pads and the probe does not:
+  the refusal at ``apply_spatial`` (the tiles skipped the pad: 0.15 off, silently);
+* ``tile_pad``: one that pads only maps at least 20 px wide, on 32x24 images (the image
+  pads, its 32x12 tiles do not): the refusal at the first forward;
+* ``mean_sizes``: ``hyfi.tiled_mean`` of dense outputs of two image sizes (a multi-scale
+  loss), each given its size: the largest relative error against one process;
+  ``mean_default``: the first without ``size=`` (it took the last size set: 1.4 % off):
+  the refusal.
 """
 
 from __future__ import annotations
@@ -51,6 +60,24 @@ class Net(nn.Module):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-300))
+
+
+class ShapePad(nn.Module):
+    """A U-Net step: pool, transposed convolution (with bias), pad to the skip if needed."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__()
+        self.rule = rule
+        self.enc, self.pool = nn.Conv2d(3, 2, 3, padding=1), nn.MaxPool2d(2)
+        self.up = nn.ConvTranspose2d(2, 2, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.enc(x)
+        y = self.up(self.pool(skip))
+        dh, dw = skip.shape[-2] - y.shape[-2], skip.shape[-1] - y.shape[-1]
+        if (dh or dw) if self.rule == "odd" else y.shape[-1] >= 20:
+            y = nn.functional.pad(y, (0, dw, 0, dh))
+        return torch.cat([skip, y], 1)
 
 
 def _train(models: tuple[nn.Module, nn.Module], ctx: object, steps: int, *, halves: int) -> float:
@@ -149,6 +176,35 @@ def main() -> int:
     for m in assigned:
         m.load_state_dict(copy.deepcopy(weights), assign=True)
     found["assigned"] = _train(assigned, assign_ctx, 3, halves=1)
+    try:
+        hyfi.apply_spatial(ShapePad("odd"), pc, image_size=(33, 24))
+        found["odd_pad"] = "ran"
+    except HyfiError as err:
+        found["odd_pad"] = str(err)
+    wide = ShapePad("wide")
+    wide_ctx = hyfi.apply_spatial(wide, pc, image_size=(32, 24))
+    try:
+        wide(hyfi.tile_of(torch.randn(1, 3, 32, 24, generator=gen), wide_ctx, (32, 24)))
+        found["tile_pad"] = "ran"
+    except HyfiError as err:
+        found["tile_pad"] = str(err)
+    dense, dense_ref = ShapePad("odd"), ShapePad("odd")
+    dense_ref.load_state_dict(dense.state_dict())
+    dense_ctx = hyfi.apply_spatial(dense, pc, image_size=(32, 24))
+    big, small = torch.randn(2, 3, 32, 24, generator=gen), torch.randn(2, 3, 16, 12, generator=gen)
+    maps = [dense(hyfi.tile_of(x, dense_ctx, x.shape[-2:])) for x in (big, small)]
+    means = [
+        hyfi.tiled_mean(m, dense_ctx, size)
+        for m, size in zip(maps, ((32, 24), (16, 12)), strict=True)
+    ]
+    found["mean_sizes"] = max(
+        _rel(got, dense_ref(x).mean()) for got, x in zip(means, (big, small), strict=True)
+    )
+    try:
+        hyfi.tiled_mean(maps[0], dense_ctx)
+        found["mean_default"] = "ran"
+    except HyfiError as err:
+        found["mean_default"] = str(err)
     if pc.rank == 0:
         print(json.dumps(found))
     shutdown()

@@ -21,7 +21,13 @@ from torch.utils.hooks import RemovableHandle
 from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.geometry.grid import TileGrid, map_end
 from hyfi_imaging.parallel.collectives import all_reduce_max_replicated, all_reduce_replicated
-from hyfi_imaging.parallel.functional import Resample, Site, SpatialFunctions, Windowed
+from hyfi_imaging.parallel.functional import (
+    Resample,
+    Site,
+    SpatialFunctions,
+    Windowed,
+    site_op_name,
+)
 from hyfi_imaging.parallel.geometry import Resample1D, layer_geom
 from hyfi_imaging.parallel.grad_sync import TileGradSync
 from hyfi_imaging.parallel.halo import Neighbours
@@ -88,6 +94,8 @@ class SpatialContext:
         self.flatten_paths: set[str] = set()
         #: Global reductions written as functions that reduce tiles (see parallel/functional.py).
         self.functional_sites: set[str] = set()
+        #: Every functional site the watch saw (on tiles or not), at its probe size.
+        self.seen_sites: set[str] | None = None
         self._functions: SpatialFunctions | None = None
         self._reference: nn.Module | None = None
         self._in_chans = 3
@@ -155,6 +163,20 @@ class SpatialContext:
                 "give an image size the model takes (unpadded convolutions shrink the map "
                 "below a kernel's size at small sizes; a dense head takes one size only)",
             ) from err
+        unseen = [n for n in resamples if self.seen_sites is not None and n not in self.seen_sites]
+        if unseen:
+            # A pad made only at some sizes (if y.shape != skip.shape): the watch's probe
+            # never made it, so no rank runs it on its tile while the image has it (0.15 off).
+            op = site_op_name(resamples[unseen[0]])
+            path = unseen[0].rsplit("#", 1)[0] or type(self._reference).__name__
+            raise ConfigError(
+                f"module {path!r}",
+                f"calls {op} (site {unseen[0]}) on a {'x'.join(map(str, image_hw))} image but "
+                "not at other sizes: a branch on a shape (if y.shape != skip.shape) goes "
+                "another way on a tile",
+                f"call the {op} unconditionally (a pad by 0 changes nothing), or compute its "
+                "arguments from the image's size",
+            )
         self._out_cache[image_hw] = outs
         self._traced_resamples[image_hw] = resamples
         return sizes

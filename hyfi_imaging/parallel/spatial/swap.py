@@ -124,11 +124,16 @@ def spatialize(
     ctx.tile_param_names = use.tile_params
     ctx.rejoined_pools = use.rejoined_pools
     ctx.functional_sites = use.functional_sites
+    ctx.seen_sites = use.seen_sites
     ctx.random_modules = use.random_modules
     ctx.rng_hooks = install_rng_sync(model, use.random_modules, group)  # one draw per image
     if use.functional_sites:
         ctx._functions = SpatialFunctions(
-            model, _has_spatial_form, use.functional_sites, ctx.run_site
+            model,
+            _has_spatial_form,
+            use.functional_sites,
+            ctx.run_site,
+            lambda: ctx._traced_resamples.get(ctx.image_hw or (), {}),
         )
     for name, m in model.named_modules():
         if name not in use.tile_modules:
