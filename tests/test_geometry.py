@@ -728,8 +728,8 @@ def test_a_flip_or_a_map_that_outgrows_its_tiles_is_refused() -> None:
     with pytest.raises(ConfigError, match="tiles \\(2 x 8 px\\) hold 16"):
         g.resample_1d(grow, 16, 8, 8, 2, 0, where="module 'm' (F.pad)")
     with pytest.raises(ConfigError, match="3-fold"):
-        g.resampled_tile(5, 45, 15, scales=True, where="m")
-    assert g.resampled_tile(19, 37, 75, scales=True, where="m") == 38
+        g.resampled_tile(5, 45, 15, scales=True, where="m", tiles=3, align=1)
+    assert g.resampled_tile(19, 37, 75, scales=True, where="m", tiles=2, align=1) == 38
     # 1.4x of 2 x 16 px is 44 px: round(1.4) = 1 leaves 32, so the tiles grow to hold it
     # (a multiple of the align, 4): 2 x 24 px, not a refusal no align could satisfy.
     assert g.resampled_tile(16, 32, 44, scales=True, where="m", tiles=2, align=4) == 24

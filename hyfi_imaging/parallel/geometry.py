@@ -339,7 +339,7 @@ def outgrows_tiles(path: str, module: object, outs: str, held: str) -> ConfigErr
     cause = (
         "or use ceil_mode=False"
         if ceil
-        else "or pad it by no more than its window takes back (a 3x3 window: padding 1)"
+        else "or pad it by no more than its window takes back (a window of 3: padding 1)"
     )
     return ConfigError(
         f"module {path!r} ({kind})",
@@ -796,19 +796,22 @@ def resampled_tile(
     scales: bool,
     where: str,
     axis: str = "axis",
-    tiles: int = 1,
-    align: int = 1,
+    tiles: int,
+    align: int,
 ) -> int:
     """Tile length of a pad's (``scales`` False) or interpolation's output along one axis.
 
     A pad keeps the tile. An interpolation scales it by the size ratio rounded to
     an integer (U-Net's ``size=skip.shape`` at odd sizes: 75 from 37 is 2), so
     that the output tiles line up with the tiles of the same resolution
-    elsewhere in the model (a skip connection). :func:`resample_1d` checks that
+    elsewhere in the model (a skip connection). Where that leaves the ``tiles``
+    short of the output (a non-integer scale: 1.4 rounds to 1), each grows to the
+    least multiple of ``align`` that holds it. :func:`resample_1d` checks that
     the tiles hold the whole output.
 
-    OK: ``resampled_tile(19, 37, 75, scales=True, where="up")`` -> 38.
-    Error: ``resampled_tile(5, 45, 15, scales=True, where="down")`` (5 is not a multiple of 3).
+    OK: ``resampled_tile(19, 37, 75, scales=True, where="up", tiles=2, align=1)`` -> 38;
+    1.4x of 2 x 16 px (44 px): ``tiles=2, align=4`` -> 24 (the rounded scale's 16 hold 32).
+    Error: ``resampled_tile(5, 45, 15, ..., tiles=3, align=1)`` (5 is not a multiple of 3).
     """
     if not scales or n_out == n_in:
         return t_in
