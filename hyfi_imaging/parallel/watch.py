@@ -528,7 +528,8 @@ class _Watch(TorchDispatchMode):
             f"aten.{func.overloadpacket.__name__} into part of a tensor",
             "writes the tiled map into a window of a larger (or smaller) map: a pad, crop or "
             "shift of the whole image written by hand (as PyTorch's circular pad is)",
-            "pad with F.pad(..., mode='constant'/'reflect'/'replicate'), or do it on the input",
+            "pad with F.pad(..., mode='constant') (or 'reflect'/'replicate' on a 2-D map), or do "
+            "it on the input",
         )
 
     def track(self, func: Any, flat: list[Any], outs: list[Any], result: _Tile | None) -> None:
@@ -689,7 +690,7 @@ _USE_MODULES = (
 _UNKNOWN = "mixes pixels of the tiled feature map (or is not known not to)"
 _EDGE_PAD = (
     "has no exact tiled form (a tile's edge is not the image's)",
-    "use F.pad(..., mode='constant') or a zero-padded Conv2d",
+    "use F.pad(..., mode='constant') or a zero-padded convolution",
 )
 _INTERPOLATION = (
     "is an interpolation with no tiled form (bicubic, area or antialias)",

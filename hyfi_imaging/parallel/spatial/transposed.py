@@ -47,14 +47,14 @@ class _Transposed(_SpatialMixin):
             n_out, tiles = ctx.out_size_of(path)[a], ctx.grid[a]
             if max(before, after) > t and tiles > 1:
                 raise ConfigError(
-                    path,
+                    f"module {path!r} (ConvTranspose{nd}d)",
                     f"needs a halo of {max(before, after)} px but tiles are only {t} px along "
                     f"the {axis}",
                     "use fewer tiles along that axis or a larger image",
                 )
             if tiles * t * s < n_out:
                 raise ConfigError(
-                    path,
+                    f"module {path!r} (ConvTranspose{nd}d)",
                     f"gives {n_out} px along the {axis} but the tiles hold {tiles * t * s}",
                     "give the tiles room: a larger align (apply_spatial(..., align=N))",
                 )
