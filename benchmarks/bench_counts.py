@@ -141,12 +141,20 @@ def parse_layout(text: str) -> LayoutSpec:
     if bad:
         raise SystemExit(f"bench_counts: error: layout {text!r}: unknown option {bad[0]!r}")
     grids: tuple[tuple[int, ...], ...]
-    if base.startswith("pp"):
-        pp, grids = int(base[2:]), ((1, 1),)
-    else:
-        parts = base.split(",")
-        grids = tuple(tuple(int(v) for v in p.lower().split("x")) for p in parts)
-        pp = len(grids)
+    try:
+        if base.startswith("pp"):
+            pp, grids = int(base[2:]), ((1, 1),)
+        else:
+            parts = base.split(",")
+            grids = tuple(tuple(int(v) for v in p.lower().split("x")) for p in parts)
+            pp = len(grids)
+    except ValueError:
+        raise SystemExit(
+            f"bench_counts: error: layout {text!r} is not GYxGX[,GYxGX...] or ppN "
+            "(with +ckpt, +stream)"
+        ) from None
+    if pp < 1 or any(v < 1 for g in grids for v in g):
+        raise SystemExit(f"bench_counts: error: layout {text!r}: counts must be at least 1")
     return LayoutSpec(text, grids, pp, "ckpt" in opts, "stream" in opts)
 
 
@@ -440,11 +448,30 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every count to this file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, dims in (("size", 2), ("volume", 3)):
+        try:
+            _sizes(getattr(args, name), dims)
+        except ValueError as err:
+            p.error(f"--{name} {getattr(args, name)!r}: {err}")
+    from hyfi_imaging.models.registry import list_models
+
+    unknown = [m for m in args.models if _model_name(m) not in list_models()]
+    if unknown:
+        p.error(f"--models: unknown model {unknown[0]!r} (known: {', '.join(list_models())})")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: its folder does not exist (the counts would be lost)")
+    return args
 
 
 def _sizes(text: str, dims: int) -> list[int]:
-    vals = [int(v) for v in text.lower().split("x")]
+    """``"256"`` or ``"256x192"`` as ``dims`` sides (ValueError naming what is wrong)."""
+    try:
+        vals = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        raise ValueError("give N or " + "x".join("N" * dims)) from None
+    if len(vals) not in (1, dims) or min(vals) < 1:
+        raise ValueError("give N or " + "x".join("N" * dims) + ", each at least 1")
     return vals * dims if len(vals) == 1 else vals
 
 
@@ -650,7 +677,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     if args.json:
-        args.json.write_text(
+        from hyfi_imaging.atomic import write_atomic
+
+        write_atomic(
+            args.json,
             json.dumps(
                 {
                     "config": vars(args) | {"json": str(args.json)},
@@ -664,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 indent=1,
                 default=str,
-            )
+            ),
         )
     if failed:
         return 2

@@ -255,3 +255,24 @@ def test_peer_chain_1x4_pinned() -> None:
     assert own <= PEER_COPY_PER_OWN_SAVED, f"peer chain 1x4: copies {own:.3f} x own saved"
     assert max(r["sync_count"] for r in ranks) <= SYNCS_PER_RANK
     assert 1.0 <= sum(r["flops"] for r in ranks) / one["flops"] <= 1.0 + FLOP_RATIO_PEER_1X4
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--layouts", "3x"], "layout '3x' is not GYxGX"),
+        (["--size", "abc"], "--size 'abc': give N or NxN"),
+        (["--models", "nosuch"], "unknown model 'nosuch'"),
+        (["--json", "/nonexistent-folder/counts.json"], "its folder does not exist"),
+    ],
+)
+def test_bench_counts_refuses_bad_options_before_counting(option: list[str], said: str) -> None:
+    """A traceback (or, for --json, a crash after every count had run) before."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_counts.py"
+    run = subprocess.run(
+        [sys.executable, str(script), *option], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert said in run.stderr.strip().splitlines()[-1], run.stderr
