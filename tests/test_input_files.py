@@ -481,6 +481,22 @@ def test_a_tiff_is_read_by_its_base_page_not_its_first(tmp_path: Path) -> None:
         assert np.array_equal(reader.read_region(0, 0, 0, 48, 64), np.moveaxis(rgb, -1, 0))
 
 
+@pytest.mark.parametrize(("unit", "mpp"), [("um", 0.65), ("micron", 0.65), ("mm", 0.5e-3)])
+def test_a_fiji_tiff_gives_its_resolution_in_its_own_unit(
+    tmp_path: Path, unit: str, mpp: float
+) -> None:
+    """Fiji/ImageJ writes ResolutionUnit none and its unit in the description ("unit=um"):
+    the slide was called one that "does not record its resolution"."""
+    import tifffile
+
+    grey = np.random.default_rng(23).integers(0, 4000, (3, 32, 40), dtype=np.uint16)
+    tifffile.imwrite(tmp_path / "fiji.tif", grey, imagej=True, resolution=(1 / mpp, 1 / mpp),
+                     metadata={"axes": "CYX", "unit": unit})  # fmt: skip
+    with open_slide(tmp_path / "fiji.tif") as reader:
+        want = mpp * (1e3 if unit == "mm" else 1.0)
+        assert (reader.mpp, reader.mpp_source) == (pytest.approx(want), "tiff-resolution")
+
+
 def test_an_unspecified_fourth_tiff_sample_is_not_an_alpha(tmp_path: Path) -> None:
     """RGBX: a 4th sample that ExtraSamples calls unspecified (0) was composited as alpha,
     and its 0 pad made the whole slide white; it is dropped (as Pillow reads it), while

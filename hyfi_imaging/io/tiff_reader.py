@@ -76,6 +76,16 @@ _ORIENTATIONS = {
     7: "right-bottom: transversed",
     8: "left-bottom: turned 90° counter-clockwise to view",
 }
+#: Fiji/ImageJ's spellings of a length unit (its description's ``unit=``), in µm.
+_IMAGEJ_UNIT_UM = {
+    "um": 1.0,
+    "µm": 1.0,
+    "\\u00B5m": 1.0,
+    "micron": 1.0,
+    "microns": 1.0,
+    "nm": 1e-3,
+    "mm": 1e3,
+}
 _OME_UNIT_UM = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e6, "Å": 1e-4}
 
 
@@ -476,6 +486,17 @@ class TiffReader:
             )
             mpp = square_mpp(self.path, x, y)
             if mpp is not None:
+                return mpp, "tiff-resolution"
+        # Fiji/ImageJ: ResolutionUnit none, the unit in its description ("unit=um"; "micron",
+        # "\\u00B5m" and "mm" too); its X/YResolution are pixels per that unit.
+        unit_um = _IMAGEJ_UNIT_UM.get(str((self._tif.imagej_metadata or {}).get("unit", "")))
+        if self._tif.is_imagej and unit_um is not None:
+            x, y = (
+                unit_um / r if (r := _ratio(page.tags.get(f"{a}Resolution"))) else None
+                for a in "XY"
+            )
+            mpp = square_mpp(self.path, x, y)
+            if mpp is not None and MPP_PLAUSIBLE[0] <= mpp <= MPP_PLAUSIBLE[1]:
                 return mpp, "tiff-resolution"
         return None, "none"
 
