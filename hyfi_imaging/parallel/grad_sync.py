@@ -273,5 +273,6 @@ class TileGradSync:
             f"parameters differ, after {self.backwards} backward(s))",
             "build the model with the same seed on every rank (torch.manual_seed before "
             "creating it) and let apply_spatial sum the tile gradients: do not all-reduce "
-            "gradients yourself",
+            "gradients yourself, nor step an optimizer inside backward (a post-accumulate-grad "
+            "hook steps on a tile's share, before the sum)",
         )
