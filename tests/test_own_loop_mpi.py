@@ -107,6 +107,7 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     assert got["odd_pad"].startswith("module 'ShapePad': calls F.pad (site #0) on a 33x24"), got
     assert got["tile_pad"].startswith("module 'ShapePad': skipped on its tile the F.pad"), got
     assert got["mean_sizes"] < 1e-12, got
+    assert "runs inside DistributedDataParallel" in got["ddp"], got
     assert (
         "tile 32x12 is not the 16x6 tile of the last image size set (16x12)" in got["mean_default"]
     )
