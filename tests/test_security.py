@@ -419,6 +419,24 @@ def test_hyfi_preprocess_refuses_a_decompression_bomb_fast_in_one_line(
     assert took < 60, took
 
 
+def test_a_large_png_is_judged_by_our_limits_not_pillows_bomb_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pillow refuses more than 2 x MAX_IMAGE_PIXELS (179 Mpx) as a decompression bomb: a
+    valid 19000^2 PNG (under MAX_IMAGE_SIDE) was called damaged ("check that the file is a
+    complete PNG"). Its limit is lowered here so that a small image stands for a large one;
+    the limit is Pillow's again afterwards."""
+    from PIL import Image
+
+    from hyfi_imaging.io.image_reader import open_image
+
+    Image.new("RGB", (64, 48), (200, 30, 40)).save(tmp_path / "wide.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with open_image(tmp_path / "wide.png") as reader:
+        assert reader.level_dimensions[0] == (48, 64)
+    assert Image.MAX_IMAGE_PIXELS == 1000
+
+
 def test_reads_are_costed_before_decoding(tmp_path: Path) -> None:
     import tifffile
 

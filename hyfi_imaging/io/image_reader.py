@@ -53,6 +53,12 @@ def open_image(
     from hyfi_imaging.io.budget import check_need, default_memory_budget, read_cost
 
     where = str(path)
+    # Pillow refuses images above 2 x MAX_IMAGE_PIXELS (179 Mpx) as decompression bombs, with
+    # an error that read as a damaged file for a valid 19000^2 PNG: the limits here are our
+    # own (MAX_IMAGE_SIDE, then the memory budget before anything is decoded).
+    bomb_limit = Image.MAX_IMAGE_PIXELS
+    if bomb_limit is not None:
+        Image.MAX_IMAGE_PIXELS = max(bomb_limit, MAX_IMAGE_SIDE**2 // 2)
     try:
         with warnings.catch_warnings():
             # Pillow's decompression-bomb warning would duplicate our own size check.
@@ -108,6 +114,8 @@ def open_image(
             f"cannot decode image ({type(err).__name__}: {err})",
             "check that the file is a complete PNG or JPEG",
         ) from err
+    finally:
+        Image.MAX_IMAGE_PIXELS = bomb_limit
     return ArrayReader(
         np.ascontiguousarray(np.moveaxis(array, -1, 0)),
         path=where,
