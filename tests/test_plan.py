@@ -822,3 +822,10 @@ def test_the_h200s_memory_is_cudas_capacity_not_its_decimal_name() -> None:
     from hyfi_imaging.parallel.devices import DEVICES
 
     assert DEVICES["h200"].memory == int(139.8 * 2**30)
+
+
+def test_small_memory_figures_keep_their_digits() -> None:
+    """A small plan's 4 MiB peak printed as 0.00 GiB."""
+    from hyfi_imaging.cli.plan import _gib
+
+    assert [_gib(v * 2**20) for v in (0, 4, 512, 1536)] == ["0.00", "0.00391", "0.5", "1.50"]

@@ -192,7 +192,10 @@ def _unnamed_device(args: argparse.Namespace) -> Any:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+    """GiB to two decimals, below 1 GiB to three significant digits (a small plan's 4 MiB
+    peak printed as 0.00)."""
+    v = n / 2**30
+    return f"{v:.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
 
 
 def grids_text(layout: Any, sep: str = ",") -> str:
