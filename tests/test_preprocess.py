@@ -239,6 +239,9 @@ def test_bad_inputs_are_reported_one_line_each_and_the_rest_converted(
     # converting), and in the log
     errors = [ln for ln in out_err.err.splitlines() if ln.startswith("hyfi-preprocess: FAILED")]
     logged = (out / "preprocess.log").read_text()
+    # Each run's records follow a line naming its command (a rerun appends to the file).
+    first = logged.splitlines()[0]
+    assert " INFO run: hyfi-preprocess " in first and f"--out {out}" in first, first
     for sid in expect:
         assert sum(rows[sid].error in ln for ln in errors) == 1, (sid, out_err.err)
         assert rows[sid].error in logged, sid

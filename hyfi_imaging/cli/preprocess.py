@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -276,6 +277,25 @@ def verify(root: Path, *, progress: bool = True) -> int:
     return 2 if counts["bad"] else 0
 
 
+class _RunLog(logging.FileHandler):
+    """``preprocess.log``, appended to by every run: each run's records follow a line that
+    names the run (its command), so that a rerun's lines are not read as the first run's.
+    Opened at the first record (which comes once ``--out`` exists)."""
+
+    def __init__(self, path: Path, command: str) -> None:
+        super().__init__(path, delay=True)
+        self._command: str | None = command
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._command is not None:
+            command, self._command = self._command, None
+            header = logging.LogRecord(
+                record.name, logging.INFO, __file__, 0, f"run: {command}", None, None
+            )
+            super().emit(header)
+        super().emit(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``hyfi-preprocess``; returns the exit status."""
     parser = build_parser()
@@ -317,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     # delay=True: the log file is opened at the first record, which run_preprocess
     # emits only after it has checked everything and created --out.
-    logfile = logging.FileHandler(args.out / "preprocess.log", delay=True)
+    logfile = _RunLog(
+        args.out / "preprocess.log",
+        shlex.join(["hyfi-preprocess", *(sys.argv[1:] if argv is None else argv)]),
+    )
     logfile.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(logfile)
     try:
