@@ -304,8 +304,13 @@ def test_a_resume_at_an_epoch_end_logs_each_evaluation_once(manifest: Path, tmp_
     _train(manifest, tmp_path / "capped", 1, *sets, "train.max_steps=1000")
     assert logged(tmp_path / "capped") == logged(full)
     # A resume under a new train.max_steps (or train.epochs) plans the schedule anew: said.
-    said = _train(manifest, shorter, 1, *sets, f"train.max_steps={end + 1}").stderr
+    said = _train(
+        manifest, shorter, 1, *sets, f"train.max_steps={end + 1}", "optim.weight_decay=0.01"
+    ).stderr
     assert f"the learning-rate schedule now runs {end + 1} steps (the run planned" in said
+    # So is one under other optimiser settings (a new momentum resumed without a word).
+    assert "the optimiser's settings differ from the run's (optim.weight_decay " in said
+    assert "-> 0.01): it goes on with the new ones from step" in said
 
 
 def test_config_errors_fail_before_any_rank_starts(manifest: Path, tmp_path: Path) -> None:

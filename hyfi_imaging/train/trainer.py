@@ -353,6 +353,7 @@ class Trainer:
             "meaning": self._meaning(),
             "split": self._split_record(),
             "total_steps": self.total_steps,  # the learning-rate schedule's length
+            "optim": r.optim.model_dump(),  # its settings: a resume under others is said
         }
         state = self._state(False)
         if not finite_everywhere(state, self.pc.device):
@@ -601,6 +602,7 @@ class Trainer:
                 "resuming run %s from %s (step %d)", self.run_id, found.path, found.meta["step"]
             )
             self._say_schedule(found.meta)
+            self._say_optim(found.meta)
         if dist.is_initialized():
             dist.barrier()
         meta = found.meta
@@ -622,6 +624,23 @@ class Trainer:
             lr_at(step, r, self.total_steps),
             lr_at(step, r, was),
         )
+
+    def _say_optim(self, meta: dict[str, Any]) -> None:
+        """One line when a resume runs under other optimiser settings than the run's (its
+        momentum buffers, learning rate or decay change at once; a new optim.momentum
+        resumed without a word)."""
+        was = meta.get("optim")
+        if not isinstance(was, dict):
+            return  # written before the settings were recorded
+        now = self.recipe.optim.model_dump()
+        changed = [f"optim.{k} {was[k]} -> {now[k]}" for k in now if k in was and was[k] != now[k]]
+        if changed:
+            log.warning(
+                "the optimiser's settings differ from the run's (%s): it goes on with the new "
+                "ones from step %d",
+                ", ".join(changed),
+                int(meta["step"]),
+            )
 
     def load_weights(self, checkpoint: Path) -> dict[str, Any]:
         """Load only the model (any layout's checkpoint) from a checkpoint or a checkpoint directory."""
