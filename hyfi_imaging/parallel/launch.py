@@ -283,6 +283,7 @@ def init_parallel(
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(local_size),
+            HYFI_LAUNCHED_BY=launcher,  # what started the ranks, for messages (launch_with)
         )
     from hyfi_imaging.parallel.mirrored import check_placed_world, mirrored, mirrored_context
 

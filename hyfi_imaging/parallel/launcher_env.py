@@ -189,7 +189,10 @@ def launch_with(ranks: int, environ: Mapping[str, str] | None = None) -> str:
     OK: under torchrun, ``launch_with(4)`` names ``--nnodes x --nproc-per-node = 4``;
     under ``srun``, ``srun -n 4``; under MPI or alone, ``mpirun -np 4``.
     """
-    launcher = launch_env(environ).launcher
+    env = os.environ if environ is None else environ
+    # init_parallel gives MPI and SLURM ranks torchrun's variables (for a later init), and
+    # notes what launched them: under mpiexec the fix named torchrun's options.
+    launcher = env.get("HYFI_LAUNCHED_BY") or launch_env(env).launcher
     if launcher == "torchrun":
         return f"launch {ranks} ranks (torchrun with --nnodes x --nproc-per-node = {ranks})"
     if launcher == "slurm":
