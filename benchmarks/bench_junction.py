@@ -244,6 +244,49 @@ def _predicted(args: argparse.Namespace, base: dict[str, Any], rows: list[Any]) 
         print(f"predicted speed-up, {rows[1][0]} / {rows[0][0]}: {steps[0] / steps[1]:.2f}x")
 
 
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` (one line, exit 2) on the first option that cannot be read, before any launch."""
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.shapes import parse_shape, parse_shapes
+
+    for name in ("batch", "microbatches", "steps", "ranks", "branches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    for opt, text, kind in (
+        ("--size", args.size, "size"),
+        ("--spatial", args.spatial, "grid"),
+        ("--bidir-grid", args.bidir_grid, "grid"),
+    ):
+        try:
+            shape = parse_shape(text, opt, kind=kind)
+        except ConfigError as err:
+            p.error(str(err))
+        if len(shape) != 2:
+            p.error(f"{opt} {text!r}: give a 2-D {kind}, HxW (e.g. 2x2)")
+    for opt, text in (("--hybrid", args.hybrid), ("--junction-bidir", args.junction_bidir)):
+        try:
+            grids = parse_shapes(text, opt)
+        except ConfigError as err:
+            p.error(str(err))
+        if any(len(g) != 2 for g in grids):
+            p.error(f"{opt} {text!r}: give 2-D stage grids, comma-separated (e.g. 1x3,1x1)")
+    for opt, text in (
+        ("--pipeline-balance", args.pipeline_balance),
+        ("--hybrid-balance", args.hybrid_balance),
+    ):
+        try:
+            cut = [int(v) for v in text.split(",")]
+        except ValueError:
+            cut = [0]
+        if min(cut) < 1:
+            p.error(f"{opt} {text!r}: give comma-separated layer counts >= 1, e.g. 5,6")
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:
+        p.error(f"--rows {','.join(unknown)!r}: give some of {','.join(ROWS)}")
+    if args.ranks % args.branches:
+        p.error(f"--ranks {args.ranks}: give a multiple of --branches {args.branches}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -284,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(json.loads(args.worker))
         return 0
+    _check_args(p, args)
     from hyfi_imaging.parallel.layout import Layout
 
     h, w = Layout.parse_grid(args.size)
@@ -303,10 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     bidir_pp = n // (bidir_grid[0] * bidir_grid[1])
     br = args.branches
     chosen = args.rows.split(",")
-    unknown = sorted(set(chosen) - set(ROWS))
-    if unknown or n % br:
-        what = f"--rows {','.join(unknown)}: use {','.join(ROWS)}" if unknown else ""
-        sys.exit(f"bench_junction: {what or f'--ranks {n} is not a multiple of --branches {br}'}")
     cases = [
         ("layer (pp, 1 micro-batch)", {**pipeline, "m": 1}),
         (f"pipeline (pp, {m} micro-batches)", pipeline),
@@ -358,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
 
         need = MirroredPlacement(Layout(pp=len(mirrored_grids), grids=mirrored_grids)).world_size
         if need != n:
-            sys.exit(
-                f"bench_junction: --junction-bidir {args.junction_bidir} mirrored takes {need} "
-                f"ranks, not --ranks {n}; give grids whose placement fills {n} ranks"
+            p.error(
+                f"--junction-bidir {args.junction_bidir!r}: mirrored it takes {need} ranks, not "
+                f"--ranks {n}; give grids whose placement fills {n} ranks"
             )
     if "pipeline" in chosen and len(cut) != n:
         pipeline.pop("balance")  # the default cut is for ResNet-18 on 4 ranks: let the engine cut

@@ -47,7 +47,15 @@ def run(model: str, grid: str, image: str) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  python benchmarks/bench_memory.py     # both cases, ~2 min on 2 cores\n"
+            "  # one case by hand: its worker, as the script starts it\n"
+            "  cd tests/mpi && mpiexec -n 4 python saved_memory.py --model convchain "
+            "--grid 1x4 --image 512\n"
+        ),
     )
     p.parse_args(argv)
     verdicts = []

@@ -138,7 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    gy, gx = (int(v) for v in args.grid.split("x"))
+    try:
+        gy, gx = (int(v) for v in args.grid.split("x"))
+    except ValueError:
+        gy = gx = 0
+    if min(gy, gx) < 1:
+        p.error(f"--grid {args.grid!r}: give the tile grid as GYxGX, e.g. 2x2")
+    for name in ("size", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
     cmd = ["mpiexec", "-n", str(gy * gx), sys.executable, str(Path(__file__).resolve()),
            "--worker", *(argv if argv is not None else sys.argv[1:])]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,

@@ -247,7 +247,16 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the three benchmarks and print their tables and verdicts."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  python benchmarks/bench_pipeline.py            # ~2 min\n"
+            "  python benchmarks/bench_pipeline.py --quick    # 64x64 images, 4 steps\n"
+            "  python benchmarks/bench_pipeline.py --microbatches 4 8 --steps 5\n"
+        ),
+    )
     p.add_argument("--quick", action="store_true", help="smaller images and fewer steps")
     p.add_argument("--worker", choices=("bubble", "memory", "dp"), help=argparse.SUPPRESS)
     p.add_argument("--image", type=int, default=128, help="image side (pixels)")
@@ -257,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     args = p.parse_args(argv)
+    for name in ("image", "mb", "steps", "dp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: give a whole number >= 0")
+    if min(args.microbatches) < 1:
+        p.error(
+            f"--microbatches {min(args.microbatches)}: give micro-batch counts >= 1, e.g. 2 4 8"
+        )
     if args.worker:
         _worker(args)
         return 0

@@ -191,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.tile, args.repeats = 2560, 1024, 3
-    if args.tile % CHUNK or args.size < 2 * args.tile + max(HALOS):
-        parser.error(f"--tile must be a multiple of {CHUNK} and --size >= 2*tile + {max(HALOS)}")
+    if args.tile < CHUNK or args.tile % CHUNK:
+        parser.error(f"--tile {args.tile}: give a multiple of {CHUNK} (at least {CHUNK})")
+    if args.size < 2 * args.tile + max(HALOS):
+        parser.error(
+            f"--size {args.size}: give at least 2 x --tile + {max(HALOS)} = "
+            f"{2 * args.tile + max(HALOS)}"
+        )
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give a whole number >= 1")
 
     tmp = None
     if args.workdir is None:

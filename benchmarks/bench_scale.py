@@ -256,23 +256,43 @@ def part_largest(cap_gib: float, timeout: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  python benchmarks/bench_scale.py                # both parts (default)\n"
+            "  python benchmarks/bench_scale.py --part largest --cap-gib 0.5\n"
+            "                                  # the largest image, by running\n"
+            "  python benchmarks/bench_scale.py --part train --sizes 8192,16384 --width 0.25 "
+            "--streaming stem\n"
+            "                                  # hyfi-train at the mission's sizes, stem streamed\n"
+        ),
     )
     p.add_argument("--part", default="train,largest", help="train, largest or both (default)")
     p.add_argument("--sizes", default="8192,16384", help="image sides for part 1")
     p.add_argument("--steps", type=int, default=3, help="training steps per size (part 1)")
     p.add_argument("--checkpointing", default="full", help="part 1 checkpointing mode")
     p.add_argument("--width", type=float, default=0.25, help="part 1 ResNet-18 width")
-    p.add_argument("--streaming", default="none", help="part 1 streaming (none or stem)")
+    p.add_argument("--streaming", default="none", choices=("none", "stem"), help="part 1 streaming")
     p.add_argument("--cap-gib", type=float, default=1.0, help="per-rank memory cap (part 2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per probe (part 2)")
     args = p.parse_args(argv)
     parts = {"train", "largest"} if args.part == "both" else set(args.part.split(","))
     if not parts <= {"train", "largest"}:
         p.error(f"--part {args.part!r}: give train, largest or both")
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        sizes = [0]
+    if min(sizes) < 1:
+        p.error(f"--sizes {args.sizes!r}: give comma-separated image sides, e.g. 8192,16384")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: give a whole number >= 1")
+    for name in ("width", "cap_gib", "timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number > 0")
     verdicts = []
     if "train" in parts:
-        sizes = [int(s) for s in args.sizes.split(",")]
         verdicts += part_train(sizes, args.steps, args.checkpointing, args.width, args.streaming)
     if "largest" in parts:
         verdicts += part_largest(args.cap_gib, args.timeout)

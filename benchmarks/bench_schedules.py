@@ -185,9 +185,41 @@ def _loadavg() -> str:
         return "?"
 
 
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` (one line, exit 2) where the options cannot run, before ``mpiexec`` starts."""
+    pp, m = args.pp, args.microbatches
+    if pp < 2 or pp % 2:
+        p.error(
+            f"--pp {pp}: give an even number of pipeline ranks >= 2 (GEMS mirrors two replicas)"
+        )
+    for name in ("microbatches", "image", "mb", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: give a whole number >= 0")
+    for s in args.schedules:  # what hyfi_imaging.parallel.schedules.check_schedule asks
+        least = {"dualpipev": 2 * pp, "zbv": pp}.get(s, 1)
+        rounds = max(1, m // pp)
+        if m < least:
+            p.error(f"--microbatches {m}: {s} at --pp {pp} needs at least {least}")
+        if s == "bidirectional" and m % 2:
+            p.error(f"--microbatches {m}: bidirectional splits them in two, give an even number")
+        if s == "interleaved1f1b" and m % rounds:
+            p.error(f"--microbatches {m}: interleaved1f1b at --pp {pp} needs a multiple of {pp}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every schedule in one launch and print the table and verdicts."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  python benchmarks/bench_schedules.py            # ~3 min; every schedule, pp=2\n"
+            "  python benchmarks/bench_schedules.py --quick    # 64x64 images, 2 steps, ~1 min\n"
+            "  python benchmarks/bench_schedules.py --schedules 1f1b bidirectional --steps 3\n"
+        ),
+    )
     p.add_argument("--quick", action="store_true", help="smaller images and fewer steps")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (even, >= 2)")
@@ -198,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     args = p.parse_args(argv)
+    _check_args(p, args)
     if args.worker:
         _worker(args)
         return 0

@@ -701,6 +701,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.parts != "both" and not set(args.parts.split(",")) <= {"memory", "time", "none"}:
         p.error(f"--parts {args.parts!r}: give memory, time, both or none")
+    try:
+        sides = [int(v) for v in args.time_sizes.split(",") if v.strip()]
+    except ValueError:
+        sides = [0]
+    if min(sides, default=1) < 1:
+        p.error(
+            f"--time-sizes {args.time_sizes!r}: give comma-separated image sides, e.g. 768,1536"
+        )
+    if args.timeout <= 0:
+        p.error(f"--timeout {args.timeout}: give seconds > 0")
     return args
 
 

@@ -346,7 +346,12 @@ def hyfi_part(args: argparse.Namespace) -> list[str]:
 
 
 def _grid(text: str) -> tuple[int, int]:
-    gy, gx = (int(v) for v in text.lower().split("x"))
+    try:
+        gy, gx = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        gy = gx = 0
+    if min(gy, gx) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a tile grid GYxGX, e.g. 1x2")
     return gy, gx
 
 
@@ -371,7 +376,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
     p.add_argument("--figure", default=str(ROOT / "docs" / "hyfi_comparison.png"))
     p.add_argument("--json", default="", help="hyfi part: write the rows here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("image", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: give a whole number >= 0")
+    for name in ("sizes", "gpus"):
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name} {min(getattr(args, name))}: give whole numbers >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

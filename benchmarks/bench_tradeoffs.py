@@ -70,7 +70,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     p.add_argument("--quick", action="store_true", help="ResNet-18 x0.25 at 128^2: a smoke run")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        grid = [int(v) for v in args.grid.lower().split("x")]
+    except ValueError:
+        grid = [0]
+    if len(grid) != 2 or min(grid) < 1:
+        p.error(f"--grid {args.grid!r}: give the tile grid as GYxGX, e.g. 1x2")
+    for name in ("size", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout}: give seconds > 0")
+    return args
 
 
 def _peak_above(run: dict[str, Any], side: int) -> float:

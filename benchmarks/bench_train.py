@@ -101,6 +101,10 @@ def main() -> int:
         "--compile", action="store_true", help="one process and dp=2, eager against compiled"
     )
     args = p.parse_args()
+    if args.size < 1:
+        p.error(f"--size {args.size}: give a whole number >= 1")
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: give at least 2 (step 1 is a warm-up, not timed)")
     if args.quick:
         args.size, args.steps = 256, 4
     layouts = LAYOUTS

@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", default="2x2x2", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for name in ("size", "width", "depth"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give a whole number >= 1")
     if args.worker:
         worker(args)
         return 0
