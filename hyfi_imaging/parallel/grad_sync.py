@@ -128,6 +128,11 @@ class TileGradSync:
         self._handles: list[RemovableHandle] = []
         self.refresh()
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
+        # load_state_dict(..., assign=True) puts new parameter objects in: hooked at once (a
+        # model run through its methods, forward_features, never passes the pre-hook above).
+        self._handles += [
+            m.register_load_state_dict_post_hook(lambda *_: self.refresh()) for m in model.modules()
+        ]
 
     def _before_forward(self, model: nn.Module, _args: tuple[object, ...]) -> None:
         _refuse_ddp(model)
@@ -191,6 +196,25 @@ class TileGradSync:
         accumulated, self._accumulated = self._accumulated, set()
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return
+        model = self._model()
+        if model is not None:
+            now = dict(model.named_parameters())
+            moved = [
+                n for n, p in zip(self.names, self._params, strict=True) if now.get(n, p) is not p
+            ]
+            if moved:
+                # Replaced (load_state_dict(assign=True)) and run through the model's methods
+                # (forward_features), which the forward pre-hook that follows them never saw:
+                # its gradient is a tile's share (0.07 off in two steps, silently).
+                self.refresh()  # hooked from the next backward on
+                raise ConfigError(
+                    f"parameter {moved[0]!r}",
+                    "was replaced after apply_spatial (load_state_dict(..., assign=True) or a "
+                    "new nn.Parameter) and this backward's forward did not call the model "
+                    "itself, so its gradient is a tile's share",
+                    "call model(x) once after replacing parameters, or load the weights "
+                    "before apply_spatial",
+                )
         returned = sorted(set(pending) - accumulated)
         if returned:
             # torch.autograd.grad: the gradients it returns are this tile's shares, and .grad
