@@ -468,7 +468,7 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
     over loopback, nominal (2 GB/s, 50 µs), not measured.
     """
     key = _cpu_key()
-    fig = _cached_figures(key, lambda: _measure_cpu(), refresh=refresh, cache=cache)
+    fig = _cached_figures(key, lambda: _measure_cpu(), refresh=refresh, cache=cache, cpu=True)
     loopback = Link(2 * GB, 50e-6)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Device(
@@ -490,24 +490,26 @@ def calibrate_cpu(*, refresh: bool = False, cache: Path | None = None) -> Device
 
 
 def _busy() -> bool:
-    """Whether other work holds this process's CPUs now: a 1-minute load average above half
-    of them (an idle machine's is near 0; the calibration itself adds at most its threads)."""
+    """Whether other work holds the machine's CPUs now: a 1-minute load average (the whole
+    machine's) above half of its CPUs (an idle machine's is near 0)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    try:
-        return os.getloadavg()[0] > cpus / 2
+        return os.getloadavg()[0] > (os.cpu_count() or 1) / 2
     except OSError:
         return False
 
 
 def _cached_figures(
-    key: str, measure: Callable[[], dict[str, Any]], *, refresh: bool, cache: Path | None
+    key: str,
+    measure: Callable[[], dict[str, Any]],
+    *,
+    refresh: bool,
+    cache: Path | None,
+    cpu: bool = False,
 ) -> dict[str, Any]:
     """The figures cached under ``key`` in ``cache`` (default :func:`_cache_path`), else
-    ``measure()``'s, cached (``refresh``: measure again) unless the machine was busy
-    before or after measuring (:func:`_busy`: the figures serve this run only)."""
+    ``measure()``'s, cached (``refresh``: measure again) unless, for the ``cpu``'s figures,
+    the machine was busy before or after measuring (:func:`_busy`: they serve this run
+    only; a GPU's are its own, whatever the CPUs do)."""
     path = cache or _cache_path()
     table: dict[str, Any] = {}
     try:
@@ -516,9 +518,9 @@ def _cached_figures(
         table = {}
     fig = table.get(key) if not refresh else None
     if not isinstance(fig, dict) or not set(_FIGURES) <= set(fig):
-        busy = _busy()
+        busy = cpu and _busy()
         fig = measure()
-        if busy or _busy():
+        if busy or (cpu and _busy()):
             # Measured while other work held the cores (a test suite, another job): right for
             # now, not for later runs -- a cached one predicted a step 17x too slow.
             return fig

@@ -512,12 +512,18 @@ class SpatialFunctions(SiteMode):
         if name in self.sites and isinstance(site, Resample | Windowed):
             op, was = site_op_name(site), site_op_name(self.traced().get(name))
             if op != was:
+                why = (
+                    "a call made only in training (the whole image is traced in eval mode), "
+                    "or a branch on a shape (if y.shape != skip.shape) that goes another way "
+                    "on a tile"
+                    if was == "nothing"
+                    else "a branch on a shape (if y.shape != skip.shape) goes another way on a tile"
+                )
                 raise ConfigError(
                     f"site {name}",
-                    f"calls {op} on its tile where the whole image called {was}: a branch on a "
-                    "shape (if y.shape != skip.shape) goes another way on a tile",
-                    "make the calls unconditional (a pad by 0 changes nothing), or compute "
-                    "their arguments from the image's size",
+                    f"calls {op} on its tile where the whole image called {was}: {why}",
+                    "make the calls in both modes and unconditional (a pad by 0 changes "
+                    "nothing), or compute their arguments from the image's size",
                 )
             self.called.add(name)
         if name in self.sites:
