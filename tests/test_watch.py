@@ -319,6 +319,15 @@ def test_a_parameter_used_on_the_tiles_and_by_the_head_is_refused() -> None:
         with pytest.raises(ConfigError, match=rf"^parameter '{name}': is used both on the tiles"):
             spatialize(net, grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
 
+    class DetachedCam(Reused):  # the refusal's fix: the map takes no gradient to the weight
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            f = torch.relu(self.conv(x))
+            w = self.fc.weight.detach()[..., None, None]
+            return self.fc(torch.flatten(self.pool(f), 1)), F.conv2d(f, w)
+
+    ctx = spatialize(DetachedCam(), grid=(1, 2), tile=(0, 0), neighbours=Neighbours(), group=None)
+    assert "fc.weight" not in ctx.tile_param_names
+
 
 class LayerNorm2d(nn.LayerNorm):
     """timm's channels-first LayerNorm: normalises each pixel over its channels."""

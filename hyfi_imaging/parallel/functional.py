@@ -460,46 +460,14 @@ class SpatialFunctions(SiteMode):
     ) -> None:
         super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
         self.sites, self.run, self.traced = sites, run, traced
-        #: The pad, interpolation and windowed sites on tiles called in this forward.
-        self.called: set[str] = set()
 
     def _entering(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.frames.stack:
             self.__enter__()
-            self.called = set()
 
     def _left(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self.frames.stack:
             self.__exit__(None, None, None)
-        self._check_all_called(path, module)
-
-    def _check_all_called(self, path: str, module: nn.Module) -> None:
-        """Refuse a module that skipped on its tile a pad it made on the whole image: a branch
-        on ``x.shape`` (``if y.shape != skip.shape: y = F.pad(...)``) that the tile's shapes
-        take the other way left a transposed convolution's bias where the image has zeros
-        (0.15 off, silently). In eval mode any skipped site is refused (the whole image was
-        traced in eval mode); in training only a skipped pad (an eval-only interpolation of
-        the output is a model's choice)."""
-        prefix = f"{path}#"
-        missed = [
-            (n, site)
-            for n, site in self.traced().items()
-            if n.startswith(prefix)
-            and "#" not in n[len(prefix) :]
-            and n in self.sites
-            and n not in self.called
-            and (not module.training or (isinstance(site, Resample) and site.op == "pad"))
-        ]
-        if missed:
-            name, site = missed[0]
-            op = site_op_name(site)
-            raise ConfigError(
-                f"module {path or type(module).__name__!r}",
-                f"skipped on its tile the {op} it called on the whole image (site {name}): "
-                "a branch on a shape (if y.shape != skip.shape) goes another way on a tile",
-                f"call the {op} unconditionally (a pad by 0 changes nothing), or compute its "
-                "arguments from the image's size",
-            )
 
     def at_site(
         self,
@@ -525,7 +493,6 @@ class SpatialFunctions(SiteMode):
                     "make the calls in both modes and unconditional (a pad by 0 changes "
                     "nothing), or compute their arguments from the image's size",
                 )
-            self.called.add(name)
         if name in self.sites:
             x = args[0] if args else kwargs["input"]
             if isinstance(site, Windowed):

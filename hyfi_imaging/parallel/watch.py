@@ -367,9 +367,11 @@ class _Watch(TorchDispatchMode):
         self.counted(func, args, outs, path)
         if not tiles:
             self.on_lineage(pools, used)
+            # A detached copy (w.detach(), w.data) takes no gradient: not its parameter's use.
+            derived = frozenset() if func.overloadpacket.__name__ in _DETACHING else used
             for o in outs:
                 self.mark_replicated(o, pools)
-                self.mark_derived(o, used)  # e.g. a layer scale reshaped to (1, C, 1, 1)
+                self.mark_derived(o, derived)  # e.g. a layer scale reshaped to (1, C, 1, 1)
             self.mark_flat(func, flat, outs)
             return out
         self.use.rejoined_pools |= pools  # a pooled value meets the tiles again
@@ -687,6 +689,8 @@ _USE_MODULES = (
     "use the torch.nn module (Conv2d, MaxPool2d, AvgPool2d, BatchNorm2d, AdaptiveAvgPool2d(1)) "
     "so that its spatial form runs, or run without spatial parallelism"
 )
+#: Ops whose output takes no gradient back to their input.
+_DETACHING = frozenset({"detach", "detach_"})
 _UNKNOWN = "mixes pixels of the tiled feature map (or is not known not to)"
 _EDGE_PAD = (
     "has no exact tiled form (a tile's edge is not the image's)",

@@ -28,8 +28,6 @@ check compares the tiled model with the same model in one process (``copy.deepco
 * ``odd_pad``: a U-Net step that pads only where the shapes differ
   (``if y.shape != skip.shape``), at a size where the image pads and the probe does not:
   the refusal at ``apply_spatial`` (the tiles skipped the pad: 0.15 off, silently);
-* ``tile_pad``: one that pads only maps at least 20 px wide, on 32x24 images (the image
-  pads, its 32x12 tiles do not): the refusal at the first forward;
 * ``mean_sizes``: ``hyfi.tiled_mean`` of dense outputs of two image sizes (a multi-scale
   loss), each given its size: the largest relative error against one process;
   ``mean_default``: the first without ``size=`` (it took the last size set: 1.4 % off):
@@ -83,7 +81,7 @@ class ShapePad(nn.Module):
         skip = self.enc(x)
         y = self.up(self.pool(skip))
         dh, dw = skip.shape[-2] - y.shape[-2], skip.shape[-1] - y.shape[-1]
-        if (dh or dw) if self.rule == "odd" else y.shape[-1] >= 20:
+        if dh or dw:
             y = nn.functional.pad(y, (0, dw, 0, dh))
         return torch.cat([skip, y], 1)
 
@@ -198,13 +196,6 @@ def main() -> int:
         found["odd_pad"] = "ran"
     except HyfiError as err:
         found["odd_pad"] = str(err)
-    wide = ShapePad("wide")
-    wide_ctx = hyfi.apply_spatial(wide, pc, image_size=(32, 24))
-    try:
-        wide(hyfi.tile_of(torch.randn(1, 3, 32, 24, generator=gen), wide_ctx, (32, 24)))
-        found["tile_pad"] = "ran"
-    except HyfiError as err:
-        found["tile_pad"] = str(err)
     dense, dense_ref = ShapePad("odd"), ShapePad("odd")
     dense_ref.load_state_dict(dense.state_dict())
     dense_ctx = hyfi.apply_spatial(dense, pc, image_size=(32, 24))
