@@ -507,9 +507,13 @@ def _cached_figures(
     cpu: bool = False,
 ) -> dict[str, Any]:
     """The figures cached under ``key`` in ``cache`` (default :func:`_cache_path`), else
-    ``measure()``'s, cached (``refresh``: measure again) unless, for the ``cpu``'s figures,
-    the machine was busy before or after measuring (:func:`_busy`: they serve this run
-    only; a GPU's are its own, whatever the CPUs do)."""
+    ``measure()``'s, cached (``refresh``: measure again).
+
+    The ``cpu``'s figures are marked ``loaded`` when the machine was busy before or after
+    measuring (:func:`_busy`): such figures serve while it stays busy, and an idle machine
+    measures again and replaces them (one measured under load predicted a step 17x too slow
+    for every later run). A GPU's figures are its own, whatever the CPUs do.
+    """
     path = cache or _cache_path()
     table: dict[str, Any] = {}
     try:
@@ -517,13 +521,12 @@ def _cached_figures(
     except (OSError, ValueError):
         table = {}
     fig = table.get(key) if not refresh else None
-    if not isinstance(fig, dict) or not set(_FIGURES) <= set(fig):
+    stale = isinstance(fig, dict) and bool(fig.get("loaded")) and not _busy()
+    if stale or not isinstance(fig, dict) or not set(_FIGURES) <= set(fig):
         busy = cpu and _busy()
         fig = measure()
         if busy or (cpu and _busy()):
-            # Measured while other work held the cores (a test suite, another job): right for
-            # now, not for later runs -- a cached one predicted a step 17x too slow.
-            return fig
+            fig = {**fig, "loaded": True}
         table[key] = fig
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

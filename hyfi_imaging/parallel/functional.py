@@ -477,8 +477,9 @@ class SpatialFunctions(SiteMode):
         site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
-        if name in self.sites and isinstance(site, Resample | Windowed):
-            op, was = site_op_name(site), site_op_name(self.traced().get(name))
+        traced = self.traced() if name in self.sites else {}
+        if traced and isinstance(site, Resample | Windowed):  # (nothing traced: no size set)
+            op, was = site_op_name(site), site_op_name(traced.get(name))
             if op != was:
                 why = (
                     "a call made only in training (the whole image is traced in eval mode), "
