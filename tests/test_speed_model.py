@@ -266,6 +266,7 @@ def test_cpu_calibration_is_measured_once_and_cached(
     calibrate_cpu(cache=cache)
     assert len(calls) == 1 and '"loaded": true' in cache.read_text()
     calls.clear()
+    devices_module._THIS_PROCESS.clear()  # a later process (one process keeps its figures)
     monkeypatch.setattr(devices_module, "_busy", lambda: False)
     first = calibrate_cpu(cache=cache)
     second = calibrate_cpu(cache=cache)

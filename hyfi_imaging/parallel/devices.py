@@ -498,6 +498,10 @@ def _busy() -> bool:
         return False
 
 
+#: The figures this process measured or read, by cache file and key (see _cached_figures).
+_THIS_PROCESS: dict[tuple[str, str], dict[str, Any]] = {}
+
+
 def _cached_figures(
     key: str,
     measure: Callable[[], dict[str, Any]],
@@ -515,6 +519,9 @@ def _cached_figures(
     for every later run). A GPU's figures are its own, whatever the CPUs do.
     """
     path = cache or _cache_path()
+    known = _THIS_PROCESS.get((str(path), key))
+    if known is not None and not refresh:
+        return known  # one process, one set of figures (two calls once gave two devices)
     table: dict[str, Any] = {}
     try:
         table = json.loads(path.read_text())
@@ -535,6 +542,7 @@ def _cached_figures(
             tmp.replace(path)
         except OSError:
             pass  # a read-only home: measure again next time
+    _THIS_PROCESS[(str(path), key)] = fig
     return fig
 
 
