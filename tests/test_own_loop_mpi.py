@@ -110,3 +110,26 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     assert (
         "tile 32x12 is not the 16x6 tile of the last image size set (16x12)" in got["mean_default"]
     )
+
+
+def test_a_tile_is_traced_in_its_own_modes_and_arguments() -> None:
+    """The whole image is traced in the modes and with the forward arguments of each forward
+    (tests/workers/trace_modes.py, 1x2, float64): an interpolation made only where shapes
+    differ, which the whole image and the watch's probe made and a tile did not, trained 0.30
+    off without a word; a head called in training only was refused (the trace was of eval
+    mode); an interpolation that only a forward argument turns on ran on the tiles as a plain
+    op. Now the first is refused, the second is exact, the third refused in one line."""
+    worker = Path(__file__).resolve().parent / "workers" / "trace_modes.py"
+    job = mpiexec(2, str(worker), timeout=240)
+    assert job.returncode == 0, job.describe()
+    got = json_line(job)
+    assert got["odd_interp"].startswith(
+        "module 'OddInterp': skipped on its tile the F.interpolate it called on the whole "
+        "image (site #1)"
+    ), got
+    for case in ("train_only", "eval_only", "arg_off", "train_again"):
+        assert got[case] < 1e-12, (case, got)
+    assert got["arg_on"].startswith(
+        "module 'Blurred': calls F.interpolate (site #0) on a 30x22 image with the forward's "
+        "arguments but not without them"
+    ), got

@@ -40,6 +40,7 @@ are read at each call.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -457,17 +458,44 @@ class SpatialFunctions(SiteMode):
         sites: set[str],
         run: Callable[..., torch.Tensor],
         traced: Callable[[], Mapping[str, Resample | Windowed]] = dict,
+        checking: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
-        self.sites, self.run, self.traced = sites, run, traced
+        self.sites, self.run, self.traced, self.checking = sites, run, traced, checking
+        #: The tile sites called in this forward.
+        self.called: set[str] = set()
 
     def _entering(self, path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.frames.stack:
             self.__enter__()
+            self.called = set()
 
     def _left(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self.frames.stack:
             self.__exit__(None, None, None)
+        if self.checking() and sys.exc_info()[0] is None:  # (not while a refusal unwinds)
+            self._check_all_called(path, module)
+
+    def _check_all_called(self, path: str, module: nn.Module) -> None:
+        """Refuse a module that skipped on its tile a pad, interpolation or windowed function
+        it called on the whole image, traced in the same modes and with the same arguments:
+        a branch on a shape (``if u.shape != f.shape: u = F.interpolate(u, size=f.shape[2:])``)
+        that the tile's shapes take the other way left the map uninterpolated (0.30 off,
+        silently)."""
+        missed = [
+            n
+            for n in self.traced()
+            if n.rsplit("#", 1)[0] == path and n in self.sites and n not in self.called
+        ]
+        if missed:
+            op = site_op_name(self.traced()[missed[0]])
+            raise ConfigError(
+                f"module {path or type(module).__name__!r}",
+                f"skipped on its tile the {op} it called on the whole image (site {missed[0]}): "
+                "a branch on a shape (if u.shape != f.shape) goes another way on a tile",
+                f"call the {op} unconditionally (a pad by 0 changes nothing), or compute its "
+                "arguments from the image's size",
+            )
 
     def at_site(
         self,
@@ -481,20 +509,20 @@ class SpatialFunctions(SiteMode):
         if traced and isinstance(site, Resample | Windowed):  # (nothing traced: no size set)
             op, was = site_op_name(site), site_op_name(traced.get(name))
             if op != was:
-                why = (
-                    "a call made only in training (the whole image is traced in eval mode), "
-                    "or a branch on a shape (if y.shape != skip.shape) that goes another way "
-                    "on a tile"
-                    if was == "nothing"
-                    else "a branch on a shape (if y.shape != skip.shape) goes another way on a tile"
-                )
+                why = "a branch on a shape (if y.shape != skip.shape) goes another way on a tile"
+                if was == "nothing" and not self.checking():
+                    why += (
+                        ", or the model's parts are called one by one in another mode than "
+                        "the whole model had when the image size was set"
+                    )
                 raise ConfigError(
                     f"site {name}",
                     f"calls {op} on its tile where the whole image called {was}: {why}",
-                    "make the calls in both modes and unconditional (a pad by 0 changes "
-                    "nothing), or compute their arguments from the image's size",
+                    "make the calls unconditional (a pad by 0 changes nothing) or compute "
+                    "their arguments from the image's size; call the model itself",
                 )
         if name in self.sites:
+            self.called.add(name)
             x = args[0] if args else kwargs["input"]
             if isinstance(site, Windowed):
                 return self.run(x, site, name, *site.tensors(args, kwargs))

@@ -11,7 +11,7 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,8 @@ from hyfi_imaging.parallel.halo import Neighbours
 from hyfi_imaging.parallel.spatial import resampling
 from hyfi_imaging.parallel.spatial.base import _tail
 from hyfi_imaging.parallel.spatial.convolutions import _WindowedConv
-from hyfi_imaging.parallel.spatial.kinds import _SWAP
-from hyfi_imaging.parallel.spatial.trace import _trace_sizes
+from hyfi_imaging.parallel.spatial.kinds import _SWAP, _has_spatial_form
+from hyfi_imaging.parallel.spatial.trace import TraceMode, _trace_sizes, trace_mode
 
 __all__ = ["SpatialContext"]
 
@@ -99,14 +99,21 @@ class SpatialContext:
         self._functions: SpatialFunctions | None = None
         self._reference: nn.Module | None = None
         self._in_chans = 3
-        self._cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
-        self._out_cache: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        #: The model the context was made for (a weak reference): its modes at
+        #: set_image_size say which trace the layers read until a forward says otherwise.
+        self._model: weakref.ref[nn.Module] | None = None
+        #: The mode the current trace is of (see trace_mode), and whether a forward of the
+        #: whole model selected it (the check of sites a tile skipped runs then only).
+        self.mode = TraceMode()
+        self.in_forward = False
+        # The traces, by image size and mode: sizes in, sizes out, and the pads,
+        # interpolations and windowed functions as called on the whole image (``size=
+        # skip.shape`` on a tile is the tile's size): their arguments come from the trace.
+        self._traces: dict[tuple[Any, ...], _Traced] = {}
+        self._traced = _Traced({}, {}, {})
         self._resamples: dict[tuple[Any, ...], tuple[Resample1D, ...]] = {}
-        # The pads, interpolations and windowed functions as called on the whole image
-        # (``size=skip.shape`` on a tile is the tile's size): their arguments come from the trace.
-        self._traced_resamples: dict[tuple[int, ...], dict[str, Resample | Windowed]] = {}
-        # The spatial layer each windowed function runs as, per site and image size.
-        self._windowed: dict[tuple[str, tuple[int, ...]], nn.Module] = {}
+        # The spatial layer each windowed function runs as, per site, image size and mode.
+        self._windowed: dict[tuple[Any, ...], nn.Module] = {}
 
     def tiling(self, image_hw: Sequence[int]) -> TileGrid:
         """The image on this grid: padded size, tiles, origins (:class:`~hyfi_imaging.geometry.grid.TileGrid`)."""
@@ -141,17 +148,51 @@ class SpatialContext:
                 "signal (L) a 1-D one (L<GL>)",
             )
         image_hw = tuple(int(v) for v in image_hw)
-        if image_hw not in self._cache:
-            self._cache[image_hw] = self._trace(image_hw)
-        self.sizes = self._cache[image_hw]
-        self.image_hw = image_hw
+        model = self._model() if self._model is not None else None
+        self._select(image_hw, self.mode if model is None else trace_mode(model, _has_spatial_form))
 
-    def _trace(self, image_hw: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    def begin_forward(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A forward of the whole model (or a deep copy) begins: trace the image in its
+        modes and with its arguments (once per image size and mode) for the layers to read."""
+        x = args[0] if args else None
+        if self.image_hw is None or not isinstance(x, torch.Tensor) or x.dim() != self.nd + 2:
+            return
+        mode = trace_mode(model, _has_spatial_form, args[1:], kwargs, int(x.shape[0]))
+        if mode.key != self.mode.key:
+            self._select(self.image_hw, mode)
+        self.in_forward = True
+
+    def end_forward(self) -> None:
+        self.in_forward = False
+
+    @property
+    def trace_key(self) -> tuple[Any, ...]:
+        """The current trace's image size and mode (a key for what is derived from it)."""
+        return (self.image_hw, self.mode.key)
+
+    def _select(self, image_hw: tuple[int, ...], mode: TraceMode) -> None:
+        key = (image_hw, mode.key)
+        if key not in self._traces:
+            self._traces[key] = self._trace(image_hw, mode)
+        self._traced, self.mode, self.image_hw = self._traces[key], mode, image_hw
+        self.sizes = self._traced.sizes
+
+    @property
+    def traced_calls(self) -> dict[str, Resample | Windowed]:
+        """The pads, interpolations and windowed functions the whole image calls, by site,
+        in the current mode (empty before an image size is set)."""
+        return self._traced.calls
+
+    def _trace(self, image_hw: tuple[int, ...], mode: TraceMode) -> _Traced:
         if self._reference is None:
             raise RuntimeError("SpatialContext has no reference model; use spatialize()")
         self.tiling(image_hw)  # ConfigError for a grid that leaves a tile no image pixels
         try:
-            sizes, outs, resamples = _trace_sizes(self._reference, (1, self._in_chans, *image_hw))
+            sizes, outs, resamples = _trace_sizes(
+                self._reference, (1, self._in_chans, *image_hw), mode
+            )
         except HyfiError:
             raise
         except Exception as err:  # the model's own code fails at this size: one line
@@ -169,22 +210,30 @@ class SpatialContext:
             # never made it, so no rank runs it on its tile while the image has it (0.15 off).
             op = site_op_name(resamples[unseen[0]])
             path = unseen[0].rsplit("#", 1)[0] or type(self._reference).__name__
+            size = "x".join(map(str, image_hw))
+            if mode.args or mode.kwargs:  # the watch ran the model without them
+                raise ConfigError(
+                    f"module {path!r}",
+                    f"calls {op} (site {unseen[0]}) on a {size} image with the forward's "
+                    "arguments but not without them, as the model was checked for its tiles "
+                    "(or not at other sizes: a branch on a shape)",
+                    "wrap the model in a module whose forward fixes those arguments and "
+                    "apply_spatial the wrapper, or call the model on the image alone",
+                )
             raise ConfigError(
                 f"module {path!r}",
-                f"calls {op} (site {unseen[0]}) on a {'x'.join(map(str, image_hw))} image but "
+                f"calls {op} (site {unseen[0]}) on a {size} image but "
                 "not at other sizes: a branch on a shape (if y.shape != skip.shape) goes "
                 "another way on a tile",
                 f"call the {op} unconditionally (a pad by 0 changes nothing), or compute its "
                 "arguments from the image's size",
             )
-        self._out_cache[image_hw] = outs
-        self._traced_resamples[image_hw] = resamples
-        return sizes
+        return _Traced(sizes, outs, resamples)
 
     def out_size_of(self, path: str) -> tuple[int, ...]:
         """True (unpadded) output size of a spatial layer for the current image."""
         assert self.image_hw is not None
-        return self._out_cache[self.image_hw][path]
+        return self._traced.outs[path]
 
     def size_of(self, path: str) -> tuple[int, ...]:
         try:
@@ -220,9 +269,9 @@ class SpatialContext:
         """Site ``name``'s convolution or pool (a function) run as the spatial form of the
         ``torch.nn`` layer of the same arguments, as called on the whole image."""
         assert self.image_hw is not None
-        key = (name, self.image_hw)
+        key = (name, self.trace_key)
         if key not in self._windowed:
-            site = self._traced_resamples[self.image_hw][name]
+            site = self.traced_calls[name]
             assert isinstance(site, Windowed)
             self._windowed[key] = _windowed_layer(site, name, self)
         layer = self._windowed[key]
@@ -267,6 +316,16 @@ class SpatialContext:
             if site.kind == "avg":
                 out = out / math.prod(self.size_of(name))
         return out if site.keepdim else out.view(out.shape[:-nd])
+
+
+class _Traced(NamedTuple):
+    """One trace of the whole image (see spatial/trace.py): every spatial layer's and
+    functional site's true input (``sizes``) and output (``outs``) size, and the pads,
+    interpolations and windowed functions as called (``calls``)."""
+
+    sizes: dict[str, tuple[int, ...]]
+    outs: dict[str, tuple[int, ...]]
+    calls: dict[str, Resample | Windowed]
 
 
 def _windowed_layer(site: Windowed, name: str, ctx: SpatialContext) -> nn.Module:

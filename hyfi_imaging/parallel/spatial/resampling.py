@@ -79,7 +79,7 @@ def _resample_plan(
     """Per axis, what each output pixel of this rank's tile reads; ``out_tiles``: the
     output tile asked for at run time (``size=`` a tile's shape), else derived."""
     assert ctx.image_hw is not None
-    key = (name, ctx.image_hw, tile_hw, out_tiles)
+    key = (name, ctx.trace_key, tile_hw, out_tiles)
     if key not in ctx._resamples:
         n_in, n_out = ctx.size_of(name), ctx.out_size_of(name)
         path, fn = name.rsplit("#", 1)[0], f"F.{res.op}"
@@ -151,7 +151,7 @@ def resample(
     output reads nothing. The same ops on every rank: one graph everywhere.
     """
     assert ctx.image_hw is not None
-    res = ctx._traced_resamples[ctx.image_hw][name]  # the whole image's call
+    res = ctx.traced_calls[name]  # the whole image's call
     assert isinstance(res, Resample)
     tiles = tuple(int(v) for v in x.shape[-ctx.nd :])
     plans = _resample_plan(ctx, res, name, tiles, _asked_tile(res, call, ctx.nd))

@@ -7,6 +7,7 @@ untouched, so a checkpoint moves freely between layouts. Named ``swap`` (not
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,8 +134,16 @@ def spatialize(
             _has_spatial_form,
             use.functional_sites,
             ctx.run_site,
-            lambda: ctx._traced_resamples.get(ctx.image_hw or (), {}),
+            lambda: ctx.traced_calls,
+            lambda: ctx.in_forward,
         )
+    # Each forward of the model (or of a deep copy) reads the trace of its own modes and
+    # arguments; before the function mode's own hooks, which would run the trace on tiles.
+    ctx._model = weakref.ref(model)
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: ctx.begin_forward(m, args, kwargs), prepend=True, with_kwargs=True
+    )
+    model.register_forward_hook(lambda m, args, out: ctx.end_forward(), always_call=True)
     for name, m in model.named_modules():
         if name not in use.tile_modules:
             continue  # e.g. a squeeze-excite convolution on the pooled vector: stays plain

@@ -7,11 +7,14 @@ so no arithmetic is duplicated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.functional import Frames, Resample, Site, SiteMode, Windowed
@@ -19,31 +22,98 @@ from hyfi_imaging.parallel.spatial.flatten import _is_gathering_flatten
 from hyfi_imaging.parallel.spatial.global_context import is_global_context
 from hyfi_imaging.parallel.spatial.kinds import _SWAP, _has_spatial_form, _is_global_pool
 
-__all__: list[str] = []
+__all__ = ["TraceMode", "trace_mode"]
 
 
-def _run_meta(model: nn.Module, shape: tuple[int, ...]) -> None:
+@dataclass(frozen=True)
+class TraceMode:
+    """How a forward runs, for the shape trace: the modules in training (``training``, by
+    path; the layers with a spatial form are traced in eval mode whatever theirs) and the
+    forward's arguments after the image (tensors as meta tensors of their shape).
+
+    Why: a call the model makes only in training, or only for some argument, is a call
+    the whole image makes in that forward alone; a tile's forward is compared with the
+    trace of its own mode (a shape branch that goes another way on a tile is then seen).
+    ``key`` identifies the mode (argument values by value, tensors by shape and dtype).
+    """
+
+    training: frozenset[str] = frozenset()
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    batch: int = 1
+    key: tuple[Any, ...] = (frozenset(), (), ())
+
+
+def trace_mode(
+    model: nn.Module,
+    known: Callable[[nn.Module], bool],
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    batch: int = 1,
+) -> TraceMode:
+    """The :class:`TraceMode` of a forward of ``model`` with these arguments after the
+    image (``known(module)``: the module has a spatial form, its mode is not traced)."""
+    training = frozenset(n for n, m in model.named_modules() if m.training and not known(m))
+    items = tuple(sorted((kwargs or {}).items()))
+    key = (training, _arg_key(tuple(args)), _arg_key(items))
+    has_tensors = any(isinstance(t, torch.Tensor) for t in tree_flatten((args, items))[0])
+    return TraceMode(training, _meta(tuple(args)), _meta(items), batch if has_tensors else 1, key)
+
+
+def _arg_key(v: Any) -> Any:
+    """A forward argument as part of a :class:`TraceMode`'s key: tensors by shape and dtype,
+    numbers, strings, enums and None by value, containers item by item, other objects by
+    their type (the path such an object chooses is taken to be its type's)."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    if v is None or isinstance(v, bool | int | float | str | enum.Enum):
+        return (type(v).__name__, v)
+    if isinstance(v, tuple | list):
+        return (type(v).__name__, tuple(_arg_key(u) for u in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((str(k), _arg_key(u)) for k, u in v.items()))
+    return ("object", type(v).__qualname__)
+
+
+def _meta(v: Any) -> Any:
+    """``v`` with every tensor replaced by an empty meta tensor of its shape and dtype."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    if isinstance(v, tuple | list):
+        return type(v)(_meta(u) for u in v)
+    if isinstance(v, dict):
+        return {k: _meta(u) for k, u in v.items()}
+    return v
+
+
+def _run_meta(model: nn.Module, shape: tuple[int, ...], mode: TraceMode | None = None) -> None:
     """One forward pass on the meta device: no memory, no compute, only shapes.
 
     In the parameters' dtype (a float64 model refuses float32 input) and in eval
-    mode (BatchNorm with ``momentum=None`` reads its step counter in training).
+    mode (BatchNorm with ``momentum=None`` reads its step counter in training), or
+    in ``mode`` (its modules in training, its arguments after the image).
     """
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    was_training = model.training
-    model.eval()
+    modes = {m: m.training for m in model.modules()}
+    mode = mode or TraceMode()
+    for name, m in model.named_modules():
+        m.training = name in mode.training
     try:
         with torch.no_grad(), torch.device("meta"):
-            model(torch.empty(shape, device="meta", dtype=dtype))
+            image = torch.empty((mode.batch, *shape[1:]), device="meta", dtype=dtype)
+            model(image, *mode.args, **dict(mode.kwargs))
     finally:
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
 
 
 def _trace_sizes(
-    model: nn.Module, shape: tuple[int, ...]
+    model: nn.Module, shape: tuple[int, ...], mode: TraceMode | None = None
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, Resample | Windowed]]:
     """Input and output (h, w) -- (d, h, w) for volumes -- of every spatial module and
     functional site, and the pads, interpolations and windowed functions as called on the
-    whole image, from one pass on the meta device (``shape`` is ``(1, C, *image_size)``)."""
+    whole image, from one pass on the meta device (``shape`` is ``(1, C, *image_size)``),
+    in eval mode or in ``mode``."""
     sizes: dict[str, tuple[int, ...]] = {}
     outs: dict[str, tuple[int, ...]] = {}
     resamples: dict[str, Resample | Windowed] = {}
@@ -80,7 +150,7 @@ def _trace_sizes(
     frames = Frames(model, _has_spatial_form)
     try:
         with _SiteSizes(frames, sizes, outs, resamples, rank - 2):
-            _run_meta(model, shape)
+            _run_meta(model, shape, mode)
     finally:
         frames.remove()
         for h in handles:
