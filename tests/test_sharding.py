@@ -53,3 +53,19 @@ def test_a_checkpointed_block_is_one_unit() -> None:
     whole = [p for p, *_ in shard_units(model, None, max_bytes=small)]
     assert not any(p.count(".") >= 2 for p in whole), whole
     assert "layer4.0" in whole
+
+
+def test_a_scalar_parameter_is_refused_in_one_line() -> None:
+    """FSDP2 cannot shard a 0-dim parameter (a learned temperature): ``fully_shard`` raised a
+    ValueError from inside FSDP2 at the first layout that shards (verify_model on 1x2)."""
+    import pytest
+
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.parallel.sharding import stage_units
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3))
+    model.register_parameter("scale", nn.Parameter(torch.tensor(2.0)))
+    with pytest.raises(ConfigError, match=r"parameter 'scale': is a 0-dim tensor.*torch.tensor\("):
+        stage_units(model, None)
+    model.scale = nn.Parameter(torch.tensor([2.0]))
+    assert stage_units(model, None)[-1][0] == "(stage)"

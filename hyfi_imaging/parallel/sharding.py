@@ -235,6 +235,14 @@ def stage_units(
     """``(path, module, kind)`` of every FSDP unit of ``stage``, innermost first, its root
     (path ``(stage)``) last: what :func:`apply_fsdp` shards, decided without a mesh (the
     per-rank plan reads it on a meta copy). ConfigError when the root would hold both kinds."""
+    scalar = next((n for n, p in stage.named_parameters() if p.dim() == 0), None)
+    if scalar is not None:  # fully_shard raised ValueError from inside FSDP2
+        raise ConfigError(
+            f"parameter {scalar!r}",
+            "is a 0-dim tensor, which FSDP2 (fully_shard) cannot shard",
+            "make it a one-element 1-D tensor, nn.Parameter(torch.tensor([value])): it "
+            "broadcasts alike",
+        )
     units = shard_units(stage, tile_names, called=called)
     inner = {id(p) for _, module, _, _ in units for p in module.parameters()}
     rest = [n for n, p in stage.named_parameters() if id(p) not in inner]
