@@ -91,7 +91,8 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     (EMA) failed on the process group, and one that trains had no gradient rule; a user's
     gradient hook added after apply_spatial, with .grad zeroed rather than freed, and weights
     loaded with load_state_dict(assign=True) trained silently wrong, and so did a pad made
-    only where shapes differ (the tiles' shapes took the other branch). Each is exact now,
+    only where shapes differ (the tiles' shapes took the other branch), and a gradient
+    penalty's second-order gradients (0.18-0.56 off). Each is exact now,
     or refused in one line."""
     worker = Path(__file__).resolve().parent / "workers" / "own_loop_pitfalls.py"
     job = mpiexec(2, str(worker), timeout=240)
@@ -107,6 +108,7 @@ def test_an_own_loop_beyond_the_snippet_is_exact_or_refused() -> None:
     assert got["odd_pad"].startswith("module 'ShapePad': calls F.pad (site #0) on a 33x24"), got
     assert got["mean_sizes"] < 1e-12, got
     assert "runs inside DistributedDataParallel" in got["ddp"], got
+    assert "was asked for a second-order gradient (create_graph=True" in got["penalty"], got
     assert (
         "tile 32x12 is not the 16x6 tile of the last image size set (16x12)" in got["mean_default"]
     )

@@ -66,6 +66,7 @@ from torch.distributed import ProcessGroup
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.amoebanet import Cell
 from hyfi_imaging.models.registry import CheckpointedBlock
+from hyfi_imaging.parallel.first_order import first_order
 
 if TYPE_CHECKING:
     from hyfi_imaging.parallel.spatial import SpatialContext
@@ -299,6 +300,7 @@ class _FanOut(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
+    @first_order("the branch group's gradient sum")
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         out = []
         for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True):
@@ -332,6 +334,7 @@ class _Combine(torch.autograd.Function):
         return full
 
     @staticmethod
+    @first_order("the branch group's combined output")
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return (None, None, None, *(grad if s is None else grad[:, s] for s in ctx.slots))
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyfi_imaging.parallel.first_order import first_order
 from hyfi_imaging.parallel.halo import trailing
 
 __all__ = [
@@ -73,6 +74,7 @@ class _AllReduceReplicated(torch.autograd.Function):
         return all_reduce_sum(x, group)
 
     @staticmethod
+    @first_order("a global pool's all-reduce")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return (all_reduce_sum(grad, ctx.group) if ctx.partial else grad), None, None
 
@@ -96,6 +98,7 @@ class _AllReduceMaxReplicated(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("a global max pool's all-reduce")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (winner,) = ctx.saved_tensors
         if ctx.partial:
@@ -146,6 +149,7 @@ class _GatherReplicated(torch.autograd.Function):
         return whole[trailing([slice(0, n) for n in size])].contiguous()
 
     @staticmethod
+    @first_order("a flattened map's gather")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.partial:
             grad = all_reduce_sum(grad, ctx.group)

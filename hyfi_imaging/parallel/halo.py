@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyfi_imaging.parallel.first_order import first_order
+
 __all__ = [
     "Neighbours",
     "add_to_parts",
@@ -643,6 +645,7 @@ class _HaloExchange(torch.autograd.Function):
         return extend(x, halo, nb, fill=fill)[0]
 
     @staticmethod
+    @first_order("a spatial layer's halo exchange")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # autograd owns ``grad``: reduce in a copy
         return return_halo_grads(grad.clone(), ctx.halo, ctx.nb), None, None, None

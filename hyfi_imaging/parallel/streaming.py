@@ -52,6 +52,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.models.registry import set_chain_run
+from hyfi_imaging.parallel.first_order import first_order
 from hyfi_imaging.parallel.geometry import LayerGeom, Span, layer_geom, outgrows_tiles
 from hyfi_imaging.parallel.halo import exchange_strips, new_like, return_halo_grads, window_of
 from hyfi_imaging.parallel.spatial.kinds import streaming_classes
@@ -536,6 +537,7 @@ class _Streamed(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("the streamed stem")
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         stem: Stem = ctx.stem
         plan: _Plan = ctx.plan

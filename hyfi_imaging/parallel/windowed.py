@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hyfi_imaging.parallel.first_order import first_order
 from hyfi_imaging.parallel.halo import (
     Neighbours,
     Strips,
@@ -607,6 +608,7 @@ class _Conv(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("a spatial convolution")
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, (weight,), strips = _load_strips(ctx)
         win: Window = ctx.win
@@ -713,6 +715,7 @@ class _MaxPool(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("a spatial max pool")
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, _, strips = _load_strips(ctx)
         win: Window = ctx.win
@@ -802,6 +805,7 @@ class _AvgPool(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("a spatial average pool")
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         win: Window = ctx.win
         divisor = ctx.divisor

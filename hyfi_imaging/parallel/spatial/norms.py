@@ -21,6 +21,7 @@ from torch import nn
 
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.parallel.collectives import all_reduce_sum
+from hyfi_imaging.parallel.first_order import first_order
 from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.spatial.base import _crosses, _SpatialMixin
 
@@ -163,6 +164,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         )  # fmt: skip
 
     @staticmethod
+    @first_order("a spatial BatchNorm")
     def backward(
         ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -503,6 +505,7 @@ class _GlobalSampleNorm(torch.autograd.Function):
         return y, mean, var
 
     @staticmethod
+    @first_order("a spatial GroupNorm")
     def backward(
         ctx: Any, gy: torch.Tensor, _gmean: torch.Tensor, _gvar: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
