@@ -118,18 +118,26 @@ def test_a_tile_is_traced_in_its_own_modes_and_arguments() -> None:
     """The whole image is traced in the modes and with the forward arguments of each forward
     (tests/workers/trace_modes.py, 1x2, float64): an interpolation made only where shapes
     differ, which the whole image and the watch's probe made and a tile did not, trained 0.30
-    off without a word; a head called in training only was refused (the trace was of eval
-    mode); an interpolation that only a forward argument turns on ran on the tiles as a plain
-    op. Now the first is refused, the second is exact, the third refused in one line."""
+    off without a word (also in a submodule called only then, and with the image given by
+    keyword); a head called in training only was refused (the trace was of eval mode); an
+    interpolation that only a forward argument turns on ran on the tiles as a plain op; a
+    decoder called as a part after a forward in another mode ran the other mode's options.
+    Now the shape branches, the argument's interpolation and the stale options are refused in
+    one line; the training-only head, an eval-only smoothing (also in ParallelModel's
+    stages) and a mask given as an argument are exact."""
     worker = Path(__file__).resolve().parent / "workers" / "trace_modes.py"
     job = mpiexec(2, str(worker), timeout=240)
     assert job.returncode == 0, job.describe()
     got = json_line(job)
-    assert got["odd_interp"].startswith(
-        "module 'OddInterp': skipped on its tile the F.interpolate it called on the whole "
-        "image (site #1)"
-    ), got
-    for case in ("train_only", "eval_only", "arg_off", "train_again"):
+    for case, site in (("odd_interp", "#1"), ("odd_sub", "fix#0")):
+        for key in ("", "_keyword"):
+            assert (
+                "skipped on its tile the F.interpolate the whole image called "
+                f"(site {site}): a branch on a shape" in got[case + key]
+            ), got
+    assert got["parts"].startswith("site dec#0: calls F.interpolate with "), got
+    assert "mode='nearest'" in got["parts"] and "mode='bilinear'" in got["parts"], got
+    for case in ("train_only", "eval_only", "arg_off", "train_again", "engine_eval_only", "mask"):
         assert got[case] < 1e-12, (case, got)
     assert got["arg_on"].startswith(
         "module 'Blurred': calls F.interpolate (site #0) on a 30x22 image with the forward's "

@@ -44,6 +44,7 @@ from hyfi_imaging.parallel.halo import trailing
 from hyfi_imaging.parallel.launch import ParallelContext
 from hyfi_imaging.parallel.meta import meta_copy
 from hyfi_imaging.parallel.spatial import SpatialContext, spatialize
+from hyfi_imaging.parallel.spatial.trace import split_image
 
 __all__ = [
     "OutputMap",
@@ -180,7 +181,7 @@ def apply_spatial(
     if image_size is not None:
         ctx.set_image_size(tuple(int(v) for v in image_size))
     plain = {path for path, m in model.named_modules() if not hasattr(m, "hyfi_ctx")}
-    model.register_forward_pre_hook(partial(_check_tile, ctx, plain))
+    model.register_forward_pre_hook(partial(_check_tile, ctx, plain), with_kwargs=True)
     if reduce_grads:
         ctx.grad_syncs = weakref.WeakKeyDictionary(
             {model: TileGradSync(model, ctx.tile_param_names, ctx.group)}
@@ -224,7 +225,11 @@ def tile_of(images: Tensor, ctx: SpatialContext | None, image_hw: Sequence[int])
 
 
 def _check_tile(
-    ctx: SpatialContext, plain: set[str], model: nn.Module, args: tuple[Any, ...]
+    ctx: SpatialContext,
+    plain: set[str],
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> None:
     """Refuse a tile the context's image size does not give: the layers would mask and
     exchange for another image (31x23 images through a model set for 32x24 gave 0.67 relative
@@ -247,9 +252,9 @@ def _check_tile(
                 "plain layer",
                 "build the whole model first, then call apply_spatial",
             )
-    x = args[0] if args else None
     nd = len(ctx.grid)
-    if not isinstance(x, Tensor) or x.dim() != nd + 2:
+    x, _, _ = split_image(args, kwargs, nd)
+    if x is None:
         return
     if ctx.image_hw is None:
         raise ConfigError(

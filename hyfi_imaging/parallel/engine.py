@@ -181,6 +181,8 @@ class ParallelModel:
             args = (self._check_tiles(tiles, batch),)
         pipe = self.runtime.pipe(batch // m, m, train=True)
         self.stage_module.train()
+        if self.ctx is not None:
+            self.ctx.follow_modes(self.stage_module)
         losses: list[Tensor] = []
         # FSDP2 reduce-scatters each unit's gradients during the last micro-batch's
         # backward and adds them to the (sharded) gradients already there.
@@ -244,6 +246,8 @@ class ParallelModel:
         pipe = self.runtime.pipe(batch // m, m, train=False)
         was_training = self.stage_module.training
         self.stage_module.eval()
+        if self.ctx is not None:
+            self.ctx.follow_modes(self.stage_module)
         try:
             out = pipe.step(*args)
         finally:

@@ -441,6 +441,20 @@ def site_op_name(site: Resample | Windowed | None) -> str:
     return f"F.{site.op}" if isinstance(site, Resample) else f"F.{site.func}"
 
 
+#: Options a tile's call gives from its own shapes (the tile's size): the trace's are used.
+_SHAPE_OPTIONS = frozenset({"size", "pad", "scale_factor"})
+
+
+def _fixed_options(site: Resample | Windowed) -> dict[str, Any]:
+    """A call's options that its input's shape does not set: the same on a tile as on the
+    whole image when both are of one forward."""
+    return {k: v for k, v in site.options if k not in _SHAPE_OPTIONS}
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(options.items())) or "no options"
+
+
 class SpatialFunctions(SiteMode):
     """At run time: the tile sites of a spatialized model, replaced by their spatial form
     (``run(x, site, name, weight, bias)``: ``SpatialContext.run_site``; a convolution's
@@ -457,7 +471,7 @@ class SpatialFunctions(SiteMode):
         known: Callable[[nn.Module], bool],
         sites: set[str],
         run: Callable[..., torch.Tensor],
-        traced: Callable[[], Mapping[str, Resample | Windowed]] = dict,
+        traced: Callable[[], Mapping[str, Resample | Windowed] | None] = lambda: None,
         checking: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(Frames(model, known, on_enter=self._entering, on_leave=self._left))
@@ -473,25 +487,23 @@ class SpatialFunctions(SiteMode):
     def _left(self, path: str, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self.frames.stack:
             self.__exit__(None, None, None)
-        if self.checking() and sys.exc_info()[0] is None:  # (not while a refusal unwinds)
-            self._check_all_called(path, module)
+            if self.checking() and sys.exc_info()[0] is None:  # (not while a refusal unwinds)
+                self._check_all_called(module)
 
-    def _check_all_called(self, path: str, module: nn.Module) -> None:
-        """Refuse a module that skipped on its tile a pad, interpolation or windowed function
-        it called on the whole image, traced in the same modes and with the same arguments:
-        a branch on a shape (``if u.shape != f.shape: u = F.interpolate(u, size=f.shape[2:])``)
-        that the tile's shapes take the other way left the map uninterpolated (0.30 off,
-        silently)."""
-        missed = [
-            n
-            for n in self.traced()
-            if n.rsplit("#", 1)[0] == path and n in self.sites and n not in self.called
-        ]
+    def _check_all_called(self, module: nn.Module) -> None:
+        """Refuse a forward whose tile skipped a pad, interpolation or windowed function that
+        the whole image called, traced in the same modes and with the same arguments: a
+        branch on a shape (``if u.shape != f.shape: u = F.interpolate(u, size=f.shape[2:])``,
+        or a submodule called only then) that the tile's shapes take the other way left the
+        map uninterpolated (0.30 off, silently). Checked when the whole forward is done."""
+        traced = self.traced() or {}
+        missed = [n for n in traced if n in self.sites and n not in self.called]
         if missed:
-            op = site_op_name(self.traced()[missed[0]])
+            op = site_op_name(traced[missed[0]])
+            path = missed[0].rsplit("#", 1)[0]
             raise ConfigError(
                 f"module {path or type(module).__name__!r}",
-                f"skipped on its tile the {op} it called on the whole image (site {missed[0]}): "
+                f"skipped on its tile the {op} the whole image called (site {missed[0]}): "
                 "a branch on a shape (if u.shape != f.shape) goes another way on a tile",
                 f"call the {op} unconditionally (a pad by 0 changes nothing), or compute its "
                 "arguments from the image's size",
@@ -505,8 +517,8 @@ class SpatialFunctions(SiteMode):
         site: Site | Resample | Windowed,
         name: str,
     ) -> Any:
-        traced = self.traced() if name in self.sites else {}
-        if traced and isinstance(site, Resample | Windowed):  # (nothing traced: no size set)
+        traced = self.traced() if name in self.sites else None
+        if traced is not None and isinstance(site, Resample | Windowed):  # (None: no size set)
             op, was = site_op_name(site), site_op_name(traced.get(name))
             if op != was:
                 why = "a branch on a shape (if y.shape != skip.shape) goes another way on a tile"
@@ -520,6 +532,19 @@ class SpatialFunctions(SiteMode):
                     f"calls {op} on its tile where the whole image called {was}: {why}",
                     "make the calls unconditional (a pad by 0 changes nothing) or compute "
                     "their arguments from the image's size; call the model itself",
+                )
+            mine, theirs = _fixed_options(site), _fixed_options(traced[name])
+            if mine != theirs:
+                # The traced call's options run (size=skip.shape on a tile is the tile's):
+                # a trace of another forward ran bilinear where the tile asked nearest.
+                raise ConfigError(
+                    f"site {name}",
+                    f"calls {op} with {_options_text(mine)} where the whole image, traced for "
+                    f"this forward, called it with {_options_text(theirs)}: the model's parts "
+                    "called one by one after a forward in another mode, or a module's "
+                    "setting changed since",
+                    "call the model itself (each forward is traced in its own modes and "
+                    "arguments), and keep a layer's settings fixed after apply_spatial",
                 )
         if name in self.sites:
             self.called.add(name)

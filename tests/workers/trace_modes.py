@@ -8,6 +8,13 @@ its gradients; rank 0 prints one JSON line:
 * ``odd_interp``: an interpolation made only where the shapes differ
   (``if u.shape != f.shape``) after an unpadded pool, at sizes where the whole image and the
   watch's probe both make it and a tile does not: the refusal (0.30 off, silently, before);
+* ``odd_sub``: the same with the interpolation in a submodule called only then (0.15 off);
+  ``*_keyword``: the image given by keyword, ``model(x=tile)`` (no check ran: 0.15 off);
+* ``mask``: a mask cut like the image as a forward argument: the largest relative error
+  (traced at the tile's size beside the whole image, it was refused);
+* ``parts``: a decoder whose interpolation's mode depends on the mode, called as
+  ``dec(enc(x))`` in training after a forward in eval (the eval trace's bilinear ran
+  where the tile asked nearest: 0.23 off): the refusal;
 * ``train_only``: a deep-supervision head (a convolution and an interpolation) called in
   training only: the largest relative error of the losses and gradients (refused before: the
   whole image was traced in eval mode only);
@@ -16,6 +23,9 @@ its gradients; rank 0 prints one JSON line:
 * ``arg_off``: a forward argument that turns an interpolation off: the largest relative error;
 * ``arg_on``: the same argument turning on an interpolation the watch never saw (it ran on
   the tiles as a plain op, silently wrong, before): the refusal.
+* ``engine_eval_only``: ``verify_model`` of a chain (``ParallelModel`` runs its layers in a
+  stage, not its forward) with a layer that smooths only in eval mode: the largest relative
+  error (a ``KeyError`` at the eval-mode prediction before: the trace stayed in training).
 """
 
 from __future__ import annotations
@@ -46,6 +56,55 @@ class OddInterp(nn.Module):
         if u.shape != f.shape:
             u = F.interpolate(u, size=f.shape[2:])
         return self.out(torch.cat([u, f], 1))
+
+
+class Resize(nn.Module):
+    def forward(self, u: torch.Tensor, size: Any) -> torch.Tensor:
+        return F.interpolate(u, size=size)
+
+
+class OddInterpSub(OddInterp):
+    """``OddInterp`` with its conditional interpolation in a submodule called only then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fix = Resize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.enc(x)
+        u = F.interpolate(self.mid(self.pool(f)), scale_factor=2)
+        if u.shape != f.shape:
+            u = self.fix(u, f.shape[2:])
+        return self.out(torch.cat([u, f], 1))
+
+
+class Masked(nn.Module):
+    """A second map as a forward argument (a mask cut like the image)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        f = self.enc(x)
+        return F.interpolate(f if mask is None else f * mask, scale_factor=2, mode="bilinear")
+
+
+class Decoder(nn.Module):
+    def forward(self, d: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(d, scale_factor=2, mode="nearest" if self.training else "bilinear")
+
+
+class Parts(nn.Module):
+    """An encoder and a decoder whose interpolation depends on the mode, called as parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 2, 3, padding=1)
+        self.dec = Decoder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.enc(x))
 
 
 class Supervised(nn.Module):
@@ -80,6 +139,29 @@ class Blurred(nn.Module):
     def forward(self, x: torch.Tensor, upsample: bool = False) -> torch.Tensor:
         out = self.enc(x)
         return F.interpolate(out, scale_factor=2, mode="bilinear") if upsample else out
+
+
+class Smooth(nn.Module):
+    """A layer of a chain that smooths its map at evaluation only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y if self.training else F.avg_pool2d(y, 3, 1, 1)
+
+
+def _chain() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        Smooth(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -138,13 +220,40 @@ def main() -> int:
     found: dict[str, object] = {}
 
     torch.manual_seed(0)
-    odd = OddInterp()
-    ctx = hyfi.apply_spatial(odd, pc, image_size=(32, 24))
+    image = torch.randn(1, 3, 32, 24)
+    for case, build in (("odd_interp", OddInterp), ("odd_sub", OddInterpSub)):
+        odd = build()
+        ctx = hyfi.apply_spatial(odd, pc, image_size=(32, 24))
+        for key in ("", "_keyword"):
+            tile = hyfi.tile_of(image, ctx, (32, 24))
+            try:
+                odd(x=tile) if key else odd(tile)
+                found[case + key] = "ran"
+            except HyfiError as err:
+                found[case + key] = str(err)
+
+    masked = Masked()
+    ref = copy.deepcopy(masked)
+    ctx = hyfi.apply_spatial(masked, pc, image_size=HW)
+    mask = torch.rand(2, 1, *HW, generator=torch.Generator().manual_seed(6))
+
+    def _masked(m: nn.Module, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        cut = mask if ctx is None else hyfi.tile_of(mask, ctx, HW)
+        return _dense_loss(m(x, mask=cut), ctx, (60, 44))
+
+    found["mask"] = _compare(masked, ctx, ref, _masked)
+
+    parts = Parts()
+    ctx = hyfi.apply_spatial(parts, pc, image_size=HW)
+    tile = hyfi.tile_of(image[..., :30, :22], ctx, HW)
+    parts.eval()
+    parts(tile)
+    parts.train()
     try:
-        odd(hyfi.tile_of(torch.randn(1, 3, 32, 24), ctx, (32, 24)))
-        found["odd_interp"] = "ran"
+        parts.dec(parts.enc(tile))  # no forward of the model: the eval trace stays
+        found["parts"] = "ran"
     except HyfiError as err:
-        found["odd_interp"] = str(err)
+        found["parts"] = str(err)
 
     model = Supervised()
     ref = copy.deepcopy(model)
@@ -163,6 +272,9 @@ def main() -> int:
         found["arg_on"] = "ran"
     except HyfiError as err:
         found["arg_on"] = str(err)
+    # ParallelModel runs a chain's layers in its stage, not the model's forward.
+    report = hyfi.verify_model(_chain, HW, pc)
+    found["engine_eval_only"] = report.max_rel_error if report.ok else str(report)
     if pc.rank == 0:
         print(json.dumps(found))
     shutdown()

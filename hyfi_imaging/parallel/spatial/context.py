@@ -35,10 +35,13 @@ from hyfi_imaging.parallel.spatial import resampling
 from hyfi_imaging.parallel.spatial.base import _tail
 from hyfi_imaging.parallel.spatial.convolutions import _WindowedConv
 from hyfi_imaging.parallel.spatial.kinds import _SWAP, _has_spatial_form
-from hyfi_imaging.parallel.spatial.trace import TraceMode, _trace_sizes, trace_mode
+from hyfi_imaging.parallel.spatial.trace import TraceMode, _trace_sizes, split_image, trace_mode
 
 __all__ = ["SpatialContext"]
 
+
+#: Traces kept (by image size and mode), the least recently used dropped first.
+_TRACES_KEPT = 8
 
 #: The functional forms a global max reduction calls, by the number of spatial dims.
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
@@ -147,19 +150,31 @@ class SpatialContext:
                 "give a volume (DxHxW) a 3-D grid (GZxGYxGX), an image (HxW) a 2-D one and a "
                 "signal (L) a 1-D one (L<GL>)",
             )
-        image_hw = tuple(int(v) for v in image_hw)
+        self._select(tuple(int(v) for v in image_hw), self._model_mode())
+
+    def follow_modes(self, module: nn.Module) -> None:
+        """Trace in the modes of ``module`` from now on: ``ParallelModel``'s stages run the
+        model's layers, not its forward, and set their modes themselves (a layer's
+        eval-only call, traced in training, failed); their paths are the model's."""
+        mode = trace_mode(module, _has_spatial_form)
+        if self.image_hw is not None and mode.key != self.mode.key:
+            self._select(self.image_hw, mode)
+
+    def _model_mode(self) -> TraceMode:
+        """The modes of the model the context was made for, without forward arguments."""
         model = self._model() if self._model is not None else None
-        self._select(image_hw, self.mode if model is None else trace_mode(model, _has_spatial_form))
+        return self.mode if model is None else trace_mode(model, _has_spatial_form)
 
     def begin_forward(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """A forward of the whole model (or a deep copy) begins: trace the image in its
         modes and with its arguments (once per image size and mode) for the layers to read."""
-        x = args[0] if args else None
-        if self.image_hw is None or not isinstance(x, torch.Tensor) or x.dim() != self.nd + 2:
+        x, args, kwargs = split_image(args, kwargs, self.nd)
+        if self.image_hw is None or x is None:
             return
-        mode = trace_mode(model, _has_spatial_form, args[1:], kwargs, int(x.shape[0]))
+        sizes = (tuple(self.tile_size(self.image_hw)), self.image_hw)
+        mode = trace_mode(model, _has_spatial_form, args, kwargs, int(x.shape[0]), sizes)
         if mode.key != self.mode.key:
             self._select(self.image_hw, mode)
         self.in_forward = True
@@ -174,9 +189,15 @@ class SpatialContext:
 
     def _select(self, image_hw: tuple[int, ...], mode: TraceMode) -> None:
         key = (image_hw, mode.key)
-        if key not in self._traces:
-            self._traces[key] = self._trace(image_hw, mode)
-        self._traced, self.mode, self.image_hw = self._traces[key], mode, image_hw
+        traced = self._traces.pop(key, None) or self._trace(image_hw, mode)
+        self._traces[key] = traced  # the most recent last
+        if len(self._traces) > _TRACES_KEPT:  # a forward argument that changes every step
+            old = next(iter(self._traces))
+            del self._traces[old]
+            for cache in (self._resamples, self._windowed):
+                for k in [k for k in cache if k[1] == old]:
+                    del cache[k]
+        self._traced, self.mode, self.image_hw = traced, mode, image_hw
         self.sizes = self._traced.sizes
 
     @property

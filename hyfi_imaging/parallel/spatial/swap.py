@@ -134,7 +134,7 @@ def spatialize(
             _has_spatial_form,
             use.functional_sites,
             ctx.run_site,
-            lambda: ctx.traced_calls,
+            lambda: None if ctx.image_hw is None else ctx.traced_calls,
             lambda: ctx.in_forward,
         )
     # Each forward of the model (or of a deep copy) reads the trace of its own modes and

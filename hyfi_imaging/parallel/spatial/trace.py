@@ -8,6 +8,7 @@ so no arithmetic is duplicated.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from hyfi_imaging.parallel.spatial.flatten import _is_gathering_flatten
 from hyfi_imaging.parallel.spatial.global_context import is_global_context
 from hyfi_imaging.parallel.spatial.kinds import _SWAP, _has_spatial_form, _is_global_pool
 
-__all__ = ["TraceMode", "trace_mode"]
+__all__ = ["TraceMode", "split_image", "trace_mode"]
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,51 @@ def trace_mode(
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
     batch: int = 1,
+    sizes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> TraceMode:
     """The :class:`TraceMode` of a forward of ``model`` with these arguments after the
-    image (``known(module)``: the module has a spatial form, its mode is not traced)."""
-    training = frozenset(n for n, m in model.named_modules() if m.training and not known(m))
+    image (``known(module)``: the module has a spatial form, its mode is not traced).
+    ``sizes``: (tile, image): a tensor argument whose last dims are the tile's (a mask cut
+    like the image) is traced at the image's size."""
+    if model not in _UNKNOWN:  # named_modules and the kind test cost ~1 ms a forward
+        _UNKNOWN[model] = [(n, m) for n, m in model.named_modules() if not known(m)]
+    training = frozenset(n for n, m in _UNKNOWN[model] if m.training)
     items = tuple(sorted((kwargs or {}).items()))
     key = (training, _arg_key(tuple(args)), _arg_key(items))
     has_tensors = any(isinstance(t, torch.Tensor) for t in tree_flatten((args, items))[0])
-    return TraceMode(training, _meta(tuple(args)), _meta(items), batch if has_tensors else 1, key)
+    return TraceMode(
+        training,
+        _meta(tuple(args), sizes),
+        _meta(items, sizes),
+        batch if has_tensors else 1,
+        key,
+    )
+
+
+#: Per model, its modules without a spatial form (whose modes a trace follows).
+_UNKNOWN: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def split_image(
+    args: Sequence[Any], kwargs: dict[str, Any], nd: int
+) -> tuple[torch.Tensor | None, tuple[Any, ...], dict[str, Any]]:
+    """A forward's image (its first argument, or the first ``(N, C, *spatial)`` tensor
+    given by keyword: ``model(x=tile)``) and its other arguments; None where it has none."""
+    rest = dict(kwargs)
+    if args:
+        x: Any = args[0]
+        others = tuple(args[1:])
+    else:
+        name = next(
+            (k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == nd + 2),
+            None,
+        )
+        x, others = (None if name is None else rest.pop(name)), ()
+    if not isinstance(x, torch.Tensor) or x.dim() != nd + 2:
+        return None, others, rest
+    return x, others, rest
 
 
 def _arg_key(v: Any) -> Any:
@@ -75,14 +113,20 @@ def _arg_key(v: Any) -> Any:
     return ("object", type(v).__qualname__)
 
 
-def _meta(v: Any) -> Any:
-    """``v`` with every tensor replaced by an empty meta tensor of its shape and dtype."""
+def _meta(v: Any, sizes: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Any:
+    """``v`` with every tensor replaced by an empty meta tensor of its shape and dtype (of
+    the image's size where its last dims are the tile's: ``sizes`` is (tile, image))."""
     if isinstance(v, torch.Tensor):
-        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        shape = tuple(v.shape)
+        if sizes is not None and len(shape) >= len(sizes[0]):
+            tile, image = sizes
+            if shape[len(shape) - len(tile) :] == tile:
+                shape = shape[: len(shape) - len(tile)] + image
+        return torch.empty(shape, dtype=v.dtype, device="meta")
     if isinstance(v, tuple | list):
-        return type(v)(_meta(u) for u in v)
+        return type(v)(_meta(u, sizes) for u in v)
     if isinstance(v, dict):
-        return {k: _meta(u) for k, u in v.items()}
+        return {k: _meta(u, sizes) for k, u in v.items()}
     return v
 
 
