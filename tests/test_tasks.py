@@ -434,3 +434,25 @@ def test_a_volume_model_refuses_volumes_of_other_voxels(
     job = subprocess.run(predict, capture_output=True, text=True, env=env, timeout=300)
     assert job.returncode == 2, job.stderr[-3000:]
     assert "trained with another voxel sizes" in job.stderr, job.stderr
+
+
+def test_a_mask_of_a_level_without_a_pixel_size_lies_on_its_image(tmp_path: Path) -> None:
+    """A mask predicted at ``data.level: 1`` on stores that record no µm/px (PNG slides)
+    counts the image's level-0 pixels: scale 2, its pixel the centre of 2x2 (translation
+    0.5), as the image's own level 1 and in its label image too. It had scale 1 and no
+    translation: a viewer drew it over the image's top-left quarter at half size."""
+    from hyfi_imaging.train.outputs import write_mask
+
+    mask = np.zeros((8, 6), np.uint8)
+    out = write_mask(tmp_path / "m.zarr", mask, classes=["bg", "x"], image="i", scale=None, level=1)
+    for group in (out, out / "labels" / "prediction"):
+        ome = json.loads((group / "zarr.json").read_text())["attributes"]["ome"]
+        first = ome["multiscales"][0]["datasets"][0]["coordinateTransformations"]
+        assert first == [
+            {"type": "scale", "scale": [1.0, 2.0, 2.0]},
+            {"type": "translation", "translation": [0.0, 0.5, 0.5]},
+        ], (group, first)
+    cube = np.zeros((4, 4, 4), np.uint8)
+    out = write_mask(tmp_path / "v.zarr", cube, classes=["bg", "x"], image="i", scale=None, level=1)
+    first = json.loads((out / "zarr.json").read_text())["attributes"]["ome"]["multiscales"][0]
+    assert first["datasets"][0]["coordinateTransformations"][0]["scale"] == [1.0, 2.0, 2.0, 2.0]

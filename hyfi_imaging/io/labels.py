@@ -115,10 +115,12 @@ def write_label_image(
     chunk: int = 512,
     shard: int = 4096,
     pyramid_levels: int = 3,
+    spacing: tuple[float, float] | None = None,
     origin: tuple[float, float] | None = None,
 ) -> Path:
     """Write a ``(1, H, W)`` uint8 label image as ``labels/<name>`` of the image group ``store``
-    (``origin``: where level-0 pixel ``(0, 0)``'s centre lies, as its image's).
+    (``spacing``, ``origin``: a level-0 pixel's size and where pixel ``(0, 0)``'s centre
+    lies, as its image's).
 
     ``labels`` is produced one shard at a time (memory stays a few shards);
     the levels, chunks and shards are those :func:`write_ome_zarr` gives an
@@ -157,6 +159,7 @@ def write_label_image(
                         np.dtype(np.uint8),
                         method="mode",
                         description="2x2 mode per level (ties to the larger label)",
+                        spacing=spacing,
                         origin=origin,
                     )
                 ],

@@ -144,8 +144,9 @@ def write_mask(
     if mask.ndim == 3:
         from hyfi_imaging.io.volume_store import write_ome_zarr_volume
 
-        voxel = tuple(scale) if isinstance(scale, Sequence) else (scale or 1.0,) * 3
         f = 2**level  # a map of level l: its voxel is the centre of 2**l image voxels
+        # (unknown size: level-0 voxels as the unit, as the volume's own store has them)
+        voxel = tuple(scale) if isinstance(scale, Sequence) else (scale or float(f),) * 3
         return write_ome_zarr_volume(
             out,
             mask[None].astype(np.uint8),
@@ -160,7 +161,11 @@ def write_mask(
         )
     mpp = scale[-1] if isinstance(scale, Sequence) else scale
     f = 2**level  # a map of level l: its pixel is the centre of 2**l image pixels
-    origin = None if mpp is None or level == 0 else (mpp / f * (f - 1) / 2,) * 2
+    # Without µm/px the axes count the image's level-0 pixels: a level-l map's pixel is
+    # 2**l of them (it was drawn over the image's top-left quarter at half size).
+    pixel = mpp if mpp is not None else float(f)
+    origin = None if level == 0 else (pixel / f * (f - 1) / 2,) * 2
+    spacing = None if mpp is not None else (pixel, pixel)
     write_ome_zarr(
         out,
         mask[None].astype(np.uint8),
@@ -168,6 +173,7 @@ def write_mask(
         hyfi_attrs=attrs,
         name=out.stem,
         channel_names=["class"],
+        spacing=spacing,
         origin=origin,
     )
     write_label_image(
@@ -177,6 +183,7 @@ def write_mask(
         classes={name: value for value, name in enumerate(classes) if value},
         attrs=attrs,
         name="prediction",
+        spacing=spacing,
         origin=origin,
     )
     return out
