@@ -839,3 +839,27 @@ def test_a_run_over_other_slides_keeps_the_earlier_rows(cohort: Path, tmp_path: 
     rows = {r.slide_id: r for r in read_manifest(out / "manifest.csv")}
     assert sorted(rows) == ["a", "b", "c", "d"] and rows["d"].status == "failed"
     assert rows["a"] == first["a"] and rows["c"] == first["c"] and rows["b"].status == "ok"
+
+
+def test_an_annotation_file_of_no_slide_in_a_fresh_out(tmp_path: Path) -> None:
+    """The warning of an annotation file that matches no slide comes before ``--out`` exists:
+    opening ``preprocess.log`` there failed with FileNotFoundError, nothing converted (every
+    subset of a cohort run against its whole annotation folder). The warning is logged once
+    the folder exists, after the run's first line."""
+    from PIL import Image
+
+    slides, notes, out = tmp_path / "in", tmp_path / "ann", tmp_path / "out"
+    slides.mkdir()
+    notes.mkdir()
+    pixels = np.full((256, 256, 3), 245, np.uint8)
+    pixels[64:192, 64:192] = (200, 120, 170)
+    Image.fromarray(pixels).save(slides / "s1.png")
+    empty = '{"type":"FeatureCollection","features":[]}'
+    (notes / "s1.geojson").write_text(empty)
+    (notes / "other_slide.geojson").write_text(empty)
+    argv = [str(slides), "--out", str(out), "--mpp", "1.0", "--mpp-override", "0.5"]
+    assert preprocess_main([*argv, "--size", "128", "--annotations", str(notes), "--quiet"]) == 0
+    lines = (out / "preprocess.log").read_text().splitlines()
+    assert " INFO run: hyfi-preprocess " in lines[0], lines
+    assert "match no slide id: other_slide.geojson" in lines[1], lines
+    assert (out / "s1.zarr").is_dir()

@@ -285,15 +285,25 @@ class _RunLog(logging.FileHandler):
     def __init__(self, path: Path, command: str) -> None:
         super().__init__(path, delay=True)
         self._command: str | None = command
+        #: Records from before ``--out`` exists (an annotation file that matches no slide,
+        #: said while the slides are matched): kept until it does (opening the log there
+        #: failed with FileNotFoundError, nothing converted).
+        self._early: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not Path(self.baseFilename).parent.is_dir():
+            self._early.append(record)
+            return
+        early, self._early = self._early, []
         if self._command is not None:
             command, self._command = self._command, None
             header = logging.LogRecord(
                 record.name, logging.INFO, __file__, 0, f"run: {command}", None, None
             )
+            header.created = (early or [record])[0].created  # the run's first line first
             super().emit(header)
-        super().emit(record)
+        for r in (*early, record):
+            super().emit(r)
 
 
 def main(argv: list[str] | None = None) -> int:
