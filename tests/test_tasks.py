@@ -456,3 +456,26 @@ def test_a_mask_of_a_level_without_a_pixel_size_lies_on_its_image(tmp_path: Path
     out = write_mask(tmp_path / "v.zarr", cube, classes=["bg", "x"], image="i", scale=None, level=1)
     first = json.loads((out / "zarr.json").read_text())["attributes"]["ome"]["multiscales"][0]
     assert first["datasets"][0]["coordinateTransformations"][0]["scale"] == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_a_heat_map_picture_replaces_only_an_earlier_one(tmp_path: Path) -> None:
+    """``hyfi-predict --heatmaps DIR`` on the folder of PNG slides replaced each slide by its
+    heat map's picture, exit 0 (only the ``.zarr`` store was checked): a PNG is replaced only
+    when its text says a heat map wrote it."""
+    import pytest
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    from hyfi_imaging.errors import ConfigError
+    from hyfi_imaging.train.outputs import HEATMAP_KIND, check_replaceable
+    from hyfi_imaging.train.plots import _save_atomic
+
+    slide = tmp_path / "slide.png"
+    Image.new("RGB", (8, 8), "white").save(slide)
+    with pytest.raises(ConfigError, match=r"slide.png: exists and is a file \(not a class"):
+        check_replaceable(slide, HEATMAP_KIND)
+    picture = _save_atomic(Figure(), tmp_path / "map.png", HEATMAP_KIND)
+    check_replaceable(picture, HEATMAP_KIND)  # an earlier prediction's: replaced
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(ConfigError):
+        check_replaceable(tmp_path / "bad.png", HEATMAP_KIND)

@@ -133,7 +133,8 @@ def _check_not_inputs(
         )  # fmt: skip
     for image_id in ids:
         if heat_dir is not None:
-            check_replaceable(heat_dir / f"{image_id}.zarr", HEATMAP_KIND)
+            for suffix in (".zarr", ".png"):  # the store and its picture
+                check_replaceable(heat_dir / f"{image_id}{suffix}", HEATMAP_KIND)
         if task == "segmentation":
             check_replaceable(out / "masks" / f"{image_id}.zarr", MASK_KIND)
 

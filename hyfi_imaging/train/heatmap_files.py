@@ -180,7 +180,7 @@ def write_heatmap_png(
     """A PNG of the store's thumbnail (its coarsest level of at most ``limit`` px) with each
     class's map over it, one panel per class, colour bar in logit units."""
     from hyfi_imaging.paths import confined
-    from hyfi_imaging.train.outputs import _background
+    from hyfi_imaging.train.outputs import HEATMAP_KIND, _background
     from hyfi_imaging.train.plots import _new_figure, _save_atomic
 
     confined(out)
@@ -209,4 +209,4 @@ def write_heatmap_png(
         ax.set_title(f"{classes[c]}{p}", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="class activation (logit)")
     fig.suptitle(title, fontsize=10)
-    return _save_atomic(fig, out)
+    return _save_atomic(fig, out, HEATMAP_KIND)

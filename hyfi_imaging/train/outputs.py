@@ -100,7 +100,7 @@ def check_replaceable(out: Path, kind: str) -> None:
     from hyfi_imaging.errors import ConfigError
     from hyfi_imaging.io.zarr_store import read_hyfi_attrs
 
-    found = (read_hyfi_attrs(out) or {}).get("kind") if out.is_dir() else None
+    found = (read_hyfi_attrs(out) or {}).get("kind") if out.is_dir() else _png_kind(out)
     if found == kind:
         return
     what = f"a {found} store" if found else "a file" if out.is_file() else "other data"
@@ -109,6 +109,21 @@ def check_replaceable(out: Path, kind: str) -> None:
         f"exists and is {what} (not a {kind} an earlier prediction wrote): it would be replaced",
         "write the predictions to another folder, never the data's own",
     )
+
+
+def _png_kind(path: Path) -> str | None:
+    """The ``hyfi-kind`` a PNG's text records (a heat map's picture), else None (a slide
+    saved as PNG, any other file: ``--heatmaps`` given the slides' folder replaced them)."""
+    from PIL import Image, UnidentifiedImageError
+
+    from hyfi_imaging.train.plots import PNG_KIND_KEY
+
+    try:
+        with Image.open(path) as image:
+            text = getattr(image, "text", {}) if image.format == "PNG" else {}
+            return str(text[PNG_KIND_KEY]) if PNG_KIND_KEY in text else None
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
+        return None
 
 
 def write_mask(

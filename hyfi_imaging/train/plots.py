@@ -67,13 +67,20 @@ def _new_figure(width: float, height: float) -> Figure:
     return fig
 
 
-def _save_atomic(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``fig`` to ``path`` atomically, with the mode a plain ``open()`` would give."""
+#: The PNG text key naming what wrote a picture (a heat map's, for instance).
+PNG_KIND_KEY = "hyfi-kind"
+
+
+def _save_atomic(fig: Figure, path: str | os.PathLike[str], kind: str | None = None) -> Path:
+    """Write ``fig`` to ``path`` atomically, with the mode a plain ``open()`` would give;
+    ``kind``: recorded in a PNG's text (``hyfi-kind``), so that a later run knows the file is
+    one it may replace (:func:`~hyfi_imaging.train.outputs.check_replaceable`)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fmt = target.suffix.lstrip(".").lower() or "png"
     buf = io.BytesIO()
-    fig.savefig(buf, format=fmt, dpi=110)
+    marks = {PNG_KIND_KEY: kind} if kind is not None and fmt == "png" else None
+    fig.savefig(buf, format=fmt, dpi=110, metadata=marks)
     return write_atomic(target, buf.getvalue())
 
 
