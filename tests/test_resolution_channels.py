@@ -441,3 +441,18 @@ def test_an_ome_tiffs_main_image_gives_its_own_resolution_and_channels(tmp_path:
         assert slide.level_dimensions[0] == (200, 296)
         assert slide.mpp == pytest.approx(0.65)
         assert list(slide.channel_names) == ["DAPI", "CD8", "PanCK"]
+
+
+def test_slides_of_unknown_resolution_against_a_checkpoints_are_said() -> None:
+    """A checkpoint trained at 2 µm/px and PNG slides that record no µm/px (converted at 4x
+    the magnification): nothing compares them, and hyfi-predict predicted without a word. One
+    line names them now; slides whose µm/px is known, or a checkpoint without one, say nothing."""
+    from hyfi_imaging.train.preflight import CohortFacts, unknown_mpp_note
+
+    facts = CohortFacts("m.csv", ("a", "b"), (None, 2.0), (1.0, 1.0), ("R", "G", "B"), "uint8")
+    note = unknown_mpp_note(facts, {"mpp": [2.0, 2.0]})
+    assert note is not None and note.startswith("m.csv: a record no µm/px"), note
+    assert "--mpp 2 " in note
+    assert unknown_mpp_note(facts, {"mpp": None}) is None
+    known = CohortFacts("m.csv", ("b",), (2.0,), (1.0,), ("R", "G", "B"), "uint8")
+    assert unknown_mpp_note(known, {"mpp": [2.0, 2.0]}) is None

@@ -379,6 +379,24 @@ def check_trained(
             )
 
 
+def unknown_mpp_note(facts: CohortFacts | None, meaning: Any) -> str | None:
+    """One line when a checkpoint records the µm/px it was trained at and some slides record
+    none: nothing compares them (:func:`check_trained` cannot), and a PNG converted at 4x the
+    magnification was predicted without a word."""
+    if facts is None or not isinstance(meaning, dict):
+        return None
+    span = _recorded_range(meaning.get("mpp"))
+    unknown = [i for i, m in zip(facts.ids, facts.mpp, strict=True) if m is None]
+    if span is None or not unknown:
+        return None
+    said = f"{span[0]:.3g}" if span[0] == span[1] else f"{span[0]:.3g}-{span[1]:.3g}"
+    return (
+        f"{facts.manifest}: {_listed(unknown)} record no µm/px, so nothing says they are at the "
+        f"{said} µm/px the model was trained at; predicted as they are (preprocess them with "
+        f"--mpp-override <their µm/px> --mpp {span[0]:.3g} to be sure)"
+    )
+
+
 def _pixels(recipe: Recipe, manifest: Path, cohort: Any) -> str:
     """``"5-channel uint16 slides"``: a cohort's images as a line names them."""
     from hyfi_imaging.train.inputs import data_pixels

@@ -40,7 +40,13 @@ import yaml
 from hyfi_imaging.errors import ConfigError
 from hyfi_imaging.train.config import Recipe
 from hyfi_imaging.train.preempt import StopSignals, ignore_stop_signals, stop_signals_blocked
-from hyfi_imaging.train.preflight import FACT_KEYS, check_trained, plan_of, run_facts
+from hyfi_imaging.train.preflight import (
+    FACT_KEYS,
+    check_trained,
+    plan_of,
+    run_facts,
+    unknown_mpp_note,
+)
 from hyfi_imaging.train.rundir import StartMode
 
 __all__ = ["Trainer", "lr_at"]
@@ -668,6 +674,9 @@ class Trainer:
                     found.path.name,
                     found.meta.get("step"),
                 )
+            note = unknown_mpp_note(self.facts, found.meta.get("meaning"))
+            if note is not None:
+                log.warning("%s", note)
         return found.meta
 
     # -- evaluation --------------------------------------------------------------------------
