@@ -345,3 +345,28 @@ def test_left_out_line_counts_volumes_too(tmp_path: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     assert left_out_line(manifest) == f"1 of 3 volumes left out: status failed (see {manifest})"
+
+
+def test_a_slide_or_a_store_given_as_the_manifest_is_named(tmp_path: Path) -> None:
+    """A slide given where the manifest goes was "not UTF-8 text (byte 10): save the manifest
+    as UTF-8"; a preprocessed store, "cannot read the manifest ...: run hyfi-preprocess
+    first", though it was. Each is named for what it is, with the command that helps."""
+    import numpy as np
+    import pytest
+    from PIL import Image
+
+    from hyfi_imaging.data.volume_manifest import manifest_kind
+    from hyfi_imaging.errors import ConfigError
+
+    slide = tmp_path / "s.png"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(slide)
+    with pytest.raises(ConfigError, match=r"s.png: is a slide, not a manifest; convert it"):
+        manifest_kind(slide)
+    store = tmp_path / "s.zarr"
+    store.mkdir()
+    (store / "zarr.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"s.zarr: is an image store, not a manifest"):
+        manifest_kind(store)
+    (tmp_path / "bad.csv").write_bytes(b"slide_id\n\xff\xfe")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text"):
+        manifest_kind(tmp_path / "bad.csv")

@@ -183,14 +183,33 @@ def read_volume_manifest(path: str | Path) -> list[VolumeRow]:
 def manifest_kind(manifest: str | Path) -> Literal["slides", "volumes"]:
     """``"volumes"`` for a volume manifest (a ``volume_id`` column), else ``"slides"`` (here,
     with the data: the loaders and the trainer ask it alike)."""
-    path = Path(manifest)
-    path = path / "manifest.csv" if path.is_dir() else path
+    given = Path(manifest)
+    if (given / "zarr.json").is_file():  # "cannot read the manifest ...: run hyfi-preprocess"
+        raise ConfigError(
+            given,
+            "is an image store, not a manifest",
+            "pass the manifest.csv hyfi-preprocess wrote beside it (its --out folder)",
+        )
+    path = given / "manifest.csv" if given.is_dir() else given
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:
             header = next(csv.reader(f), [])
     except OSError:
         return "slides"  # the slide reader says what is wrong with the file
     except UnicodeDecodeError as err:
+        from hyfi_imaging.errors import HyfiError
+        from hyfi_imaging.io.detect import recognise
+
+        try:
+            slide = recognise(path).readable
+        except HyfiError:
+            slide = False
+        if slide:  # "not UTF-8 text": a slide, not a damaged manifest
+            raise ConfigError(
+                path,
+                "is a slide, not a manifest",
+                "convert it with hyfi-preprocess SLIDE --out DIR, then pass DIR/manifest.csv",
+            ) from None
         raise ConfigError(
             path, f"is not UTF-8 text (byte {err.start})", "save the manifest as UTF-8"
         ) from None
