@@ -256,7 +256,8 @@ def _resolution(reader: SlideReader, options: PreprocessOptions) -> tuple[float,
         if reader.mpp is None:
             raise SlideError(
                 where,
-                "the slide does not record its resolution (no mpp in vendor metadata or TIFF tags)",
+                "the slide records no microscope resolution (no mpp in vendor metadata, and no "
+                "TIFF resolution of 0.001-100 µm/px: 72 dpi is a screen's)",
                 "pass --mpp-override MICRONS_PER_PIXEL, or --level N to use a pyramid level as it is",
             )
         scale = reader.mpp / options.mpp
