@@ -136,6 +136,7 @@ def test_a_tile_is_traced_in_its_own_modes_and_arguments() -> None:
                 f"(site {site}): a branch on a shape" in got[case + key]
             ), got
     assert got["parts"].startswith("site dec#0: calls F.interpolate with "), got
+    assert "is compiled (torch.compile) with spatial tiles" in got["compiled"], got
     assert "mode='nearest'" in got["parts"] and "mode='bilinear'" in got["parts"], got
     for case in ("train_only", "eval_only", "arg_off", "train_again", "engine_eval_only", "mask"):
         assert got[case] < 1e-12, (case, got)

@@ -23,6 +23,8 @@ its gradients; rank 0 prints one JSON line:
 * ``arg_off``: a forward argument that turns an interpolation off: the largest relative error;
 * ``arg_on``: the same argument turning on an interpolation the watch never saw (it ran on
   the tiles as a plain op, silently wrong, before): the refusal.
+* ``compiled``: the tiled model under ``torch.compile`` (dynamo's own AssertionError on the
+  hooks): the refusal;
 * ``engine_eval_only``: ``verify_model`` of a chain (``ParallelModel`` runs its layers in a
   stage, not its forward) with a layer that smooths only in eval mode: the largest relative
   error (a ``KeyError`` at the eval-mode prediction before: the trace stayed in training).
@@ -275,6 +277,11 @@ def main() -> int:
     # ParallelModel runs a chain's layers in its stage, not the model's forward.
     report = hyfi.verify_model(_chain, HW, pc)
     found["engine_eval_only"] = report.max_rel_error if report.ok else str(report)
+    try:  # dynamo failed on the hooks with an AssertionError of its own
+        torch.compile(blurred, backend="eager")(hyfi.tile_of(torch.randn(1, 3, *HW), ctx, HW))
+        found["compiled"] = "ran"
+    except HyfiError as err:
+        found["compiled"] = str(err)
     if pc.rank == 0:
         print(json.dumps(found))
     shutdown()

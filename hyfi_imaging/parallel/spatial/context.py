@@ -170,6 +170,14 @@ class SpatialContext:
     ) -> None:
         """A forward of the whole model (or a deep copy) begins: trace the image in its
         modes and with its arguments (once per image size and mode) for the layers to read."""
+        if torch.compiler.is_compiling():
+            raise ConfigError(
+                f"model {type(model).__name__}",
+                "is compiled (torch.compile) with spatial tiles: its halo exchanges, hooks and "
+                "traces are not compiled",
+                "run it eagerly, or compile a model without tiles (ParallelModel on a 1x1 grid, "
+                "parallel.compile in hyfi-train)",
+            )
         x, args, kwargs = split_image(args, kwargs, self.nd)
         if self.image_hw is None or x is None:
             return
