@@ -117,6 +117,9 @@ def test_a_step_on_part_of_the_job_has_the_steps_size() -> None:
           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 32, 8),
         ({"PMI_RANK": "0", "PMI_SIZE": "8"}, 32, 4),  # no local size: the world shares a node
         (TORCHRUN, 1, 1),  # at least one
+        # after init_parallel: torchrun's variables beside SLURM's (--cpus-per-task was lost)
+        ({**step(2, node=1, local=0, SLURM_CPUS_PER_TASK="4"), "RANK": "2", "WORLD_SIZE": "4",
+          "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "HYFI_LAUNCHED_BY": "slurm"}, 64, 4),
     ],
 )  # fmt: skip
 def test_threads_per_rank_shares_this_nodes_cpus(
@@ -216,3 +219,23 @@ def test_a_rank_alone_at_the_rendezvous_says_so_in_one_line() -> None:
         said + proc.stderr[-2000:]
     )
     assert "within 3 s" in said and "no step ran" in said
+
+
+def test_a_cpu_plan_shares_this_nodes_memory_among_its_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """parallel=auto on 2 nodes x 2 ranks divided each node's RAM by the job's 4 ranks (and
+    chose a slower layout, with other BatchNorm batches); a plan for this machine alone
+    (hyfi-plan, not launched) still shares it among all the ranks planned."""
+    import os
+
+    from hyfi_imaging.parallel.candidates import device_memory
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "PMI_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert device_memory(4) == ram // 4
+    for key, value in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert device_memory(4) == ram // 2
+    assert device_memory(8) == ram // 8  # another world than the job's: all on this machine

@@ -207,8 +207,15 @@ def rank(predictions: Sequence[Prediction], memory: float) -> list[Prediction]:
 
 
 def device_memory(devices: int) -> int:
-    """Bytes of one device: this machine's GPU, or its RAM shared by ``devices`` ranks."""
+    """Bytes of one device: this machine's GPU, or its RAM shared by the ranks on it -- the
+    launched job's ranks on this node when ``devices`` is its world (2 nodes x 2 ranks
+    divided each node's RAM by 4, and parallel=auto chose a slower layout), else all
+    ``devices`` (a plan for this machine)."""
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
+    from hyfi_imaging.parallel.launcher_env import launch_env
+
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(ram) // max(1, devices)
+    job = launch_env()
+    here = job.local_world_size if job.world_size == devices > 1 else devices
+    return int(ram) // max(1, here)

@@ -219,8 +219,11 @@ def threads_per_rank(environ: Mapping[str, str] | None = None, *, cpus: int | No
         except (AttributeError, OSError):
             cpus = os.cpu_count() or 1
     le = launch_env(env)
-    if le.launcher == "slurm" and le.cpus_per_task:
-        return max(1, min(le.cpus_per_task, cpus))
+    # After init_parallel a SLURM rank carries torchrun's variables too (HYFI_LAUNCHED_BY
+    # says who started it): its --cpus-per-task was read as a torchrun rank's share.
+    slurm = _slurm(env) if env.get("HYFI_LAUNCHED_BY", le.launcher) == "slurm" else None
+    if slurm is not None and slurm.cpus_per_task:
+        return max(1, min(slurm.cpus_per_task, cpus))
     return max(1, cpus // max(1, le.local_world_size))
 
 
