@@ -365,3 +365,22 @@ def test_a_killed_rank_ends_the_job_quickly(manifest: Path, tmp_path: Path) -> N
     proc.wait(timeout=90)
     assert proc.returncode != 0
     assert time.monotonic() - killed_at < 60
+
+
+def test_an_out_dir_that_is_not_shared_is_refused(manifest: Path, tmp_path: Path) -> None:
+    """A ``train.out_dir`` that is another directory on another node (a node-local scratch
+    path; here a relative one, each rank started in its own folder): each node wrote its
+    checkpoint shards where the other could not read them, the run said done, and no
+    checkpoint could be loaded. Refused at the start now, in one line naming the fix."""
+    cmd = _train_cmd(manifest, Path("runs") / "local", "parallel.spatial=1x2", fork=False)
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    mpmd: list[str] = [MPIEXEC]
+    for k, folder in enumerate(folders):
+        folder.mkdir()
+        mpmd += [*([":"] if k else []), "-n", "1", "-wdir", str(folder), *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(mpmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "is not one directory on every node: 1 rank(s), rank 1 the first" in proc.stderr
+    assert "put train.out_dir on a file system every node shares" in proc.stderr
+    assert not list((folders[0] / "runs" / "local").glob("checkpoints/step_*")), "trained"

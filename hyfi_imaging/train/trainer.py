@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from hyfi_imaging.errors import ConfigError
+from hyfi_imaging.errors import ConfigError, HyfiError
 from hyfi_imaging.train.config import Recipe
 from hyfi_imaging.train.preempt import StopSignals, ignore_stop_signals, stop_signals_blocked
 from hyfi_imaging.train.preflight import (
@@ -573,6 +573,43 @@ class Trainer:
         if isinstance(ids[0], tuple):  # refused on rank 0: said once, by every rank alike
             raise ConfigError(*ids[0])
         self.run_id = str(ids[0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._check_shared_out()
+
+    def _check_shared_out(self) -> None:
+        """Refuse a ``train.out_dir`` that is not one directory on every node (a node-local
+        scratch path): each node wrote its checkpoint shards where the others cannot read
+        them, the run said done, and no checkpoint could be loaded (a relaunch then timed out
+        waiting for the ranks that found none)."""
+        from hyfi_imaging.train.rundir import RUN_FILE, read_run_id
+
+        sees = False
+        deadline = time.monotonic() + 30.0  # a network file system may show a new file late
+        while not sees:
+            try:
+                sees = read_run_id(self.out) == self.run_id
+            except (OSError, ValueError, HyfiError):
+                sees = False
+            if sees or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        # float64 on the device: every tensor given to a collective lives on its group's type
+        blind = torch.tensor([0.0 if sees else 1.0], dtype=torch.float64, device=self.pc.device)
+        first = torch.tensor(
+            [float(self.pc.rank if not sees else dist.get_world_size())],
+            dtype=torch.float64,
+            device=self.pc.device,
+        )
+        dist.all_reduce(blind)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if blind.item() > 0:
+            raise ConfigError(
+                f"train.out_dir {self.out}",
+                f"is not one directory on every node: {int(blind.item())} rank(s), rank "
+                f"{int(first.item())} the first, do not see rank 0's {RUN_FILE} there "
+                "(checkpoint shards written on each node apart cannot be loaded)",
+                "put train.out_dir on a file system every node shares",
+            )
 
     def _restore(self) -> _Position:
         """Resume this run from its newest loadable checkpoint; step 0 if it has none yet.
