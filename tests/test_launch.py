@@ -339,3 +339,41 @@ def test_ranks_with_different_initial_weights_are_refused() -> None:
     lines = [ln for ln in job.stderr.splitlines() if "error:" in ln]
     assert len(lines) == 1 and "ranks built different initial weights" in lines[0], job.describe()
     assert "BUILT" not in job.stdout
+
+
+def test_a_rendezvous_port_held_by_a_silent_server_ends_in_one_line() -> None:
+    """Rank 1 of a job whose rendezvous port is held by something that accepts connections and
+    never answers (a foreign server on the SLURM job's derived port): PyTorch's first
+    connection to the store waited without a limit, and the rank hung for good. It ends now,
+    past its timeout, with the rendezvous line and status 2."""
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])  # accepted, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.getsockname()[1]),
+           "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+    code = "import hyfi_imaging as h; h.init_parallel(h.Layout(sp=(1, 2)), timeout_s=2)"
+    start = time.monotonic()
+    try:
+        job = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        server.close()
+    assert job.returncode == 2, job.stderr[-2000:]
+    assert "not every one of the job's 2 ranks reached it within 2 s" in job.stderr
+    assert time.monotonic() - start < 60

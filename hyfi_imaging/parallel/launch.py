@@ -307,6 +307,15 @@ def init_parallel(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         else:
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            unmet = HyfiError(
+                f"rendezvous {where}",
+                f"not every one of the job's {world} ranks reached it within "
+                f"{timeout_s:g} s (parallel.timeout_s; no step ran)",
+                "start every rank the layout takes, each able to reach rank 0 at that "
+                "address, and relaunch",
+            )
+            watchdog = _rendezvous_watchdog(timeout_s, unmet)
             try:
                 dist.init_process_group(
                     backend,
@@ -328,17 +337,10 @@ def init_parallel(
                     ) from err
                 text = " ".join(str(e) for e in error_chain(err)).lower()
                 if any(k in text for k in (*_TIMED_OUT, *_PEER_GONE)):  # never all met
-                    where = (
-                        f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-                    )
-                    raise HyfiError(
-                        f"rendezvous {where}",
-                        f"not every one of the job's {world} ranks reached it within "
-                        f"{timeout_s:g} s (parallel.timeout_s; no step ran)",
-                        "start every rank the layout takes, each able to reach rank 0 at that "
-                        "address, and relaunch",
-                    ) from err
+                    raise unmet from err
                 raise
+            finally:
+                watchdog.cancel()
     table: list[Any] = [None] * world
 
     context = partial(ParallelContext, layout, rank, world, local_rank, launcher, backend, device)
@@ -349,6 +351,23 @@ def init_parallel(
     dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
     _PEERS[:] = table
     return pc
+
+
+def _rendezvous_watchdog(timeout_s: float, unmet: HyfiError) -> threading.Timer:
+    """A timer that ends this process with ``unmet``'s line if the rendezvous outlasts its
+    timeout: PyTorch's first connection to the store waits without a limit where the port
+    is held by something that accepts and never answers (a foreign server on the SLURM
+    job's derived port: ranks 1 and up hung for good, rank 0 said why). No Python code can
+    interrupt that call; the process exits with status 2, as a refused launch does."""
+
+    def fire() -> None:
+        print(f"error: {unmet}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(timeout_s * 1.25 + 10.0, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def build_meshes(
