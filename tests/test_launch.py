@@ -377,3 +377,34 @@ def test_a_rendezvous_port_held_by_a_silent_server_ends_in_one_line() -> None:
     assert job.returncode == 2, job.stderr[-2000:]
     assert "not every one of the job's 2 ranks reached it within 2 s" in job.stderr
     assert time.monotonic() - start < 60
+
+
+def test_a_rank_that_said_its_own_error_is_not_named_as_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 said "lost rank 1, 2, 3 ... which exited or was killed" after a node's crash
+    although rank 1 had printed its own error: only the ranks that said nothing are named."""
+    import socket
+    import subprocess
+
+    from hyfi_imaging.parallel import launch
+
+    dead = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(3)]
+    for p in dead:
+        p.wait()
+    host = socket.gethostname()
+    peers = [(host, os.getpid()), *((host, p.pid) for p in dead)]
+    monkeypatch.setattr(launch, "_PEERS", peers)
+    launch._note_reported(1)  # rank 1 said why
+    try:
+        line, _ = launch.failure_line(RuntimeError("Connection reset by peer"), 0)
+        assert line is not None and "lost rank 2, 3 (pid" in line, line
+        for r in (2, 3):
+            launch._note_reported(r)
+        assert launch.failure_line(RuntimeError("Connection reset by peer"), 0)[0] is None
+    finally:
+        notes = launch._notes_dir()
+        if notes is not None:
+            for r in (1, 2, 3):
+                (notes / f"rank{r}").unlink(missing_ok=True)
+            notes.rmdir()

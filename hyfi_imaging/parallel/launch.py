@@ -681,13 +681,16 @@ def failure_line(err: BaseException, rank: int | None) -> tuple[str | None, bool
         while not gone and _PEERS and time.monotonic() < deadline:
             time.sleep(0.05)
             gone = [r for r in lost_ranks() if r != rank]
-        if _reported(gone):  # they said why in their own line: one line in all
+        # Those that said why in their own line are not named again ("lost rank 1, 2, 3 ...
+        # which exited or was killed" named a rank that had printed its own error).
+        silent = [r for r in gone if not _reported([r])]
+        if gone and not silent:  # one line in all
             return None, False
         what = (
-            f"lost rank {', '.join(map(str, gone))} (pid "
-            f"{', '.join(str(_PEERS[r][1]) for r in gone)} on {socket.gethostname()}), "
+            f"lost rank {', '.join(map(str, silent))} (pid "
+            f"{', '.join(str(_PEERS[r][1]) for r in silent)} on {socket.gethostname()}), "
             "which exited or was killed"
-            if gone
+            if silent
             else "lost contact with a rank on another host, which exited or was killed"
         )
         return (
